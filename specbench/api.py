@@ -1,0 +1,125 @@
+"""The three-line notebook API: `run(target=..., draft=..., method=..., prompts=...) -> DataFrame`."""
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Iterable, Optional, Sequence, Union
+
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+
+from specbench.decode.drafters import ModelDrafter, PromptLookupDrafter
+from specbench.decode.loop import generate
+from specbench.decode.target import LocalTarget, Target
+from specbench.models.loading import LoadedModel, check_vocab_compatible, load_model
+from specbench.models.self_draft import truncated_view
+from specbench.models.spec import ModelSpec
+from specbench.types import SamplingParams, SpecbenchError
+
+METHODS = ("target-only", "chain", "prompt-lookup", "self-draft", "substitute")
+ModelLike = Union[str, ModelSpec, LoadedModel]
+
+
+def as_loaded(model: ModelLike, dtype: str = "float32") -> LoadedModel:
+    if isinstance(model, LoadedModel):
+        return model
+    spec = model if isinstance(model, ModelSpec) else ModelSpec(model=model, dtype=dtype)
+    return load_model(spec)
+
+
+def encode_prompts(prompts: Sequence[Union[str, Sequence[int]]], tokenizer, chat: bool = True) -> list[list[int]]:
+    """Strings become token ids (through the chat template when the tokenizer has one); ids pass."""
+    encoded = []
+    for index, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            if tokenizer is None:
+                raise SpecbenchError(f"prompt {index} is text but the target has no tokenizer; pass token ids")
+            if chat and getattr(tokenizer, "chat_template", None):
+                prompt = tokenizer.apply_chat_template(
+                    [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+                ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            else:
+                ids = tokenizer(prompt)["input_ids"]
+        else:
+            ids = list(prompt)
+        if not ids:
+            raise SpecbenchError(f"prompt {index} is empty")
+        encoded.append(ids)
+    return encoded
+
+
+def make_drafter(method: str, target: LocalTarget | Target, draft: Optional[ModelLike] = None,
+                 target_model: Optional[LoadedModel] = None, self_draft_layers: Optional[int] = None,
+                 substitute_quantization: str = "8bit", dtype: str = "float32"):
+    """The drafter a method needs; None for target-only."""
+    if method not in METHODS:
+        raise SpecbenchError(f"unknown method {method!r}; choose one of {METHODS}")
+    if method == "target-only":
+        return None
+    if method == "prompt-lookup":
+        return PromptLookupDrafter()
+    if method == "chain":
+        if draft is None:
+            raise SpecbenchError("method 'chain' needs a draft model: pass draft=...")
+        loaded = as_loaded(draft, dtype)
+        if target_model is not None:
+            check_vocab_compatible(loaded, target_model)
+        return ModelDrafter(loaded, target.vocab_size, name=f"chain:{loaded.spec.label}")
+    if target_model is None:
+        raise SpecbenchError(f"method {method!r} drafts from the target's own weights, so it needs a local target model")
+    if method == "self-draft":
+        layers = self_draft_layers or max(1, target_model.model.config.num_hidden_layers // 4)
+        return ModelDrafter(truncated_view(target_model, layers), target.vocab_size, name=f"self-draft:{layers}")
+    spec = target_model.spec.with_(quantization=substitute_quantization)
+    return ModelDrafter(load_model(spec), target.vocab_size, name=f"substitute:{spec.label}")
+
+
+def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[int]]],
+        method: Union[str, Iterable[str]] = "chain", draft: Optional[ModelLike] = None, k: int = 4,
+        max_new_tokens: int = 64, sampling: Optional[SamplingParams] = None, seed: int = 0,
+        self_draft_layers: Optional[int] = None, substitute_quantization: str = "8bit",
+        dtype: str = "float32", chat: bool = True, warmup: bool = True, progress: bool = True,
+        tokenizer=None) -> pd.DataFrame:
+    """Run each method over each prompt and return one row per speculative step.
+
+    Every method shares the target and the loop, so tokens are counted identically; a short
+    warm-up generation per method is run first and discarded. Output token ids per (method,
+    prompt) come back through `outputs(df)`.
+    """
+    sampling = sampling or SamplingParams()
+    methods = [method] if isinstance(method, str) else list(method)
+    for name in methods:
+        if name not in METHODS:
+            raise SpecbenchError(f"unknown method {name!r}; choose one of {METHODS}")
+    target_model = None
+    if isinstance(target, (str, ModelSpec, LoadedModel)):
+        target_model = as_loaded(target, dtype)
+        target = LocalTarget(target_model)
+    tokenizer = tokenizer or (target_model.tokenizer if target_model else None)
+    eos = target_model.eos_token_ids if target_model else ()
+    prompt_ids = encode_prompts(prompts, tokenizer, chat)
+    rows = []
+    bar = tqdm(total=len(methods) * len(prompt_ids), desc="specbench run", disable=not progress)
+    for name in methods:
+        drafter = make_drafter(name, target, draft, target_model, self_draft_layers, substitute_quantization, dtype)
+        run_one = dict(k=k, sampling=sampling, eos_token_ids=eos, method=name)
+        if warmup:
+            generate(target, drafter, prompt_ids[0], max_new_tokens=min(8, max_new_tokens),
+                     generator=torch.Generator().manual_seed(seed), **run_one)
+        for index, ids in enumerate(prompt_ids):
+            generator = torch.Generator().manual_seed(seed * 1_000_003 + index)
+            result = generate(target, drafter, ids, max_new_tokens=max_new_tokens, generator=generator,
+                              prompt_index=index, **run_one)
+            for record in result.records:
+                rows.append({**asdict(record), "prompt_tokens": len(ids), "prefill_s": result.prefill_s})
+            bar.update()
+    bar.close()
+    return pd.DataFrame(rows)
+
+
+def outputs(records: pd.DataFrame) -> dict[tuple[str, int], list[int]]:
+    """Generated token ids per (method, prompt_index), rebuilt from the step records."""
+    result: dict[tuple[str, int], list[int]] = {}
+    for (method, prompt), group in records.groupby(["method", "prompt_index"], sort=False):
+        result[(method, prompt)] = [t for tokens in group.sort_values("step")["accepted_tokens"] for t in tokens]
+    return result

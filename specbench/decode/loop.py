@@ -1,0 +1,73 @@
+"""The speculative loop: draft, verify, commit, record. Target-only decoding is the same loop with no drafter."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from specbench.decode.drafters import Drafter
+from specbench.decode.target import Target
+from specbench.types import DraftTree, SamplingParams, SpecbenchError, StepRecord
+
+
+@dataclass
+class Generation:
+    prompt_index: int
+    prompt_ids: list[int]
+    output_ids: list[int]
+    prefill_s: float
+    records: list[StepRecord]
+
+
+def generate(target: Target, drafter: Optional[Drafter], prompt_ids: Sequence[int], *, k: int,
+             max_new_tokens: int, sampling: SamplingParams, generator: torch.Generator,
+             eos_token_ids: Sequence[int] = (), method: str = "", prompt_index: int = 0,
+             session: str = "default") -> Generation:
+    """Generate up to `max_new_tokens` tokens, stopping after an EOS token, drafting `k` per step.
+
+    Tokens past an EOS or past the budget are dropped even when the target accepted them, so the
+    output is exactly what target-only decoding would return. The budget shrinks near the end so no
+    draft token is wasted (k = min(k, remaining - 1)).
+    """
+    if drafter is not None and k < 1:
+        raise SpecbenchError(f"k (draft tokens per step) must be >= 1, got {k}")
+    if max_new_tokens < 1:
+        raise SpecbenchError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    eos = set(eos_token_ids)
+    start = time.perf_counter()
+    target.prefill(session, prompt_ids)
+    prefill_s = time.perf_counter() - start
+    context, output, records = list(prompt_ids), [], []
+    try:
+        while len(output) < max_new_tokens:
+            step_start = time.perf_counter()
+            budget = min(k, max_new_tokens - len(output) - 1)
+            tree = DraftTree()
+            if drafter is not None and budget > 0:
+                tree = drafter.propose(context, budget, sampling, generator)
+            draft_s = time.perf_counter() - step_start
+            step_seed = int(torch.randint(0, 2**62, (), generator=generator))
+            verdict = target.verify(session, tree, sampling, step_seed)
+            emitted = verdict.emitted(tree)
+            finished = False
+            for cut, token in enumerate(emitted):
+                if token in eos:
+                    emitted, finished = emitted[:cut + 1], True
+                    break
+            emitted = emitted[: max_new_tokens - len(output)]
+            context += emitted
+            output += emitted
+            records.append(StepRecord(
+                prompt_index=prompt_index, step=len(records), method=method, drafted=len(tree),
+                accepted=len(verdict.accepted_path), emitted=len(emitted), draft_s=draft_s,
+                verify_s=verdict.verify_s, target_forward_s=verdict.target_forward_s,
+                network_s=verdict.network_s, step_s=time.perf_counter() - step_start,
+                tree_depth=max(tree.depths(), default=0), accepted_tokens=emitted,
+                bonus_token=verdict.bonus_token, bytes_up=verdict.bytes_up, bytes_down=verdict.bytes_down))
+            if finished:
+                break
+    finally:
+        target.close(session)
+    return Generation(prompt_index, list(prompt_ids), output, prefill_s, records)

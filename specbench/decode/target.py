@@ -1,0 +1,148 @@
+"""Targets verify draft trees; `LocalTarget` runs the model in this process.
+
+Per session the target holds a KV cache of every committed token but the last one (the `tail`),
+so each verify forward is [tail] + draft nodes: row 0 of its logits judges the root's children.
+Invariant, asserted after every step: cached positions == committed tokens - len(tail).
+"""
+from __future__ import annotations
+
+import operator
+import time
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import torch
+
+from specbench.decode.kv import cached_length, keep_positions, tree_attention_mask
+from specbench.models.loading import LoadedModel
+from specbench.sampling.verify import verify
+from specbench.types import DraftTree, SamplingParams, SpecbenchError, Verdict
+
+
+class Target(Protocol):
+    """What every method needs from a verifier, local or remote."""
+
+    vocab_size: int
+
+    def prefill(self, session: str, token_ids: Sequence[int]) -> int: ...
+
+    def verify(self, session: str, tree: DraftTree, sampling: SamplingParams, seed: int) -> Verdict: ...
+
+    def close(self, session: str) -> None: ...
+
+
+class UnknownSessionError(SpecbenchError):
+    pass
+
+
+def check_token_ids(token_ids: Sequence[int], vocab_size: int, what: str) -> list[int]:
+    """Return the ids as ints, refusing non-integers and ids outside [0, vocab_size)."""
+    ids = []
+    for position, token in enumerate(token_ids):
+        try:
+            if isinstance(token, bool):
+                raise TypeError
+            token = operator.index(token)
+        except TypeError:
+            raise SpecbenchError(f"{what}[{position}] = {token!r} is not an integer token id") from None
+        if not 0 <= token < vocab_size:
+            raise SpecbenchError(
+                f"{what}[{position}] = {token} is out of vocabulary (valid ids are 0..{vocab_size - 1})")
+        ids.append(token)
+    return ids
+
+
+@dataclass
+class _Sequence:
+    cache: object
+    committed: list[int]
+    tail: list[int] = field(default_factory=list)
+
+    def check_invariant(self) -> None:
+        cached = cached_length(self.cache)
+        if cached != len(self.committed) - len(self.tail):
+            raise AssertionError(
+                f"KV invariant broken: {cached} cached positions for {len(self.committed)} committed "
+                f"tokens with a tail of {len(self.tail)}")
+
+
+class LocalTarget:
+    """The target model in this process; sessions are independent sequences with their own caches."""
+
+    def __init__(self, loaded: LoadedModel, max_context: int | None = None):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.vocab_size = loaded.vocab_size
+        self.max_context = max_context or getattr(self.model.config, "max_position_embeddings", None)
+        self.sessions: dict[str, _Sequence] = {}
+
+    @property
+    def device(self):
+        return self.model.get_input_embeddings().weight.device
+
+    def prefill(self, session: str, token_ids: Sequence[int]) -> int:
+        """Start (or restart) `session` from `token_ids`; returns the committed length."""
+        ids = check_token_ids(token_ids, self.vocab_size, "prompt")
+        if not ids:
+            raise SpecbenchError("empty prompt: at least one token is needed to condition on")
+        self._check_context(len(ids))
+        from transformers import DynamicCache
+
+        state = _Sequence(cache=DynamicCache(config=self.model.config), committed=list(ids), tail=ids[-1:])
+        if len(ids) > 1:
+            self._forward(state, ids[:-1], position_ids=None, attention_mask=None)
+        self.sessions[session] = state
+        state.check_invariant()
+        return len(ids)
+
+    def verify(self, session: str, tree: DraftTree, sampling: SamplingParams, seed: int) -> Verdict:
+        """One forward over [tail] + tree, verification by `sampling`'s rule, then commit the path."""
+        start = time.perf_counter()
+        state = self._session(session)
+        check_token_ids(tree.tokens, self.vocab_size, "draft tree token")
+        self._check_context(len(state.committed) + len(tree) + 1)
+        past = cached_length(state.cache)
+        num_prefix = len(state.tail)
+        inputs = state.tail + list(tree.tokens)
+        if tree.is_chain:
+            position_ids, attention_mask = None, None
+        else:
+            depths = tree.depths()
+            positions = list(range(past, past + num_prefix)) + [past + num_prefix - 1 + d for d in depths]
+            position_ids = torch.tensor([positions], device=self.device)
+            attention_mask = tree_attention_mask(tree.parents, num_prefix, past, self.model.dtype, self.device)
+        forward_start = time.perf_counter()
+        logits = self._forward(state, inputs, position_ids, attention_mask)
+        forward_s = time.perf_counter() - forward_start
+        generator = torch.Generator().manual_seed(seed)
+        path, bonus = verify(tree, logits[num_prefix - 1:].float().cpu(), sampling, generator)
+        keep_positions(state.cache, list(range(past + num_prefix)) + [past + num_prefix + i for i in path])
+        state.committed += [tree.tokens[i] for i in path] + [bonus]
+        state.tail = [bonus]
+        state.check_invariant()
+        return Verdict(tuple(path), bonus, forward_s, time.perf_counter() - start)
+
+    def close(self, session: str) -> None:
+        self.sessions.pop(session, None)
+
+    def committed(self, session: str) -> list[int]:
+        return list(self._session(session).committed)
+
+    def _session(self, session: str) -> _Sequence:
+        try:
+            return self.sessions[session]
+        except KeyError:
+            raise UnknownSessionError(f"unknown session {session!r}; call prefill first") from None
+
+    def _check_context(self, length: int) -> None:
+        if self.max_context and length > self.max_context:
+            raise SpecbenchError(
+                f"sequence of {length} tokens exceeds the target's context of {self.max_context}")
+
+    @torch.inference_mode()
+    def _forward(self, state: _Sequence, inputs: list[int], position_ids, attention_mask) -> torch.Tensor:
+        """Logits [len(inputs), vocab_size] for `inputs` appended to the session's cache."""
+        input_ids = torch.tensor([inputs], device=self.device)
+        output = self.model(input_ids=input_ids, past_key_values=state.cache, position_ids=position_ids,
+                            attention_mask=attention_mask, use_cache=True)
+        return output.logits[0]

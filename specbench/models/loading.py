@@ -1,0 +1,159 @@
+"""ModelSpec -> (model, tokenizer), with quantization and clear refusals instead of tracebacks."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from specbench.models.catalog import CATALOG, ensure_model
+from specbench.models.spec import ModelSpec
+from specbench.types import SpecbenchError
+
+
+class QuantizationUnavailableError(SpecbenchError):
+    """bitsandbytes quantization was asked for where it cannot run."""
+
+
+class ModelTooLargeError(SpecbenchError):
+    """The model would not fit in the memory left on the device."""
+
+
+class VocabMismatchError(SpecbenchError):
+    """Draft and target tokenizers disagree on what token ids mean."""
+
+
+@dataclass
+class LoadedModel:
+    spec: ModelSpec
+    model: Any  # a transformers PreTrainedModel (causal LM)
+    tokenizer: Optional[Any]  # None for tiny random test models that have no tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the output layer: every id in [0, vocab_size) has a logit."""
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        ids = getattr(self.model.generation_config, "eos_token_id", None)
+        if ids is None and self.tokenizer is not None:
+            ids = self.tokenizer.eos_token_id
+        if ids is None:
+            return ()
+        return tuple(ids) if isinstance(ids, (list, tuple)) else (int(ids),)
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def _resolve_source(spec: ModelSpec) -> tuple[str, dict]:
+    if spec.model in CATALOG:
+        return str(ensure_model(spec.model)), {}
+    kwargs = {"gguf_file": spec.gguf_file} if spec.gguf_file else {}
+    return spec.model, kwargs
+
+
+def _quantization_config(spec: ModelSpec):
+    if spec.quantization == "none":
+        return None
+    try:
+        import bitsandbytes  # noqa: F401  (import proves the backend is usable here)
+        from transformers import BitsAndBytesConfig
+    except Exception as error:  # bitsandbytes raises various errors when no backend fits
+        raise QuantizationUnavailableError(
+            f"{spec.quantization} quantization needs bitsandbytes, which failed to import here "
+            f"({error}). Use quantization='none', or install bitsandbytes>=0.45 (CPU and CUDA builds).") from None
+    compute = _torch_dtype(spec.dtype)
+    if spec.quantization == "8bit":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=compute, bnb_4bit_quant_type="nf4")
+
+
+def _available_bytes(device: str) -> Optional[int]:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return int(free)
+    if device == "cpu":
+        try:
+            with open("/proc/meminfo") as info:
+                for line in info:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+    return None
+
+
+def _estimated_bytes(source: str, spec: ModelSpec) -> Optional[int]:
+    """Parameter bytes from a local config, for refusing a load that cannot fit; None if unknown."""
+    config_path = Path(source) / "config.json"
+    weights = list(Path(source).glob("*.safetensors")) if Path(source).is_dir() else []
+    if not weights or not config_path.exists():
+        return None
+    stored = json.loads(config_path.read_text()).get("dtype") or json.loads(config_path.read_text()).get("torch_dtype")
+    stored_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}.get(stored, 2)
+    on_disk = sum(path.stat().st_size for path in weights)
+    wanted = {"float32": 4, "bfloat16": 2, "float16": 2}[spec.dtype]
+    if spec.quantization == "8bit":
+        wanted = 1
+    elif spec.quantization == "4bit":
+        wanted = 0.5
+    return int(on_disk / stored_bytes * wanted)
+
+
+def load_model(spec: ModelSpec) -> LoadedModel:
+    """Load a causal LM and its tokenizer as `spec` says; refuse loads that cannot work, by name."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source, extra = _resolve_source(spec)
+    quantization = _quantization_config(spec)
+    needed, available = _estimated_bytes(source, spec), _available_bytes(spec.device)
+    if needed is not None and available is not None and needed > 0.9 * available:
+        raise ModelTooLargeError(
+            f"{spec.label} needs about {needed / 2**30:.1f} GiB on {spec.device} but only "
+            f"{available / 2**30:.1f} GiB is free; try quantization='8bit' or '4bit', or a smaller dtype")
+    kwargs = dict(extra, dtype=_torch_dtype(spec.dtype))
+    if quantization is not None:
+        kwargs.update(quantization_config=quantization, device_map=spec.device)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    except torch.OutOfMemoryError as error:
+        raise ModelTooLargeError(f"{spec.label} ran out of memory while loading on {spec.device}: {error}") from None
+    except OSError as error:
+        raise SpecbenchError(
+            f"could not load {spec.model!r}: {error}. Give an embedded name {sorted(CATALOG)}, "
+            f"a local directory, or a Hugging Face id (needs the hub).") from None
+    if quantization is None:
+        model.to(spec.device)
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(source, **extra)
+    return LoadedModel(spec=spec, model=model, tokenizer=tokenizer)
+
+
+def check_vocab_compatible(draft: LoadedModel, target: LoadedModel, cross_tokenizer: bool = False) -> None:
+    """Refuse a draft whose token ids mean something else to the target.
+
+    Allowed: identical vocabularies, and the padding case where one tokenizer's vocabulary is a
+    prefix of the other's (models often pad the embedding to a multiple of 64 or 128).
+    """
+    if cross_tokenizer:
+        return
+    if draft.tokenizer is None or target.tokenizer is None:
+        if draft.vocab_size != target.vocab_size:
+            raise VocabMismatchError(
+                f"draft has {draft.vocab_size} output ids but target has {target.vocab_size}, and "
+                f"no tokenizer is there to show they agree")
+        return
+    draft_vocab, target_vocab = draft.tokenizer.get_vocab(), target.tokenizer.get_vocab()
+    small, large = sorted((draft_vocab, target_vocab), key=len)
+    disagreeing = [token for token, index in small.items() if large.get(token) != index]
+    if disagreeing:
+        raise VocabMismatchError(
+            f"draft {draft.spec.label} and target {target.spec.label} tokenizers differ on "
+            f"{len(disagreeing)} tokens (e.g. {disagreeing[:3]}); speculative decoding needs one "
+            f"shared vocabulary. Pick a draft from the target's family, or pass cross_tokenizer=True.")
+

@@ -1,0 +1,43 @@
+"""What to load: a model id or path, its dtype, device and quantization, as one typed value."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from specbench.types import SpecbenchError
+
+QUANTIZATIONS = ("none", "8bit", "4bit")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model to load.
+
+    `model` is an embedded catalog name (see `specbench.models.catalog.CATALOG`), a Hugging Face
+    model id, or a local directory; `gguf_file` names a GGUF file inside that id or directory.
+    """
+
+    model: str
+    gguf_file: Optional[str] = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    quantization: str = "none"
+
+    def __post_init__(self):
+        if not self.model:
+            raise SpecbenchError("ModelSpec.model is empty: give a catalog name, a Hugging Face id or a path")
+        if self.quantization not in QUANTIZATIONS:
+            raise SpecbenchError(
+                f"unknown quantization {self.quantization!r}; choose one of {QUANTIZATIONS}")
+        if self.dtype not in DTYPES:
+            raise SpecbenchError(f"unknown dtype {self.dtype!r}; choose one of {DTYPES}")
+
+    def with_(self, **changes) -> "ModelSpec":
+        fields = {**self.__dict__, **changes}
+        return ModelSpec(**fields)
+
+    @property
+    def label(self) -> str:
+        quant = "" if self.quantization == "none" else f"@{self.quantization}"
+        return f"{self.model}{quant}"

@@ -1,0 +1,157 @@
+"""Plain data shared by every layer: sampling settings, draft trees, verdicts, step records.
+
+Nothing here imports torch, so the planning layer and the wire protocol can use these types
+without pulling in a deep-learning stack.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+VERIFY_RULES = ("greedy", "rejection", "sample-match")
+
+
+class SpecbenchError(ValueError):
+    """Base of every error specbench raises on bad input; the message names the problem."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the target's next-token distribution p is formed; temperature 0 means greedy.
+
+    `rule` picks the verification rule; under greedy decoding every rule reduces to argmax matching.
+    `draft_top_k` bounds the draft distribution q to an exactly sparse top-k so that q can travel
+    as (ids, probabilities) and rejection sampling stays exact.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    rule: str = "greedy"
+    draft_top_k: int = 32
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise SpecbenchError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise SpecbenchError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise SpecbenchError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.rule not in VERIFY_RULES:
+            raise SpecbenchError(f"unknown verification rule {self.rule!r}; choose one of {VERIFY_RULES}")
+        if self.draft_top_k < 1:
+            raise SpecbenchError(f"draft_top_k must be >= 1, got {self.draft_top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def effective_rule(self) -> str:
+        return "greedy" if self.greedy else self.rule
+
+
+@dataclass(frozen=True)
+class SparseDist:
+    """An exactly sparse distribution: probability `probs[i]` on token `ids[i]`, zero elsewhere."""
+
+    ids: tuple[int, ...]
+    probs: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """Draft tokens and their parents; parent -1 is the last committed token (the root).
+
+    A chain of K tokens is the tree whose parents are (-1, 0, 1, ..., K-2). Parents always precede
+    their children, so a single forward over the nodes in order respects causality.
+    `draft_dists[i]` is the draft distribution q that node i's token was drawn from (its parent's
+    step); None when the drafter is deterministic but not describable (greedy-only drafters).
+    """
+
+    tokens: tuple[int, ...] = ()
+    parents: tuple[int, ...] = ()
+    draft_dists: Optional[tuple[SparseDist, ...]] = None
+
+    def __post_init__(self):
+        if len(self.tokens) != len(self.parents):
+            raise SpecbenchError(
+                f"draft tree has {len(self.tokens)} tokens but {len(self.parents)} parents")
+        for i, parent in enumerate(self.parents):
+            if not -1 <= parent < i:
+                raise SpecbenchError(
+                    f"draft tree node {i} has parent {parent}; a parent must be -1 (root) or an "
+                    f"earlier node (0..{i - 1}), so cycles and parent-after-child are refused")
+        if self.draft_dists is not None and len(self.draft_dists) != len(self.tokens):
+            raise SpecbenchError(
+                f"draft tree has {len(self.tokens)} tokens but {len(self.draft_dists)} draft distributions")
+
+    @classmethod
+    def chain(cls, tokens: Sequence[int], draft_dists: Optional[Sequence[SparseDist]] = None) -> "DraftTree":
+        return cls(tuple(int(t) for t in tokens), tuple(range(-1, len(tokens) - 1)),
+                   None if draft_dists is None else tuple(draft_dists))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def is_chain(self) -> bool:
+        return all(parent == i - 1 for i, parent in enumerate(self.parents))
+
+    def depths(self) -> list[int]:
+        """Depth of each node, 1 for children of the root."""
+        depth: list[int] = []
+        for parent in self.parents:
+            depth.append(1 if parent < 0 else depth[parent] + 1)
+        return depth
+
+    def children(self, node: int) -> list[int]:
+        """Children of `node` (-1 for the root) in node order."""
+        return [i for i, parent in enumerate(self.parents) if parent == node]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the target decided for one draft tree.
+
+    `accepted_path` lists accepted node indices from the root down; `emitted` is the accepted
+    tokens followed by the recovered/bonus token the target produced itself.
+    """
+
+    accepted_path: tuple[int, ...]
+    bonus_token: int
+    target_forward_s: float
+    verify_s: float
+    # Filled in by remote targets: round trip minus the worker's own time, and wire bytes.
+    network_s: float = 0.0
+    bytes_up: int = 0
+    bytes_down: int = 0
+
+    def emitted(self, tree: DraftTree) -> list[int]:
+        return [tree.tokens[i] for i in self.accepted_path] + [self.bonus_token]
+
+
+@dataclass
+class StepRecord:
+    """One speculative step, raw: every metric is derived from these by pure functions."""
+
+    prompt_index: int
+    step: int
+    method: str
+    drafted: int
+    accepted: int
+    emitted: int
+    draft_s: float
+    verify_s: float
+    target_forward_s: float
+    network_s: float
+    step_s: float
+    tree_depth: int = 0
+    accepted_tokens: list[int] = field(default_factory=list)
+    bonus_token: int = -1
+    bytes_up: int = 0
+    bytes_down: int = 0
+
+    @property
+    def overhead_s(self) -> float:
+        return max(0.0, self.step_s - self.draft_s - self.verify_s - self.network_s)
