@@ -30,7 +30,7 @@ def verify(tree: DraftTree, target_logits: torch.Tensor, sampling: SamplingParam
         return _walk(tree, lambda node: int(row_probs(node).argmax()))
     if rule == "sample-match":
         return _walk(tree, lambda node: sample_from(row_probs(node), generator))
-    if tree.draft_dists is None:
+    if tree.draft_dists is None and len(tree):
         raise SpecbenchError(
             "rejection sampling needs the draft distribution q of every node; this drafter sends "
             "none, so use rule='sample-match' (lossless without q)")

@@ -1,0 +1,121 @@
+"""Tier 2: sampled speculative decoding reproduces the target's distribution (chi-square, fixed seeds).
+
+Tolerance: a test fails when the chi-square p-value is below 1e-3. Seeds are fixed, so each run is
+deterministic; the negative controls show the same test does reject a wrong sampler.
+"""
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from specbench.decode.drafters import ModelDrafter
+from specbench.decode.loop import generate
+from specbench.decode.target import LocalTarget
+from specbench.models.tiny import tiny_model
+from specbench.sampling.probs import draft_distribution, processed_probs, sample_sparse
+from specbench.sampling.verify import verify
+from specbench.types import DraftTree, SamplingParams
+
+P_VALUE_FLOOR = 1e-3
+VOCAB = 12
+
+
+def chi_square_p(counts: np.ndarray, expected_probs: np.ndarray) -> float:
+    """Chi-square goodness of fit, pooling cells expected below 5 counts into one."""
+    expected = expected_probs * counts.sum()
+    small = expected < 5
+    if small.any():
+        counts = np.append(counts[~small], counts[small].sum())
+        expected = np.append(expected[~small], expected[small].sum())
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "sampled a token the target gives probability zero"
+    counts, expected = counts[keep], expected[keep]
+    return float(stats.chisquare(counts, expected * counts.sum() / expected.sum()).pvalue)
+
+
+def synthetic_case(seed, sampling):
+    generator = torch.Generator().manual_seed(seed)
+    target_logits = 2.0 * torch.randn(4, VOCAB, generator=generator)  # [rows, vocab]
+    draft_logits = target_logits[0] + 1.5 * torch.randn(VOCAB, generator=generator)  # [vocab]
+    return target_logits, draft_distribution(draft_logits, sampling)
+
+
+SETTINGS = [SamplingParams(temperature=1.0, rule="rejection", draft_top_k=5),
+            SamplingParams(temperature=0.7, top_k=6, rule="rejection", draft_top_k=4),
+            SamplingParams(temperature=1.0, top_p=0.8, rule="rejection", draft_top_k=VOCAB),
+            SamplingParams(temperature=1.0, rule="sample-match")]
+
+
+@pytest.mark.parametrize("sampling", SETTINGS, ids=lambda s: f"{s.rule}-t{s.temperature}-k{s.top_k}-p{s.top_p}")
+@pytest.mark.parametrize("shape", ["chain", "siblings"])
+def test_first_token_matches_target(sampling, shape):
+    target_logits, draft_q = synthetic_case(7, sampling)
+    generator = torch.Generator().manual_seed(11)
+    counts = np.zeros(VOCAB)
+    draws = 8_000
+    for _ in range(draws):
+        if shape == "chain":
+            tokens = [sample_sparse(draft_q, generator) for _ in range(3)]
+            tree = DraftTree.chain(tokens, [draft_q] * 3)
+        else:  # three i.i.d. siblings under the root: recursive multi-draft rejection
+            tokens = [sample_sparse(draft_q, generator) for _ in range(3)]
+            tree = DraftTree(tuple(tokens), (-1, -1, -1), (draft_q,) * 3)
+        path, bonus = verify(tree, target_logits, sampling, generator)
+        counts[tree.tokens[path[0]] if path else bonus] += 1
+    target_p = processed_probs(target_logits[:1], sampling)[0].double().numpy()
+    assert chi_square_p(counts, target_p) > P_VALUE_FLOOR
+
+
+def test_negative_control_the_test_rejects_the_draft_distribution():
+    """Emitting the draft's own samples (no verification) must fail the same test."""
+    sampling = SETTINGS[0]
+    target_logits, draft_q = synthetic_case(7, sampling)
+    generator = torch.Generator().manual_seed(11)
+    counts = np.zeros(VOCAB)
+    for _ in range(8_000):
+        counts[sample_sparse(draft_q, generator)] += 1
+    target_p = processed_probs(target_logits[:1], sampling)[0].double().numpy()
+    assert chi_square_p(counts, target_p) < P_VALUE_FLOOR
+
+
+def target_marginals(target, prompt, sampling, vocab):
+    """Exact marginals of the first two sampled tokens under target-only sampling."""
+    with torch.no_grad():
+        first = processed_probs(target.model(torch.tensor([prompt])).logits[0, -1:], sampling)[0].double()
+        batch = torch.tensor([prompt + [token] for token in range(vocab)])
+        second_given_first = processed_probs(target.model(batch).logits[:, -1], sampling).double()
+    return first.numpy(), (first @ second_given_first).numpy()
+
+
+@pytest.mark.parametrize("rule", ["rejection", "sample-match"])
+def test_end_to_end_two_token_marginals_match_target(rule):
+    """Real models, real KV caches: the first two emitted tokens follow the target's marginals."""
+    vocab = 16
+    target = tiny_model(seed=3, vocab_size=vocab)
+    draft = tiny_model(seed=4, vocab_size=vocab, noise_from=target, noise_scale=0.05)
+    sampling = SamplingParams(temperature=1.5, rule=rule, draft_top_k=8)
+    local, drafter = LocalTarget(target), ModelDrafter(draft, vocab)
+    prompt = [1, 2, 3, 4, 5]
+    generator = torch.Generator().manual_seed(5)
+    draws = 1500
+    first_counts, second_counts = np.zeros(vocab), np.zeros(vocab)
+    for _ in range(draws):
+        result = generate(local, drafter, prompt, k=3, max_new_tokens=2, sampling=sampling, generator=generator)
+        first_counts[result.output_ids[0]] += 1
+        second_counts[result.output_ids[1]] += 1
+    first_p, second_p = target_marginals(target, prompt, sampling, vocab)
+    assert chi_square_p(first_counts, first_p) > P_VALUE_FLOOR
+    assert chi_square_p(second_counts, second_p) > P_VALUE_FLOOR
+
+
+def test_seeded_runs_are_reproducible(tiny_target, tiny_draft):
+    from specbench.api import outputs, run
+
+    sampling = SamplingParams(temperature=1.0, rule="rejection")
+    runs = [run(tiny_target, [[1, 2, 3, 4]], method="chain", draft=tiny_draft, sampling=sampling,
+                max_new_tokens=20, seed=9, progress=False) for _ in range(2)]
+    assert outputs(runs[0]) == outputs(runs[1])
+    assert runs[0]["accepted"].tolist() == runs[1]["accepted"].tolist()
+    other = run(tiny_target, [[1, 2, 3, 4]], method="chain", draft=tiny_draft, sampling=sampling,
+                max_new_tokens=20, seed=10, progress=False)
+    assert outputs(other) != outputs(runs[0])
