@@ -70,7 +70,7 @@ class ModelDrafter:
     def _extend(self, token_ids: list[int]) -> torch.Tensor:
         device = self.model.get_input_embeddings().weight.device
         output = self.model(input_ids=torch.tensor([token_ids], device=device),
-                            past_key_values=self.cache, use_cache=True)
+                            past_key_values=self.cache, use_cache=True, logits_to_keep=1)
         self.cached_ids += token_ids
         return output.logits[0, -1].float().cpu()
 

@@ -90,7 +90,7 @@ class LocalTarget:
 
         state = _Sequence(cache=DynamicCache(config=self.model.config), committed=list(ids), tail=ids[-1:])
         if len(ids) > 1:
-            self._forward(state, ids[:-1], position_ids=None, attention_mask=None)
+            self._forward(state, ids[:-1], position_ids=None, attention_mask=None, logits_to_keep=1)
         self.sessions[session] = state
         state.check_invariant()
         return len(ids)
@@ -140,9 +140,11 @@ class LocalTarget:
                 f"sequence of {length} tokens exceeds the target's context of {self.max_context}")
 
     @torch.inference_mode()
-    def _forward(self, state: _Sequence, inputs: list[int], position_ids, attention_mask) -> torch.Tensor:
-        """Logits [len(inputs), vocab_size] for `inputs` appended to the session's cache."""
+    def _forward(self, state: _Sequence, inputs: list[int], position_ids, attention_mask,
+                 logits_to_keep: int = 0) -> torch.Tensor:
+        """Logits [len(inputs), vocab_size] (or the last `logits_to_keep` rows) for `inputs` appended
+        to the session's cache; prefill keeps one row, since a vocab-wide row per prompt token is waste."""
         input_ids = torch.tensor([inputs], device=self.device)
         output = self.model(input_ids=input_ids, past_key_values=state.cache, position_ids=position_ids,
-                            attention_mask=attention_mask, use_cache=True)
+                            attention_mask=attention_mask, use_cache=True, logits_to_keep=logits_to_keep)
         return output.logits[0]

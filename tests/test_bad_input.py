@@ -1,0 +1,96 @@
+"""Bad input gets a clear error that names the problem."""
+import pytest
+import torch
+
+from specbench.api import run
+from specbench.decode.drafters import ModelDrafter, PromptLookupDrafter
+from specbench.decode.loop import generate
+from specbench.decode.target import LocalTarget, UnknownSessionError
+from specbench.models.loading import VocabMismatchError, check_vocab_compatible
+from specbench.models.spec import ModelSpec
+from specbench.models.tiny import tiny_model
+from specbench.types import DraftTree, SamplingParams, SpecbenchError
+
+
+def test_out_of_vocab_prompt(tiny_target):
+    with pytest.raises(SpecbenchError, match=r"prompt\[1\] = 5000 is out of vocabulary"):
+        run(tiny_target, [[1, 5000]], method="target-only", progress=False)
+
+
+def test_negative_and_non_integer_ids(tiny_target):
+    target = LocalTarget(tiny_target)
+    with pytest.raises(SpecbenchError, match="out of vocabulary"):
+        target.prefill("s", [-1])
+    with pytest.raises(SpecbenchError, match="not an integer"):
+        target.prefill("s", [1, "a"])
+
+
+def test_out_of_vocab_draft_token(tiny_target):
+    target = LocalTarget(tiny_target)
+    target.prefill("s", [1, 2, 3])
+    with pytest.raises(SpecbenchError, match="draft tree token"):
+        target.verify("s", DraftTree.chain([1, 10_000]), SamplingParams(), 0)
+    # the session survives the refusal and still verifies
+    assert target.verify("s", DraftTree.chain([1]), SamplingParams(), 0).bonus_token >= 0
+
+
+def test_empty_prompt(tiny_target):
+    with pytest.raises(SpecbenchError, match="empty"):
+        run(tiny_target, [[]], method="target-only", progress=False)
+
+
+@pytest.mark.parametrize("k", [0, -3])
+def test_nonpositive_k(tiny_target, k):
+    with pytest.raises(SpecbenchError, match="k .* must be >= 1"):
+        run(tiny_target, [[1, 2, 3]], method="prompt-lookup", k=k, progress=False)
+
+
+def test_unknown_method(tiny_target):
+    with pytest.raises(SpecbenchError, match="unknown method 'medusa'"):
+        run(tiny_target, [[1, 2]], method="medusa", progress=False)
+
+
+def test_chain_without_draft(tiny_target):
+    with pytest.raises(SpecbenchError, match="needs a draft"):
+        run(tiny_target, [[1, 2]], method="chain", progress=False)
+
+
+def test_unknown_session(tiny_target):
+    with pytest.raises(UnknownSessionError, match="unknown session 'nope'"):
+        LocalTarget(tiny_target).verify("nope", DraftTree(), SamplingParams(), 0)
+
+
+def test_context_overflow(tiny_target):
+    target = LocalTarget(tiny_target, max_context=10)
+    with pytest.raises(SpecbenchError, match="exceeds the target's context"):
+        target.prefill("s", list(range(11)))
+
+
+def test_vocab_mismatch_refused(tiny_target):
+    other = tiny_model(seed=5, vocab_size=50)
+    with pytest.raises(VocabMismatchError, match="output ids"):
+        check_vocab_compatible(other, tiny_target)
+
+
+def test_bad_model_spec():
+    with pytest.raises(SpecbenchError, match="quantization"):
+        ModelSpec("x", quantization="3bit")
+    with pytest.raises(SpecbenchError, match="empty"):
+        ModelSpec("")
+
+
+def test_unknown_catalog_model():
+    from specbench.models.catalog import catalog_entry
+
+    with pytest.raises(SpecbenchError, match="unknown catalog model 'nope'"):
+        catalog_entry("nope")
+
+
+def test_prompt_lookup_worked_example():
+    assert PromptLookupDrafter(max_ngram=2).lookup([1, 2, 3, 4, 2, 3], 2) == [4, 2]
+    assert PromptLookupDrafter().lookup([1, 2, 3], 4) == []
+
+
+def test_text_prompt_needs_tokenizer(tiny_target):
+    with pytest.raises(SpecbenchError, match="no tokenizer"):
+        run(tiny_target, ["hello"], method="target-only", progress=False)
