@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-import warnings
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -69,8 +69,8 @@ def _quantization_config(spec: ModelSpec):
             f"{spec.quantization} quantization needs bitsandbytes, which failed to import here "
             f"({error}). Use quantization='none', or install bitsandbytes>=0.45 (CPU and CUDA builds).") from None
     compute = _torch_dtype(spec.dtype)
-    # bitsandbytes warns on every 8-bit matmul that fp32 inputs are cast to fp16: once is enough.
-    warnings.filterwarnings("once", message="MatMul8bitLt")
+    # bitsandbytes logs on every 8-bit matmul that inputs are cast to fp16: thousands of lines a run.
+    logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
     if spec.quantization == "8bit":
         return BitsAndBytesConfig(load_in_8bit=True)
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=compute, bnb_4bit_quant_type="nf4")
