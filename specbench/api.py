@@ -11,12 +11,13 @@ from tqdm.auto import tqdm
 from specbench.decode.drafters import ModelDrafter, PromptLookupDrafter
 from specbench.decode.loop import generate
 from specbench.decode.target import LocalTarget, Target
-from specbench.models.loading import LoadedModel, check_vocab_compatible, load_model
+from specbench.models.loading import LoadedModel, VocabMismatchError, check_vocab_compatible, load_model
 from specbench.models.self_draft import truncated_view
 from specbench.models.spec import ModelSpec
 from specbench.types import SamplingParams, SpecbenchError
 
 METHODS = ("target-only", "chain", "prompt-lookup", "self-draft", "substitute")
+WORKER_METHODS = ("server-only", "server-only-ar")  # run wholly on a remote worker (AutoDraft's baselines)
 ModelLike = Union[str, ModelSpec, LoadedModel]
 
 
@@ -52,9 +53,9 @@ def make_drafter(method: str, target: LocalTarget | Target, draft: Optional[Mode
                  target_model: Optional[LoadedModel] = None, self_draft_layers: Optional[int] = None,
                  substitute_quantization: str = "8bit", dtype: str = "float32"):
     """The drafter a method needs; None for target-only."""
-    if method not in METHODS:
-        raise SpecbenchError(f"unknown method {method!r}; choose one of {METHODS}")
-    if method == "target-only":
+    if method not in METHODS + WORKER_METHODS:
+        raise SpecbenchError(f"unknown method {method!r}; choose one of {METHODS + WORKER_METHODS}")
+    if method in ("target-only",) + WORKER_METHODS:
         return None
     if method == "prompt-lookup":
         return PromptLookupDrafter()
@@ -64,6 +65,9 @@ def make_drafter(method: str, target: LocalTarget | Target, draft: Optional[Mode
         loaded = as_loaded(draft, dtype)
         if target_model is not None:
             check_vocab_compatible(loaded, target_model)
+        elif loaded.vocab_size < target.vocab_size and loaded.tokenizer is None:
+            raise VocabMismatchError(
+                f"draft has {loaded.vocab_size} output ids but the target has {target.vocab_size}")
         return ModelDrafter(loaded, target.vocab_size, name=f"chain:{loaded.spec.label}")
     if target_model is None:
         raise SpecbenchError(f"method {method!r} drafts from the target's own weights, so it needs a local target model")
@@ -89,32 +93,42 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
     sampling = sampling or SamplingParams()
     methods = [method] if isinstance(method, str) else list(method)
     for name in methods:
-        if name not in METHODS:
-            raise SpecbenchError(f"unknown method {name!r}; choose one of {METHODS}")
+        if name not in METHODS + WORKER_METHODS:
+            raise SpecbenchError(f"unknown method {name!r}; choose one of {METHODS + WORKER_METHODS}")
+        if name in WORKER_METHODS and not hasattr(target, "generate_on_worker"):
+            raise SpecbenchError(f"method {name!r} runs on a worker: pass target=RemoteTarget(...)")
     target_model = None
     if isinstance(target, (str, ModelSpec, LoadedModel)):
         target_model = as_loaded(target, dtype)
         target = LocalTarget(target_model)
     tokenizer = tokenizer or (target_model.tokenizer if target_model else None)
-    eos = target_model.eos_token_ids if target_model else ()
+    eos = target_model.eos_token_ids if target_model else tuple(getattr(target, "eos_token_ids", ()))
     prompt_ids = encode_prompts(prompts, tokenizer, chat)
     rows = []
     bar = tqdm(total=len(methods) * len(prompt_ids), desc="specbench run", disable=not progress)
     for name in methods:
         drafter = make_drafter(name, target, draft, target_model, self_draft_layers, substitute_quantization, dtype)
-        run_one = dict(k=k, sampling=sampling, eos_token_ids=eos, method=name)
+        one = dict(target=target, method=name, drafter=drafter, k=k, sampling=sampling, eos=eos, draft=draft)
         if warmup:
-            generate(target, drafter, prompt_ids[0], max_new_tokens=min(8, max_new_tokens),
-                     generator=torch.Generator().manual_seed(seed), **run_one)
+            _generate_one(prompt_ids[0], min(8, max_new_tokens), 0, seed, **one)
         for index, ids in enumerate(prompt_ids):
-            generator = torch.Generator().manual_seed(seed * 1_000_003 + index)
-            result = generate(target, drafter, ids, max_new_tokens=max_new_tokens, generator=generator,
-                              prompt_index=index, **run_one)
+            result = _generate_one(ids, max_new_tokens, index, seed * 1_000_003 + index, **one)
             for record in result.records:
                 rows.append({**asdict(record), "prompt_tokens": len(ids), "prefill_s": result.prefill_s})
             bar.update()
     bar.close()
     return pd.DataFrame(rows)
+
+
+def _generate_one(ids, max_new_tokens, prompt_index, seed, *, target, method, drafter, k, sampling, eos, draft):
+    """One prompt through one method; worker methods run wholly on the worker."""
+    if method in WORKER_METHODS:
+        draft_spec = ModelSpec(draft) if isinstance(draft, str) else draft if isinstance(draft, ModelSpec) else None
+        return target.generate_on_worker(method, ids, k=k, max_new_tokens=max_new_tokens, sampling=sampling,
+                                         seed=seed, prompt_index=prompt_index, draft=draft_spec)
+    return generate(target, drafter, ids, k=k, max_new_tokens=max_new_tokens, sampling=sampling,
+                    generator=torch.Generator().manual_seed(seed), eos_token_ids=eos, method=method,
+                    prompt_index=prompt_index)
 
 
 def outputs(records: pd.DataFrame) -> dict[tuple[str, int], list[int]]:

@@ -70,6 +70,43 @@ def _demo(args) -> int:
     return 0
 
 
+def _worker(args) -> int:
+    import logging
+    from datetime import datetime
+
+    from specbench.models.spec import ModelSpec
+    from specbench.worker.server import Worker, WorkerConfig
+
+    def log(line: str) -> None:
+        print(f"{datetime.now().isoformat(timespec='seconds')} {line}", flush=True)
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    spec = lambda name: ModelSpec(name, dtype=args.dtype, device=args.device, quantization=args.quant) if name else None
+    config = WorkerConfig(bind=args.bind, model=spec(args.model),
+                          draft=ModelSpec(args.draft, dtype=args.dtype, device=args.device) if args.draft else None,
+                          lazy=args.lazy, max_sessions=args.max_sessions, idle_timeout_s=args.idle_timeout,
+                          max_kv_bytes=int(args.max_kv_gib * 2**30) if args.max_kv_gib else None,
+                          curve_keys=args.curve_keys, insecure=args.insecure)
+    Worker(config, log=log).serve()
+    return 0
+
+
+def _keys(args) -> int:
+    """Create a CURVE key pair for the worker and one for a client, in the layout both expect."""
+    from pathlib import Path
+
+    import zmq.auth
+
+    folder = Path(args.folder)
+    (folder / "clients").mkdir(parents=True, exist_ok=True)
+    zmq.auth.create_certificates(folder, "server")
+    zmq.auth.create_certificates(folder, "client")
+    (folder / "clients" / "client.key").write_bytes((folder / "client.key").read_bytes())
+    print(f"worker: --curve-keys {folder}  (clients allowed: {folder / 'clients'}/*.key)")
+    print(f"client: RemoteTarget(..., curve_keys='{folder}')  (needs server.key and client.key_secret)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specbench", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -91,6 +128,25 @@ def build_parser() -> argparse.ArgumentParser:
     run_parser.add_argument("--dtype", default="float32")
     run_parser.add_argument("--out", help="write the per-step records as CSV")
     run_parser.set_defaults(handler=_run)
+
+    worker = commands.add_parser("worker", help="serve a target model over ZeroMQ (Ctrl-C stops it)")
+    worker.add_argument("--bind", default="tcp://127.0.0.1:5555")
+    worker.add_argument("--model", help="catalog name, Hugging Face id or path")
+    worker.add_argument("--draft", help="draft model for the server-only baseline")
+    worker.add_argument("--quant", default="none", choices=["none", "8bit", "4bit"])
+    worker.add_argument("--dtype", default="float32")
+    worker.add_argument("--device", default="cpu")
+    worker.add_argument("--lazy", action="store_true", help="load the model on first use, not at start")
+    worker.add_argument("--max-sessions", type=int, default=64)
+    worker.add_argument("--idle-timeout", type=float, default=900.0, help="seconds before an idle session expires")
+    worker.add_argument("--max-kv-gib", type=float, help="refuse new prefills beyond this much KV cache")
+    worker.add_argument("--curve-keys", help="folder made by `specbench keys`: CURVE encryption and client auth")
+    worker.add_argument("--insecure", action="store_true", help="allow a non-loopback bind without CURVE keys")
+    worker.set_defaults(handler=_worker)
+
+    keys = commands.add_parser("keys", help="create CURVE keys for a worker and a client")
+    keys.add_argument("folder")
+    keys.set_defaults(handler=_keys)
 
     demo = commands.add_parser("demo", help="the main job on the embedded models")
     demo.add_argument("--k", type=int, default=4)

@@ -126,6 +126,7 @@ class Verdict:
     network_s: float = 0.0
     bytes_up: int = 0
     bytes_down: int = 0
+    emulated_s: float = 0.0  # the part of network_s added by NetworkEmulation, never hidden
 
     def emitted(self, tree: DraftTree) -> list[int]:
         return [tree.tokens[i] for i in self.accepted_path] + [self.bonus_token]
@@ -151,6 +152,7 @@ class StepRecord:
     bonus_token: int = -1
     bytes_up: int = 0
     bytes_down: int = 0
+    emulated_network_s: float = 0.0
 
     @property
     def overhead_s(self) -> float:

@@ -65,7 +65,8 @@ def generate(target: Target, drafter: Optional[Drafter], prompt_ids: Sequence[in
                 verify_s=verdict.verify_s, target_forward_s=verdict.target_forward_s,
                 network_s=verdict.network_s, step_s=time.perf_counter() - step_start,
                 tree_depth=max(tree.depths(), default=0), accepted_tokens=emitted,
-                bonus_token=verdict.bonus_token, bytes_up=verdict.bytes_up, bytes_down=verdict.bytes_down))
+                bonus_token=verdict.bonus_token, bytes_up=verdict.bytes_up, bytes_down=verdict.bytes_down,
+                emulated_network_s=verdict.emulated_s))
             if finished:
                 break
     finally:

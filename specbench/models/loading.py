@@ -112,6 +112,13 @@ def load_model(spec: ModelSpec) -> LoadedModel:
     """Load a causal LM and its tokenizer as `spec` says; refuse loads that cannot work, by name."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if spec.model.startswith("tiny-random"):
+        from specbench.models.tiny import tiny_from_name
+
+        loaded = tiny_from_name(spec.model)
+        loaded.model.to(dtype=_torch_dtype(spec.dtype), device=spec.device)
+        loaded.spec = spec
+        return loaded
     source, extra = _resolve_source(spec)
     quantization = _quantization_config(spec)
     needed, available = _estimated_bytes(source, spec), _available_bytes(spec.device)

@@ -30,5 +30,31 @@ def tiny_model(seed: int = 0, vocab_size: int = 96, hidden_size: int = 64, num_l
         with torch.no_grad():
             for parameter in model.parameters():
                 parameter.add_(noise_scale * torch.randn(parameter.shape, generator=generator).to(dtype))
-    spec = ModelSpec(model=f"tiny-random-{seed}-v{vocab_size}-h{hidden_size}-l{num_layers}")
-    return LoadedModel(spec=spec, model=model, tokenizer=None)
+    name = f"tiny-random:seed={seed},vocab={vocab_size},hidden={hidden_size},layers={num_layers}"
+    if noise_from is not None:
+        name += f",noise={noise_scale},noise_from={noise_from.spec.model}"
+    return LoadedModel(spec=ModelSpec(model=name), model=model, tokenizer=None)
+
+
+def tiny_from_name(name: str) -> LoadedModel:
+    """Build a tiny model from its name, so workers and CLIs can load one like any other model.
+
+    Example: "tiny-random:seed=1,noise=0.005,noise_from=0" is a noisy copy of "tiny-random:seed=0".
+    """
+    from specbench.types import SpecbenchError
+
+    options = dict(seed="0", vocab="96", hidden="64", layers="3")
+    body = name.split(":", 1)[1] if ":" in name else ""
+    try:
+        for part in filter(None, body.split(",")):
+            key, value = part.split("=", 1)
+            options[key] = value
+        base = dict(vocab_size=int(options["vocab"]), hidden_size=int(options["hidden"]),
+                    num_layers=int(options["layers"]))
+        noise_from = None
+        if "noise_from" in options:
+            noise_from = tiny_model(seed=int(options["noise_from"]), **base)
+        return tiny_model(seed=int(options["seed"]), noise_from=noise_from,
+                          noise_scale=float(options.get("noise", 0.0)), **base)
+    except (ValueError, KeyError) as error:
+        raise SpecbenchError(f"bad tiny model name {name!r} ({error}); e.g. 'tiny-random:seed=0,vocab=96'") from None

@@ -1,0 +1,253 @@
+"""RemoteTarget: the worker as a drop-in Target, with timeouts, reconnects and session recovery.
+
+The client holds every session's committed tokens, so when the worker dies or forgets a session,
+the client reconnects, re-prefills from those tokens and resends the step: no token is lost or
+duplicated, and with the same step seed the verdict is the same one an uninterrupted run gets.
+"""
+from __future__ import annotations
+
+import itertools
+import random
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+import zmq
+
+from specbench.decode.loop import Generation
+from specbench.decode.target import check_token_ids
+from specbench.models.spec import ModelSpec
+from specbench.types import DraftTree, SamplingParams, SpecbenchError, StepRecord, Verdict
+from specbench.worker import protocol
+from specbench.worker.protocol import PROTOCOL_VERSION
+from specbench.worker.server import spec_to_wire
+
+
+class WorkerError(SpecbenchError):
+    """The worker answered with an error reply."""
+
+    def __init__(self, message: str, code: str):
+        super().__init__(message)
+        self.code = code
+
+
+class WorkerUnavailableError(SpecbenchError):
+    """The worker did not answer within the timeout, after every retry."""
+
+
+@dataclass(frozen=True)
+class NetworkEmulation:
+    """Added delay on the client, reported as emulated: half the RTT each way, plus jitter and
+    serialization time at `bandwidth_mbps` (0 = unlimited)."""
+
+    rtt_ms: float = 0.0
+    jitter_ms: float = 0.0
+    bandwidth_mbps: float = 0.0
+    seed: int = 0
+
+    def one_way_s(self, num_bytes: int, rng: random.Random) -> float:
+        jitter = rng.uniform(-self.jitter_ms, self.jitter_ms) / 2 if self.jitter_ms else 0.0
+        transfer = num_bytes * 8 / (self.bandwidth_mbps * 1e6) if self.bandwidth_mbps else 0.0
+        return max(0.0, (self.rtt_ms / 2 + jitter) / 1000 + transfer)
+
+
+class RemoteTarget:
+    """A Target whose model lives in a `specbench worker` process."""
+
+    def __init__(self, endpoint: str, model: Optional[ModelSpec | str] = None, timeout_s: float = 60.0,
+                 retries: int = 3, network: Optional[NetworkEmulation] = None,
+                 curve_keys: Optional[str] = None):
+        self.endpoint, self.timeout_s, self.retries = endpoint, timeout_s, retries
+        self.network = network or NetworkEmulation()
+        self._rng = random.Random(self.network.seed)
+        self.curve_keys = curve_keys
+        self.context = zmq.Context.instance()
+        self.socket = None
+        self._ids = itertools.count()
+        self._committed: dict[str, list[int]] = {}
+        self._session_ids: dict[str, str] = {}
+        self.reconnects = 0
+        self._connect()
+        self.info = self._request({"op": "hello", "version": PROTOCOL_VERSION})[0]
+        if model is not None:
+            spec = model if isinstance(model, ModelSpec) else ModelSpec(model)
+            self.info = self._request({"op": "load", "model": spec_to_wire(spec)})[0]
+        if self.info.get("vocab_size") is None:
+            raise SpecbenchError(f"worker at {endpoint} has no model loaded: pass model=... or start it with --model")
+        self.vocab_size = int(self.info["vocab_size"])
+        self.eos_token_ids = tuple(self.info.get("eos_token_ids", ()))
+
+    # -- Target interface ------------------------------------------------------------------------
+    def prefill(self, session: str, token_ids: Sequence[int]) -> int:
+        ids = check_token_ids(token_ids, self.vocab_size, "prompt")
+        if not ids:
+            raise SpecbenchError("empty prompt: at least one token is needed to condition on")
+        self._committed[session] = list(ids)
+        self._open_and_prefill(session)
+        return len(ids)
+
+    def verify(self, session: str, tree: DraftTree, sampling: SamplingParams, seed: int) -> Verdict:
+        if session not in self._committed:
+            raise SpecbenchError(f"unknown session {session!r}; call prefill first")
+        header = {"op": "verify", "session": self._wire_session(session),
+                  "sampling": protocol.sampling_to_wire(sampling), "seed": seed}
+        reply, arrays, timing = self._request(header, protocol.tree_to_arrays(tree), session=session,
+                                              with_timing=True)
+        path = tuple(int(i) for i in arrays["path"].tolist())
+        bonus = int(reply["bonus"])
+        self._committed[session] += [tree.tokens[i] for i in path] + [bonus]
+        return Verdict(path, bonus, float(reply["forward_s"]), float(reply["verify_s"]),
+                       network_s=timing["network_s"], bytes_up=timing["bytes_up"],
+                       bytes_down=timing["bytes_down"], emulated_s=timing["emulated_s"])
+
+    def close(self, session: str) -> None:
+        if session in self._committed:
+            try:
+                self._request({"op": "close", "session": self._wire_session(session)})
+            except SpecbenchError:
+                pass  # closing is best effort: the worker expires idle sessions anyway
+            self._committed.pop(session, None)
+
+    # -- worker-side operations ------------------------------------------------------------------
+    def generate_on_worker(self, method: str, prompt_ids: Sequence[int], *, k: int, max_new_tokens: int,
+                           sampling: SamplingParams, seed: int, prompt_index: int = 0,
+                           draft: Optional[ModelSpec] = None) -> Generation:
+        """Server-only baselines (AutoDraft's Server-Only and Server-Only-AR): only finished tokens travel."""
+        header = {"op": "generate", "method": method, "k": k, "max_new_tokens": max_new_tokens,
+                  "sampling": protocol.sampling_to_wire(sampling), "seed": seed}
+        if draft is not None:
+            header["draft"] = spec_to_wire(draft)
+        reply, arrays, timing = self._request(header, {"tokens": np.asarray(list(prompt_ids), dtype=np.int32)},
+                                              with_timing=True)
+        steps = reply["steps"]
+        output = arrays["output"].tolist()
+        # The one round trip is shared out over the steps, so per-step records still add up.
+        share = timing["network_s"] / max(len(steps), 1)
+        records = [StepRecord(prompt_index=prompt_index, step=i, method=method, drafted=s["drafted"],
+                              accepted=s["accepted"], emitted=s["emitted"], draft_s=s["draft_s"],
+                              verify_s=s["verify_s"], target_forward_s=s["forward_s"], network_s=share,
+                              step_s=s["step_s"] + share, accepted_tokens=[],
+                              bytes_up=timing["bytes_up"] if i == 0 else 0,
+                              bytes_down=timing["bytes_down"] if i == 0 else 0,
+                              emulated_network_s=timing["emulated_s"] / max(len(steps), 1))
+                   for i, s in enumerate(steps)]
+        position = 0
+        for record in records:
+            record.accepted_tokens = output[position:position + record.emitted]
+            position += record.emitted
+        return Generation(prompt_index, list(prompt_ids), output, float(reply["prefill_s"]), records)
+
+    def profile(self, tokens=(1, 2, 4, 8, 16), contexts=(128, 512), repeats: int = 5) -> dict:
+        return self._request({"op": "profile", "tokens": list(tokens), "contexts": list(contexts),
+                              "repeats": repeats})[0]
+
+    def stats(self) -> dict:
+        return self._request({"op": "stats"})[0]
+
+    def health(self) -> bool:
+        return self._request({"op": "health"})[0].get("status") == "ok"
+
+    def committed(self, session: str) -> list[int]:
+        return list(self._committed[session])
+
+    # -- transport -------------------------------------------------------------------------------
+    def _wire_session(self, session: str) -> str:
+        """Sessions are namespaced per client so two clients may both call theirs 'default'."""
+        return self._session_ids.setdefault(session, f"{uuid.uuid4().hex[:12]}-{session}"[:128])
+
+    def _connect(self) -> None:
+        if self.socket is not None:
+            self.socket.close(0)
+        self.socket = self.context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        if self.curve_keys:
+            from zmq.auth import load_certificate
+
+            keys = Path(self.curve_keys)
+            public, secret = load_certificate(keys / "client.key_secret")
+            server_public, _ = load_certificate(keys / "server.key")
+            self.socket.curve_publickey, self.socket.curve_secretkey = public, secret
+            self.socket.curve_serverkey = server_public
+        self.socket.connect(self.endpoint)
+
+    def _open_and_prefill(self, session: str) -> None:
+        wire = self._wire_session(session)
+        self._request({"op": "open", "session": wire}, recover=False)
+        tokens = np.asarray(self._committed[session], dtype=np.int32)
+        self._request({"op": "prefill", "session": wire}, {"tokens": tokens}, recover=False)
+
+    def _request(self, header: dict, arrays: Optional[dict] = None, session: Optional[str] = None,
+                 with_timing: bool = False, recover: bool = True):
+        """Send, poll with a timeout, and on silence or a forgotten session reconnect, re-prefill and resend."""
+        last_error = None
+        for attempt in range(self.retries + 1):
+            request_id = next(self._ids)
+            frames = protocol.encode(dict(header, id=request_id), arrays)
+            bytes_up = sum(len(f) for f in frames)
+            emulated = self.network.one_way_s(bytes_up, self._rng)
+            started = time.perf_counter()
+            if emulated:
+                time.sleep(emulated)
+            self.socket.send_multipart([b"", *frames])
+            reply_frames = self._receive(request_id)
+            if reply_frames is None:
+                last_error = WorkerUnavailableError(
+                    f"worker at {self.endpoint} did not answer {header['op']} within {self.timeout_s}s "
+                    f"({attempt + 1} of {self.retries + 1} tries)")
+                if not recover:
+                    raise last_error
+                self._recover(session)
+                continue
+            bytes_down = sum(len(f) for f in reply_frames)
+            back = self.network.one_way_s(bytes_down, self._rng)
+            if back:
+                time.sleep(back)
+            round_trip = time.perf_counter() - started
+            reply, reply_arrays = protocol.decode(reply_frames)
+            if not reply.get("ok"):
+                if reply.get("code") == "unknown-session" and session is not None and recover:
+                    last_error = WorkerError(reply.get("error", "unknown session"), "unknown-session")
+                    self._open_and_prefill(session)  # the worker restarted or expired it: rebuild and resend
+                    continue
+                raise WorkerError(f"worker refused {header['op']}: {reply.get('error')}", reply.get("code", "?"))
+            timing = {"network_s": max(0.0, round_trip - float(reply.get("worker_s", 0.0))),
+                      "bytes_up": bytes_up, "bytes_down": bytes_down, "emulated_s": emulated + back}
+            return (reply, reply_arrays, timing) if with_timing else (reply, reply_arrays)
+        raise last_error
+
+    def _receive(self, request_id: int):
+        deadline = time.monotonic() + self.timeout_s
+        while (remaining := deadline - time.monotonic()) > 0:
+            if not self.socket.poll(int(remaining * 1000) + 1):
+                return None
+            frames = self.socket.recv_multipart()
+            body = frames[1:] if frames and frames[0] == b"" else frames
+            try:
+                header, _ = protocol.decode(body)
+            except SpecbenchError:
+                continue
+            if header.get("id") == request_id:
+                return body
+            # a late reply to a request we already gave up on: drop it
+        return None
+
+    def _recover(self, session: Optional[str]) -> None:
+        """Fresh socket (a dead peer can leave a DEALER wedged), then rebuild sessions if the worker answers."""
+        self.reconnects += 1
+        self._connect()
+        if session is None:
+            return
+        try:
+            self._open_and_prefill(session)
+        except SpecbenchError:
+            pass  # still down; the caller's next attempt will time out or succeed
+
+    def disconnect(self) -> None:
+        for session in list(self._committed):
+            self.close(session)
+        if self.socket is not None:
+            self.socket.close(0)
+            self.socket = None

@@ -1,0 +1,258 @@
+"""The remote target: identical results to local, faults, fuzzing, reconnects, auth, emulation."""
+import multiprocessing
+import os
+import random
+import signal
+import threading
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from specbench.api import outputs, run
+from specbench.models.spec import ModelSpec
+from specbench.models.tiny import tiny_model
+from specbench.types import DraftTree, SamplingParams, SparseDist, SpecbenchError
+from specbench.worker import protocol
+from specbench.worker.client import NetworkEmulation, RemoteTarget, WorkerError, WorkerUnavailableError
+from specbench.worker.server import Worker, WorkerConfig, is_local_endpoint
+
+from conftest import PROMPTS
+from worker_helpers import DRAFT, TARGET, ThreadWorker, free_port, start_process_worker
+
+
+@pytest.fixture(scope="module")
+def worker():
+    running = ThreadWorker()
+    yield running
+    running.stop()
+
+
+def local_outputs(methods, sampling=SamplingParams(), max_new_tokens=24, prompts=PROMPTS):
+    target, draft = tiny_model(0), tiny_model(1, noise_from=tiny_model(0), noise_scale=0.005)
+    return outputs(run(target, prompts, method=methods, draft=draft, sampling=sampling,
+                       max_new_tokens=max_new_tokens, progress=False))
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=1.0, rule="rejection"),
+                                      SamplingParams(temperature=0.8, top_p=0.9, rule="sample-match")],
+                         ids=["greedy", "rejection", "sample-match"])
+def test_remote_equals_local(worker, sampling):
+    remote = RemoteTarget(worker.endpoint)
+    draft = tiny_model(1, noise_from=tiny_model(0), noise_scale=0.005)
+    methods = ["target-only", "chain", "prompt-lookup"]
+    got = outputs(run(remote, PROMPTS, method=methods, draft=draft, sampling=sampling, max_new_tokens=24,
+                      progress=False))
+    # Step seeds travel with each verify, so even sampled runs match the local run token for token.
+    assert got == local_outputs(methods, sampling)
+
+
+def test_records_carry_wire_bytes_and_network_time(worker):
+    remote = RemoteTarget(worker.endpoint, network=NetworkEmulation(rtt_ms=20))
+    records = run(remote, PROMPTS[:1], method="prompt-lookup", max_new_tokens=10, progress=False, warmup=False)
+    assert (records["bytes_up"] > 0).all() and (records["bytes_down"] > 0).all()
+    assert (records["emulated_network_s"] >= 0.019).all()
+    assert (records["network_s"] >= records["emulated_network_s"]).all()
+
+
+def test_server_only_baselines_match_target_only(worker):
+    remote = RemoteTarget(worker.endpoint)
+    got = outputs(run(remote, PROMPTS, method=["server-only", "server-only-ar"], max_new_tokens=24, progress=False))
+    reference = local_outputs(["target-only"])
+    for index in range(len(PROMPTS)):
+        assert got[("server-only", index)] == reference[("target-only", index)]
+        assert got[("server-only-ar", index)] == reference[("target-only", index)]
+
+
+def test_profile_and_stats(worker):
+    remote = RemoteTarget(worker.endpoint)
+    profile = remote.profile(tokens=[1, 4], contexts=[16], repeats=2)
+    assert [(row["tokens"], row["context"]) for row in profile["rows"]] == [(1, 16), (4, 16)]
+    assert all(row["median_s"] > 0 for row in profile["rows"])
+    stats = remote.stats()
+    assert stats["requests"] > 0 and remote.health()
+
+
+def fuzz_messages(rng: random.Random, session: str):
+    """Random and truncated frames, wrong types, unknown ops/sessions, bad ids and trees, oversize."""
+    good_tree = protocol.tree_to_arrays(DraftTree.chain([1, 2, 3]))
+    kind = rng.randrange(10)
+    if kind == 0:
+        return [bytes(rng.getrandbits(8) for _ in range(rng.randrange(0, 40)))]
+    if kind == 1:
+        frames = protocol.encode({"op": "verify", "session": session, "id": 1, "seed": 1,
+                                  "sampling": {"temperature": 0.0}}, good_tree)
+        return frames[: rng.randrange(1, len(frames))]  # missing array frames
+    if kind == 2:
+        return protocol.encode({"op": rng.choice(["verify", "prefill", "open", 7]), "session": rng.choice([3, None, ""])})
+    if kind == 3:
+        return protocol.encode({"op": "".join(rng.choice("abcxyz") for _ in range(6))})
+    if kind == 4:
+        return protocol.encode({"op": "verify", "session": "nobody", "seed": 1, "sampling": {}}, good_tree)
+    if kind == 5:
+        tree = protocol.tree_to_arrays(DraftTree.chain([1, 99_999]))
+        return protocol.encode({"op": "verify", "session": session, "seed": 1, "sampling": {}}, tree)
+    if kind == 6:
+        arrays = {"tokens": np.array([1, 2, 3], dtype=np.int32), "parents": np.array([2, -1, 0], dtype=np.int16)}
+        return protocol.encode({"op": "verify", "session": session, "seed": 1, "sampling": {}}, arrays)
+    if kind == 7:
+        return [msgpack.packb({"op": "prefill", "session": session, "arrays": [["tokens", "int32", [5]]]}), b"abc"]
+    if kind == 8:
+        return protocol.encode({"op": "prefill", "session": session}, {"tokens": np.zeros(600_000, dtype=np.int32)})
+    return protocol.encode({"op": "verify", "session": session, "seed": "x", "sampling": {"temperature": -2}},
+                           good_tree)
+
+
+def test_fuzz_gets_error_replies_while_other_sessions_keep_working(worker):
+    reference = local_outputs(["chain"], max_new_tokens=30, prompts=PROMPTS[:1])[("chain", 0)]
+    remote = RemoteTarget(worker.endpoint)
+    from specbench.decode.drafters import ModelDrafter
+    import torch
+
+    drafter = ModelDrafter(tiny_model(1, noise_from=tiny_model(0), noise_scale=0.005), remote.vocab_size)
+    remote.prefill("good", PROMPTS[0])
+    produced = []
+    fuzzer = zmq.Context.instance().socket(zmq.DEALER)
+    fuzzer.setsockopt(zmq.LINGER, 0)
+    fuzzer.connect(worker.endpoint)
+    # a session the fuzzer may abuse, so bad requests reach the verify path itself
+    fuzzer.send_multipart([b"", *protocol.encode({"op": "open", "session": "victim"})])
+    fuzzer.recv_multipart()
+    fuzzer.send_multipart([b"", *protocol.encode({"op": "prefill", "session": "victim"},
+                                                 {"tokens": np.array([1, 2, 3], dtype=np.int32)})])
+    fuzzer.recv_multipart()
+    rng = random.Random(0)
+    generator = torch.Generator().manual_seed(0)
+    errors = 0
+    for count in range(2000):
+        fuzzer.send_multipart([b"", *fuzz_messages(rng, "victim")])
+        assert fuzzer.poll(5000), f"no reply to fuzz message {count}"
+        reply = fuzzer.recv_multipart()
+        header, _ = protocol.decode(reply[1:])
+        if not header["ok"]:
+            errors += 1
+            assert header["error"] and header["code"] in ("bad-request", "unknown-session"), header
+        if count % 100 == 0 and len(produced) < 30:
+            context = PROMPTS[0] + produced
+            tree = drafter.propose(context, min(4, 29 - len(produced)) or 1, SamplingParams(), generator)
+            verdict = remote.verify("good", tree, SamplingParams(), 0)
+            produced += verdict.emitted(tree)
+    while len(produced) < 30:
+        tree = drafter.propose(PROMPTS[0] + produced, 4, SamplingParams(), generator)
+        produced += remote.verify("good", tree, SamplingParams(), 0).emitted(tree)
+    assert errors > 1500
+    assert produced[:30] == reference
+    assert worker.worker.stats.errors >= errors
+
+
+def _client_process(endpoint, prompt, queue):
+    from specbench.api import outputs, run
+    from specbench.worker.client import RemoteTarget
+
+    remote = RemoteTarget(endpoint)
+    got = outputs(run(remote, [prompt], method="prompt-lookup", max_new_tokens=24, progress=False, warmup=False))
+    queue.put((tuple(prompt), got[("prompt-lookup", 0)]))
+
+
+def test_eight_concurrent_client_processes(worker):
+    reference = local_outputs(["target-only"])
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(8)]
+    processes = [context.Process(target=_client_process, args=(worker.endpoint, p, queue)) for p in prompts]
+    for process in processes:
+        process.start()
+    results = [queue.get(timeout=120) for _ in processes]
+    for process in processes:
+        process.join(30)
+    expected = {tuple(p): reference[("target-only", i)] for i, p in enumerate(PROMPTS)}
+    assert len(results) == 8
+    for prompt, got in results:
+        assert got == expected[prompt]
+
+
+def test_kill_9_and_restart_loses_no_token():
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    process = start_process_worker(endpoint)
+    reference = local_outputs(["chain"], max_new_tokens=60, prompts=PROMPTS[:1])[("chain", 0)]
+    remote = RemoteTarget(endpoint, timeout_s=1.0, retries=60, network=NetworkEmulation(rtt_ms=30))
+    draft = tiny_model(1, noise_from=tiny_model(0), noise_scale=0.005)
+    result = {}
+
+    def generate():
+        result["records"] = run(remote, PROMPTS[:1], method="chain", draft=draft, max_new_tokens=60,
+                                progress=False, warmup=False)
+
+    thread = threading.Thread(target=generate)
+    thread.start()
+    time.sleep(0.6)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    time.sleep(0.5)
+    restarted = start_process_worker(endpoint)
+    try:
+        thread.join(120)
+        assert "records" in result, "generation did not finish after the restart"
+        assert outputs(result["records"])[("chain", 0)] == reference
+        assert remote.reconnects > 0
+    finally:
+        restarted.kill()
+
+
+def test_curve_auth_refuses_clients_without_the_key(tmp_path):
+    from specbench.cli import main
+
+    main(["keys", str(tmp_path / "keys")])
+    main(["keys", str(tmp_path / "other")])
+    running = ThreadWorker(curve_keys=str(tmp_path / "keys"))
+    try:
+        good = RemoteTarget(running.endpoint, curve_keys=str(tmp_path / "keys"), timeout_s=5)
+        assert good.health()
+        with pytest.raises(WorkerUnavailableError):
+            RemoteTarget(running.endpoint, timeout_s=1, retries=0)  # plain text client
+        with pytest.raises(WorkerUnavailableError):
+            RemoteTarget(running.endpoint, curve_keys=str(tmp_path / "other"), timeout_s=1, retries=0)
+    finally:
+        running.stop()
+
+
+def test_non_loopback_bind_needs_keys_or_insecure():
+    assert is_local_endpoint("tcp://127.0.0.1:5555") and is_local_endpoint("ipc:///tmp/x")
+    assert not is_local_endpoint("tcp://0.0.0.0:5555")
+    with pytest.raises(SpecbenchError, match="refusing to bind tcp://0.0.0.0:5999"):
+        Worker(WorkerConfig(bind="tcp://0.0.0.0:5999"))
+    Worker(WorkerConfig(bind="tcp://0.0.0.0:5999", insecure=True))  # allowed when asked for
+
+
+def test_session_cap_and_idle_expiry():
+    running = ThreadWorker(max_sessions=2, idle_timeout_s=0.5)
+    try:
+        clients = [RemoteTarget(running.endpoint) for _ in range(3)]
+        clients[0].prefill("a", [1, 2])
+        clients[1].prefill("b", [1, 2])
+        with pytest.raises(WorkerError, match="session cap reached"):
+            clients[2].prefill("c", [1, 2])
+        time.sleep(1.0)
+        assert running.worker.stats.expired == 2
+        clients[2].prefill("c", [1, 2])  # room again after expiry
+        # an expired session is rebuilt by the client from the tokens it holds
+        verdict = clients[0].verify("a", DraftTree(), SamplingParams(), 0)
+        assert clients[0].committed("a") == [1, 2, verdict.bonus_token]
+    finally:
+        running.stop()
+
+
+def test_lazy_worker_loads_on_request():
+    running = ThreadWorker(model=None, lazy=True)
+    try:
+        with pytest.raises(SpecbenchError, match="no model loaded"):
+            RemoteTarget(running.endpoint)
+        remote = RemoteTarget(running.endpoint, model=ModelSpec(TARGET))
+        assert remote.vocab_size == 96
+        with pytest.raises(WorkerError, match="unknown catalog model|could not load"):
+            RemoteTarget(running.endpoint, model=ModelSpec("no-such-model-here"))
+        assert RemoteTarget(running.endpoint, model=ModelSpec(TARGET)).health()  # still serving
+    finally:
+        running.stop()
