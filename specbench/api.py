@@ -1,7 +1,7 @@
 """The three-line notebook API: `run(target=..., draft=..., method=..., prompts=...) -> DataFrame`."""
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Iterable, Optional, Sequence, Union
 
 import pandas as pd
@@ -11,12 +11,14 @@ from tqdm.auto import tqdm
 from specbench.decode.drafters import ModelDrafter, PromptLookupDrafter
 from specbench.decode.loop import generate
 from specbench.decode.target import LocalTarget, Target
+from specbench.decode.tree_drafters import TreeDrafter
 from specbench.models.loading import LoadedModel, VocabMismatchError, check_vocab_compatible, load_model
 from specbench.models.self_draft import truncated_view
 from specbench.models.spec import ModelSpec
 from specbench.types import SamplingParams, SpecbenchError
 
-METHODS = ("target-only", "chain", "prompt-lookup", "self-draft", "substitute")
+METHODS = ("target-only", "chain", "tree", "fixed-tree", "prompt-lookup", "prompt-lookup-tree", "self-draft",
+           "substitute")
 WORKER_METHODS = ("server-only", "server-only-ar")  # run wholly on a remote worker (AutoDraft's baselines)
 ModelLike = Union[str, ModelSpec, LoadedModel]
 
@@ -49,9 +51,20 @@ def encode_prompts(prompts: Sequence[Union[str, Sequence[int]]], tokenizer, chat
     return encoded
 
 
+@dataclass(frozen=True)
+class TreeShape:
+    """Tree drafting settings: `k` is the node budget; widths per depth make a fixed tree."""
+
+    widths: tuple[int, ...] = (4, 2, 2, 1)
+    max_depth: int = 6
+    beam: int = 4
+    branch: int = 4
+    lookup_candidates: int = 4
+
+
 def make_drafter(method: str, target: LocalTarget | Target, draft: Optional[ModelLike] = None,
                  target_model: Optional[LoadedModel] = None, self_draft_layers: Optional[int] = None,
-                 substitute_quantization: str = "8bit", dtype: str = "float32"):
+                 substitute_quantization: str = "8bit", dtype: str = "float32", tree: TreeShape = TreeShape()):
     """The drafter a method needs; None for target-only."""
     if method not in METHODS + WORKER_METHODS:
         raise SpecbenchError(f"unknown method {method!r}; choose one of {METHODS + WORKER_METHODS}")
@@ -59,15 +72,22 @@ def make_drafter(method: str, target: LocalTarget | Target, draft: Optional[Mode
         return None
     if method == "prompt-lookup":
         return PromptLookupDrafter()
-    if method == "chain":
+    if method == "prompt-lookup-tree":
+        return PromptLookupDrafter(max_candidates=tree.lookup_candidates, name=method)
+    if method in ("chain", "tree", "fixed-tree"):
         if draft is None:
-            raise SpecbenchError("method 'chain' needs a draft model: pass draft=...")
+            raise SpecbenchError(f"method {method!r} needs a draft model: pass draft=...")
         loaded = as_loaded(draft, dtype)
         if target_model is not None:
             check_vocab_compatible(loaded, target_model)
         elif loaded.vocab_size < target.vocab_size and loaded.tokenizer is None:
             raise VocabMismatchError(
                 f"draft has {loaded.vocab_size} output ids but the target has {target.vocab_size}")
+        if method == "tree":
+            return TreeDrafter(loaded, target.vocab_size, max_depth=tree.max_depth, beam=tree.beam,
+                               branch=tree.branch, name=f"tree:{loaded.spec.label}")
+        if method == "fixed-tree":
+            return TreeDrafter(loaded, target.vocab_size, widths=tree.widths, name=f"fixed-tree:{loaded.spec.label}")
         return ModelDrafter(loaded, target.vocab_size, name=f"chain:{loaded.spec.label}")
     if target_model is None:
         raise SpecbenchError(f"method {method!r} drafts from the target's own weights, so it needs a local target model")
@@ -83,12 +103,14 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
         max_new_tokens: int = 64, sampling: Optional[SamplingParams] = None, seed: int = 0,
         self_draft_layers: Optional[int] = None, substitute_quantization: str = "8bit",
         dtype: str = "float32", chat: bool = True, warmup: bool = True, progress: bool = True,
-        tokenizer=None) -> pd.DataFrame:
+        tokenizer=None, tree: TreeShape = TreeShape(), proactive: bool = False) -> pd.DataFrame:
     """Run each method over each prompt and return one row per speculative step.
 
-    Every method shares the target and the loop, so tokens are counted identically; a short
+    For tree methods `k` is the node budget. Every method shares the target and the loop, so
+    tokens are counted identically; a short
     warm-up generation per method is run first and discarded. Output token ids per (method,
-    prompt) come back through `outputs(df)`.
+    prompt) come back through `outputs(df)`. `proactive` drafts ahead while a remote verify is in
+    flight (chain methods on a RemoteTarget).
     """
     sampling = sampling or SamplingParams()
     methods = [method] if isinstance(method, str) else list(method)
@@ -107,8 +129,10 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
     rows = []
     bar = tqdm(total=len(methods) * len(prompt_ids), desc="specbench run", disable=not progress)
     for name in methods:
-        drafter = make_drafter(name, target, draft, target_model, self_draft_layers, substitute_quantization, dtype)
-        one = dict(target=target, method=name, drafter=drafter, k=k, sampling=sampling, eos=eos, draft=draft)
+        drafter = make_drafter(name, target, draft, target_model, self_draft_layers, substitute_quantization, dtype,
+                               tree)
+        one = dict(target=target, method=name, drafter=drafter, k=k, sampling=sampling, eos=eos, draft=draft,
+                   proactive=proactive)
         if warmup:
             _generate_one(prompt_ids[0], min(8, max_new_tokens), 0, seed, **one)
         for index, ids in enumerate(prompt_ids):
@@ -120,7 +144,8 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
     return pd.DataFrame(rows)
 
 
-def _generate_one(ids, max_new_tokens, prompt_index, seed, *, target, method, drafter, k, sampling, eos, draft):
+def _generate_one(ids, max_new_tokens, prompt_index, seed, *, target, method, drafter, k, sampling, eos, draft,
+                  proactive):
     """One prompt through one method; worker methods run wholly on the worker."""
     if method in WORKER_METHODS:
         draft_spec = ModelSpec(draft) if isinstance(draft, str) else draft if isinstance(draft, ModelSpec) else None
@@ -128,7 +153,7 @@ def _generate_one(ids, max_new_tokens, prompt_index, seed, *, target, method, dr
                                          seed=seed, prompt_index=prompt_index, draft=draft_spec)
     return generate(target, drafter, ids, k=k, max_new_tokens=max_new_tokens, sampling=sampling,
                     generator=torch.Generator().manual_seed(seed), eos_token_ids=eos, method=method,
-                    prompt_index=prompt_index)
+                    prompt_index=prompt_index, proactive=proactive)
 
 
 def outputs(records: pd.DataFrame) -> dict[tuple[str, int], list[int]]:

@@ -72,6 +72,8 @@ class DraftTree:
     tokens: tuple[int, ...] = ()
     parents: tuple[int, ...] = ()
     draft_dists: Optional[tuple[SparseDist, ...]] = None
+    # The drafter's own forecast of accepted tokens (sum of path probabilities); stays client-side.
+    expected_accepted: Optional[float] = field(default=None, compare=False)
 
     def __post_init__(self):
         if len(self.tokens) != len(self.parents):
@@ -104,6 +106,11 @@ class DraftTree:
         for parent in self.parents:
             depth.append(1 if parent < 0 else depth[parent] + 1)
         return depth
+
+    def widths(self) -> list[int]:
+        """Number of nodes at each depth 1..max depth."""
+        depths = self.depths()
+        return [depths.count(d) for d in range(1, max(depths, default=0) + 1)]
 
     def children(self, node: int) -> list[int]:
         """Children of `node` (-1 for the root) in node order."""
@@ -153,6 +160,11 @@ class StepRecord:
     bytes_up: int = 0
     bytes_down: int = 0
     emulated_network_s: float = 0.0
+    tree_widths: list[int] = field(default_factory=list)
+    expected_accepted: Optional[float] = None  # drafter's forecast, for planner calibration
+    lookahead_drafted: int = 0  # proactive drafting: tokens drafted while the verify was in flight
+    lookahead_discarded: int = 0  # ... of which the verdict made useless
+    lookahead_reused: int = 0  # tokens of this step's chain that were drafted ahead last step
 
     @property
     def overhead_s(self) -> float:

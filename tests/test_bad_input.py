@@ -94,3 +94,29 @@ def test_prompt_lookup_worked_example():
 def test_text_prompt_needs_tokenizer(tiny_target):
     with pytest.raises(SpecbenchError, match="no tokenizer"):
         run(tiny_target, ["hello"], method="target-only", progress=False)
+
+
+def test_tree_budget_zero_and_dynamic_tree_with_rejection(tiny_target, tiny_draft):
+    from specbench.decode.tree_drafters import TreeDrafter
+
+    drafter = TreeDrafter(tiny_draft, 96)
+    with pytest.raises(SpecbenchError, match="budget must be >= 1"):
+        drafter.propose([1, 2, 3], 0, SamplingParams(), torch.Generator())
+    with pytest.raises(SpecbenchError, match="sample-match"):
+        drafter.propose([1, 2, 3], 8, SamplingParams(temperature=1.0, rule="rejection"), torch.Generator())
+    with pytest.raises(SpecbenchError, match="widths"):
+        TreeDrafter(tiny_draft, 96, widths=(2, 0))
+
+
+def test_tree_deeper_than_context_is_refused(tiny_target):
+    target = LocalTarget(tiny_target, max_context=8)
+    target.prefill("s", [1, 2, 3, 4, 5])
+    with pytest.raises(SpecbenchError, match="exceeds the target's context of 8"):
+        target.verify("s", DraftTree.chain([1, 2, 3, 4]), SamplingParams(), 0)
+
+
+def test_prompt_lookup_tree_merges_candidates():
+    tree = PromptLookupDrafter(max_ngram=1, max_candidates=3).propose(
+        [7, 1, 7, 2, 7, 1, 9, 7], 4, SamplingParams(), torch.Generator())
+    # continuations after each earlier 7: [1, 9, 7], [2, 7, 1], [1, 7, 2] -> trie with shared prefix 1
+    assert tree.tokens == (1, 9, 7, 2) and tree.parents == (-1, 0, 1, -1)

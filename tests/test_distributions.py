@@ -8,7 +8,6 @@ import pytest
 import torch
 from scipy import stats
 
-from specbench.decode.drafters import ModelDrafter
 from specbench.decode.loop import generate
 from specbench.decode.target import LocalTarget
 from specbench.models.tiny import tiny_model
@@ -87,23 +86,33 @@ def target_marginals(target, prompt, sampling, vocab):
     return first.numpy(), (first @ second_given_first).numpy()
 
 
-@pytest.mark.parametrize("rule", ["rejection", "sample-match"])
-def test_end_to_end_two_token_marginals_match_target(rule):
-    """Real models, real KV caches: the first two emitted tokens follow the target's marginals."""
+@pytest.mark.parametrize("method,rule,k", [("chain", "rejection", 3), ("chain", "sample-match", 3),
+                                           ("fixed-tree", "rejection", 8), ("tree", "sample-match", 8),
+                                           ("prompt-lookup-tree", "rejection", 6)])
+def test_end_to_end_two_token_marginals_match_target(method, rule, k):
+    """Real models, real KV caches, chains and trees: the first two emitted tokens follow the target."""
+    from specbench.api import TreeShape, make_drafter
+
     vocab = 16
     target = tiny_model(seed=3, vocab_size=vocab)
     draft = tiny_model(seed=4, vocab_size=vocab, noise_from=target, noise_scale=0.05)
     sampling = SamplingParams(temperature=1.5, rule=rule, draft_top_k=8)
-    local, drafter = LocalTarget(target), ModelDrafter(draft, vocab)
-    prompt = [1, 2, 3, 4, 5]
+    local = LocalTarget(target)
+    drafter = make_drafter(method, local, draft, target, tree=TreeShape(widths=(3, 2), beam=2, branch=3,
+                                                                        lookup_candidates=3))
+    # a prompt with repeats, so prompt lookup finds several candidate continuations
+    prompt = [1, 2, 3, 1, 2, 4, 1, 2, 5, 1, 2]
     generator = torch.Generator().manual_seed(5)
     draws = 1500
     first_counts, second_counts = np.zeros(vocab), np.zeros(vocab)
+    accepted = 0
     for _ in range(draws):
-        result = generate(local, drafter, prompt, k=3, max_new_tokens=2, sampling=sampling, generator=generator)
+        result = generate(local, drafter, prompt, k=k, max_new_tokens=2, sampling=sampling, generator=generator)
+        accepted += sum(r.accepted for r in result.records)
         first_counts[result.output_ids[0]] += 1
         second_counts[result.output_ids[1]] += 1
     first_p, second_p = target_marginals(target, prompt, sampling, vocab)
+    assert accepted > draws // 10, "the draft must be accepted often for the test to exercise acceptance"
     assert chi_square_p(first_counts, first_p) > P_VALUE_FLOOR
     assert chi_square_p(second_counts, second_p) > P_VALUE_FLOOR
 

@@ -1,4 +1,5 @@
 """Tier 3: greedy speculative decoding equals greedy target-only decoding token for token (fp32)."""
+import pandas as pd
 import pytest
 import torch
 
@@ -14,12 +15,12 @@ from conftest import PROMPTS
 GREEDY = SamplingParams()
 
 
-@pytest.mark.parametrize("k", [1, 3, 6])
+@pytest.mark.parametrize("k", [1, 3, 6, 16])
 def test_every_drafter_matches_target_only(tiny_target, tiny_draft, k):
-    records = run(tiny_target, PROMPTS, method=["target-only", "chain", "prompt-lookup", "self-draft"],
-                  draft=tiny_draft, k=k, max_new_tokens=40, progress=False)
+    methods = ["target-only", "chain", "tree", "fixed-tree", "prompt-lookup", "prompt-lookup-tree", "self-draft"]
+    records = run(tiny_target, PROMPTS, method=methods, draft=tiny_draft, k=k, max_new_tokens=40, progress=False)
     produced = outputs(records)
-    for method in ("chain", "prompt-lookup", "self-draft"):
+    for method in methods[1:]:
         for index in range(len(PROMPTS)):
             assert produced[(method, index)] == produced[("target-only", index)], (method, index)
     chain = records[records.method == "chain"]
@@ -110,8 +111,13 @@ def test_smollm2_self_draft_matches_target_only(smollm2):
     prompts = ["Write a Python function that reverses a string.", "Name three primary colours."]
     records = run(smollm2, prompts, method=["target-only", "self-draft", "prompt-lookup"], k=4,
                   max_new_tokens=32, self_draft_layers=26, progress=False)
+    from specbench.models.self_draft import truncated_view
+
+    trees = run(smollm2, prompts, method=["tree"], draft=truncated_view(smollm2, 26), k=12,
+                max_new_tokens=32, progress=False)
+    records = pd.concat([records, trees])
     produced = outputs(records)
-    for method in ("self-draft", "prompt-lookup"):
+    for method in ("self-draft", "prompt-lookup", "tree"):
         for index in range(len(prompts)):
             assert produced[(method, index)] == produced[("target-only", index)], (method, index)
     assert records[records.method == "self-draft"]["accepted"].sum() > 0

@@ -42,7 +42,9 @@ def local_outputs(methods, sampling=SamplingParams(), max_new_tokens=24, prompts
 def test_remote_equals_local(worker, sampling):
     remote = RemoteTarget(worker.endpoint)
     draft = tiny_model(1, noise_from=tiny_model(0), noise_scale=0.005)
-    methods = ["target-only", "chain", "prompt-lookup"]
+    methods = ["target-only", "chain", "prompt-lookup", "fixed-tree"]
+    if sampling.effective_rule != "rejection":
+        methods.append("tree")
     got = outputs(run(remote, PROMPTS, method=methods, draft=draft, sampling=sampling, max_new_tokens=24,
                       progress=False))
     # Step seeds travel with each verify, so even sampled runs match the local run token for token.

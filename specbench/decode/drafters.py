@@ -1,7 +1,7 @@
 """Drafters propose a DraftTree from the committed context: a draft model, prompt lookup, self-draft."""
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Optional, Protocol, Sequence
 
 import torch
 
@@ -35,10 +35,32 @@ class ModelDrafter:
         self.cached_ids: list[int] = []
 
     def propose(self, context: Sequence[int], budget: int, sampling: SamplingParams,
-                generator: torch.Generator) -> DraftTree:
+                generator: torch.Generator, prefix: Optional[DraftTree] = None) -> DraftTree:
+        """A chain of `budget` tokens; `prefix` (a chain drafted ahead for this exact context) is reused."""
         if budget < 1:
             raise SpecbenchError(f"draft budget must be >= 1, got {budget}")
-        logits = self._sync(list(context))
+        tokens = list(prefix.tokens[:budget]) if prefix else []
+        dists = list(prefix.draft_dists[:budget]) if prefix and prefix.draft_dists else []
+        if len(tokens) < budget:
+            more = self._draft(list(context) + tokens, budget - len(tokens), sampling, generator)
+            tokens += more.tokens
+            dists += more.draft_dists
+        return DraftTree.chain(tokens, dists)
+
+    def lookahead(self, context: Sequence[int], limit: int, sampling: SamplingParams,
+                  generator: torch.Generator, keep_going) -> DraftTree:
+        """Draft one token at a time past `context` while `keep_going()` says the verify is still in
+        flight (AutoDraft's proactive drafting); the caller keeps it only if the verdict confirms it."""
+        tokens, dists = [], []
+        while len(tokens) < limit and keep_going():
+            step = self._draft(list(context) + tokens, 1, sampling, generator)
+            tokens += step.tokens
+            dists += step.draft_dists
+        return DraftTree.chain(tokens, dists)
+
+    def _draft(self, context: list[int], budget: int, sampling: SamplingParams,
+               generator: torch.Generator) -> DraftTree:
+        logits = self._sync(context)
         tokens: list[int] = []
         dists: list[SparseDist] = []
         for position in range(budget):
@@ -48,7 +70,7 @@ class ModelDrafter:
             dists.append(dist)
             if position + 1 < budget:
                 logits = self._extend([token])
-        return DraftTree.chain(tokens, dists)
+        return DraftTree(tuple(tokens), tuple(range(-1, len(tokens) - 1)), tuple(dists))
 
     def _sync(self, context: list[int]) -> torch.Tensor:
         """Crop the cache to the common prefix (leaving at least the last token to feed); feed the rest."""
@@ -80,25 +102,64 @@ class PromptLookupDrafter:
 
     Example: context [1, 2, 3, 4, 2, 3] with max_ngram 2 matches the trailing (2, 3) at position 1,
     so a budget of 2 proposes [4, 2]. Longer n-grams are tried first, then shorter; the most recent
-    earlier match wins. The proposal is deterministic, so q is a point mass (exact for rejection).
+    earlier match wins. With `max_candidates` > 1 the most recent distinct continuations are merged
+    into a token tree (a trie). Proposals are deterministic, so each node's q is a point mass, which
+    keeps rejection exact, siblings included.
     """
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, name: str = "prompt-lookup"):
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_candidates: int = 1,
+                 name: str = "prompt-lookup"):
         if not 1 <= min_ngram <= max_ngram:
             raise SpecbenchError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        if max_candidates < 1:
+            raise SpecbenchError(f"max_candidates must be >= 1, got {max_candidates}")
         self.max_ngram, self.min_ngram, self.name = max_ngram, min_ngram, name
+        self.max_candidates = max_candidates
 
     def propose(self, context: Sequence[int], budget: int, sampling: SamplingParams,
                 generator: torch.Generator) -> DraftTree:
         if budget < 1:
             raise SpecbenchError(f"draft budget must be >= 1, got {budget}")
-        tokens = self.lookup(list(context), budget)
-        return DraftTree.chain(tokens, [SparseDist((t,), (1.0,)) for t in tokens])
+        candidates = self.candidates(list(context), budget)
+        if self.max_candidates == 1:
+            tokens = candidates[0] if candidates else []
+            return DraftTree.chain(tokens, [SparseDist((t,), (1.0,)) for t in tokens])
+        return self._trie(candidates, budget)
 
     def lookup(self, context: list[int], budget: int) -> list[int]:
+        candidates = self.candidates(context, budget)
+        return candidates[0] if candidates else []
+
+    def candidates(self, context: list[int], budget: int) -> list[list[int]]:
+        """Up to max_candidates distinct continuations, longest n-gram and most recent match first."""
+        found: list[list[int]] = []
         for n in range(min(self.max_ngram, len(context) - 1), self.min_ngram - 1, -1):
             suffix = context[-n:]
             for start in range(len(context) - n - 1, -1, -1):
                 if context[start:start + n] == suffix:
-                    return context[start + n:start + n + budget]
-        return []
+                    continuation = context[start + n:start + n + budget]
+                    if continuation not in found:
+                        found.append(continuation)
+                        if len(found) == self.max_candidates:
+                            return found
+            if found:
+                return found
+        return found
+
+    @staticmethod
+    def _trie(candidates: list[list[int]], budget: int) -> DraftTree:
+        tokens: list[int] = []
+        parents: list[int] = []
+        index: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+        for continuation in candidates:
+            parent = -1
+            for token in continuation:
+                node = index.get((parent, token))
+                if node is None:
+                    if len(tokens) == budget:
+                        break
+                    tokens.append(token)
+                    parents.append(parent)
+                    node = index[(parent, token)] = len(tokens) - 1
+                parent = node
+        return DraftTree(tuple(tokens), tuple(parents), tuple(SparseDist((t,), (1.0,)) for t in tokens))

@@ -24,12 +24,17 @@ class Generation:
 def generate(target: Target, drafter: Optional[Drafter], prompt_ids: Sequence[int], *, k: int,
              max_new_tokens: int, sampling: SamplingParams, generator: torch.Generator,
              eos_token_ids: Sequence[int] = (), method: str = "", prompt_index: int = 0,
-             session: str = "default") -> Generation:
+             session: str = "default", proactive: bool = False) -> Generation:
     """Generate up to `max_new_tokens` tokens, stopping after an EOS token, drafting `k` per step.
 
     Tokens past an EOS or past the budget are dropped even when the target accepted them, so the
     output is exactly what target-only decoding would return. The budget shrinks near the end so no
     draft token is wasted (k = min(k, remaining - 1)).
+
+    With `proactive` (a chain drafter and a target that verifies asynchronously, i.e. remote), the
+    drafter keeps drafting past the chain while the verify is in flight; when the verdict accepts
+    the whole chain and its bonus token equals the first look-ahead token, the rest of the
+    look-ahead opens the next chain, otherwise it is discarded and counted.
     """
     if drafter is not None and k < 1:
         raise SpecbenchError(f"k (draft tokens per step) must be >= 1, got {k}")
@@ -39,17 +44,36 @@ def generate(target: Target, drafter: Optional[Drafter], prompt_ids: Sequence[in
     start = time.perf_counter()
     target.prefill(session, prompt_ids)
     prefill_s = time.perf_counter() - start
+    proactive = proactive and drafter is not None and hasattr(drafter, "lookahead") and hasattr(target, "verify_begin")
     context, output, records = list(prompt_ids), [], []
+    ahead = None  # a look-ahead chain confirmed for the current context
     try:
         while len(output) < max_new_tokens:
             step_start = time.perf_counter()
             budget = min(k, max_new_tokens - len(output) - 1)
             tree = DraftTree()
+            reused = len(ahead) if ahead is not None and budget > 0 else 0
             if drafter is not None and budget > 0:
-                tree = drafter.propose(context, budget, sampling, generator)
+                tree = (drafter.propose(context, budget, sampling, generator, prefix=ahead) if ahead is not None
+                        else drafter.propose(context, budget, sampling, generator))
             draft_s = time.perf_counter() - step_start
             step_seed = int(torch.randint(0, 2**62, (), generator=generator))
-            verdict = target.verify(session, tree, sampling, step_seed)
+            looked_ahead, discarded = 0, 0
+            if proactive and len(tree):
+                pending = target.verify_begin(session, tree, sampling, step_seed)
+                ahead = drafter.lookahead(context + list(tree.tokens), k + 1, sampling, generator,
+                                          keep_going=lambda: not pending.ready())
+                verdict = pending.result()
+                looked_ahead = len(ahead)
+                whole_chain = len(verdict.accepted_path) == len(tree)
+                if whole_chain and len(ahead) > 1 and ahead.tokens[0] == verdict.bonus_token:
+                    ahead = DraftTree.chain(ahead.tokens[1:], ahead.draft_dists[1:])
+                    discarded = 0
+                else:
+                    discarded, ahead = looked_ahead, None
+            else:
+                ahead = None
+                verdict = target.verify(session, tree, sampling, step_seed)
             emitted = verdict.emitted(tree)
             finished = False
             for cut, token in enumerate(emitted):
@@ -66,7 +90,9 @@ def generate(target: Target, drafter: Optional[Drafter], prompt_ids: Sequence[in
                 network_s=verdict.network_s, step_s=time.perf_counter() - step_start,
                 tree_depth=max(tree.depths(), default=0), accepted_tokens=emitted,
                 bonus_token=verdict.bonus_token, bytes_up=verdict.bytes_up, bytes_down=verdict.bytes_down,
-                emulated_network_s=verdict.emulated_s))
+                emulated_network_s=verdict.emulated_s, tree_widths=tree.widths(),
+                expected_accepted=tree.expected_accepted, lookahead_drafted=looked_ahead,
+                lookahead_discarded=discarded, lookahead_reused=reused))
             if finished:
                 break
     finally:

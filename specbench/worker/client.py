@@ -90,18 +90,16 @@ class RemoteTarget:
         return len(ids)
 
     def verify(self, session: str, tree: DraftTree, sampling: SamplingParams, seed: int) -> Verdict:
+        return self.verify_begin(session, tree, sampling, seed).result()
+
+    def verify_begin(self, session: str, tree: DraftTree, sampling: SamplingParams, seed: int) -> "PendingVerify":
+        """Send a verify and return at once; `ready()` polls, `result()` waits (and recovers if needed)."""
         if session not in self._committed:
             raise SpecbenchError(f"unknown session {session!r}; call prefill first")
         header = {"op": "verify", "session": self._wire_session(session),
                   "sampling": protocol.sampling_to_wire(sampling), "seed": seed}
-        reply, arrays, timing = self._request(header, protocol.tree_to_arrays(tree), session=session,
-                                              with_timing=True)
-        path = tuple(int(i) for i in arrays["path"].tolist())
-        bonus = int(reply["bonus"])
-        self._committed[session] += [tree.tokens[i] for i in path] + [bonus]
-        return Verdict(path, bonus, float(reply["forward_s"]), float(reply["verify_s"]),
-                       network_s=timing["network_s"], bytes_up=timing["bytes_up"],
-                       bytes_down=timing["bytes_down"], emulated_s=timing["emulated_s"])
+        arrays = protocol.tree_to_arrays(tree)
+        return PendingVerify(self, session, tree, header, arrays, self._launch(header, arrays))
 
     def close(self, session: str) -> None:
         if session in self._committed:
@@ -179,21 +177,50 @@ class RemoteTarget:
         tokens = np.asarray(self._committed[session], dtype=np.int32)
         self._request({"op": "prefill", "session": wire}, {"tokens": tokens}, recover=False)
 
+    def _launch(self, header: dict, arrays: Optional[dict]) -> "_Flight":
+        """Send a request now; emulated delay is applied to when its reply may be *seen*, so the
+        client is free to work (proactive drafting) while the request is in flight."""
+        request_id = next(self._ids)
+        frames = protocol.encode(dict(header, id=request_id), arrays)
+        self.socket.send_multipart([b"", *frames])
+        bytes_up = sum(len(f) for f in frames)
+        return _Flight(request_id, header["op"], time.perf_counter(), bytes_up,
+                       self.network.one_way_s(bytes_up, self._rng))
+
+    def _poll(self, flight: "_Flight", wait_s: float) -> bool:
+        """Wait up to `wait_s` for the flight's reply; True once it arrived and its emulated delay passed."""
+        deadline = time.perf_counter() + wait_s
+        while flight.frames is None:
+            remaining = deadline - time.perf_counter()
+            if not self.socket.poll(max(0, int(remaining * 1000))):
+                if time.perf_counter() >= deadline:
+                    return False
+                continue
+            frames = self.socket.recv_multipart()
+            body = frames[1:] if frames and frames[0] == b"" else frames
+            try:
+                header, _ = protocol.decode(body)
+            except SpecbenchError:
+                continue
+            if header.get("id") == flight.request_id:  # late replies to abandoned requests are dropped
+                flight.frames, flight.arrived = body, time.perf_counter()
+                flight.down_delay = self.network.one_way_s(sum(len(f) for f in body), self._rng)
+        pause = flight.arrived + flight.up_delay + flight.down_delay - time.perf_counter()
+        if pause > 0:
+            if pause > deadline - time.perf_counter():
+                return False
+            time.sleep(pause)
+        return True
+
     def _request(self, header: dict, arrays: Optional[dict] = None, session: Optional[str] = None,
-                 with_timing: bool = False, recover: bool = True):
-        """Send, poll with a timeout, and on silence or a forgotten session reconnect, re-prefill and resend."""
+                 with_timing: bool = False, recover: bool = True, flight: Optional["_Flight"] = None):
+        """Send (or finish an in-flight request), poll with a timeout, and on silence or a forgotten
+        session reconnect, re-prefill and resend."""
         last_error = None
         for attempt in range(self.retries + 1):
-            request_id = next(self._ids)
-            frames = protocol.encode(dict(header, id=request_id), arrays)
-            bytes_up = sum(len(f) for f in frames)
-            emulated = self.network.one_way_s(bytes_up, self._rng)
-            started = time.perf_counter()
-            if emulated:
-                time.sleep(emulated)
-            self.socket.send_multipart([b"", *frames])
-            reply_frames = self._receive(request_id)
-            if reply_frames is None:
+            flight = flight or self._launch(header, arrays)
+            if not self._poll(flight, self.timeout_s):
+                flight = None
                 last_error = WorkerUnavailableError(
                     f"worker at {self.endpoint} did not answer {header['op']} within {self.timeout_s}s "
                     f"({attempt + 1} of {self.retries + 1} tries)")
@@ -201,38 +228,20 @@ class RemoteTarget:
                     raise last_error
                 self._recover(session)
                 continue
-            bytes_down = sum(len(f) for f in reply_frames)
-            back = self.network.one_way_s(bytes_down, self._rng)
-            if back:
-                time.sleep(back)
-            round_trip = time.perf_counter() - started
-            reply, reply_arrays = protocol.decode(reply_frames)
+            reply, reply_arrays = protocol.decode(flight.frames)
             if not reply.get("ok"):
                 if reply.get("code") == "unknown-session" and session is not None and recover:
+                    flight = None
                     last_error = WorkerError(reply.get("error", "unknown session"), "unknown-session")
                     self._open_and_prefill(session)  # the worker restarted or expired it: rebuild and resend
                     continue
                 raise WorkerError(f"worker refused {header['op']}: {reply.get('error')}", reply.get("code", "?"))
+            round_trip = time.perf_counter() - flight.started
             timing = {"network_s": max(0.0, round_trip - float(reply.get("worker_s", 0.0))),
-                      "bytes_up": bytes_up, "bytes_down": bytes_down, "emulated_s": emulated + back}
+                      "bytes_up": flight.bytes_up, "bytes_down": sum(len(f) for f in flight.frames),
+                      "emulated_s": flight.up_delay + flight.down_delay}
             return (reply, reply_arrays, timing) if with_timing else (reply, reply_arrays)
         raise last_error
-
-    def _receive(self, request_id: int):
-        deadline = time.monotonic() + self.timeout_s
-        while (remaining := deadline - time.monotonic()) > 0:
-            if not self.socket.poll(int(remaining * 1000) + 1):
-                return None
-            frames = self.socket.recv_multipart()
-            body = frames[1:] if frames and frames[0] == b"" else frames
-            try:
-                header, _ = protocol.decode(body)
-            except SpecbenchError:
-                continue
-            if header.get("id") == request_id:
-                return body
-            # a late reply to a request we already gave up on: drop it
-        return None
 
     def _recover(self, session: Optional[str]) -> None:
         """Fresh socket (a dead peer can leave a DEALER wedged), then rebuild sessions if the worker answers."""
@@ -251,3 +260,37 @@ class RemoteTarget:
         if self.socket is not None:
             self.socket.close(0)
             self.socket = None
+
+
+@dataclass
+class _Flight:
+    request_id: int
+    op: str
+    started: float
+    bytes_up: int
+    up_delay: float
+    frames: Optional[list] = None
+    arrived: float = 0.0
+    down_delay: float = 0.0
+
+
+class PendingVerify:
+    """A verify in flight: lets the caller draft ahead until the (possibly emulated) reply lands."""
+
+    def __init__(self, client: RemoteTarget, session: str, tree: DraftTree, header: dict, arrays: dict,
+                 flight: _Flight):
+        self.client, self.session, self.tree = client, session, tree
+        self.header, self.arrays, self.flight = header, arrays, flight
+
+    def ready(self) -> bool:
+        return self.client._poll(self.flight, 0.0)
+
+    def result(self) -> Verdict:
+        reply, arrays, timing = self.client._request(self.header, self.arrays, session=self.session,
+                                                     with_timing=True, flight=self.flight)
+        path = tuple(int(i) for i in arrays["path"].tolist())
+        bonus = int(reply["bonus"])
+        self.client._committed[self.session] += [self.tree.tokens[i] for i in path] + [bonus]
+        return Verdict(path, bonus, float(reply["forward_s"]), float(reply["verify_s"]),
+                       network_s=timing["network_s"], bytes_up=timing["bytes_up"],
+                       bytes_down=timing["bytes_down"], emulated_s=timing["emulated_s"])

@@ -1,0 +1,195 @@
+"""Remote target benchmark: protocol overhead, bytes per step, remote vs local, RTT sweep, concurrency.
+
+Workers run as real `specbench worker` processes on loopback. Prints tables and writes
+results/remote.json. Network delay beyond loopback is EMULATED on the client and labelled so.
+
+    python benchmarks/remote.py [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import platform
+import statistics
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from specbench.api import outputs, run
+from specbench.decode.metrics import tokens_per_second
+from specbench.models.loading import load_model
+from specbench.models.self_draft import truncated_view
+from specbench.models.spec import ModelSpec
+from specbench.types import DraftTree, SamplingParams, SparseDist
+from specbench.worker import protocol
+from specbench.worker.client import NetworkEmulation, RemoteTarget
+from specbench.worker.launch import free_port, spawn_worker
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = "tiny-random:seed=0"
+PROMPTS = ["Write a Python function that returns the n-th Fibonacci number.",
+           "List three uses of a hash map, one sentence each."]
+
+
+def protocol_overhead(endpoint: str, steps: int) -> dict:
+    """Client round trip minus the worker's own handling time, for verify steps of a 4-token chain."""
+    remote = RemoteTarget(endpoint)
+    remote.prefill("bench", list(range(1, 33)))
+    overheads = []
+    for step in range(steps):
+        tree = DraftTree.chain([5, 6, 7, 8])
+        started = time.perf_counter()
+        header = {"op": "verify", "session": remote._wire_session("bench"),
+                  "sampling": protocol.sampling_to_wire(SamplingParams()), "seed": step}
+        reply, _, _ = remote._request(header, protocol.tree_to_arrays(tree), session="bench", with_timing=True)
+        overheads.append(time.perf_counter() - started - reply["worker_s"])
+        if step % 50 == 49:  # keep the context short and constant
+            remote.prefill("bench", list(range(1, 33)))
+    overheads_ms = np.array(overheads[10:]) * 1000
+    return {"steps": len(overheads_ms), "p50_ms": float(np.percentile(overheads_ms, 50)),
+            "p99_ms": float(np.percentile(overheads_ms, 99)), "mean_ms": float(overheads_ms.mean())}
+
+
+def bytes_per_step() -> list[dict]:
+    def size(tree, sampling):
+        frames = protocol.encode({"op": "verify", "session": "0123456789ab-default", "id": 123456,
+                                  "seed": 2**61, "sampling": protocol.sampling_to_wire(sampling)},
+                                 protocol.tree_to_arrays(tree))
+        return sum(len(f) for f in frames)
+
+    rng = np.random.default_rng(0)
+    parents = tuple([-1] * 10 + [i // 10 for i in range(140)])  # 150 nodes, width 10 then 10 per node
+    tokens = tuple(int(t) for t in rng.integers(0, 151_936, 150))
+    greedy_tree = DraftTree(tokens, parents)
+    # sampled tree: siblings share their parent's q (top-32), so one q per internal node travels
+    q_by_parent = {p: SparseDist(tuple(int(t) for t in rng.integers(0, 151_936, 32)),
+                                 tuple(float(x) for x in rng.dirichlet(np.ones(32)))) for p in set(parents)}
+    sampled_tree = DraftTree(tokens, parents, tuple(q_by_parent[p] for p in parents))
+    chain_q = [SparseDist(tuple(int(t) for t in rng.integers(0, 151_936, 32)),
+                          tuple(float(x) for x in rng.dirichlet(np.ones(32)))) for _ in range(8)]
+    chain = DraftTree.chain([q.ids[0] for q in chain_q], chain_q)
+    sampling = SamplingParams(temperature=1.0, rule="rejection")
+    json_estimate = len(json.dumps({"tokens": list(tokens), "parents": list(parents),
+                                    "mask": [[1] * 150 for _ in range(150)]}))
+    return [{"payload": "150-node tree, greedy (no q)", "bytes": size(greedy_tree, SamplingParams())},
+            {"payload": "150-node tree, sampling (q top-32 per parent)", "bytes": size(sampled_tree, sampling)},
+            {"payload": "8-token chain, sampling (q top-32 per node)", "bytes": size(chain, sampling)},
+            {"payload": "for scale: JSON tokens+parents+dense 150x150 mask", "bytes": json_estimate}]
+
+
+def remote_vs_local(endpoint: str, target_spec: ModelSpec, draft, max_new_tokens: int) -> dict:
+    local = run(target_spec, PROMPTS, method=["target-only", "chain"], draft=draft, max_new_tokens=max_new_tokens,
+                progress=False)
+    remote_target = RemoteTarget(endpoint, model=target_spec)
+    tokenizer = draft.tokenizer
+    remote = run(remote_target, PROMPTS, method=["target-only", "chain"], draft=draft,
+                 max_new_tokens=max_new_tokens, progress=False, tokenizer=tokenizer)
+    rows = []
+    for method in ("target-only", "chain"):
+        local_tps = tokens_per_second(local[local.method == method])
+        remote_tps = tokens_per_second(remote[remote.method == method])
+        identical = all(outputs(local)[(method, i)] == outputs(remote)[(method, i)] for i in range(len(PROMPTS)))
+        rows.append({"method": method, "local_tps": local_tps, "remote_tps": remote_tps,
+                     "remote_over_local": remote_tps / local_tps, "identical_outputs": identical})
+    return rows
+
+
+def rtt_sweep(endpoint: str, target_spec: ModelSpec, draft, rtts, max_new_tokens: int) -> list[dict]:
+    rows = []
+    for rtt in rtts:
+        remote_target = RemoteTarget(endpoint, model=target_spec, network=NetworkEmulation(rtt_ms=rtt, jitter_ms=rtt / 10))
+        records = run(remote_target, PROMPTS, method=["target-only", "chain", "prompt-lookup"], draft=draft,
+                      max_new_tokens=max_new_tokens, progress=False, tokenizer=draft.tokenizer)
+        speeds = {m: tokens_per_second(g) for m, g in records.groupby("method")}
+        rows.append({"emulated_rtt_ms": rtt, **{f"{m}_tps": v for m, v in speeds.items()},
+                     "chain_speedup": speeds["chain"] / speeds["target-only"],
+                     "prompt_lookup_speedup": speeds["prompt-lookup"] / speeds["target-only"],
+                     "emulated_network_s_per_step": float(records["emulated_network_s"].mean())})
+    return rows
+
+
+def _client(endpoint, seed, steps, queue):
+    remote = RemoteTarget(endpoint)
+    prompt = [1 + (seed + i) % 90 for i in range(16)]
+    latencies = []
+    started = time.perf_counter()
+    remote.prefill("c", prompt)
+    for step in range(steps):
+        t0 = time.perf_counter()
+        remote.verify("c", DraftTree.chain([3, 4, 5, 6]), SamplingParams(), step)
+        latencies.append(time.perf_counter() - t0)
+    queue.put({"tokens": len(remote.committed("c")) - len(prompt), "seconds": time.perf_counter() - started,
+               "median_step_ms": 1000 * statistics.median(latencies)})
+
+
+def concurrency(endpoint: str, clients_list, steps: int) -> list[dict]:
+    context = multiprocessing.get_context("spawn")
+    rows = []
+    for clients in clients_list:
+        queue = context.Queue()
+        processes = [context.Process(target=_client, args=(endpoint, i, steps, queue)) for i in range(clients)]
+        for process in processes:
+            process.start()
+        results = [queue.get(timeout=600) for _ in processes]
+        for process in processes:
+            process.join()
+        wall = max(r["seconds"] for r in results)
+        rows.append({"clients": clients, "aggregate_tokens_per_s": sum(r["tokens"] for r in results) / wall,
+                     "median_step_ms": statistics.median(r["median_step_ms"] for r in results)})
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer steps and tokens (a smoke run)")
+    parser.add_argument("--out", default=str(ROOT / "results" / "remote.json"))
+    args = parser.parse_args()
+    steps = 200 if args.quick else 2000
+    max_new = 16 if args.quick else 48
+    pd.set_option("display.width", 200)
+    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "machine": {"platform": platform.platform(), "threads": torch.get_num_threads()},
+              "note": "loopback; RTT values are emulated on the client"}
+
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    worker = spawn_worker(endpoint, "--model", TINY)
+    try:
+        report["protocol_overhead"] = protocol_overhead(endpoint, steps)
+        print("== protocol overhead (round trip - worker time), tiny model, loopback ==")
+        print(pd.DataFrame([report["protocol_overhead"]]).round(3).to_string(index=False))
+        report["concurrency"] = concurrency(endpoint, [1, 2, 4, 8], 20 if args.quick else 100)
+        print("\n== concurrent clients (tiny model, separate processes, 4-token chain verifies) ==")
+        print(pd.DataFrame(report["concurrency"]).round(2).to_string(index=False))
+    finally:
+        worker.terminate()
+    report["bytes_per_step"] = bytes_per_step()
+    print("\n== bytes per verify request ==")
+    print(pd.DataFrame(report["bytes_per_step"]).to_string(index=False))
+
+    target_spec = ModelSpec("smollm2-135m")
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    worker = spawn_worker(endpoint, "--model", "smollm2-135m")
+    try:
+        # The draft: SmolLM2's own first 26 layers, loaded in this (client) process.
+        draft = truncated_view(load_model(target_spec), 26)
+        report["remote_vs_local"] = remote_vs_local(endpoint, target_spec, draft, max_new)
+        print("\n== remote vs local, SmolLM2-135M target, self-draft (26 layers) chain K=4, greedy ==")
+        print(pd.DataFrame(report["remote_vs_local"]).round(3).to_string(index=False))
+        rtts = [0, 50] if args.quick else [0, 10, 50, 100]
+        report["rtt_sweep"] = rtt_sweep(endpoint, target_spec, draft, rtts, max_new)
+        print("\n== tokens/s vs EMULATED RTT (same pair) ==")
+        print(pd.DataFrame(report["rtt_sweep"]).round(3).to_string(index=False))
+    finally:
+        worker.terminate()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1, default=str))
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

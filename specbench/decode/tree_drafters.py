@@ -1,0 +1,155 @@
+"""Tree drafters: fixed-shape trees and dynamic trees grown by cumulative draft probability.
+
+Both expand the tree level by level, one draft forward per level over all nodes being expanded
+(a tree attention mask on the draft's cache), so a depth-D tree costs D draft forwards, like a
+chain of D tokens.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from specbench.decode.drafters import ModelDrafter
+from specbench.decode.kv import crop_to
+from specbench.models.loading import LoadedModel
+from specbench.sampling.probs import draft_distribution, sample_sparse
+from specbench.types import DraftTree, SamplingParams, SparseDist, SpecbenchError
+
+
+@dataclass
+class _Node:
+    token: int
+    parent: int
+    depth: int
+    log_prob: float  # cumulative draft log-probability of the path root..node
+    q: SparseDist
+
+
+class TreeDrafter(ModelDrafter):
+    """A draft model proposing a token tree.
+
+    Fixed shape (`widths=(4, 2, 1)`): every node at depth d gets widths[d] children. Under greedy
+    and sample-match verification the children are the draft's top tokens; under rejection they
+    are independent draws from q, which is what recursive rejection sampling needs to stay exact
+    (the shape never depends on which tokens were drawn).
+
+    Dynamic (`widths=None`): OPT-Tree / EAGLE-2 style. Each level expands the `beam` nodes with the
+    highest cumulative draft probability, each into its top `branch` children; at the end the
+    `budget` nodes with the highest cumulative probability are kept, which maximises the expected
+    accepted length sum(P(path to node)) under the draft's own model. Ancestors always score at
+    least as high as their descendants, so the kept set is a tree. Example: budget 3, root
+    children a (.6) and b (.3), a's children c (.5 -> .3) and d (.4 -> .24): keeps a, b, c (ties
+    favour the shallower node). Verify it with greedy or sample-match: the selection depends on
+    the tokens drawn, so multi-draft rejection would not be exact on it.
+    """
+
+    def __init__(self, draft: LoadedModel, target_vocab_size: int, widths: Optional[Sequence[int]] = None,
+                 max_depth: int = 6, beam: int = 4, branch: int = 4, name: str = "tree"):
+        super().__init__(draft, target_vocab_size, name=name)
+        if widths is not None and (not widths or any(w < 1 for w in widths)):
+            raise SpecbenchError(f"tree widths must be positive per depth, got {widths}")
+        if max_depth < 1 or beam < 1 or branch < 1:
+            raise SpecbenchError("max_depth, beam and branch must all be >= 1")
+        self.widths = tuple(widths) if widths is not None else None
+        self.max_depth = len(self.widths) if self.widths else max_depth
+        self.beam, self.branch = beam, branch
+
+    def propose(self, context: Sequence[int], budget: int, sampling: SamplingParams,
+                generator: torch.Generator) -> DraftTree:
+        if budget < 1:
+            raise SpecbenchError(f"tree node budget must be >= 1, got {budget}")
+        if self.widths is None and sampling.effective_rule == "rejection":
+            raise SpecbenchError("dynamic trees pick nodes by their drawn tokens, so rejection sampling would be "
+                                 "biased on them: use rule='sample-match' (lossless) or a fixed-width tree")
+        context = list(context)
+        root_logits = self._sync(context)
+        nodes: list[_Node] = []
+        frontier = [(-1, root_logits)]
+        fed: list[int] = []
+        depth_limit = min(self.max_depth, budget)
+        try:
+            for depth in range(1, depth_limit + 1):
+                created = []
+                for parent, logits in frontier:
+                    created += self._children(nodes, parent, depth, logits, sampling, generator)
+                if depth == depth_limit or not created:
+                    break
+                expand = created if self.widths else sorted(created, key=lambda i: -nodes[i].log_prob)[: self.beam]
+                frontier = list(zip(expand, self._forward_level(context, nodes, fed, expand)))
+                fed += expand
+        finally:
+            crop_to(self.cache, len(context))  # tree tokens are not a sequence: keep only the context
+            self.cached_ids = list(context)
+        keep = self._select(nodes, budget)
+        return self._as_tree(nodes, keep, sampling)
+
+    def _children(self, nodes, parent, depth, logits, sampling, generator) -> list[int]:
+        width = self.widths[depth - 1] if self.widths else self.branch
+        base = nodes[parent].log_prob if parent >= 0 else 0.0
+        if sampling.effective_rule == "rejection":
+            q = draft_distribution(logits[: self.vocab_limit], sampling)
+            tokens = [sample_sparse(q, generator) for _ in range(width)]
+        else:
+            # rank by the draft's tempered distribution (temperature 1 under greedy decoding)
+            ranking = SamplingParams(temperature=sampling.temperature or 1.0, top_k=sampling.top_k,
+                                     top_p=sampling.top_p, draft_top_k=max(width, 1))
+            q = draft_distribution(logits[: self.vocab_limit], ranking)
+            tokens = list(q.ids[:width])
+        weights = dict(zip(q.ids, q.probs))
+        created = []
+        for token in tokens:
+            nodes.append(_Node(token, parent, depth, base + math.log(max(weights[token], 1e-30)), q))
+            created.append(len(nodes) - 1)
+        return created
+
+    @torch.inference_mode()
+    def _forward_level(self, context, nodes, fed, expand) -> list[torch.Tensor]:
+        """Feed `expand` nodes in one forward; each attends to the context, its fed ancestors and itself."""
+        past = len(context) + len(fed)
+        total = past + len(expand)
+        dtype = self.model.dtype
+        mask = torch.full((len(expand), total), torch.finfo(dtype).min, dtype=dtype)
+        mask[:, : len(context)] = 0.0
+        column = {node: len(context) + i for i, node in enumerate(fed)}
+        for row, node in enumerate(expand):
+            mask[row, past + row] = 0.0
+            ancestor = nodes[node].parent
+            while ancestor >= 0:
+                mask[row, column[ancestor]] = 0.0
+                ancestor = nodes[ancestor].parent
+        device = self.model.get_input_embeddings().weight.device
+        positions = torch.tensor([[len(context) - 1 + nodes[n].depth for n in expand]], device=device)
+        output = self.model(input_ids=torch.tensor([[nodes[n].token for n in expand]], device=device),
+                            past_key_values=self.cache, position_ids=positions,
+                            attention_mask=mask.view(1, 1, len(expand), total).to(device), use_cache=True)
+        return list(output.logits[0].float().cpu())
+
+    def _select(self, nodes, budget) -> list[int]:
+        if self.widths:
+            # A prefix in creation (breadth-first) order: which nodes survive never depends on their tokens.
+            return list(range(min(len(nodes), budget)))
+        return self._best(nodes, budget)
+
+    @staticmethod
+    def _best(nodes, budget) -> list[int]:
+        ranked = sorted(range(len(nodes)), key=lambda i: (-nodes[i].log_prob, nodes[i].depth, i))
+        chosen = set()
+        for index in ranked:
+            if len(chosen) == budget:
+                break
+            if nodes[index].parent < 0 or nodes[index].parent in chosen:
+                chosen.add(index)
+        return sorted(chosen)
+
+    @staticmethod
+    def _as_tree(nodes, keep, sampling) -> DraftTree:
+        remap = {old: new for new, old in enumerate(keep)}
+        expected = sum(math.exp(nodes[i].log_prob) for i in keep)
+        # Only rejection sampling reads q; greedy and sample-match trees travel without it.
+        dists = tuple(nodes[i].q for i in keep) if sampling.effective_rule == "rejection" else None
+        return DraftTree(tokens=tuple(nodes[i].token for i in keep),
+                         parents=tuple(remap[nodes[i].parent] if nodes[i].parent >= 0 else -1 for i in keep),
+                         draft_dists=dists, expected_accepted=expected)
