@@ -59,7 +59,7 @@ def generate(target: Target, drafter: Optional[Drafter], prompt_ids: Sequence[in
             draft_s = time.perf_counter() - step_start
             step_seed = int(torch.randint(0, 2**62, (), generator=generator))
             looked_ahead, discarded = 0, 0
-            if proactive and len(tree):
+            if proactive and len(tree) and tree.is_chain:
                 pending = target.verify_begin(session, tree, sampling, step_seed)
                 ahead = drafter.lookahead(context + list(tree.tokens), k + 1, sampling, generator,
                                           keep_going=lambda: not pending.ready())

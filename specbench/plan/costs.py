@@ -1,0 +1,125 @@
+"""Cost model: prices, power and network as data; every objective a small pure function.
+
+No torch here: the planning layer runs in notebooks without a model. Sources: AutoDraft
+(user-cloud speculative decoding with a cost knob) for the objective J and its knob cs; the GPU
+rental formula ($/GPU-hour x busy seconds) is the usual cloud accounting.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specbench.types import SpecbenchError
+
+OBJECTIVES = ("latency", "api_cost", "total_cost", "draft_energy", "target_energy", "energy_total")
+PRESETS = {"tps": 0.0, "balanced": 0.5, "cost": 1.0}
+
+
+@dataclass(frozen=True)
+class Prices:
+    """Target side priced per GPU-hour (busy seconds) or per 1M tokens; draft energy and bytes on top."""
+
+    target_usd_per_hour: float = 2.0
+    target_usd_per_mtok: float = 0.0  # when > 0, API pricing per generated token replaces GPU-hours
+    draft_usd_per_kwh: float = 0.30
+    usd_per_gb_up: float = 0.0
+    usd_per_gb_down: float = 0.09
+
+    def __post_init__(self):
+        for name, value in self.__dict__.items():
+            if value < 0:
+                raise SpecbenchError(f"price {name} must be >= 0, got {value}")
+
+
+@dataclass(frozen=True)
+class Power:
+    """Watts while busy; `source` says where the figure came from (nvml, rapl or configured)."""
+
+    draft_watts: float = 15.0
+    target_watts: float = 350.0
+    source: str = "configured"
+
+
+@dataclass(frozen=True)
+class Network:
+    rtt_ms: float = 0.0
+    bandwidth_mbps: float = 0.0  # 0 = unlimited
+
+    def transfer_s(self, bytes_up: float, bytes_down: float) -> float:
+        """One round trip plus serialization of both directions."""
+        wire = (bytes_up + bytes_down) * 8 / (self.bandwidth_mbps * 1e6) if self.bandwidth_mbps else 0.0
+        return self.rtt_ms / 1000 + wire
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Per-step figures the objectives are built from (one target call per step)."""
+
+    tokens_per_step: float
+    draft_s: float
+    verify_s: float
+    network_s: float
+    overhead_s: float
+    bytes_up: float
+    bytes_down: float
+
+    @property
+    def step_s(self) -> float:
+        return self.draft_s + self.verify_s + self.network_s + self.overhead_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_s
+
+
+def api_cost_per_mtok(step: StepCost, prices: Prices) -> float:
+    """Target-side $ per 1M generated tokens: GPU $/hour x verify seconds per token, or the API price."""
+    if prices.target_usd_per_mtok > 0:
+        return prices.target_usd_per_mtok
+    return prices.target_usd_per_hour / 3600 * step.verify_s / step.tokens_per_step * 1e6
+
+
+def draft_energy_j_per_mtok(step: StepCost, power: Power) -> float:
+    return power.draft_watts * step.draft_s / step.tokens_per_step * 1e6
+
+
+def target_energy_j_per_mtok(step: StepCost, power: Power) -> float:
+    return power.target_watts * step.verify_s / step.tokens_per_step * 1e6
+
+
+def total_cost_per_mtok(step: StepCost, prices: Prices, power: Power) -> float:
+    """api_cost + draft energy x $/kWh + bytes x $/GB each way (AutoDraft's total cost)."""
+    energy_usd = draft_energy_j_per_mtok(step, power) / 3.6e6 * prices.draft_usd_per_kwh
+    per_token_gb = 1e6 / step.tokens_per_step / 1e9
+    wire_usd = (step.bytes_up * prices.usd_per_gb_up + step.bytes_down * prices.usd_per_gb_down) * per_token_gb
+    return api_cost_per_mtok(step, prices) + energy_usd + wire_usd
+
+
+def objective_value(objective: str, step: StepCost, prices: Prices, power: Power) -> float:
+    """Lower is better for every objective (latency is seconds per token)."""
+    if objective == "latency":
+        return 1.0 / step.tokens_per_s
+    if objective == "api_cost":
+        return api_cost_per_mtok(step, prices)
+    if objective == "total_cost":
+        return total_cost_per_mtok(step, prices, power)
+    if objective == "draft_energy":
+        return draft_energy_j_per_mtok(step, power)
+    if objective == "target_energy":
+        return target_energy_j_per_mtok(step, power)
+    if objective == "energy_total":
+        return draft_energy_j_per_mtok(step, power) + target_energy_j_per_mtok(step, power)
+    raise SpecbenchError(f"unknown objective {objective!r}; choose one of {OBJECTIVES}")
+
+
+def cost_knob(cs: float, cost: float, cost_ref: float, tps: float, tps_ref: float) -> float:
+    """AutoDraft's J = cs * cost / cost_ref + (1 - cs) * tps_ref / tps; cs = 0 is pure speed, 1 pure cost."""
+    check_cs(cs)
+    if cost_ref <= 0 or tps <= 0 or tps_ref <= 0:
+        raise SpecbenchError("cost_ref, tps and tps_ref must be > 0")
+    return cs * cost / cost_ref + (1 - cs) * tps_ref / tps
+
+
+def check_cs(cs: float) -> float:
+    if not 0.0 <= cs <= 1.0:
+        raise SpecbenchError(f"cost weight cs must be in [0, 1], got {cs}")
+    return cs

@@ -1,0 +1,66 @@
+"""Plan inputs on disk: LatencyProfile and AcceptanceReference records in profiles/ and reference/."""
+from __future__ import annotations
+
+import platform
+from dataclasses import asdict
+from datetime import datetime, timezone
+from importlib import metadata as package_metadata
+from pathlib import Path
+from typing import Optional
+
+from specbench.cache.store import find_records, write_record
+from specbench.plan.predict import AcceptanceReference, LatencyProfile
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+PROFILES = PROJECT_ROOT / "profiles"
+REFERENCES = PROJECT_ROOT / "reference"
+
+
+def library_versions() -> dict:
+    versions = {}
+    for name in ("torch", "transformers", "bitsandbytes", "specbench-lab"):
+        try:
+            versions[name] = package_metadata.version(name)
+        except package_metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def save_profile(profile: LatencyProfile, extra: Optional[dict] = None, folder: Path = PROFILES) -> Path:
+    metadata = {"model": profile.model, "device": profile.device, "dtype": profile.dtype,
+                "quantization": profile.quantization, "host": platform.node(),
+                "versions": library_versions(), **(extra or {})}
+    metadata.setdefault("date", datetime.now(timezone.utc).date().isoformat())
+    payload = {"rows": [list(row) for row in profile.rows]}
+    return write_record(folder, "profile", metadata, payload, label=f"{profile.device}-{profile.model}-{profile.dtype}")
+
+
+def load_profiles(folder: Path = PROFILES, **match) -> list[LatencyProfile]:
+    return [LatencyProfile(model=m["model"], device=m["device"], dtype=m["dtype"], quantization=m["quantization"],
+                           rows=tuple(tuple(row) for row in p["rows"]))
+            for _, m, p in find_records(folder, "profile", **match)]
+
+
+def save_reference(reference: AcceptanceReference, extra: Optional[dict] = None, folder: Path = REFERENCES) -> Path:
+    fields = asdict(reference)
+    metadata = {key: fields[key] for key in ("draft", "target", "dataset", "rule", "temperature", "max_chain")}
+    metadata.update({"versions": library_versions(), **(extra or {})})
+    metadata.setdefault("date", datetime.now(timezone.utc).date().isoformat())
+    payload = {"chain_accepts": list(reference.chain_accepts),
+               "tree_accepts": {str(k): list(v) for k, v in reference.tree_accepts.items()},
+               "tree_depth": {str(k): v for k, v in reference.tree_depth.items()},
+               "tree_width": {str(k): v for k, v in reference.tree_width.items()}}
+    return write_record(folder, "reference", metadata, payload,
+                        label=f"{reference.draft}-{reference.target}-{reference.dataset}")
+
+
+def load_references(folder: Path = REFERENCES, **match) -> list[AcceptanceReference]:
+    out = []
+    for _, m, p in find_records(folder, "reference", **match):
+        out.append(AcceptanceReference(
+            draft=m["draft"], target=m["target"], dataset=m["dataset"], rule=m["rule"],
+            temperature=m["temperature"], max_chain=m["max_chain"], chain_accepts=tuple(p["chain_accepts"]),
+            tree_accepts={int(k): tuple(v) for k, v in p["tree_accepts"].items()},
+            tree_depth={int(k): v for k, v in p["tree_depth"].items()},
+            tree_width={int(k): v for k, v in p["tree_width"].items()}))
+    return out

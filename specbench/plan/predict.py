@@ -1,0 +1,182 @@
+"""Replay prediction: latency profiles x acceptance references x network x prices -> operating points.
+
+Nothing is run: a chain of K tokens accepts min(a, K) tokens on a step where a long reference
+chain accepted a (exact for greedy, and exact in distribution for rejection sampling, because the
+first K tokens of a longer chain are distributed as a K chain); trees are predicted only at node
+budgets that were measured, never interpolated.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from statistics import mean
+from typing import Optional, Sequence
+
+from specbench.plan.costs import Network, Power, Prices, StepCost, api_cost_per_mtok, cost_knob, check_cs
+from specbench.plan.costs import draft_energy_j_per_mtok, target_energy_j_per_mtok, total_cost_per_mtok
+from specbench.types import SpecbenchError
+
+REPLY_BYTES = 110  # verify reply: msgpack header (ok, id, bonus, timings) + accepted path frame
+REQUEST_HEADER_BYTES = 150  # verify request header: op, session, seed, sampling, array descriptors
+
+
+@dataclass(frozen=True)
+class LatencyProfile:
+    """Median forward seconds of one model on one device over a (tokens, context) grid."""
+
+    model: str
+    device: str
+    dtype: str = "float32"
+    quantization: str = "none"
+    rows: tuple[tuple[int, int, float], ...] = ()  # (tokens, context, median_s)
+
+    def forward_s(self, tokens: int, context: int) -> float:
+        """Linear in tokens between measured points (beyond the grid: the last slope), nearest measured
+        context at or above `context` (the largest if none)."""
+        if not self.rows:
+            raise SpecbenchError(f"latency profile of {self.model} on {self.device} has no rows")
+        contexts = sorted({c for _, c, _ in self.rows})
+        chosen = contexts[min(bisect.bisect_left(contexts, context), len(contexts) - 1)]
+        points = sorted((t, s) for t, c, s in self.rows if c == chosen)
+        if len(points) == 1:
+            return points[0][1]
+        xs = [t for t, _ in points]
+        index = min(max(bisect.bisect_left(xs, tokens), 1), len(points) - 1)
+        (x0, y0), (x1, y1) = points[index - 1], points[index]
+        return max(0.0, y0 + (y1 - y0) * (tokens - x0) / (x1 - x0))
+
+
+@dataclass(frozen=True)
+class AcceptanceReference:
+    """Per-step acceptance traces of a draft/target pair on a dataset.
+
+    `chain_accepts[i]` is how many leading tokens of a `max_chain`-token draft step i accepted;
+    `tree_accepts[budget]` lists accepted depths per step of dynamic trees at that node budget.
+    """
+
+    draft: str
+    target: str
+    dataset: str
+    rule: str = "greedy"
+    temperature: float = 0.0
+    max_chain: int = 8
+    chain_accepts: tuple[int, ...] = ()
+    tree_accepts: dict = field(default_factory=dict)
+    tree_depth: dict = field(default_factory=dict)  # budget -> mean tree depth drafted
+    tree_width: dict = field(default_factory=dict)  # budget -> draft tokens per draft forward (beam)
+
+    def accepted(self, method: str, k: int) -> float:
+        """Expected accepted draft tokens per step."""
+        if method == "target-only":
+            return 0.0
+        if method == "chain":
+            if not 1 <= k <= self.max_chain:
+                raise SpecbenchError(f"reference chains were {self.max_chain} long; cannot predict K={k}")
+            if not self.chain_accepts:
+                raise SpecbenchError("reference has no chain steps")
+            return mean(min(a, k) for a in self.chain_accepts)
+        if method == "tree":
+            steps = self.tree_accepts.get(k) or self.tree_accepts.get(str(k))
+            if not steps:
+                measured = sorted(int(b) for b in self.tree_accepts)
+                raise SpecbenchError(f"no measured tree steps at budget {k} (measured: {measured}); "
+                                     f"record a reference at that budget rather than interpolate")
+            return mean(steps)
+        raise SpecbenchError(f"cannot predict method {method!r}; choose target-only, chain or tree")
+
+
+@dataclass(frozen=True)
+class OperatingPoint:
+    method: str  # target-only | chain | tree
+    k: int = 0  # chain length or tree node budget
+    where: str = "local"  # local | remote
+    rtt_ms: float = 0.0
+    rule: str = "greedy"
+
+    @property
+    def label(self) -> str:
+        size = "" if self.method == "target-only" else f" {'K' if self.method == 'chain' else 'budget'}={self.k}"
+        place = "local" if self.where == "local" else f"remote {self.rtt_ms:g}ms"
+        return f"{self.method}{size} ({place})"
+
+
+def bytes_per_step(point: OperatingPoint, draft_top_k: int = 32) -> tuple[float, float]:
+    """Wire bytes up and down for one verify: tokens int32 + parents int16 (+ sparse q for rejection)."""
+    if point.where == "local":
+        return 0.0, 0.0
+    nodes = point.k if point.method != "target-only" else 0
+    q_bytes = nodes * (2 + draft_top_k * 8 + 2) if point.rule == "rejection" else 0
+    return float(REQUEST_HEADER_BYTES + nodes * 6 + q_bytes), float(REPLY_BYTES + 2 * nodes)
+
+
+def predict_step(point: OperatingPoint, target: LatencyProfile, draft: Optional[LatencyProfile],
+                 reference: Optional[AcceptanceReference], context: int = 256,
+                 overhead_s: float = 0.0, bandwidth_mbps: float = 0.0) -> StepCost:
+    accepted = reference.accepted(point.method, point.k) if reference else 0.0
+    if point.method != "target-only" and (draft is None or reference is None):
+        raise SpecbenchError(f"{point.label} needs a draft profile and an acceptance reference")
+    if point.method == "chain":
+        draft_s = point.k * draft.forward_s(1, context)
+    elif point.method == "tree":
+        depth = float(reference.tree_depth.get(point.k) or reference.tree_depth.get(str(point.k)) or 1)
+        width = int(reference.tree_width.get(point.k) or reference.tree_width.get(str(point.k)) or 1)
+        draft_s = draft.forward_s(1, context) + (depth - 1) * draft.forward_s(width, context)
+    else:
+        draft_s = 0.0
+    verify_s = target.forward_s(1 + (point.k if point.method != "target-only" else 0), context)
+    up, down = bytes_per_step(point)
+    network_s = Network(point.rtt_ms, bandwidth_mbps).transfer_s(up, down) if point.where == "remote" else 0.0
+    return StepCost(1.0 + accepted, draft_s, verify_s, network_s, overhead_s, up, down)
+
+
+def predict(points: Sequence[OperatingPoint], target: LatencyProfile, draft: Optional[LatencyProfile],
+            reference: Optional[AcceptanceReference], prices: Prices = Prices(), power: Power = Power(),
+            context: int = 256, overhead_s: float = 0.0, bandwidth_mbps: float = 0.0) -> list[dict]:
+    """One row per operating point: tokens/s, tokens per step, $ and J per 1M tokens, bytes per token."""
+    rows = []
+    for point in points:
+        step = predict_step(point, target, draft, reference, context, overhead_s, bandwidth_mbps)
+        rows.append({"label": point.label, "method": point.method, "k": point.k, "where": point.where,
+                     "rtt_ms": point.rtt_ms, "tokens_per_step": step.tokens_per_step,
+                     "tokens_per_s": step.tokens_per_s, "step_ms": 1000 * step.step_s,
+                     "api_cost_usd_per_mtok": api_cost_per_mtok(step, prices),
+                     "total_cost_usd_per_mtok": total_cost_per_mtok(step, prices, power),
+                     "draft_energy_j_per_mtok": draft_energy_j_per_mtok(step, power),
+                     "target_energy_j_per_mtok": target_energy_j_per_mtok(step, power),
+                     "bytes_per_token": (step.bytes_up + step.bytes_down) / step.tokens_per_step,
+                     "energy_source": power.source})
+    return rows
+
+
+def pareto_front(rows: Sequence[dict], speed: str = "tokens_per_s", cost: str = "total_cost_usd_per_mtok") -> list[dict]:
+    """Rows not dominated by another (at least as fast and at most as costly, one strictly)."""
+    front = []
+    for row in rows:
+        dominated = any(other[speed] >= row[speed] and other[cost] <= row[cost]
+                        and (other[speed] > row[speed] or other[cost] < row[cost]) for other in rows)
+        if not dominated:
+            front.append(row)
+    return sorted(front, key=lambda r: r[speed])
+
+
+def choose(rows: Sequence[dict], cs: float, cost: str = "total_cost_usd_per_mtok",
+           reference_label: Optional[str] = None) -> dict:
+    """The row minimising AutoDraft's J for cost weight cs; references default to target-only's row."""
+    check_cs(cs)
+    if not rows:
+        raise SpecbenchError("no operating points to choose from")
+    base = next((r for r in rows if r["label"] == reference_label), None) if reference_label else None
+    base = base or next((r for r in rows if r["method"] == "target-only"), rows[0])
+    return min(rows, key=lambda r: cost_knob(cs, r[cost], base[cost], r["tokens_per_s"], base["tokens_per_s"]))
+
+
+def break_even_acceptance(target: LatencyProfile, draft: LatencyProfile, k: int, context: int = 256,
+                          rtt_ms: float = 0.0, overhead_s: float = 0.0) -> float:
+    """Mean accepted tokens per step at which chain K merely matches target-only tokens/s.
+
+    SD pays off only above it: (1 + a) / (draft + verify(K+1) + net) = 1 / (verify(1) + net).
+    """
+    net = rtt_ms / 1000
+    baseline_step = target.forward_s(1, context) + net + overhead_s
+    sd_step = k * draft.forward_s(1, context) + target.forward_s(k + 1, context) + net + overhead_s
+    return sd_step / baseline_step - 1.0

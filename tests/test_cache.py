@@ -1,0 +1,59 @@
+"""profiles/ and reference/ files: round trips, clear errors for corrupt or old files, concurrent writers."""
+import json
+import multiprocessing
+
+import pytest
+
+from specbench.cache.store import CacheError, read_record, write_record
+from specbench.plan.library import load_profiles, load_references, save_profile, save_reference
+from specbench.plan.predict import AcceptanceReference, LatencyProfile
+
+
+def test_profile_and_reference_round_trip(tmp_path):
+    profile = LatencyProfile("m", "cpu", "float32", "none", ((1, 128, 0.01), (4, 128, 0.02)))
+    path = save_profile(profile, folder=tmp_path)
+    assert load_profiles(tmp_path) == [profile]
+    assert save_profile(profile, folder=tmp_path) == path  # same metadata, same file name
+    reference = AcceptanceReference("d", "t", "mt-bench", chain_accepts=(1, 2, 8), tree_accepts={16: (3, 4)},
+                                    tree_depth={16: 4.5}, tree_width={16: 8})
+    save_reference(reference, folder=tmp_path)
+    assert load_references(tmp_path) == [reference]
+    index = json.loads((tmp_path / "index.json").read_text())
+    assert {entry["kind"] for entry in index.values()} == {"profile", "reference"}
+
+
+def test_corrupt_file_names_itself_and_the_rebuild_command(tmp_path):
+    path = write_record(tmp_path, "profile", {"model": "m"}, {"rows": []})
+    path.write_text('{"schema": 1, "kind": "prof')
+    with pytest.raises(CacheError, match=rf"{path.name}.*corrupt.*specbench profile"):
+        read_record(path)
+
+
+def test_old_schema_is_refused(tmp_path):
+    path = write_record(tmp_path, "reference", {"draft": "d"}, {})
+    document = json.loads(path.read_text())
+    document["schema"] = 0
+    path.write_text(json.dumps(document))
+    with pytest.raises(CacheError, match="schema 0.*rebuild"):
+        read_record(path)
+
+
+def _writer(folder, index):
+    for round_ in range(20):
+        write_record(folder, "profile", {"model": "same"}, {"rows": [[index, round_, 0.1]] * 200})
+        write_record(folder, "profile", {"model": f"m{index}"}, {"rows": [[round_, 1, 0.1]]})
+
+
+def test_concurrent_writers_never_corrupt_a_file(tmp_path):
+    context = multiprocessing.get_context("fork")
+    processes = [context.Process(target=_writer, args=(tmp_path, i)) for i in range(4)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(60)
+    files = sorted(tmp_path.glob("profile-*.json"))
+    assert len(files) == 5
+    for path in files:
+        read_record(path)  # every file parses completely
+    assert len(json.loads((tmp_path / "index.json").read_text())) == 5
+    assert not list(tmp_path.glob(".tmp-*"))

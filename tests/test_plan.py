@@ -1,0 +1,97 @@
+"""Cost formulas by hand, Pareto frontier vs brute force, the cost knob's extremes, replay prediction."""
+import itertools
+import random
+
+import pytest
+
+from specbench.plan.costs import (Network, Power, Prices, StepCost, api_cost_per_mtok, cost_knob,
+                                  draft_energy_j_per_mtok, objective_value, total_cost_per_mtok)
+from specbench.plan.predict import (AcceptanceReference, LatencyProfile, OperatingPoint, break_even_acceptance,
+                                    choose, pareto_front, predict)
+from specbench.types import SpecbenchError
+
+STEP = StepCost(tokens_per_step=4.0, draft_s=0.02, verify_s=0.036, network_s=0.05, overhead_s=0.004,
+                bytes_up=1000, bytes_down=200)
+
+
+def test_api_cost_by_hand():
+    # $3.60/h = $0.001/s; 0.036 s verify per 4 tokens -> 9e-6 $/token -> $9 per 1M tokens
+    assert api_cost_per_mtok(STEP, Prices(target_usd_per_hour=3.6)) == pytest.approx(9.0)
+    assert api_cost_per_mtok(STEP, Prices(target_usd_per_mtok=0.5)) == 0.5
+
+
+def test_total_cost_by_hand():
+    prices = Prices(target_usd_per_hour=3.6, draft_usd_per_kwh=0.36, usd_per_gb_up=0.01, usd_per_gb_down=0.1)
+    power = Power(draft_watts=10)
+    # draft: 10 W * 0.02 s / 4 tokens = 0.05 J/token = 5e4 J per 1M -> /3.6e6 * 0.36 = $0.005
+    # wire: per token 250 B up, 50 B down -> per 1M: 0.25 GB * 0.01 + 0.05 GB * 0.1 = $0.0075
+    assert draft_energy_j_per_mtok(STEP, power) == pytest.approx(5e4)
+    assert total_cost_per_mtok(STEP, prices, power) == pytest.approx(9.0 + 0.005 + 0.0075)
+
+
+def test_objectives_and_network():
+    assert objective_value("latency", STEP, Prices(), Power()) == pytest.approx(0.11 / 4)
+    assert Network(rtt_ms=50, bandwidth_mbps=8).transfer_s(1000, 0) == pytest.approx(0.051)
+    with pytest.raises(SpecbenchError, match="unknown objective"):
+        objective_value("speed", STEP, Prices(), Power())
+
+
+def test_cost_knob_formula_and_range():
+    assert cost_knob(0.25, cost=2, cost_ref=4, tps=10, tps_ref=5) == pytest.approx(0.25 * 0.5 + 0.75 * 0.5)
+    for bad in (-0.1, 1.5):
+        with pytest.raises(SpecbenchError, match=r"cs must be in \[0, 1\]"):
+            cost_knob(bad, 1, 1, 1, 1)
+    with pytest.raises(SpecbenchError, match="price"):
+        Prices(target_usd_per_hour=-1)
+
+
+def test_pareto_front_matches_brute_force():
+    rng = random.Random(0)
+    for _ in range(50):
+        rows = [{"tokens_per_s": rng.uniform(1, 10), "total_cost_usd_per_mtok": rng.uniform(1, 10)} for _ in range(30)]
+        front = pareto_front(rows)
+        brute = [r for r in rows if not any(
+            o["tokens_per_s"] >= r["tokens_per_s"] and o["total_cost_usd_per_mtok"] <= r["total_cost_usd_per_mtok"]
+            and o is not r for o in rows)]
+        assert sorted(map(id, front)) == sorted(map(id, brute))
+
+
+def test_cs_extremes_pick_fastest_and_cheapest():
+    rng = random.Random(1)
+    rows = [{"label": f"p{i}", "method": "chain", "tokens_per_s": rng.uniform(1, 10),
+             "total_cost_usd_per_mtok": rng.uniform(1, 10)} for i in range(20)]
+    rows.append({"label": "base", "method": "target-only", "tokens_per_s": 3.0, "total_cost_usd_per_mtok": 5.0})
+    assert choose(rows, 0.0) is max(rows, key=lambda r: r["tokens_per_s"])
+    assert choose(rows, 1.0) is min(rows, key=lambda r: r["total_cost_usd_per_mtok"])
+
+
+TARGET = LatencyProfile("t", "cpu", rows=((1, 256, 0.10), (4, 256, 0.16), (8, 256, 0.24), (1, 1024, 0.12)))
+DRAFT = LatencyProfile("d", "cpu", rows=((1, 256, 0.02), (4, 256, 0.03)))
+
+
+def test_latency_profile_interpolates_within_and_extends_beyond():
+    assert TARGET.forward_s(4, 256) == pytest.approx(0.16)
+    assert TARGET.forward_s(6, 200) == pytest.approx(0.20)
+    assert TARGET.forward_s(12, 256) == pytest.approx(0.32)  # last slope
+    assert TARGET.forward_s(1, 2000) == pytest.approx(0.12)  # largest measured context
+
+
+def test_chain_prediction_replays_min_a_k():
+    reference = AcceptanceReference("d", "t", "x", max_chain=4, chain_accepts=(0, 1, 4, 2))
+    assert reference.accepted("chain", 2) == pytest.approx((0 + 1 + 2 + 2) / 4)
+    with pytest.raises(SpecbenchError, match="cannot predict K=6"):
+        reference.accepted("chain", 6)
+    with pytest.raises(SpecbenchError, match="rather than interpolate"):
+        reference.accepted("tree", 16)
+    rows = predict([OperatingPoint("target-only"), OperatingPoint("chain", 2)], TARGET, DRAFT, reference)
+    base, chain = rows
+    assert base["tokens_per_s"] == pytest.approx(10.0)
+    # chain K=2: 2 draft forwards 0.04 s + verify 3 tokens 0.14 s; 2.25 tokens per step
+    assert chain["tokens_per_step"] == pytest.approx(2.25)
+    assert chain["tokens_per_s"] == pytest.approx(2.25 / 0.18)
+
+
+def test_break_even_acceptance():
+    # K=4: 4*0.02 + 0.20 = 0.28 s vs 0.10 s baseline -> needs 1.8 accepted tokens per step
+    target = LatencyProfile("t", "cpu", rows=((1, 256, 0.10), (5, 256, 0.20)))
+    assert break_even_acceptance(target, DRAFT, 4) == pytest.approx(1.8)
