@@ -69,7 +69,8 @@ class RandomTreeDrafter:
         self.oracle, self.vocab = oracle, vocab
         self.generator = torch.Generator().manual_seed(seed)
 
-    def propose(self, context, budget, sampling, generator):
+    def propose(self, context, budget, sampling, generator, max_depth=None):
+        """Ignores budget and depth cap on purpose: the loop must truncate past max_new_tokens itself."""
         truth = self.oracle(context, 3)
         tokens, parents = [], []
         parent = -1

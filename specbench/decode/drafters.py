@@ -15,7 +15,14 @@ class Drafter(Protocol):
     name: str
 
     def propose(self, context: Sequence[int], budget: int, sampling: SamplingParams,
-                generator: torch.Generator) -> DraftTree: ...
+                generator: torch.Generator, max_depth: Optional[int] = None) -> DraftTree:
+        """At most `budget` nodes and `max_depth` levels (the loop caps depth near max_new_tokens)."""
+
+
+def _capped(budget: int, max_depth: Optional[int]) -> int:
+    if max_depth is not None and max_depth < 1:
+        raise SpecbenchError(f"max_depth must be >= 1, got {max_depth}")
+    return budget if max_depth is None else min(budget, max_depth)
 
 
 class ModelDrafter:
@@ -24,6 +31,8 @@ class ModelDrafter:
     The drafter keeps its own KV cache and syncs it to whatever context it is given by the longest
     common prefix, so it needs no notice of which tokens the target accepted.
     """
+
+    supports_lookahead = True  # can keep drafting while a remote verify is in flight
 
     def __init__(self, draft: LoadedModel, target_vocab_size: int, name: str = "draft"):
         self.draft = draft
@@ -35,10 +44,12 @@ class ModelDrafter:
         self.cached_ids: list[int] = []
 
     def propose(self, context: Sequence[int], budget: int, sampling: SamplingParams,
-                generator: torch.Generator, prefix: Optional[DraftTree] = None) -> DraftTree:
+                generator: torch.Generator, prefix: Optional[DraftTree] = None,
+                max_depth: Optional[int] = None) -> DraftTree:
         """A chain of `budget` tokens; `prefix` (a chain drafted ahead for this exact context) is reused."""
         if budget < 1:
             raise SpecbenchError(f"draft budget must be >= 1, got {budget}")
+        budget = _capped(budget, max_depth)
         tokens = list(prefix.tokens[:budget]) if prefix else []
         dists = list(prefix.draft_dists[:budget]) if prefix and prefix.draft_dists else []
         if len(tokens) < budget:
@@ -117,10 +128,10 @@ class PromptLookupDrafter:
         self.max_candidates = max_candidates
 
     def propose(self, context: Sequence[int], budget: int, sampling: SamplingParams,
-                generator: torch.Generator) -> DraftTree:
+                generator: torch.Generator, max_depth: Optional[int] = None) -> DraftTree:
         if budget < 1:
             raise SpecbenchError(f"draft budget must be >= 1, got {budget}")
-        candidates = self.candidates(list(context), budget)
+        candidates = self.candidates(list(context), _capped(budget, max_depth))
         if self.max_candidates == 1:
             tokens = candidates[0] if candidates else []
             return DraftTree.chain(tokens, [SparseDist((t,), (1.0,)) for t in tokens])

@@ -28,8 +28,9 @@ def generate(target: Target, drafter: Optional[Drafter], prompt_ids: Sequence[in
     """Generate up to `max_new_tokens` tokens, stopping after an EOS token, drafting `k` per step.
 
     Tokens past an EOS or past the budget are dropped even when the target accepted them, so the
-    output is exactly what target-only decoding would return. The budget shrinks near the end so no
-    draft token is wasted (k = min(k, remaining - 1)).
+    output is exactly what target-only decoding would return. Near the end the draft depth is
+    capped at remaining - 1 (the bonus token supplies the last one), so no level is wasted; a tree
+    keeps its node budget `k`, so its siblings survive the cap.
 
     With `proactive` (a chain drafter and a target that verifies asynchronously, i.e. remote), the
     drafter keeps drafting past the chain while the verify is in flight; when the verdict accepts
@@ -44,18 +45,19 @@ def generate(target: Target, drafter: Optional[Drafter], prompt_ids: Sequence[in
     start = time.perf_counter()
     target.prefill(session, prompt_ids)
     prefill_s = time.perf_counter() - start
-    proactive = proactive and drafter is not None and hasattr(drafter, "lookahead") and hasattr(target, "verify_begin")
+    proactive = (proactive and getattr(drafter, "supports_lookahead", False)
+                 and hasattr(target, "verify_begin"))
     context, output, records = list(prompt_ids), [], []
     ahead = None  # a look-ahead chain confirmed for the current context
     try:
         while len(output) < max_new_tokens:
             step_start = time.perf_counter()
-            budget = min(k, max_new_tokens - len(output) - 1)
+            depth_cap = max_new_tokens - len(output) - 1
             tree = DraftTree()
-            reused = len(ahead) if ahead is not None and budget > 0 else 0
-            if drafter is not None and budget > 0:
-                tree = (drafter.propose(context, budget, sampling, generator, prefix=ahead) if ahead is not None
-                        else drafter.propose(context, budget, sampling, generator))
+            reused = len(ahead) if ahead is not None and depth_cap > 0 else 0
+            if drafter is not None and depth_cap > 0:
+                tree = (drafter.propose(context, k, sampling, generator, prefix=ahead, max_depth=depth_cap)
+                        if ahead is not None else drafter.propose(context, k, sampling, generator, max_depth=depth_cap))
             draft_s = time.perf_counter() - step_start
             step_seed = int(torch.randint(0, 2**62, (), generator=generator))
             looked_ahead, discarded = 0, 0

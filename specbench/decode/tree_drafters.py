@@ -46,6 +46,8 @@ class TreeDrafter(ModelDrafter):
     the tokens drawn, so multi-draft rejection would not be exact on it.
     """
 
+    supports_lookahead = False  # proactive drafting extends one chain; a tree has no single path to extend
+
     def __init__(self, draft: LoadedModel, target_vocab_size: int, widths: Optional[Sequence[int]] = None,
                  max_depth: int = 6, beam: int = 4, branch: int = 4, name: str = "tree"):
         super().__init__(draft, target_vocab_size, name=name)
@@ -58,7 +60,7 @@ class TreeDrafter(ModelDrafter):
         self.beam, self.branch = beam, branch
 
     def propose(self, context: Sequence[int], budget: int, sampling: SamplingParams,
-                generator: torch.Generator) -> DraftTree:
+                generator: torch.Generator, max_depth: Optional[int] = None) -> DraftTree:
         if budget < 1:
             raise SpecbenchError(f"tree node budget must be >= 1, got {budget}")
         if self.widths is None and sampling.effective_rule == "rejection":
@@ -69,7 +71,7 @@ class TreeDrafter(ModelDrafter):
         nodes: list[_Node] = []
         frontier = [(-1, root_logits)]
         fed: list[int] = []
-        depth_limit = min(self.max_depth, budget)
+        depth_limit = min(self.max_depth, budget, max_depth or budget)
         try:
             for depth in range(1, depth_limit + 1):
                 created = []

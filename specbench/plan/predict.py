@@ -116,7 +116,8 @@ def predict_step(point: OperatingPoint, target: LatencyProfile, draft: Optional[
     if point.method != "target-only" and (draft is None or reference is None):
         raise SpecbenchError(f"{point.label} needs a draft profile and an acceptance reference")
     if point.method == "chain":
-        draft_s = point.k * draft.forward_s(1, context)
+        # the first draft forward also catches up on last step's accepted tokens and bonus
+        draft_s = draft.forward_s(1 + round(accepted), context) + (point.k - 1) * draft.forward_s(1, context)
     elif point.method == "tree":
         depth = float(reference.tree_depth.get(point.k) or reference.tree_depth.get(str(point.k)) or 1)
         width = int(reference.tree_width.get(point.k) or reference.tree_width.get(str(point.k)) or 1)

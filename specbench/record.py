@@ -1,0 +1,95 @@
+"""Measure what the planner replays: latency profiles of models on this device, acceptance references of pairs."""
+from __future__ import annotations
+
+import platform
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from specbench.api import ModelLike, TreeShape, as_loaded, run
+from specbench.decode.profile import forward_latency_grid
+from specbench.plan.predict import AcceptanceReference, LatencyProfile
+from specbench.types import SamplingParams
+
+DEFAULT_TOKENS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 24, 32, 48, 64, 96, 128)
+DEFAULT_CONTEXTS = (128, 512)
+
+
+def device_name(device: str = "cpu") -> str:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.device(device)).replace(" ", "-")
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    return f"cpu-{torch.get_num_threads()}t-" + "-".join(name.split())[:40]
+    except OSError:
+        pass
+    return f"cpu-{torch.get_num_threads()}t-{platform.machine()}"
+
+
+def measure_power(device: str = "cpu", seconds: float = 0.5, configured_watts: Optional[float] = None) -> dict:
+    """Watts and where they came from: NVML on a GPU, RAPL on a CPU where readable, else configured."""
+    if device.startswith("cuda"):
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            handle = pynvml.nvmlDeviceGetHandleByIndex(torch.device(device).index or 0)
+            return {"watts": pynvml.nvmlDeviceGetPowerUsage(handle) / 1000, "source": "nvml"}
+        except Exception:
+            pass
+    rapl = Path("/sys/class/powercap/intel-rapl:0/energy_uj")
+    try:
+        first = int(rapl.read_text())
+        time.sleep(seconds)
+        second = int(rapl.read_text())
+        return {"watts": (second - first) / 1e6 / seconds, "source": "rapl"}
+    except (OSError, ValueError):
+        return {"watts": configured_watts, "source": "configured"}
+
+
+def profile_model(model: ModelLike, tokens: Sequence[int] = DEFAULT_TOKENS,
+                  contexts: Sequence[int] = DEFAULT_CONTEXTS, repeats: int = 5,
+                  dtype: str = "float32") -> tuple[LatencyProfile, dict]:
+    """Forward latency of `model` on its device over the grid, plus metadata (power, device, settings)."""
+    loaded = as_loaded(model, dtype)
+    device = str(loaded.model.get_input_embeddings().weight.device)
+    rows = forward_latency_grid(loaded.model, tokens, contexts, repeats)
+    profile = LatencyProfile(model=loaded.spec.label, device=device_name(device), dtype=str(loaded.model.dtype)[6:],
+                             quantization=loaded.spec.quantization,
+                             rows=tuple((r["tokens"], r["context"], r["median_s"]) for r in rows))
+    power = measure_power(device)
+    return profile, {"power_watts": power["watts"], "power_source": power["source"], "repeats": repeats,
+                     "threads": torch.get_num_threads()}
+
+
+def record_reference(target: ModelLike, draft: ModelLike, prompts, dataset: str, max_chain: int = 8,
+                     tree_budgets: Sequence[int] = (), max_new_tokens: int = 64,
+                     sampling: Optional[SamplingParams] = None, tree: TreeShape = TreeShape(),
+                     target_name: Optional[str] = None, draft_name: Optional[str] = None,
+                     dtype: str = "float32") -> AcceptanceReference:
+    """Run the pair with a long chain (and trees at each budget) and keep per-step acceptance."""
+    sampling = sampling or SamplingParams()
+    target_loaded, draft_loaded = as_loaded(target, dtype), as_loaded(draft, dtype)
+    chain = run(target_loaded, prompts, method="chain", draft=draft_loaded, k=max_chain,
+                max_new_tokens=max_new_tokens, sampling=sampling, progress=False)
+    full = chain[chain["drafted"] == max_chain]  # end-of-budget steps draft fewer and would bias min(a, K)
+    tree_accepts, tree_depth, tree_width = {}, {}, {}
+    for budget in tree_budgets:
+        records = run(target_loaded, prompts, method="tree", draft=draft_loaded, k=budget, tree=tree,
+                      max_new_tokens=max_new_tokens, sampling=SamplingParams(
+                          temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                          rule="greedy" if sampling.greedy else "sample-match"), progress=False)
+        steps = records[records["drafted"] == budget]
+        tree_accepts[budget] = tuple(int(a) for a in steps["accepted"])
+        tree_depth[budget] = float(steps["tree_depth"].mean())
+        tree_width[budget] = min(tree.beam, budget)
+    return AcceptanceReference(
+        draft=draft_name or draft_loaded.spec.label, target=target_name or target_loaded.spec.label,
+        dataset=dataset, rule=sampling.effective_rule, temperature=sampling.temperature, max_chain=max_chain,
+        chain_accepts=tuple(int(a) for a in full["accepted"]), tree_accepts=tree_accepts,
+        tree_depth=tree_depth, tree_width=tree_width)
