@@ -138,7 +138,8 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
         for index, ids in enumerate(prompt_ids):
             result = _generate_one(ids, max_new_tokens, index, seed * 1_000_003 + index, **one)
             for record in result.records:
-                rows.append({**asdict(record), "prompt_tokens": len(ids), "prefill_s": result.prefill_s})
+                rows.append({**asdict(record), "k": 0 if name in ("target-only", "server-only-ar") else k,
+                             "prompt_tokens": len(ids), "prefill_s": result.prefill_s})
             bar.update()
     bar.close()
     return pd.DataFrame(rows)

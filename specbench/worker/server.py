@@ -20,6 +20,7 @@ import zmq
 from specbench.decode.drafters import ModelDrafter
 from specbench.decode.loop import generate
 from specbench.decode.target import LocalTarget, UnknownSessionError
+from specbench.hardware import device_name
 from specbench.models.loading import load_model
 from specbench.models.spec import ModelSpec
 from specbench.types import SpecbenchError
@@ -208,6 +209,9 @@ class Worker:
                 "vocab_size": self.target.vocab_size if self.target else None,
                 "eos_token_ids": list(loaded.eos_token_ids) if loaded else [],
                 "device": str(self.target.device) if self.target else None,
+                "device_name": device_name(str(self.target.device)) if self.target else None,
+                "dtype": str(self.target.model.dtype)[6:] if self.target else None,
+                "quantization": loaded.spec.quantization if loaded else None,
                 "torch": torch.__version__, "sessions": len(self.sessions)}
 
     def _hello(self, header, arrays):

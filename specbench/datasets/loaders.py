@@ -1,0 +1,105 @@
+"""Parse prompt files into rows {id, set, prompt, turns} and sample N of them deterministically."""
+from __future__ import annotations
+
+import gzip
+import json
+import random
+from pathlib import Path
+from typing import Optional
+
+from specbench.datasets.sources import DATASETS, LOCAL, dataset_source, fetch_dataset
+from specbench.models.catalog import cache_root
+from specbench.types import SpecbenchError
+
+
+class DatasetError(SpecbenchError):
+    pass
+
+
+def load_prompts(name_or_path: str, limit: Optional[int] = None, seed: int = 0) -> list[dict]:
+    """Rows of a named dataset (see `DATASETS`, plus "bench") or of a JSONL file path.
+
+    JSONL lines may be Spec-Bench / MT-bench questions ({"turns": [...]}), HumanEval problems
+    ({"prompt": ...}), or any {"prompt": ...} / {"text": ...} object. With `limit`, a seeded sample
+    of that many rows in file order, the same on every machine.
+    """
+    if name_or_path in LOCAL:
+        rows = parse_jsonl(LOCAL[name_or_path], default_set=name_or_path)
+    elif name_or_path in DATASETS:
+        source = dataset_source(name_or_path)
+        path = fetch_dataset(name_or_path)
+        rows = _sharegpt_rows(path) if source.format == "sharegpt" else parse_jsonl(path, default_set=name_or_path)
+    else:
+        path = Path(name_or_path).expanduser()
+        if not path.exists():
+            dataset_source(name_or_path)  # raises: unknown name, with the list of known ones
+        rows = parse_jsonl(path, default_set=path.stem)
+    return sample_rows(rows, limit, seed)
+
+
+def sample_rows(rows: list[dict], limit: Optional[int], seed: int = 0) -> list[dict]:
+    if limit is None or limit >= len(rows):
+        return list(rows)
+    if limit < 1:
+        raise DatasetError(f"number of prompts must be >= 1, got {limit}")
+    chosen = sorted(random.Random(seed).sample(range(len(rows)), limit))
+    return [rows[i] for i in chosen]
+
+
+def parse_jsonl(path: Path | str, default_set: str = "prompts") -> list[dict]:
+    """Every line a JSON object with turns, prompt or text; bad lines are reported by number, all at once."""
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    rows, problems = [], []
+    with opener(path, "rt", encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as error:
+                problems.append(f"line {number}: not JSON ({error.msg})")
+                continue
+            row = _row(item, number, default_set)
+            if isinstance(row, str):
+                problems.append(f"line {number}: {row}")
+            else:
+                rows.append(row)
+    if problems:
+        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        raise DatasetError(f"{path}: {len(problems)} malformed line(s): {shown}")
+    if not rows:
+        raise DatasetError(f"{path}: no prompts found")
+    return rows
+
+
+def _row(item, number: int, default_set: str) -> dict | str:
+    if not isinstance(item, dict):
+        return f"expected a JSON object, got {type(item).__name__}"
+    turns = item.get("turns")
+    if turns is None:
+        text = item.get("prompt", item.get("text"))
+        if not isinstance(text, str) or not text.strip():
+            return "needs a non-empty 'prompt' (or 'text') string, or a 'turns' list"
+        turns = [text]
+    if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
+        return "'turns' must be a non-empty list of non-empty strings"
+    identity = item.get("question_id", item.get("task_id", item.get("id", number)))
+    return {"id": str(identity), "set": str(item.get("category", item.get("set", default_set))),
+            "prompt": turns[0], "turns": list(turns)}
+
+
+def _sharegpt_rows(path: Path) -> list[dict]:
+    """First human turn of each conversation; parsed once (125 MB) and kept as JSONL in the cache."""
+    compact = cache_root() / "datasets" / "sharegpt" / "first_turns.jsonl"
+    if not compact.exists():
+        with open(path, encoding="utf-8") as handle:
+            conversations = json.load(handle)
+        partial = compact.with_suffix(".partial")
+        with open(partial, "w", encoding="utf-8") as out:
+            for conversation in conversations:
+                turns = [t.get("value", "") for t in conversation.get("conversations", []) if t.get("from") == "human"]
+                if turns and turns[0].strip():
+                    out.write(json.dumps({"id": conversation.get("id"), "set": "sharegpt", "turns": turns[:2]}) + "\n")
+        partial.replace(compact)
+    return parse_jsonl(compact, default_set="sharegpt")

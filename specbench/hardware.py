@@ -1,0 +1,44 @@
+"""What machine this is and how many watts it draws: names and power sources for profiles."""
+from __future__ import annotations
+
+import platform
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+
+def device_name(device: str = "cpu") -> str:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.device(device)).replace(" ", "-")
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    return f"cpu-{torch.get_num_threads()}t-" + "-".join(name.split())[:40]
+    except OSError:
+        pass
+    return f"cpu-{torch.get_num_threads()}t-{platform.machine()}"
+
+
+def measure_power(device: str = "cpu", seconds: float = 0.5, configured_watts: Optional[float] = None) -> dict:
+    """Watts and where they came from: NVML on a GPU, RAPL on a CPU where readable, else configured."""
+    if device.startswith("cuda"):
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            handle = pynvml.nvmlDeviceGetHandleByIndex(torch.device(device).index or 0)
+            return {"watts": pynvml.nvmlDeviceGetPowerUsage(handle) / 1000, "source": "nvml"}
+        except Exception:
+            pass
+    rapl = Path("/sys/class/powercap/intel-rapl:0/energy_uj")
+    try:
+        first = int(rapl.read_text())
+        time.sleep(seconds)
+        second = int(rapl.read_text())
+        return {"watts": (second - first) / 1e6 / seconds, "source": "rapl"}
+    except (OSError, ValueError):
+        return {"watts": configured_watts, "source": "configured"}

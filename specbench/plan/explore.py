@@ -1,0 +1,88 @@
+"""Operating-point grids and their predictions as DataFrames: what the Pareto views and the CLI plot.
+
+Why a module of its own: notebooks, the `pareto` command and the benchmark all ask the same
+question ("every method x size x place x RTT for this pair, priced") and must get the same table.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import pandas as pd
+
+from specbench.plan.costs import Power, Prices
+from specbench.plan.predict import AcceptanceReference, LatencyProfile, OperatingPoint, choose, pareto_front, predict
+from specbench.types import SpecbenchError
+
+OBJECTIVE_COLUMNS = {"api_cost": "api_cost_usd_per_mtok", "total_cost": "total_cost_usd_per_mtok",
+                     "draft_energy": "draft_energy_j_per_mtok", "target_energy": "target_energy_j_per_mtok"}
+
+
+def operating_points(reference: Optional[AcceptanceReference], chain_ks: Sequence[int] = (1, 2, 3, 4, 5, 6, 8),
+                     rtts_ms: Sequence[float] = (0.0,), remote: bool = False, local: bool = True,
+                     rule: str = "greedy") -> list[OperatingPoint]:
+    """Target-only plus every chain K the reference covers and every tree budget it measured,
+    at each place (local; remote at each RTT)."""
+    places = ([("local", 0.0)] if local else []) + ([("remote", float(r)) for r in rtts_ms] if remote else [])
+    if not places:
+        raise SpecbenchError("choose local, remote or both")
+    sizes: list[tuple[str, int]] = [("target-only", 0)]
+    if reference is not None:
+        sizes += [("chain", k) for k in chain_ks if 1 <= k <= reference.max_chain]
+        sizes += [("tree", int(b)) for b in sorted(int(b) for b in reference.tree_accepts)]
+    return [OperatingPoint(method, k, where, rtt, rule) for where, rtt in places for method, k in sizes]
+
+
+def prediction_frame(target: LatencyProfile, draft: Optional[LatencyProfile],
+                     reference: Optional[AcceptanceReference], points: Optional[Sequence[OperatingPoint]] = None,
+                     prices: Prices = Prices(), power: Power = Power(), context: int = 256,
+                     overhead_s: float = 0.0, bandwidth_mbps: float = 0.0,
+                     cost: str = "total_cost") -> pd.DataFrame:
+    """One predicted row per operating point, with `on_front` marking the latency-cost Pareto set."""
+    points = points if points is not None else operating_points(reference)
+    rows = predict(points, target, draft, reference, prices, power, context, overhead_s, bandwidth_mbps)
+    column = cost_column(cost)
+    front = {row["label"] for row in pareto_front(rows, cost=column)}
+    frame = pd.DataFrame(rows)
+    frame["on_front"] = frame["label"].isin(front)
+    frame["target"] = target.model
+    frame["draft"] = draft.model if draft else None
+    frame["device"] = target.device
+    return frame
+
+
+def recommend(frame: pd.DataFrame, cs: float, cost: str = "total_cost") -> pd.Series:
+    """The row that minimises AutoDraft's J at cost weight `cs` (0 = fastest, 1 = cheapest)."""
+    chosen = choose(frame.to_dict("records"), cs, cost=cost_column(cost))
+    return frame[frame["label"] == chosen["label"]].iloc[0]
+
+
+def cost_column(objective: str) -> str:
+    try:
+        return OBJECTIVE_COLUMNS[objective]
+    except KeyError:
+        raise SpecbenchError(f"unknown cost objective {objective!r}; choose one of {sorted(OBJECTIVE_COLUMNS)}") from None
+
+
+def measured_points(records: pd.DataFrame, prices: Prices = Prices(), power: Power = Power(),
+                    where: str = "local", rtt_ms: float = 0.0) -> pd.DataFrame:
+    """Measured runs (records from `specbench.api.run`) priced like predictions, one row per (method, k),
+    labelled as the matching predicted operating point so the two overlay in one figure."""
+    from specbench.plan.costs import StepCost, api_cost_per_mtok, total_cost_per_mtok
+    from specbench.plan.costs import draft_energy_j_per_mtok, target_energy_j_per_mtok
+
+    rows = []
+    for (method, k), group in records.groupby(["method", "k"], sort=False):
+        emitted_per_step = group["emitted"].sum() / len(group)
+        overhead = (group["step_s"] - group["draft_s"] - group["verify_s"] - group["network_s"]).clip(lower=0)
+        step = StepCost(emitted_per_step, group["draft_s"].mean(), group["verify_s"].mean(),
+                        group["network_s"].mean(), overhead.mean(), group["bytes_up"].mean(), group["bytes_down"].mean())
+        kind = "tree" if "tree" in method else "target-only" if method == "target-only" else "chain"
+        rows.append({"label": OperatingPoint(kind, int(k), where, rtt_ms).label, "method": method, "k": int(k),
+                     "where": where, "rtt_ms": rtt_ms, "tokens_per_step": step.tokens_per_step,
+                     "tokens_per_s": group["emitted"].sum() / group["step_s"].sum(),
+                     "api_cost_usd_per_mtok": api_cost_per_mtok(step, prices),
+                     "total_cost_usd_per_mtok": total_cost_per_mtok(step, prices, power),
+                     "draft_energy_j_per_mtok": draft_energy_j_per_mtok(step, power),
+                     "target_energy_j_per_mtok": target_energy_j_per_mtok(step, power),
+                     "steps": len(group)})
+    return pd.DataFrame(rows)

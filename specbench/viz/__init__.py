@@ -1,0 +1,1 @@
+"""Plotly figures and HTML reports over prediction and record DataFrames."""

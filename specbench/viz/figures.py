@@ -1,0 +1,76 @@
+"""Plotly figures built from DataFrames only (predictions and per-step records); no model code here."""
+from __future__ import annotations
+
+from typing import Optional
+
+import pandas as pd
+import plotly.graph_objects as go
+
+from specbench.decode.metrics import per_position_acceptance, time_split, tokens_per_second
+
+SPEED = "tokens_per_s"
+COLORS = {"target-only": "#636efa", "chain": "#ef553b", "tree": "#00cc96"}
+
+
+def pareto_figure(predicted: pd.DataFrame, measured: Optional[pd.DataFrame] = None,
+                  cost: str = "total_cost_usd_per_mtok", recommended: Optional[pd.Series] = None,
+                  title: str = "Latency-cost trade-off") -> go.Figure:
+    """Predicted points (hover: label), the predicted Pareto front as a line, measured points overlaid.
+
+    `measured` needs columns label, tokens_per_s and the cost column; each is drawn as a diamond so
+    a reader sees at once where prediction and measurement part. Nothing is interpolated: the front
+    joins predicted operating points, each of which was predicted from measured inputs.
+    """
+    figure = go.Figure()
+    for method, group in predicted.groupby("method", sort=False):
+        figure.add_trace(go.Scatter(
+            x=group[cost], y=group[SPEED], mode="markers", name=f"predicted: {method}",
+            marker=dict(size=9, color=COLORS.get(method), opacity=0.7),
+            text=group["label"], hovertemplate="%{text}<br>%{y:.2f} tok/s<br>%{x:.4g}<extra></extra>"))
+    front = predicted[predicted["on_front"]].sort_values(cost)
+    figure.add_trace(go.Scatter(x=front[cost], y=front[SPEED], mode="lines", name="Pareto front (predicted)",
+                                line=dict(color="black", dash="dot")))
+    if measured is not None and len(measured):
+        figure.add_trace(go.Scatter(
+            x=measured[cost], y=measured[SPEED], mode="markers", name="measured",
+            marker=dict(size=12, symbol="diamond-open", color="black", line=dict(width=2)),
+            text=measured["label"], hovertemplate="measured %{text}<br>%{y:.2f} tok/s<br>%{x:.4g}<extra></extra>"))
+    if recommended is not None:
+        figure.add_trace(go.Scatter(
+            x=[recommended[cost]], y=[recommended[SPEED]], mode="markers+text", name="recommended",
+            marker=dict(size=18, symbol="star", color="gold", line=dict(width=1, color="black")),
+            text=[recommended["label"]], textposition="top center"))
+    figure.update_layout(title=title, xaxis_title=_cost_title(cost), yaxis_title="tokens/s (higher is better)",
+                         template="plotly_white", legend=dict(orientation="h", y=-0.2))
+    return figure
+
+
+def acceptance_figure(records: pd.DataFrame, by: str = "method") -> go.Figure:
+    """P(position j accepted | drafted) per method: where a longer chain stops paying."""
+    figure = go.Figure()
+    for name, group in records.groupby(by, sort=False):
+        if group["drafted"].sum() == 0:
+            continue
+        rates = per_position_acceptance(group)
+        figure.add_trace(go.Bar(x=list(rates.index), y=list(rates.values), name=str(name)))
+    figure.update_layout(title="Per-position acceptance", xaxis_title="draft position",
+                         yaxis_title="P(accepted | drafted)", yaxis_range=[0, 1], barmode="group",
+                         template="plotly_white")
+    return figure
+
+
+def time_breakdown_figure(records: pd.DataFrame, by: str = "method") -> go.Figure:
+    """Mean milliseconds per step split into draft / network / verify / overhead, one bar per method."""
+    names, parts = [], {"draft_s": [], "network_s": [], "verify_s": [], "overhead_s": []}
+    for name, group in records.groupby(by, sort=False):
+        names.append(f"{name} ({tokens_per_second(group):.1f} tok/s)")
+        for key, value in time_split(group).items():
+            parts[key].append(1000 * value)
+    figure = go.Figure([go.Bar(x=names, y=values, name=key[:-2]) for key, values in parts.items()])
+    figure.update_layout(title="Time per step", yaxis_title="ms per step", barmode="stack", template="plotly_white")
+    return figure
+
+
+def _cost_title(column: str) -> str:
+    unit = "J" if column.endswith("_j_per_mtok") else "$"
+    return f"{column.split('_usd')[0].split('_j_')[0].replace('_', ' ')} ({unit} per 1M tokens, lower is better)"
