@@ -17,12 +17,11 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: setup
-	$(PY) -m specbench.cli models fetch smollm2-135m
 	$(PY) -m specbench.cli demo
 
 test: setup
 	$(PY) -m specbench.cli models fetch smollm2-135m
-	$(PY) -m pytest -q -p no:cacheprovider
+	CI=1 $(PY) -m pytest -q -p no:cacheprovider --nbmake tests notebooks
 
 bench: setup
 	$(PY) benchmarks/local_sd.py

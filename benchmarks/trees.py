@@ -75,7 +75,8 @@ def main():
         target = load_model(target_spec)
         draft = load_model(ModelSpec("qwen2.5-coder-0.5b", dtype=args.dtype))
     texts = prompts(args.prompts)
-    configs = [("target-only", "target-only", 1, TreeShape(), False), ("chain K=4", "chain", 4, TreeShape(), False),
+    configs = [("target-only", "target-only", 1, TreeShape(), False), ("chain K=2", "chain", 2, TreeShape(), False),
+               ("chain K=4", "chain", 4, TreeShape(), False), ("chain K=6", "chain", 6, TreeShape(), False),
                ("fixed tree (4,2,2,1)", "fixed-tree", 64, TreeShape(widths=(4, 2, 2, 1)), False)]
     configs += [(f"dynamic tree budget={b}", "tree", b, TreeShape(max_depth=8, beam=min(8, b), branch=8), False)
                 for b in args.budgets]
@@ -90,7 +91,10 @@ def main():
     worker = spawn_worker(endpoint, "--model", target_spec.model, "--dtype", args.dtype)
     try:
         remote = RemoteTarget(endpoint, network=NetworkEmulation(rtt_ms=args.rtt, jitter_ms=args.rtt / 10))
-        remote_configs = [configs[0], configs[1], ("chain K=4 proactive", "chain", 4, TreeShape(), True),
+        chains = local[local.config.str.startswith("chain")]
+        best_chain = chains.loc[chains.tokens_per_s.idxmax()].config
+        remote_chains = [c for c in configs if c[0] in {best_chain, "chain K=4"}]
+        remote_configs = [configs[0], *remote_chains, ("chain K=4 proactive", "chain", 4, TreeShape(), True),
                           (f"dynamic tree budget={best_budget}", "tree", best_budget,
                            TreeShape(max_depth=8, beam=min(8, best_budget), branch=8), False)]
         print(f"== remote, emulated RTT {args.rtt} ms ==", flush=True)
@@ -101,11 +105,11 @@ def main():
     table = pd.DataFrame(rows)
     pd.set_option("display.width", 220)
     print(table.round(3).to_string(index=False))
-    chain_local = table[(table.where == "local") & (table.config == "chain K=4")].iloc[0]
+    chain_local = table[(table.where == "local") & table.config.str.startswith("chain")]
     remote_rows = table[table.where != "local"]
     chain_remote = remote_rows[remote_rows.config.str.startswith("chain")].tokens_per_s.max()
     tree_remote = remote_rows[remote_rows.config.str.startswith("dynamic")].tokens_per_s.max()
-    goals = {"tree_tokens_per_step_over_chain": float(trees.tokens_per_step.max() / chain_local.tokens_per_step),
+    goals = {"tree_tokens_per_step_over_best_chain": float(trees.tokens_per_step.max() / chain_local.tokens_per_step.max()),
              "remote_tree_tps_over_best_chain": float(tree_remote / chain_remote),
              "proactive_over_plain_chain_remote": float(
                  remote_rows[remote_rows.config == "chain K=4 proactive"].tokens_per_s.iloc[0]

@@ -51,24 +51,85 @@ def _run(args) -> int:
 
 
 def _demo(args) -> int:
-    """The main job: embedded SmolLM2, target-only vs every lossless method, one table."""
+    """The main job: embedded SmolLM2; local and remote (a worker on loopback) SD vs target-only;
+    a Pareto report from the cached profiles and references with this run's points overlaid."""
+    from pathlib import Path
+
+    import pandas as pd
+
     from specbench.api import outputs, run
     from specbench.decode.metrics import summarize
+    from specbench.models import catalog
+    from specbench.models.loading import load_model
+    from specbench.models.self_draft import truncated_view
     from specbench.models.spec import ModelSpec
+    from specbench.worker.client import NetworkEmulation, RemoteTarget
+    from specbench.worker.launch import free_port, spawn_worker
 
-    print("specbench demo: SmolLM2-135M-Instruct (embedded), greedy, CPU", flush=True)
-    target = ModelSpec("smollm2-135m", dtype=args.dtype)
-    methods = ["target-only", "prompt-lookup", "self-draft", "substitute"]
-    records = run(target, DEMO_PROMPTS, method=methods, k=args.k, max_new_tokens=args.max_new_tokens, self_draft_layers=26, dtype=args.dtype)
-    produced = outputs(records)
-    table = summarize(records)
+    root = Path(__file__).resolve().parents[1]
+    print("[1/4] embedded model SmolLM2-135M-Instruct (fetched and converted once into the user cache)", flush=True)
+    catalog.ensure_model("smollm2-135m")
+    target = load_model(ModelSpec("smollm2-135m", dtype=args.dtype))
+    draft = truncated_view(target, 26)
+    print("[2/4] local: target-only vs every lossless method, greedy, CPU", flush=True)
+    local = run(target, DEMO_PROMPTS, method=["target-only", "prompt-lookup", "self-draft", "substitute"], k=args.k,
+                max_new_tokens=args.max_new_tokens, self_draft_layers=26, dtype=args.dtype)
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    print(f"[3/4] remote: a worker on {endpoint}, emulated RTT {args.rtt:g} ms, the draft here", flush=True)
+    worker = spawn_worker(endpoint, "--model", "smollm2-135m", "--dtype", args.dtype)
+    try:
+        remote = RemoteTarget(endpoint, network=NetworkEmulation(rtt_ms=args.rtt))
+        remote_records = run(remote, DEMO_PROMPTS, method=["target-only", "chain"], draft=draft, k=args.k,
+                             max_new_tokens=args.max_new_tokens, tokenizer=target.tokenizer)
+    finally:
+        worker.terminate()
+    records = pd.concat([local.assign(where="local"),
+                         remote_records.assign(where=f"remote (emulated RTT {args.rtt:g} ms)")], ignore_index=True)
+    reference = outputs(local)
+    table = summarize(records, by=["where", "method"])
+    produced = {"local": local, "remote": remote_records}
     table["identical_to_target_only"] = [
-        all(produced[(method, i)] == produced[("target-only", i)] for i in range(len(DEMO_PROMPTS)))
-        for method in table["method"]]
+        all(outputs(produced["local" if where == "local" else "remote"])[(method, i)] == reference[("target-only", i)]
+            for i in range(len(DEMO_PROMPTS))) for where, method in zip(table["where"], table["method"])]
     print(table.round(3).to_string(index=False))
-    print("\n(self-draft = SmolLM2's first 26 of 30 layers; substitute = its own 8-bit twin as the draft)")
+    print("(self-draft and remote chain = SmolLM2's first 26 of 30 layers as the draft; substitute = its own "
+          "8-bit twin)")
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    records.to_csv(out / "demo_records.csv", index=False)
+    print("[4/4] Pareto report from the cached profiles/ and reference/", flush=True)
+    report = _write_demo_report(out / "pareto.html", local, args)
+    print(f"\nper-step records: {(out / 'demo_records.csv').resolve()}")
+    print(f"Pareto report:    {report.resolve()}" if report else "Pareto report: no cached profiles found")
+    print(f"notebooks:        {(root / 'notebooks').resolve()}  (jupyter lab notebooks/)")
     return 0
 
+
+def _write_demo_report(path, local, args):
+    """Every cached pair as a section; SmolLM2's section gets this run's measured points overlaid."""
+    from specbench.hardware import device_name
+    from specbench.plan.explore import measured_points, operating_points, prediction_frame
+    from specbench.plan.library import load_profiles, load_references
+    from specbench.viz.report import write_pareto_report
+
+    profiles, sections = load_profiles(), []
+    here = device_name("cpu")
+    for reference in load_references():
+        for target in (p for p in profiles if p.model == reference.target):
+            draft = next((p for p in profiles if p.model == reference.draft and p.device == target.device), None)
+            if draft is None:
+                continue
+            frame = prediction_frame(target, draft, reference,
+                                     operating_points(reference, rtts_ms=(args.rtt,), remote=True))
+            measured = None
+            if target.model == "smollm2-135m" and target.device == here and target.dtype == args.dtype:
+                runs = local[local["method"].isin(["target-only", "self-draft"])]
+                measured = measured_points(runs)
+            sections.append({"title": f"{reference.draft} -> {reference.target} on {target.device} ({target.dtype}, "
+                                      f"{reference.dataset})", "predicted": frame, "measured": measured})
+    if not sections:
+        return None
+    return write_pareto_report(path, sections, note="Measured diamonds: this demo run (local, greedy).")
 
 def _profile(args) -> int:
     """Measure forward latency over the grid, locally or on a worker, and save it to profiles/."""
@@ -316,6 +377,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--k", type=int, default=4)
     demo.add_argument("--max-new-tokens", type=int, default=48)
     demo.add_argument("--dtype", default="float32")
+    demo.add_argument("--rtt", type=float, default=50.0, help="emulated RTT for the remote part (ms)")
+    demo.add_argument("--out-dir", default="reports", help="where the records CSV and the HTML report go")
     demo.set_defaults(handler=_demo)
     return parser
 

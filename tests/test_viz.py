@@ -89,3 +89,18 @@ def test_report_and_cli_write_html_from_cached_files(tmp_path, capsys):
     assert "cs must be in [0, 1]" in capsys.readouterr().err
     assert main(["pareto", "--profiles", str(tmp_path / "empty"), "--references", str(tmp_path / "ref"),
                  "--out", str(out)]) == 2
+
+
+def test_token_sources_split_accepted_draft_from_bonus():
+    from specbench.viz.text import colored_text_html, token_sources
+
+    data = pd.DataFrame([{"method": "chain", "prompt_index": 0, "step": 0, "accepted": 2, "accepted_tokens": [5, 6, 7]},
+                         {"method": "chain", "prompt_index": 0, "step": 1, "accepted": 0, "accepted_tokens": [8]}])
+    assert token_sources(data, "chain") == [(5, "draft"), (6, "draft"), (7, "target"), (8, "target")]
+
+    class Letters:
+        def decode(self, ids):
+            return "".join(chr(96 + i) for i in ids)
+
+    page = colored_text_html(data, Letters(), "chain")
+    assert page.count("title='draft'") == 2 and page.count("title='target'") == 2 and ">e</span>" in page

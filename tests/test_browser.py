@@ -1,0 +1,92 @@
+"""Headless-browser checks: the Pareto HTML report and a JupyterLab-style notebook export render
+their plots with the expected traces and points in a real Chromium (Debian's, driven by Selenium).
+
+Screenshots go to reports/screenshots/ for a human to look at.
+"""
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHOTS = ROOT / "reports" / "screenshots"
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+DRIVER = shutil.which("chromedriver")
+pytestmark = pytest.mark.skipif(not (CHROMIUM and DRIVER),
+                                reason="needs Debian's chromium and chromium-driver (make setup installs them)")
+
+PLOT_STATE = """
+return Array.from(document.querySelectorAll('.js-plotly-plot')).map(plot => ({
+  traces: plot.data.map(t => ({name: t.name, points: (t.x || []).length})),
+  drawn_markers: plot.querySelectorAll('.scatterlayer .trace .points path.point').length}));
+"""
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1400,1000"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(DRIVER), options=options)
+    yield driver
+    driver.quit()
+
+
+def plots_on(browser, url, expected_plots=1, timeout=30):
+    browser.get(url)
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        state = browser.execute_script(PLOT_STATE)
+        if len(state) >= expected_plots and all(p["drawn_markers"] for p in state):
+            return state
+        time.sleep(0.25)
+    raise AssertionError(f"plots did not render in {timeout}s: {browser.execute_script(PLOT_STATE)}")
+
+
+def test_pareto_report_renders_all_points(browser, tmp_path):
+    from test_viz import frame
+
+    from specbench.plan.explore import recommend
+    from specbench.viz.report import write_pareto_report
+
+    predicted = frame()
+    measured = predicted.head(3)
+    path = write_pareto_report(tmp_path / "report.html", [{"title": "synthetic", "predicted": predicted,
+                                                          "measured": measured, "cs": 0.5}])
+    [plot] = plots_on(browser, path.as_uri())
+    names = {t["name"]: t["points"] for t in plot["traces"]}
+    assert sum(v for k, v in names.items() if k.startswith("predicted:")) == len(predicted)
+    assert names["measured"] == 3 and names["recommended"] == 1
+    assert names["Pareto front (predicted)"] == int(predicted["on_front"].sum())
+    # markers actually drawn as SVG: every predicted, measured and recommended point
+    assert plot["drawn_markers"] == len(predicted) + 3 + 1
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    browser.save_screenshot(str(SHOTS / "pareto_report.png"))
+
+
+def test_exported_notebook_renders_its_pareto_plot(browser, tmp_path):
+    """Notebook 03 executed on the shipped caches, exported with nbconvert's JupyterLab template."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    book = nbformat.read(ROOT / "notebooks" / "03_pareto_explorer.ipynb", as_version=4)
+    NotebookClient(book, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    executed = tmp_path / "03.ipynb"
+    nbformat.write(book, executed)
+    subprocess.run([sys.executable, "-m", "nbconvert", "--to", "html", "--template", "lab", str(executed)],
+                   check=True, capture_output=True)
+    plots = plots_on(browser, executed.with_suffix(".html").as_uri())
+    traces = [t["name"] for t in plots[0]["traces"]]
+    assert "Pareto front (predicted)" in traces and "recommended" in traces
+    assert plots[0]["drawn_markers"] >= 3
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    browser.save_screenshot(str(SHOTS / "notebook_03_export.png"))
+    (SHOTS / "notebook_03_plots.json").write_text(json.dumps(plots, indent=1))
