@@ -12,6 +12,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[dev]"
 	$(PY) -m ipykernel install --user --name specbench --display-name "specbench" >/dev/null
+	# Chromium + driver for the headless-browser checks (Debian packages; skipped where apt is not ours).
+	command -v chromedriver >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		(apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver) \
+		>/dev/null 2>&1 || echo "note: chromium/chromedriver not installed: browser checks will be skipped"; }
 	touch $(STAMP)
 
 setup: $(STAMP)

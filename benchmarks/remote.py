@@ -40,7 +40,7 @@ def protocol_overhead(endpoint: str, steps: int) -> dict:
     """Client round trip minus the worker's own handling time, for verify steps of a 4-token chain."""
     remote = RemoteTarget(endpoint)
     remote.prefill("bench", list(range(1, 33)))
-    overheads = []
+    overheads, worker_times = [], []
     for step in range(steps):
         tree = DraftTree.chain([5, 6, 7, 8])
         started = time.perf_counter()
@@ -48,11 +48,63 @@ def protocol_overhead(endpoint: str, steps: int) -> dict:
                   "sampling": protocol.sampling_to_wire(SamplingParams()), "seed": step}
         reply, _, _ = remote._request(header, protocol.tree_to_arrays(tree), session="bench", with_timing=True)
         overheads.append(time.perf_counter() - started - reply["worker_s"])
+        worker_times.append(reply["worker_s"])
         if step % 50 == 49:  # keep the context short and constant
             remote.prefill("bench", list(range(1, 33)))
     overheads_ms = np.array(overheads[10:]) * 1000
     return {"steps": len(overheads_ms), "p50_ms": float(np.percentile(overheads_ms, 50)),
-            "p99_ms": float(np.percentile(overheads_ms, 99)), "mean_ms": float(overheads_ms.mean())}
+            "p99_ms": float(np.percentile(overheads_ms, 99)), "mean_ms": float(overheads_ms.mean()),
+            "worker_ms_p50": 1000 * float(np.median(worker_times))}
+
+
+def _echo(endpoint):
+    import zmq
+
+    socket = zmq.Context().socket(zmq.ROUTER)
+    socket.bind(endpoint)
+    while True:
+        frames = socket.recv_multipart()
+        socket.send_multipart(frames)
+        if frames[-1] == b"stop":
+            return
+
+
+def zmq_floor(idle_s: float, steps: int) -> dict:
+    """Bare pyzmq ROUTER/DEALER echo between two processes, idling `idle_s` between round trips as a
+    client does while the worker computes: the platform's floor, which no protocol can go under.
+    (On small VMs a core idle for a few ms wakes slowly; this isolates that from our own cost.)"""
+    import zmq
+
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    server = multiprocessing.get_context("spawn").Process(target=_echo, args=(endpoint,))
+    server.start()
+    client = zmq.Context().socket(zmq.DEALER)
+    client.connect(endpoint)
+    times = []
+    for _ in range(steps):
+        time.sleep(idle_s)
+        started = time.perf_counter()
+        client.send_multipart([b"", b"x" * 200])
+        client.recv_multipart()
+        times.append(time.perf_counter() - started)
+    client.send_multipart([b"", b"stop"])
+    server.join()
+    client.close(linger=0)
+    ms = np.array(times[10:]) * 1000
+    return {"idle_between_ms": 1000 * idle_s, "p50_ms": float(np.percentile(ms, 50)),
+            "p99_ms": float(np.percentile(ms, 99))}
+
+
+def light_op_overhead(endpoint: str, steps: int) -> dict:
+    """Round trip minus worker time for `health` (no model work, so no idle gap before the reply)."""
+    remote = RemoteTarget(endpoint)
+    overheads = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        reply, _, _ = remote._request({"op": "health"}, with_timing=True)
+        overheads.append(time.perf_counter() - started - reply["worker_s"])
+    ms = np.array(overheads[10:]) * 1000
+    return {"p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99))}
 
 
 def bytes_per_step() -> list[dict]:
@@ -147,6 +199,7 @@ def concurrency(endpoint: str, clients_list, steps: int) -> list[dict]:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer steps and tokens (a smoke run)")
+    parser.add_argument("--protocol-only", action="store_true", help="only overhead, floor and bytes (tiny model)")
     parser.add_argument("--out", default=str(ROOT / "results" / "remote.json"))
     args = parser.parse_args()
     steps = 200 if args.quick else 2000
@@ -160,8 +213,15 @@ def main():
     worker = spawn_worker(endpoint, "--model", TINY)
     try:
         report["protocol_overhead"] = protocol_overhead(endpoint, steps)
+        report["light_op_overhead"] = light_op_overhead(endpoint, steps)
+        report["zmq_floor"] = [zmq_floor(0.0, steps),
+                               zmq_floor(report["protocol_overhead"]["worker_ms_p50"] / 1000, steps)]
         print("== protocol overhead (round trip - worker time), tiny model, loopback ==")
         print(pd.DataFrame([report["protocol_overhead"]]).round(3).to_string(index=False))
+        print("-- the same for `health` (no compute, so no idle gap):")
+        print(pd.DataFrame([report["light_op_overhead"]]).round(3).to_string(index=False))
+        print("-- bare pyzmq echo between two processes (platform floor), without and with the same idle gap:")
+        print(pd.DataFrame(report["zmq_floor"]).round(3).to_string(index=False))
         report["concurrency"] = concurrency(endpoint, [1, 2, 4, 8], 20 if args.quick else 100)
         print("\n== concurrent clients (tiny model, separate processes, 4-token chain verifies) ==")
         print(pd.DataFrame(report["concurrency"]).round(2).to_string(index=False))
@@ -171,6 +231,11 @@ def main():
     print("\n== bytes per verify request ==")
     print(pd.DataFrame(report["bytes_per_step"]).to_string(index=False))
 
+    if args.protocol_only:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=1, default=str))
+        print(f"\nwrote {args.out}")
+        return
     target_spec = ModelSpec("smollm2-135m")
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     worker = spawn_worker(endpoint, "--model", "smollm2-135m")

@@ -105,8 +105,8 @@ def main():
     table = pd.DataFrame(rows)
     pd.set_option("display.width", 220)
     print(table.round(3).to_string(index=False))
-    chain_local = table[(table.where == "local") & table.config.str.startswith("chain")]
-    remote_rows = table[table.where != "local"]
+    chain_local = table[(table["where"] == "local") & table.config.str.startswith("chain")]
+    remote_rows = table[table["where"] != "local"]
     chain_remote = remote_rows[remote_rows.config.str.startswith("chain")].tokens_per_s.max()
     tree_remote = remote_rows[remote_rows.config.str.startswith("dynamic")].tokens_per_s.max()
     goals = {"tree_tokens_per_step_over_best_chain": float(trees.tokens_per_step.max() / chain_local.tokens_per_step.max()),
