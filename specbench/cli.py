@@ -108,25 +108,18 @@ def _demo(args) -> int:
 def _write_demo_report(path, local, args):
     """Every cached pair as a section; SmolLM2's section gets this run's measured points overlaid."""
     from specbench.hardware import device_name
-    from specbench.plan.explore import measured_points, operating_points, prediction_frame
+    from specbench.plan.explore import matching_pairs, measured_points, operating_points, prediction_frame
     from specbench.plan.library import load_profiles, load_references
     from specbench.viz.report import write_pareto_report
 
-    profiles, sections = load_profiles(), []
-    here = device_name("cpu")
-    for reference in load_references():
-        for target in (p for p in profiles if p.model == reference.target):
-            draft = next((p for p in profiles if p.model == reference.draft and p.device == target.device), None)
-            if draft is None:
-                continue
-            frame = prediction_frame(target, draft, reference,
-                                     operating_points(reference, rtts_ms=(args.rtt,), remote=True))
-            measured = None
-            if target.model == "smollm2-135m" and target.device == here and target.dtype == args.dtype:
-                runs = local[local["method"].isin(["target-only", "self-draft"])]
-                measured = measured_points(runs)
-            sections.append({"title": f"{reference.draft} -> {reference.target} on {target.device} ({target.dtype}, "
-                                      f"{reference.dataset})", "predicted": frame, "measured": measured})
+    sections, here = [], device_name("cpu")
+    for target, draft, reference in matching_pairs(load_profiles(), load_references()):
+        frame = prediction_frame(target, draft, reference, operating_points(reference, rtts_ms=(args.rtt,), remote=True))
+        measured = None
+        if target.model == "smollm2-135m" and target.device == here and target.dtype == args.dtype:
+            measured = measured_points(local[local["method"].isin(["target-only", "self-draft"])])
+        sections.append({"title": f"{reference.draft} -> {reference.target} on {target.device} ({target.dtype}, "
+                                  f"{reference.dataset})", "predicted": frame, "measured": measured})
     if not sections:
         return None
     return write_pareto_report(path, sections, note="Measured diamonds: this demo run (local, greedy).")
@@ -186,30 +179,24 @@ def _reference(args) -> int:
 def _pareto(args) -> int:
     """Predict every operating point for each cached pair and write an HTML Pareto report."""
     from specbench.plan.costs import Power, Prices
-    from specbench.plan.explore import operating_points, prediction_frame
+    from specbench.plan.explore import matching_pairs, operating_points, prediction_frame
     from specbench.plan.library import PROFILES, REFERENCES, load_profiles, load_references
     from specbench.viz.report import write_pareto_report
 
     prices = Prices(target_usd_per_hour=args.usd_per_hour, draft_usd_per_kwh=args.usd_per_kwh,
                     usd_per_gb_down=args.usd_per_gb)
     power = Power(draft_watts=args.draft_watts, target_watts=args.target_watts)
-    profiles = load_profiles(args.profiles or PROFILES)
-    references = load_references(args.references or REFERENCES)
-    if args.target:
-        references = [r for r in references if r.target == args.target]
+    pairs = matching_pairs(load_profiles(args.profiles or PROFILES), load_references(args.references or REFERENCES),
+                           target=args.target)
     sections = []
-    for reference in references:
-        for target in [p for p in profiles if p.model == reference.target]:
-            draft = next((p for p in profiles if p.model == reference.draft and p.device == target.device), None)
-            if draft is None:
-                continue
-            points = operating_points(reference, rtts_ms=args.rtt, remote=bool(args.rtt))
-            frame = prediction_frame(target, draft, reference, points, prices, power, context=args.context,
-                                     cost=args.cost)
-            sections.append({"title": f"{reference.draft} -> {reference.target} on {target.device} "
-                                      f"({target.dtype}, {reference.dataset})", "predicted": frame, "cs": args.cs})
-            best = frame.sort_values("tokens_per_s", ascending=False).iloc[0]
-            print(f"{sections[-1]['title']}: fastest {best['label']} {best['tokens_per_s']:.2f} tok/s")
+    for target, draft, reference in pairs:
+        points = operating_points(reference, rtts_ms=args.rtt, remote=bool(args.rtt))
+        frame = prediction_frame(target, draft, reference, points, prices, power, context=args.context,
+                                 cost=args.cost)
+        sections.append({"title": f"{reference.draft} -> {reference.target} on {target.device} "
+                                  f"({target.dtype}, {reference.dataset})", "predicted": frame, "cs": args.cs})
+        best = frame.sort_values("tokens_per_s", ascending=False).iloc[0]
+        print(f"{sections[-1]['title']}: fastest {best['label']} {best['tokens_per_s']:.2f} tok/s")
     if not sections:
         raise SpecbenchError("no reference with matching target and draft profiles on one device; "
                              "run `specbench profile` and `specbench reference` first")

@@ -9,8 +9,9 @@ from typing import Optional, Sequence
 
 import pandas as pd
 
-from specbench.plan.costs import Power, Prices
-from specbench.plan.predict import AcceptanceReference, LatencyProfile, OperatingPoint, choose, pareto_front, predict
+from specbench.plan.costs import Power, Prices, StepCost
+from specbench.plan.predict import (AcceptanceReference, LatencyProfile, OperatingPoint, choose, pareto_front,
+                                    predict, priced)
 from specbench.types import SpecbenchError
 
 OBJECTIVE_COLUMNS = {"api_cost": "api_cost_usd_per_mtok", "total_cost": "total_cost_usd_per_mtok",
@@ -67,9 +68,6 @@ def measured_points(records: pd.DataFrame, prices: Prices = Prices(), power: Pow
                     where: str = "local", rtt_ms: float = 0.0) -> pd.DataFrame:
     """Measured runs (records from `specbench.api.run`) priced like predictions, one row per (method, k),
     labelled as the matching predicted operating point so the two overlay in one figure."""
-    from specbench.plan.costs import StepCost, api_cost_per_mtok, total_cost_per_mtok
-    from specbench.plan.costs import draft_energy_j_per_mtok, target_energy_j_per_mtok
-
     rows = []
     for (method, k), group in records.groupby(["method", "k"], sort=False):
         emitted_per_step = group["emitted"].sum() / len(group)
@@ -78,11 +76,22 @@ def measured_points(records: pd.DataFrame, prices: Prices = Prices(), power: Pow
                         group["network_s"].mean(), overhead.mean(), group["bytes_up"].mean(), group["bytes_down"].mean())
         kind = "tree" if "tree" in method else "target-only" if method == "target-only" else "chain"
         rows.append({"label": OperatingPoint(kind, int(k), where, rtt_ms).label, "method": method, "k": int(k),
-                     "where": where, "rtt_ms": rtt_ms, "tokens_per_step": step.tokens_per_step,
-                     "tokens_per_s": group["emitted"].sum() / group["step_s"].sum(),
-                     "api_cost_usd_per_mtok": api_cost_per_mtok(step, prices),
-                     "total_cost_usd_per_mtok": total_cost_per_mtok(step, prices, power),
-                     "draft_energy_j_per_mtok": draft_energy_j_per_mtok(step, power),
-                     "target_energy_j_per_mtok": target_energy_j_per_mtok(step, power),
-                     "steps": len(group)})
+                     "where": where, "rtt_ms": rtt_ms, **priced(step, prices, power),
+                     # measured speed: emitted tokens over wall time of the steps (not 1 / mean step)
+                     "tokens_per_s": group["emitted"].sum() / group["step_s"].sum(), "steps": len(group)})
     return pd.DataFrame(rows)
+
+
+def matching_pairs(profiles: Sequence[LatencyProfile], references: Sequence[AcceptanceReference],
+                   target: Optional[str] = None) -> list[tuple[LatencyProfile, LatencyProfile, AcceptanceReference]]:
+    """(target profile, draft profile, reference) for every reference whose target and draft were both
+    profiled on one device: the combinations a Pareto view can predict."""
+    pairs = []
+    for reference in references:
+        if target and reference.target != target:
+            continue
+        for target_profile in (p for p in profiles if p.model == reference.target):
+            draft = next((p for p in profiles if p.model == reference.draft and p.device == target_profile.device), None)
+            if draft is not None:
+                pairs.append((target_profile, draft, reference))
+    return pairs

@@ -138,15 +138,19 @@ def predict(points: Sequence[OperatingPoint], target: LatencyProfile, draft: Opt
     for point in points:
         step = predict_step(point, target, draft, reference, context, overhead_s, bandwidth_mbps)
         rows.append({"label": point.label, "method": point.method, "k": point.k, "where": point.where,
-                     "rtt_ms": point.rtt_ms, "tokens_per_step": step.tokens_per_step,
-                     "tokens_per_s": step.tokens_per_s, "step_ms": 1000 * step.step_s,
-                     "api_cost_usd_per_mtok": api_cost_per_mtok(step, prices),
-                     "total_cost_usd_per_mtok": total_cost_per_mtok(step, prices, power),
-                     "draft_energy_j_per_mtok": draft_energy_j_per_mtok(step, power),
-                     "target_energy_j_per_mtok": target_energy_j_per_mtok(step, power),
-                     "bytes_per_token": (step.bytes_up + step.bytes_down) / step.tokens_per_step,
-                     "energy_source": power.source})
+                     "rtt_ms": point.rtt_ms, **priced(step, prices, power)})
     return rows
+
+
+def priced(step: StepCost, prices: Prices, power: Power) -> dict:
+    """Speed, $, J and bytes of one step per the cost model: the columns predictions and measurements share."""
+    return {"tokens_per_step": step.tokens_per_step, "tokens_per_s": step.tokens_per_s, "step_ms": 1000 * step.step_s,
+            "api_cost_usd_per_mtok": api_cost_per_mtok(step, prices),
+            "total_cost_usd_per_mtok": total_cost_per_mtok(step, prices, power),
+            "draft_energy_j_per_mtok": draft_energy_j_per_mtok(step, power),
+            "target_energy_j_per_mtok": target_energy_j_per_mtok(step, power),
+            "bytes_per_token": (step.bytes_up + step.bytes_down) / step.tokens_per_step,
+            "energy_source": power.source}
 
 
 def pareto_front(rows: Sequence[dict], speed: str = "tokens_per_s", cost: str = "total_cost_usd_per_mtok") -> list[dict]:
