@@ -19,6 +19,7 @@ from specbench.types import SamplingParams, SpecbenchError
 
 METHODS = ("target-only", "chain", "tree", "fixed-tree", "prompt-lookup", "prompt-lookup-tree", "self-draft",
            "substitute")
+PLANNABLE_METHODS = ("chain", "prompt-lookup", "self-draft", "substitute")
 WORKER_METHODS = ("server-only", "server-only-ar")  # run wholly on a remote worker (AutoDraft's baselines)
 ModelLike = Union[str, ModelSpec, LoadedModel]
 
@@ -103,14 +104,16 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
         max_new_tokens: int = 64, sampling: Optional[SamplingParams] = None, seed: int = 0,
         self_draft_layers: Optional[int] = None, substitute_quantization: str = "8bit",
         dtype: str = "float32", chat: bool = True, warmup: bool = True, progress: bool = True,
-        tokenizer=None, tree: TreeShape = TreeShape(), proactive: bool = False) -> pd.DataFrame:
+        tokenizer=None, tree: TreeShape = TreeShape(), proactive: bool = False, planner=None) -> pd.DataFrame:
     """Run each method over each prompt and return one row per speculative step.
 
     For tree methods `k` is the node budget. Every method shares the target and the loop, so
     tokens are counted identically; a short
     warm-up generation per method is run first and discarded. Output token ids per (method,
     prompt) come back through `outputs(df)`. `proactive` drafts ahead while a remote verify is in
-    flight (chain methods on a RemoteTarget).
+    flight (chain methods on a RemoteTarget). A `planner` (`specbench.plan.step_planner.StepPlanner`)
+    picks the chain length per step up to `k` (AutoDraft's per-step choice); it starts each prompt
+    from its reference prior, and those runs are recorded as method "<method>+planner".
     """
     sampling = sampling or SamplingParams()
     methods = [method] if isinstance(method, str) else list(method)
@@ -119,6 +122,9 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
             raise SpecbenchError(f"unknown method {name!r}; choose one of {METHODS + WORKER_METHODS}")
         if name in WORKER_METHODS and not hasattr(target, "generate_on_worker"):
             raise SpecbenchError(f"method {name!r} runs on a worker: pass target=RemoteTarget(...)")
+        if planner is not None and name not in PLANNABLE_METHODS:
+            raise SpecbenchError(f"a step planner chooses chain lengths; method {name!r} is not a chain method "
+                                 f"(plannable: {PLANNABLE_METHODS})")
     target_model = None
     if isinstance(target, (str, ModelSpec, LoadedModel)):
         target_model = as_loaded(target, dtype)
@@ -132,10 +138,12 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
         drafter = make_drafter(name, target, draft, target_model, self_draft_layers, substitute_quantization, dtype,
                                tree)
         one = dict(target=target, method=name, drafter=drafter, k=k, sampling=sampling, eos=eos, draft=draft,
-                   proactive=proactive)
+                   proactive=proactive, planner=planner)
         if warmup:
             _generate_one(prompt_ids[0], min(8, max_new_tokens), 0, seed, **one)
         for index, ids in enumerate(prompt_ids):
+            if planner is not None:
+                planner.reset()
             result = _generate_one(ids, max_new_tokens, index, seed * 1_000_003 + index, **one)
             for record in result.records:
                 rows.append({**asdict(record), "k": 0 if name in ("target-only", "server-only-ar") else k,
@@ -146,15 +154,16 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
 
 
 def _generate_one(ids, max_new_tokens, prompt_index, seed, *, target, method, drafter, k, sampling, eos, draft,
-                  proactive):
+                  proactive, planner):
     """One prompt through one method; worker methods run wholly on the worker."""
     if method in WORKER_METHODS:
         draft_spec = ModelSpec(draft) if isinstance(draft, str) else draft if isinstance(draft, ModelSpec) else None
         return target.generate_on_worker(method, ids, k=k, max_new_tokens=max_new_tokens, sampling=sampling,
                                          seed=seed, prompt_index=prompt_index, draft=draft_spec)
     return generate(target, drafter, ids, k=k, max_new_tokens=max_new_tokens, sampling=sampling,
-                    generator=torch.Generator().manual_seed(seed), eos_token_ids=eos, method=method,
-                    prompt_index=prompt_index, proactive=proactive)
+                    generator=torch.Generator().manual_seed(seed), eos_token_ids=eos,
+                    method=f"{method}+planner" if planner is not None else method,
+                    prompt_index=prompt_index, proactive=proactive, planner=planner)
 
 
 def outputs(records: pd.DataFrame) -> dict[tuple[str, int], list[int]]:

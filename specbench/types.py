@@ -165,6 +165,7 @@ class StepRecord:
     lookahead_drafted: int = 0  # proactive drafting: tokens drafted while the verify was in flight
     lookahead_discarded: int = 0  # ... of which the verdict made useless
     lookahead_reused: int = 0  # tokens of this step's chain that were drafted ahead last step
+    budget: int = 0  # draft tokens (chain) or nodes (tree) asked for this step; a step planner varies it
 
     @property
     def overhead_s(self) -> float:

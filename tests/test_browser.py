@@ -1,8 +1,8 @@
-"""Headless-browser check: the Pareto HTML report renders its plot with the expected traces and
-points in a real Chromium (Debian's, driven by Selenium). (A JupyterLab notebook export check is
-still to come: see the open notebooks issue.)
+"""Headless-browser checks in a real Chromium (Debian's, driven by Selenium), offline: the Pareto
+HTML report, and notebook 03 executed and exported with nbconvert's JupyterLab template, each
+render their plot with the expected traces and points.
 
-Screenshots go to reports/screenshots/ for a human to look at.
+Screenshots (and the notebook export) go to reports/ for a human to look at.
 """
 import shutil
 import time
@@ -12,6 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SHOTS = ROOT / "reports" / "screenshots"
+NOTEBOOKS = ROOT / "notebooks"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 DRIVER = shutil.which("chromedriver")
 pytestmark = pytest.mark.skipif(not (CHROMIUM and DRIVER),
@@ -69,3 +70,38 @@ def test_pareto_report_renders_all_points(browser, tmp_path):
     SHOTS.mkdir(parents=True, exist_ok=True)
     browser.save_screenshot(str(SHOTS / "pareto_report.png"))
 
+
+
+def test_jupyterlab_export_of_the_pareto_notebook(browser):
+    import nbformat
+    from nbclient import NotebookClient
+    from nbconvert import HTMLExporter
+
+    from specbench.plan.costs import Power, Prices
+    from specbench.plan.explore import matching_pairs, operating_points, prediction_frame
+    from specbench.plan.library import load_profiles, load_references
+
+    book = nbformat.read(NOTEBOOKS / "03_pareto_explorer.ipynb", as_version=4)
+    NotebookClient(book, timeout=300, kernel_name="python3",
+                   resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
+    html, _ = HTMLExporter(template_name="lab").from_notebook_node(book)
+    export = ROOT / "reports" / "notebook_exports" / "03_pareto_explorer.html"
+    export.parent.mkdir(parents=True, exist_ok=True)
+    export.write_text(html)
+
+    # What the notebook's default selection must show, computed here independently of it.
+    parameters = {}
+    exec(next(c.source for c in book.cells if "parameters" in c.metadata.get("tags", [])), parameters)
+    target, draft, reference = matching_pairs(load_profiles(), load_references())[0]
+    points = operating_points(reference, rtts_ms=parameters["RTTS_MS"], local=True, remote=True)
+    expected = prediction_frame(target, draft, reference, points, Prices(), Power())
+
+    # The widget's own output needs a live kernel; the static copy below it is what an export shows.
+    [plot] = plots_on(browser, export.as_uri(), timeout=60)
+    names = {t["name"]: t["points"] for t in plot["traces"]}
+    assert sum(v for k, v in names.items() if k.startswith("predicted:")) == len(expected)
+    assert names["Pareto front (predicted)"] == int(expected["on_front"].sum())
+    assert names["recommended"] == 1 and "measured" not in names
+    assert plot["drawn_markers"] == len(expected) + 1
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    browser.save_screenshot(str(SHOTS / "notebook_03_export.png"))

@@ -104,3 +104,17 @@ def test_token_sources_split_accepted_draft_from_bonus():
 
     page = colored_text_html(data, Letters(), "chain")
     assert page.count("title='draft'") == 2 and page.count("title='target'") == 2 and ">e</span>" in page
+
+
+def test_replace_output_fills_a_panel_as_data():
+    import ipywidgets
+
+    from specbench.viz.panels import replace_output
+
+    panel = ipywidgets.Output()
+    replace_output(panel, pareto_figure(frame()), "first")
+    replace_output(panel, pareto_figure(frame()), frame().head(2), "recommended: x")
+    figure, table, text = panel.outputs  # replaced, not appended
+    assert "application/vnd.plotly.v1+json" in figure["data"]
+    assert table["output_type"] == "display_data" and "text/plain" in table["data"]
+    assert text == {"output_type": "stream", "name": "stdout", "text": "recommended: x\n"}

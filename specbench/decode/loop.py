@@ -24,7 +24,7 @@ class Generation:
 def generate(target: Target, drafter: Optional[Drafter], prompt_ids: Sequence[int], *, k: int,
              max_new_tokens: int, sampling: SamplingParams, generator: torch.Generator,
              eos_token_ids: Sequence[int] = (), method: str = "", prompt_index: int = 0,
-             session: str = "default", proactive: bool = False) -> Generation:
+             session: str = "default", proactive: bool = False, planner=None) -> Generation:
     """Generate up to `max_new_tokens` tokens, stopping after an EOS token, drafting `k` per step.
 
     Tokens past an EOS or past the budget are dropped even when the target accepted them, so the
@@ -36,6 +36,10 @@ def generate(target: Target, drafter: Optional[Drafter], prompt_ids: Sequence[in
     drafter keeps drafting past the chain while the verify is in flight; when the verdict accepts
     the whole chain and its bonus token equals the first look-ahead token, the rest of the
     look-ahead opens the next chain, otherwise it is discarded and counted.
+
+    A `planner` (anything with `choose(context_length) -> k` and `observe(drafted, accepted,
+    network_s)`, e.g. `specbench.plan.step_planner.StepPlanner`) picks k afresh before every step,
+    up to `k`; k = 0 makes that step a plain target step.
     """
     if drafter is not None and k < 1:
         raise SpecbenchError(f"k (draft tokens per step) must be >= 1, got {k}")
@@ -54,16 +58,18 @@ def generate(target: Target, drafter: Optional[Drafter], prompt_ids: Sequence[in
             step_start = time.perf_counter()
             depth_cap = max_new_tokens - len(output) - 1
             tree = DraftTree()
-            reused = len(ahead) if ahead is not None and depth_cap > 0 else 0
-            if drafter is not None and depth_cap > 0:
-                tree = (drafter.propose(context, k, sampling, generator, prefix=ahead, max_depth=depth_cap)
-                        if ahead is not None else drafter.propose(context, k, sampling, generator, max_depth=depth_cap))
+            step_k = k if planner is None or drafter is None else min(k, planner.choose(len(context)))
+            reused = len(ahead) if ahead is not None and depth_cap > 0 and step_k > 0 else 0
+            if drafter is not None and depth_cap > 0 and step_k > 0:
+                tree = (drafter.propose(context, step_k, sampling, generator, prefix=ahead, max_depth=depth_cap)
+                        if ahead is not None else
+                        drafter.propose(context, step_k, sampling, generator, max_depth=depth_cap))
             draft_s = time.perf_counter() - step_start
             step_seed = int(torch.randint(0, 2**62, (), generator=generator))
             looked_ahead, discarded = 0, 0
             if proactive and len(tree) and tree.is_chain:
                 pending = target.verify_begin(session, tree, sampling, step_seed)
-                ahead = drafter.lookahead(context + list(tree.tokens), k + 1, sampling, generator,
+                ahead = drafter.lookahead(context + list(tree.tokens), step_k + 1, sampling, generator,
                                           keep_going=lambda: not pending.ready())
                 verdict = pending.result()
                 looked_ahead = len(ahead)
@@ -76,6 +82,8 @@ def generate(target: Target, drafter: Optional[Drafter], prompt_ids: Sequence[in
             else:
                 ahead = None
                 verdict = target.verify(session, tree, sampling, step_seed)
+            if planner is not None and drafter is not None:
+                planner.observe(len(tree), len(verdict.accepted_path), verdict.network_s)
             emitted = verdict.emitted(tree)
             finished = False
             for cut, token in enumerate(emitted):
@@ -94,7 +102,7 @@ def generate(target: Target, drafter: Optional[Drafter], prompt_ids: Sequence[in
                 bonus_token=verdict.bonus_token, bytes_up=verdict.bytes_up, bytes_down=verdict.bytes_down,
                 emulated_network_s=verdict.emulated_s, tree_widths=tree.widths(),
                 expected_accepted=tree.expected_accepted, lookahead_drafted=looked_ahead,
-                lookahead_discarded=discarded, lookahead_reused=reused))
+                lookahead_discarded=discarded, lookahead_reused=reused, budget=step_k if drafter is not None else 0))
             if finished:
                 break
     finally:

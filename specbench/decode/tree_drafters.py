@@ -2,7 +2,7 @@
 
 Both expand the tree level by level, one draft forward per level over all nodes being expanded
 (a tree attention mask on the draft's cache), so a depth-D tree costs D draft forwards, like a
-chain of D tokens.
+chain of D tokens. Dynamic trees stop early once no frontier node can reach the kept set.
 """
 from __future__ import annotations
 
@@ -79,7 +79,9 @@ class TreeDrafter(ModelDrafter):
                     created += self._children(nodes, parent, depth, logits, sampling, generator)
                 if depth == depth_limit or not created:
                     break
-                expand = created if self.widths else sorted(created, key=lambda i: -nodes[i].log_prob)[: self.beam]
+                expand = created if self.widths else self._worth_expanding(nodes, created, budget)
+                if not expand:
+                    break
                 frontier = list(zip(expand, self._forward_level(context, nodes, fed, expand)))
                 fed += expand
         finally:
@@ -128,6 +130,21 @@ class TreeDrafter(ModelDrafter):
                             past_key_values=self.cache, position_ids=positions,
                             attention_mask=mask.view(1, 1, len(expand), total).to(device), use_cache=True)
         return list(output.logits[0].float().cpu())
+
+    def _worth_expanding(self, nodes, created, budget) -> list[int]:
+        """The `beam` best new nodes, minus those whose children could never be kept.
+
+        A child scores at most its parent's cumulative log-probability and is deeper than every
+        node so far (so it loses ties), while the cut-off for the final `budget` nodes only rises
+        as nodes are added: a parent at or below the current budget-th best score has no child in
+        the final tree. Skipping it (and stopping when none is left) saves draft forwards and
+        leaves the selected tree exactly as it would have been.
+        """
+        best = sorted(created, key=lambda i: -nodes[i].log_prob)[: self.beam]
+        if len(nodes) < budget:
+            return best
+        cutoff = sorted((n.log_prob for n in nodes), reverse=True)[budget - 1]
+        return [i for i in best if nodes[i].log_prob > cutoff]
 
     def _select(self, nodes, budget) -> list[int]:
         if self.widths:

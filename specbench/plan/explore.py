@@ -75,7 +75,10 @@ def measured_points(records: pd.DataFrame, prices: Prices = Prices(), power: Pow
         step = StepCost(emitted_per_step, group["draft_s"].mean(), group["verify_s"].mean(),
                         group["network_s"].mean(), overhead.mean(), group["bytes_up"].mean(), group["bytes_down"].mean())
         kind = "tree" if "tree" in method else "target-only" if method == "target-only" else "chain"
-        rows.append({"label": OperatingPoint(kind, int(k), where, rtt_ms).label, "method": method, "k": int(k),
+        label = OperatingPoint(kind, int(k), where, rtt_ms).label
+        if method.endswith("+planner"):  # K varies per step; no fixed-K prediction to overlay
+            label = f"{method} K<={int(k)} ({label.rsplit('(', 1)[1]}"
+        rows.append({"label": label, "method": method, "k": int(k),
                      "where": where, "rtt_ms": rtt_ms, **priced(step, prices, power),
                      # measured speed: emitted tokens over wall time of the steps (not 1 / mean step)
                      "tokens_per_s": group["emitted"].sum() / group["step_s"].sum(), "steps": len(group)})

@@ -9,6 +9,15 @@ import plotly.graph_objects as go
 from specbench.decode.metrics import per_position_acceptance, time_split, tokens_per_second
 
 SPEED = "tokens_per_s"
+
+
+def use_exportable_figures() -> None:
+    """Notebook figures carry both plotly's JSON (JupyterLab draws it live) and HTML, with plotly.js
+    inlined into THIS cell's output, so nbconvert/papermill exports show them offline. Inlining it
+    now matters: otherwise it lands in the first figure's output, which may sit in a widget."""
+    from plotly.offline import init_notebook_mode
+
+    init_notebook_mode(connected=False)
 COLORS = {"target-only": "#636efa", "chain": "#ef553b", "tree": "#00cc96"}
 
 

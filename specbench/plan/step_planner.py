@@ -1,0 +1,147 @@
+"""Per-step choice of draft length (AutoDraft's per-step planning): before every step, pick the
+chain length K (0 = no draft, a plain target step) that minimises the cost knob J for that step.
+
+Why per step and not per run: the best K moves with the context length (forward latency grows
+with it), with the network (RTT measured on the way) and with how well the draft is doing on
+*this* text. The acceptance model starts from a reference's per-position acceptance and updates
+with every verdict, so a prompt the draft handles badly quickly falls back to K=0 or 1, and an
+easy one (code, repetition) climbs to long chains. Choosing K never changes the output: every
+step is verified losslessly whatever K is.
+
+Acceptance model: alpha_i = P(position i accepted | positions < i accepted), i = 1..max_k, kept as
+Beta counts (successes, trials) seeded from the reference with weight `prior_steps`, all decayed
+by `forget` per observed step, so recent steps count more and the prior fades; after `explore_after` plain steps
+in a row one token is drafted, so a planner that gave up on the draft can notice it improve. Expected accepted drafts for K:
+E[a_K] = sum_{i<=K} prod_{j<=i} alpha_j (Leviathan et al., 2023, with position-wise rates).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from specbench.plan.costs import Network, Power, Prices, StepCost, check_cs, cost_knob
+from specbench.plan.explore import cost_column
+from specbench.plan.predict import AcceptanceReference, LatencyProfile, OperatingPoint, bytes_per_step, priced
+from specbench.types import SpecbenchError
+
+
+def positional_rates(reference: AcceptanceReference, max_k: int) -> list[tuple[float, float]]:
+    """(accepted, tried) counts per position 1..max_k from the reference's long-chain steps."""
+    if not reference.chain_accepts:
+        raise SpecbenchError(f"reference {reference.draft} -> {reference.target} has no chain steps to plan from")
+    if max_k > reference.max_chain:
+        raise SpecbenchError(f"reference chains were {reference.max_chain} long; cannot plan up to K={max_k}")
+    counts = []
+    for position in range(1, max_k + 1):
+        tried = sum(1 for a in reference.chain_accepts if a >= position - 1)
+        accepted = sum(1 for a in reference.chain_accepts if a >= position)
+        counts.append((float(accepted), float(tried)))
+    return counts
+
+
+@dataclass
+class StepPlanner:
+    """Chooses K per step for one draft/target pair from latency profiles, live acceptance and live RTT."""
+
+    target: LatencyProfile
+    draft: LatencyProfile
+    reference: AcceptanceReference
+    cs: float = 0.0
+    max_k: int = 6
+    where: str = "local"
+    rtt_ms: float = 0.0  # starting estimate; remote steps update it from measured network time
+    prices: Prices = field(default_factory=Prices)
+    power: Power = field(default_factory=Power)
+    cost: str = "total_cost"
+    prior_steps: float = 8.0  # how many steps the reference is worth against live evidence
+    forget: float = 0.9  # per-step decay of live evidence (1 = never forget)
+    overhead_s: float = 0.0
+    rtt_smoothing: float = 0.3
+    explore_after: int = 8  # after this many K=0 steps in a row, draft one token to re-check acceptance
+
+    def __post_init__(self):
+        check_cs(self.cs)
+        if self.max_k < 1:
+            raise SpecbenchError(f"max_k must be >= 1, got {self.max_k}")
+        if self.where not in ("local", "remote"):
+            raise SpecbenchError(f"where must be 'local' or 'remote', got {self.where!r}")
+        if not 0 < self.forget <= 1:
+            raise SpecbenchError(f"forget must be in (0, 1], got {self.forget}")
+        self.cost_name = cost_column(self.cost)
+        self.reset()
+
+    def reset(self) -> None:
+        """Back to the reference prior (e.g. between prompts); live evidence is dropped."""
+        counts = positional_rates(self.reference, self.max_k)
+        scale = self.prior_steps / len(self.reference.chain_accepts)
+        self.counts = [(a * scale, t * scale) for a, t in counts]
+        self.history: list[int] = []
+
+    def rates(self) -> list[float]:
+        """Current alpha_i per position: decayed counts plus one pseudo-trial at 1/2, so a position
+        with no recent evidence drifts back towards a coin flip instead of keeping an old certainty."""
+        return [(accepted + 0.5) / (tried + 1.0) for accepted, tried in self.counts]
+
+    def expected_accepted(self, k: int) -> float:
+        total, survive = 0.0, 1.0
+        for alpha in self.rates()[:k]:
+            survive *= alpha
+            total += survive
+        return total
+
+    def step_cost(self, k: int, context: int) -> StepCost:
+        point = OperatingPoint("target-only" if k == 0 else "chain", k, self.where, self.rtt_ms)
+        accepted = self.expected_accepted(k)
+        draft_s = 0.0
+        if k:
+            draft_s = self.draft.forward_s(1 + round(accepted), context) + (k - 1) * self.draft.forward_s(1, context)
+        up, down = bytes_per_step(point)
+        network_s = Network(self.rtt_ms).transfer_s(up, down) if self.where == "remote" else 0.0
+        return StepCost(1.0 + accepted, draft_s, self.target.forward_s(1 + k, context), network_s,
+                        self.overhead_s, up, down)
+
+    def scores(self, context: int) -> list[dict]:
+        """Every candidate K with its predicted speed, cost and J at this context (K=0 is the reference)."""
+        rows = [{"k": k, **priced(self.step_cost(k, context), self.prices, self.power)} for k in range(self.max_k + 1)]
+        base = rows[0]
+        for row in rows:
+            row["J"] = cost_knob(self.cs, row[self.cost_name], base[self.cost_name], row["tokens_per_s"],
+                                 base["tokens_per_s"])
+        return rows
+
+    def choose(self, context: int) -> int:
+        """K for the next step (0 = verify no draft: a plain target step)."""
+        best = min(self.scores(context), key=lambda row: (row["J"], row["k"]))["k"]
+        recent = self.history[-self.explore_after:]
+        if best == 0 and self.explore_after and len(recent) == self.explore_after and not any(recent):
+            best = 1  # without drafting, acceptance evidence never changes: probe now and then
+        self.history.append(best)
+        return best
+
+    def observe(self, drafted: int, accepted: int, network_s: Optional[float] = None) -> None:
+        """Fold one verdict in: positions 1..accepted+1 were tried (up to drafted), 1..accepted passed."""
+        self.counts = [(a * self.forget, t * self.forget) for a, t in self.counts]
+        for position in range(1, min(drafted, self.max_k) + 1):
+            if position > accepted + 1:
+                break
+            a, t = self.counts[position - 1]
+            self.counts[position - 1] = (a + (1.0 if position <= accepted else 0.0), t + 1.0)
+        if network_s is not None and network_s > 0 and self.where == "remote":
+            self.rtt_ms += self.rtt_smoothing * (1000 * network_s - self.rtt_ms)
+
+
+def planner_from_caches(target: str, draft: str, dataset: Optional[str] = None, device: Optional[str] = None,
+                        **options) -> StepPlanner:
+    """A StepPlanner from the shipped/recorded `profiles/` and `reference/` for this pair."""
+    from specbench.plan.explore import matching_pairs
+    from specbench.plan.library import load_profiles, load_references
+
+    references = [r for r in load_references(target=target, draft=draft) if dataset in (None, r.dataset)]
+    pairs = [p for p in matching_pairs(load_profiles(), references) if device in (None, p[0].device)]
+    if not pairs:
+        raise SpecbenchError(f"no cached profiles + reference for draft {draft!r} -> target {target!r}"
+                             f"{f' on {dataset!r}' if dataset else ''}{f' on device {device!r}' if device else ''}; "
+                             f"record them with `specbench profile` and `specbench reference`")
+    target_profile, draft_profile, reference = pairs[0]
+    options.setdefault("max_k", min(6, reference.max_chain))
+    return StepPlanner(target_profile, draft_profile, reference, **options)

@@ -1,0 +1,101 @@
+"""Per-step planning: hand-computed choices, adaptation to live acceptance and RTT, losslessness."""
+import pytest
+
+from specbench.api import outputs, run
+from specbench.plan.costs import Prices
+from specbench.plan.predict import AcceptanceReference, LatencyProfile
+from specbench.plan.step_planner import StepPlanner, planner_from_caches, positional_rates
+from specbench.types import SpecbenchError
+
+from conftest import PROMPTS
+
+
+def flat(model: str, seconds: float) -> LatencyProfile:
+    """A forward that costs `seconds` whatever the tokens and context."""
+    return LatencyProfile(model, "test", rows=((1, 512, seconds), (64, 512, seconds)))
+
+
+def halving_reference() -> AcceptanceReference:
+    """Accepted lengths 0..6 with frequencies 1/2, 1/4, ... so every alpha_i is exactly 1/2."""
+    accepts = [a for a, count in enumerate([32, 16, 8, 4, 2, 1]) for _ in range(count)] + [6]
+    return AcceptanceReference("d", "t", "x", max_chain=6, chain_accepts=tuple(accepts))
+
+
+def test_positional_rates_from_reference():
+    rates = positional_rates(halving_reference(), 6)
+    assert [a / t for a, t in rates] == [0.5] * 6
+
+
+def test_hand_computed_choice_speed_versus_cost():
+    # target 100 ms flat, draft 30 ms/token, alpha = 1/2: tokens/s for K = 0, 1, 2, 3 is
+    # 1/0.1 = 10, 1.5/0.13 = 11.54, 1.75/0.16 = 10.94, 1.875/0.19 = 9.87 -> fastest is K=1.
+    planner = StepPlanner(flat("t", 0.100), flat("d", 0.030), halving_reference(), cs=0.0, prior_steps=1e6)
+    scores = planner.scores(context=100)
+    assert [round(r["tokens_per_s"], 2) for r in scores[:4]] == [10.0, 11.54, 10.94, 9.87]
+    assert planner.choose(100) == 1
+    # GPU-hour pricing counts only verify seconds per token, 0.1 / (2 - 2^-K): cheapest at the longest chain.
+    cheap = StepPlanner(flat("t", 0.100), flat("d", 0.030), halving_reference(), cs=1.0, prior_steps=1e6,
+                        prices=Prices(draft_usd_per_kwh=0.0, usd_per_gb_down=0.0))
+    assert cheap.choose(100) == 6
+
+
+def test_remote_rtt_pushes_longer_chains():
+    local = StepPlanner(flat("t", 0.100), flat("d", 0.030), halving_reference(), prior_steps=1e6)
+    remote = StepPlanner(flat("t", 0.100), flat("d", 0.030), halving_reference(), prior_steps=1e6,
+                         where="remote", rtt_ms=200.0)
+    # with 200 ms per round trip, K=2 (1.75 tokens / 0.36 s) beats K=1 (1.5 / 0.33 s)
+    assert local.choose(100) == 1 and remote.choose(100) >= 2
+    remote.observe(drafted=2, accepted=2, network_s=0.0)  # 0 = no measurement; estimate kept
+    assert remote.rtt_ms == 200.0
+    for _ in range(30):
+        remote.observe(drafted=2, accepted=1, network_s=0.001)
+    assert remote.rtt_ms < 5
+
+
+def test_live_acceptance_moves_the_choice_and_probing_recovers():
+    good = AcceptanceReference("d", "t", "x", max_chain=6, chain_accepts=(6,) * 20)
+    planner = StepPlanner(flat("t", 0.100), flat("d", 0.030), good, explore_after=4)
+    assert planner.choose(100) == 6
+    for _ in range(15):
+        planner.observe(drafted=6, accepted=0)
+    assert planner.choose(100) == 0
+    choices = [planner.choose(100) for _ in range(5)]
+    assert choices == [0, 0, 0, 1, 0], choices  # a probe after 4 plain steps, then back to 0
+    for _ in range(15):
+        planner.observe(drafted=1, accepted=1)
+    assert planner.choose(100) >= 1
+    planner.reset()
+    assert planner.choose(100) == 6
+
+
+def test_bad_planner_settings():
+    reference = halving_reference()
+    with pytest.raises(SpecbenchError, match="cs"):
+        StepPlanner(flat("t", 0.1), flat("d", 0.01), reference, cs=1.5)
+    with pytest.raises(SpecbenchError, match="K=8"):
+        StepPlanner(flat("t", 0.1), flat("d", 0.01), reference, max_k=8)
+    with pytest.raises(SpecbenchError, match="no chain steps"):
+        StepPlanner(flat("t", 0.1), flat("d", 0.01), AcceptanceReference("d", "t", "x"))
+    with pytest.raises(SpecbenchError, match="no cached profiles"):
+        planner_from_caches("no-such-target", "no-such-draft")
+
+
+def test_planned_runs_stay_lossless_and_vary_k(tiny_target, tiny_draft):
+    planner = StepPlanner(flat("t", 0.100), flat("d", 0.030), halving_reference(), max_k=6, prior_steps=2,
+                          forget=0.7)
+    records = run(tiny_target, PROMPTS, method=["target-only", "chain"], draft=tiny_draft, k=6,
+                  max_new_tokens=30, progress=False, planner=None)
+    planned = run(tiny_target, PROMPTS, method="chain", draft=tiny_draft, k=6, max_new_tokens=30,
+                  progress=False, planner=planner)
+    produced, got = outputs(records), outputs(planned)
+    for index in range(len(PROMPTS)):
+        assert got[("chain+planner", index)] == produced[("target-only", index)]
+    assert planned["budget"].nunique() > 1, "the planner never changed K"
+    assert (planned["drafted"] <= planned["budget"]).all()
+    with pytest.raises(SpecbenchError, match="not a chain method"):
+        run(tiny_target, PROMPTS, method="tree", draft=tiny_draft, planner=planner, progress=False)
+
+
+def test_shipped_caches_give_a_planner():
+    planner = planner_from_caches("smollm2-135m", "smollm2-135m[:26]", dataset="bench")
+    assert 0 <= planner.choose(200) <= planner.max_k
