@@ -58,3 +58,40 @@ def test_unknown_dataset_names_the_known_ones(capsys):
         load_prompts("no-such-dataset")
     assert main(["datasets", "show", "no-such-dataset"]) == 2
     assert "unknown dataset" in capsys.readouterr().err
+
+
+def test_sharegpt_conversations_become_human_turns(tmp_path):
+    from specbench.datasets.loaders import sharegpt_rows
+
+    source = tmp_path / "sharegpt.json"
+    source.write_text(json.dumps([
+        {"id": "a1", "conversations": [{"from": "human", "value": "Hi there"}, {"from": "gpt", "value": "Hello"},
+                                       {"from": "human", "value": "Tell me a joke"},
+                                       {"from": "human", "value": "third turn, dropped"}]},
+        {"id": "b2", "conversations": [{"from": "gpt", "value": "only the model speaks"}]},
+        {"id": "c3", "conversations": [{"from": "human", "value": "   "}, {"from": "human", "value": "Real question"}]},
+        "not a conversation"]))
+    compact = tmp_path / "cache" / "first_turns.jsonl"
+    rows = sharegpt_rows(source, compact)
+    assert [(r["id"], r["turns"]) for r in rows] == [("a1", ["Hi there", "Tell me a joke"]), ("c3", ["Real question"])]
+    assert all(r["set"] == "sharegpt" for r in rows)
+    source.write_text("{corrupt")  # the compact cache is used from now on
+    assert sharegpt_rows(source, compact) == rows
+    with pytest.raises(DatasetError, match="fetch again"):
+        sharegpt_rows(source, tmp_path / "fresh.jsonl")
+    source.write_text('[{"id": "x", "conversations": []}]')
+    with pytest.raises(DatasetError, match="no prompts"):
+        sharegpt_rows(source, tmp_path / "empty.jsonl")
+
+
+def test_sharegpt_cut_off_mid_conversation_keeps_the_complete_ones(tmp_path):
+    """The registry's file ends mid-conversation; everything before the cut is kept."""
+    from specbench.datasets.loaders import sharegpt_rows
+
+    whole = json.dumps([{"id": str(i), "conversations": [{"from": "human", "value": f"question {i}"}]}
+                        for i in range(5)], indent=2)
+    source = tmp_path / "cut.json"
+    source.write_text(whole[: whole.index('"question 4"') + 5])
+    with pytest.warns(UserWarning, match="kept the 4 complete conversations"):
+        rows = sharegpt_rows(source, tmp_path / "cut.jsonl")
+    assert [r["prompt"] for r in rows] == [f"question {i}" for i in range(4)]

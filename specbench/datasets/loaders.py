@@ -4,6 +4,7 @@ from __future__ import annotations
 import gzip
 import json
 import random
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -28,7 +29,8 @@ def load_prompts(name_or_path: str, limit: Optional[int] = None, seed: int = 0) 
     elif name_or_path in DATASETS:
         source = dataset_source(name_or_path)
         path = fetch_dataset(name_or_path)
-        rows = _sharegpt_rows(path) if source.format == "sharegpt" else parse_jsonl(path, default_set=name_or_path)
+        rows = (sharegpt_rows(path, cache_root() / "datasets" / "sharegpt" / "first_turns.jsonl")
+                if source.format == "sharegpt" else parse_jsonl(path, default_set=name_or_path))
     else:
         path = Path(name_or_path).expanduser()
         if not path.exists():
@@ -89,17 +91,53 @@ def _row(item, number: int, default_set: str) -> dict | str:
             "prompt": turns[0], "turns": list(turns)}
 
 
-def _sharegpt_rows(path: Path) -> list[dict]:
-    """First human turn of each conversation; parsed once (125 MB) and kept as JSONL in the cache."""
-    compact = cache_root() / "datasets" / "sharegpt" / "first_turns.jsonl"
+def sharegpt_rows(path: Path, compact: Path) -> list[dict]:
+    """The human turns (first two) of each ShareGPT conversation; the big JSON is parsed once and kept
+    as compact JSONL at `compact`. Conversations without a human turn are skipped.
+
+    The registry package ships the JSON cut off mid-conversation (125 MB of a larger file), so the
+    array is read item by item and every complete conversation before the cut is kept, with a warning.
+    """
     if not compact.exists():
-        with open(path, encoding="utf-8") as handle:
-            conversations = json.load(handle)
+        conversations = _json_array_items(path)
+        compact.parent.mkdir(parents=True, exist_ok=True)
         partial = compact.with_suffix(".partial")
         with open(partial, "w", encoding="utf-8") as out:
-            for conversation in conversations:
-                turns = [t.get("value", "") for t in conversation.get("conversations", []) if t.get("from") == "human"]
-                if turns and turns[0].strip():
-                    out.write(json.dumps({"id": conversation.get("id"), "set": "sharegpt", "turns": turns[:2]}) + "\n")
+            for index, conversation in enumerate(conversations):
+                messages = conversation.get("conversations", []) if isinstance(conversation, dict) else []
+                turns = [m.get("value", "") for m in messages if isinstance(m, dict) and m.get("from") == "human"]
+                turns = [t for t in turns if isinstance(t, str) and t.strip()]
+                if turns:
+                    identity = conversation.get("id", index)
+                    out.write(json.dumps({"id": identity, "set": "sharegpt", "turns": turns[:2]}) + "\n")
         partial.replace(compact)
     return parse_jsonl(compact, default_set="sharegpt")
+
+
+def _json_array_items(path: Path) -> list:
+    """Items of a top-level JSON array, keeping the complete ones when the file is cut short."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise DatasetError(f"{path}: cannot read ({error}); delete it and fetch again") from None
+    decoder = json.JSONDecoder()
+    position = len(text) - len(text.lstrip())
+    if not text.startswith("[", position):
+        raise DatasetError(f"{path}: expected a JSON list of conversations; delete it and fetch again "
+                           f"with `specbench datasets fetch sharegpt`")
+    items, position = [], position + 1
+    while True:
+        while position < len(text) and text[position] in " \t\r\n,":
+            position += 1
+        if position >= len(text) or text[position] == "]":
+            return items
+        try:
+            item, position = decoder.raw_decode(text, position)
+        except json.JSONDecodeError as error:
+            if not items:
+                raise DatasetError(f"{path}: no readable conversation ({error.msg} at char {error.pos}); "
+                                   f"delete it and fetch again with `specbench datasets fetch sharegpt`") from None
+            warnings.warn(f"{path} is cut off at char {error.pos} of {len(text)}: "
+                          f"kept the {len(items)} complete conversations before it")
+            return items
+        items.append(item)
