@@ -122,7 +122,7 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
             raise SpecbenchError(f"unknown method {name!r}; choose one of {METHODS + WORKER_METHODS}")
         if name in WORKER_METHODS and not hasattr(target, "generate_on_worker"):
             raise SpecbenchError(f"method {name!r} runs on a worker: pass target=RemoteTarget(...)")
-        if planner is not None and name not in PLANNABLE_METHODS:
+        if planner is not None and name not in PLANNABLE_METHODS + ("target-only",) + WORKER_METHODS:
             raise SpecbenchError(f"a step planner chooses chain lengths; method {name!r} is not a chain method "
                                  f"(plannable: {PLANNABLE_METHODS})")
     target_model = None
@@ -137,13 +137,14 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
     for name in methods:
         drafter = make_drafter(name, target, draft, target_model, self_draft_layers, substitute_quantization, dtype,
                                tree)
+        planned = planner if name in PLANNABLE_METHODS else None  # baselines run as they are
         one = dict(target=target, method=name, drafter=drafter, k=k, sampling=sampling, eos=eos, draft=draft,
-                   proactive=proactive, planner=planner)
+                   proactive=proactive, planner=planned)
         if warmup:
             _generate_one(prompt_ids[0], min(8, max_new_tokens), 0, seed, **one)
         for index, ids in enumerate(prompt_ids):
-            if planner is not None:
-                planner.reset()
+            if planned is not None:
+                planned.reset()
             result = _generate_one(ids, max_new_tokens, index, seed * 1_000_003 + index, **one)
             for record in result.records:
                 rows.append({**asdict(record), "k": 0 if name in ("target-only", "server-only-ar") else k,

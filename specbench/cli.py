@@ -41,8 +41,15 @@ def _run(args) -> int:
     target = ModelSpec(args.target, dtype=args.dtype)
     draft = ModelSpec(args.draft, dtype=args.dtype) if args.draft else None
     sampling = SamplingParams(temperature=args.temperature, rule=args.rule)
+    planner = None
+    if args.plan:
+        from specbench.plan.step_planner import planner_from_caches
+
+        if draft is None:
+            raise SpecbenchError("--plan chooses K per step for a draft/target pair: pass --draft")
+        planner = planner_from_caches(target.label, draft.label, cs=args.cs, max_k=args.k)
     records = run(target, args.prompt or DEMO_PROMPTS, method=args.method, draft=draft, k=args.k,
-                  max_new_tokens=args.max_new_tokens, sampling=sampling, dtype=args.dtype)
+                  max_new_tokens=args.max_new_tokens, sampling=sampling, dtype=args.dtype, planner=planner)
     print(summarize(records).round(3).to_string(index=False))
     if args.out:
         records.to_csv(args.out, index=False)
@@ -284,6 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
     run_parser.add_argument("--rule", default="rejection", choices=["greedy", "rejection", "sample-match"])
     run_parser.add_argument("--dtype", default="float32")
     run_parser.add_argument("--out", help="write the per-step records as CSV")
+    run_parser.add_argument("--plan", action="store_true",
+                            help="choose K per step (up to --k) from the cached profiles and reference of the pair")
+    run_parser.add_argument("--cs", type=float, default=0.0, help="cost weight for --plan: 0 fastest, 1 cheapest")
     run_parser.set_defaults(handler=_run)
 
     worker = commands.add_parser("worker", help="serve a target model over ZeroMQ (Ctrl-C stops it)")

@@ -80,16 +80,22 @@ def test_bad_planner_settings():
         planner_from_caches("no-such-target", "no-such-draft")
 
 
+def test_cli_plan_needs_a_pair(capsys):
+    from specbench.cli import main
+
+    assert main(["run", "--target", "smollm2-135m", "--method", "chain", "--plan"]) == 2
+    assert "pass --draft" in capsys.readouterr().err
+
+
 def test_planned_runs_stay_lossless_and_vary_k(tiny_target, tiny_draft):
     planner = StepPlanner(flat("t", 0.100), flat("d", 0.030), halving_reference(), max_k=6, prior_steps=2,
                           forget=0.7)
     records = run(tiny_target, PROMPTS, method=["target-only", "chain"], draft=tiny_draft, k=6,
-                  max_new_tokens=30, progress=False, planner=None)
-    planned = run(tiny_target, PROMPTS, method="chain", draft=tiny_draft, k=6, max_new_tokens=30,
-                  progress=False, planner=planner)
-    produced, got = outputs(records), outputs(planned)
+                  max_new_tokens=30, progress=False, planner=planner)  # the baseline ignores the planner
+    produced = outputs(records)
     for index in range(len(PROMPTS)):
-        assert got[("chain+planner", index)] == produced[("target-only", index)]
+        assert produced[("chain+planner", index)] == produced[("target-only", index)]
+    planned = records[records.method == "chain+planner"]
     assert planned["budget"].nunique() > 1, "the planner never changed K"
     assert (planned["drafted"] <= planned["budget"]).all()
     with pytest.raises(SpecbenchError, match="not a chain method"):
