@@ -96,3 +96,18 @@ def test_break_even_acceptance():
     # K=4: 4*0.02 + 0.20 = 0.28 s vs 0.10 s baseline -> needs 1.8 accepted tokens per step
     target = LatencyProfile("t", "cpu", rows=((1, 256, 0.10), (5, 256, 0.20)))
     assert break_even_acceptance(target, DRAFT, 4) == pytest.approx(1.8)
+
+
+def test_break_even_frame_marks_where_sd_pays_off():
+    from specbench.plan.explore import break_even_frame
+
+    target = LatencyProfile("t", "cpu", rows=((1, 256, 0.10), (5, 256, 0.20)))
+    reference = AcceptanceReference("d", "t", "x", max_chain=4, chain_accepts=(0, 1, 2, 3, 4))  # mean min(a, 4) = 2
+    frame = break_even_frame(target, DRAFT, reference, ks=(4,), rtts_ms=(0.0, 100.0))
+    local, remote = frame.to_dict("records")
+    # local: needs 1.8 (above); with 100 ms per round trip on both sides: 0.38 / 0.20 - 1 = 0.9
+    assert local["break_even_accepted"] == pytest.approx(1.8) and local["pays_off"]
+    assert remote["break_even_accepted"] == pytest.approx(0.9) and remote["measured_accepted"] == pytest.approx(2.0)
+    frame = break_even_frame(target, DRAFT, AcceptanceReference("d", "t", "x", max_chain=4, chain_accepts=(1, 1)),
+                             ks=(4,))
+    assert not frame["pays_off"].iloc[0]

@@ -10,8 +10,8 @@ from typing import Optional, Sequence
 import pandas as pd
 
 from specbench.plan.costs import Power, Prices, StepCost
-from specbench.plan.predict import (AcceptanceReference, LatencyProfile, OperatingPoint, choose, pareto_front,
-                                    predict, priced)
+from specbench.plan.predict import (AcceptanceReference, LatencyProfile, OperatingPoint, break_even_acceptance,
+                                    choose, pareto_front, predict, priced)
 from specbench.types import SpecbenchError
 
 OBJECTIVE_COLUMNS = {"api_cost": "api_cost_usd_per_mtok", "total_cost": "total_cost_usd_per_mtok",
@@ -98,3 +98,20 @@ def matching_pairs(profiles: Sequence[LatencyProfile], references: Sequence[Acce
             if draft is not None:
                 pairs.append((target_profile, draft, reference))
     return pairs
+
+
+def break_even_frame(target: LatencyProfile, draft: LatencyProfile, reference: Optional[AcceptanceReference] = None,
+                     ks: Sequence[int] = (1, 2, 4, 6), rtts_ms: Sequence[float] = (0.0,),
+                     context: int = 256) -> pd.DataFrame:
+    """Where SD stops paying off: per chain K and RTT, the mean accepted drafts per step needed to
+    match target-only, next to what the reference measured (`pays_off` when it clears the bar)."""
+    rows = []
+    for rtt in rtts_ms:
+        for k in ks:
+            needed = break_even_acceptance(target, draft, k, context, rtt_ms=rtt)
+            row = {"k": k, "rtt_ms": float(rtt), "break_even_accepted": needed, "max_possible": float(k)}
+            if reference is not None and k <= reference.max_chain:
+                row["measured_accepted"] = reference.accepted("chain", k)
+                row["pays_off"] = row["measured_accepted"] > needed
+            rows.append(row)
+    return pd.DataFrame(rows)
