@@ -1,5 +1,6 @@
 """profiles/ and reference/ files: round trips, clear errors for corrupt or old files, concurrent writers."""
 import json
+import os
 import multiprocessing
 
 import pytest
@@ -14,6 +15,9 @@ def test_profile_and_reference_round_trip(tmp_path):
     path = save_profile(profile, folder=tmp_path)
     assert load_profiles(tmp_path) == [profile]
     assert save_profile(profile, folder=tmp_path) == path  # same metadata, same file name
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask  # shared data: not mkstemp's owner-only mode
     reference = AcceptanceReference("d", "t", "mt-bench", chain_accepts=(1, 2, 8), tree_accepts={16: (3, 4)},
                                     tree_depth={16: 4.5}, tree_width={16: 8})
     save_reference(reference, folder=tmp_path)

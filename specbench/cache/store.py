@@ -48,6 +48,7 @@ def write_record(folder: Path | str, kind: str, metadata: dict, payload: dict, l
         json.dump(document, handle, indent=1, default=str)
         handle.flush()
         os.fsync(handle.fileno())
+    _readable(temporary)
     os.replace(temporary, path)
     _update_index(folder, path.name, kind, metadata)
     return path
@@ -100,4 +101,12 @@ def _update_index(folder: Path, name: str, kind: str, metadata: dict) -> None:
         descriptor, temporary = tempfile.mkstemp(dir=folder, prefix=".tmp-index-")
         with os.fdopen(descriptor, "w") as handle:
             json.dump(dict(sorted(index.items())), handle, indent=1, default=str)
+        _readable(temporary)
         os.replace(temporary, index_path)
+
+
+def _readable(path: str) -> None:
+    """mkstemp makes owner-only files; caches are shared data, so use the umask's usual mode."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
