@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import pandas as pd
@@ -26,6 +24,8 @@ from specbench.decode.target import LocalTarget
 from specbench.models.loading import load_model
 from specbench.models.spec import ModelSpec
 from specbench.types import SamplingParams
+
+from common import write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 NEAR_TIE_LOGITS = 0.5  # about four bf16 steps at logit magnitudes of 16-32
@@ -229,10 +229,7 @@ def main():
                       ModelSpec("qwen2.5-coder-0.5b", dtype=args.dtype), [2, 4, 6], 20))
     if args.pair in ("smollm2", "both"):
         pairs.append(("smollm2", ModelSpec("smollm2-135m", dtype=args.dtype), None, [], 26))
-    report = {"machine": {"platform": platform.platform(), "processor": platform.processor(),
-                          "threads": torch.get_num_threads(), "torch": torch.__version__},
-              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "settings": vars(args), "near_tie_logits": NEAR_TIE_LOGITS, "pairs": {}}
+    report = {"settings": vars(args), "near_tie_logits": NEAR_TIE_LOGITS, "pairs": {}}
     pd.set_option("display.width", 200)
     for name, target_spec, draft_spec, ks, layers in pairs:
         frame, checks = bench_pair(name, target_spec, draft_spec, prompts, args.max_new_tokens, ks, layers, args.dtype)
@@ -245,9 +242,7 @@ def main():
                 print(f"  mismatch {check['engine']}/{check['method']} prompt {check['prompt']}: {check['check']}")
         report["pairs"][name] = {"summary": table.to_dict("records"), "best_per_set": best.to_dict("records"),
                                  "checks": checks, "per_prompt": frame.to_dict("records")}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1, default=str))
-    print(f"\nwrote {args.out}")
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

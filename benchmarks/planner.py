@@ -10,12 +10,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-from datetime import datetime, timezone
 from pathlib import Path
 
 import pandas as pd
-import torch
 
 from specbench.api import outputs, run
 from specbench.decode.metrics import acceptance_rate, tokens_per_second, tokens_per_step
@@ -26,13 +23,10 @@ from specbench.plan.step_planner import planner_from_caches
 from specbench.worker.client import NetworkEmulation, RemoteTarget
 from specbench.worker.launch import free_port, spawn_worker
 
+from common import bench_prompts, write_report
+
 ROOT = Path(__file__).resolve().parents[1]
 PAIRS = {"smollm2": ("smollm2-135m", "smollm2-135m[:26]"), "qwen": ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")}
-
-
-def prompts(limit):
-    rows = [json.loads(line) for line in (ROOT / "datasets" / "bench_prompts.jsonl").read_text().splitlines()]
-    return [row["prompt"] for row in rows[:limit]]
 
 
 def measure(target, draft, texts, configs, args, tokenizer, where):
@@ -73,7 +67,7 @@ def main():
     target_spec = ModelSpec(target_name, dtype="float32")  # the shipped profiles are fp32
     target = load_model(target_spec)
     draft = truncated_view(target, 26) if args.pair == "smollm2" else load_model(ModelSpec(draft_name, dtype="float32"))
-    texts = prompts(args.prompts)
+    texts = bench_prompts(args.prompts)
     local_planner = planner_from_caches(target_name, draft_name, dataset=args.dataset, cs=args.cs)
     print(f"== local ({args.pair}, fp32; planner from {local_planner.target.device}) ==", flush=True)
     rows = measure(target, draft, texts, configs_for(local_planner), args, target.tokenizer, "local")
@@ -101,13 +95,8 @@ def main():
                           "planner_over_target_only": planned / baseline,
                           "best_fixed": fixed.loc[fixed.tokens_per_s.idxmax()].config}
     print(json.dumps(summary, indent=1))
-    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "pair": args.pair,
-              "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                          "threads": torch.get_num_threads()},
-              "settings": vars(args), "rows": rows, "summary": summary, "note": "RTT is emulated on the client"}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1, default=str))
-    print(f"wrote {args.out}")
+    write_report(args.out, {"pair": args.pair, "settings": vars(args), "rows": rows, "summary": summary,
+                            "note": "RTT is emulated on the client"})
 
 
 if __name__ == "__main__":

@@ -12,14 +12,10 @@ target-only run. Remote points use a real worker on loopback with EMULATED RTT.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
-from datetime import datetime, timezone
 from pathlib import Path
 
 import pandas as pd
-import torch
 
 from specbench.api import TreeShape, run
 from specbench.datasets import load_prompts
@@ -32,6 +28,8 @@ from specbench.plan.predict import OperatingPoint, predict
 from specbench.record import profile_model, record_reference
 from specbench.worker.client import NetworkEmulation, RemoteTarget
 from specbench.worker.launch import free_port, spawn_worker
+
+from common import write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 TREE = TreeShape(max_depth=6, beam=4, branch=4)
@@ -109,14 +107,9 @@ def main():
           f"tokens, context ~{context}, overhead {1000 * overhead_s:.2f} ms/step from target-only) ==")
     print(table.round(3).to_string(index=False))
     print(f"median |tokens/s error| = {median_error:.1%} (goal <= 10%)")
-    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "pair": args.pair,
-              "machine": {"platform": platform.platform(), "threads": torch.get_num_threads(),
-                          "device": target_profile.device},
-              "settings": vars(args), "rows": rows, "median_abs_tps_error": median_error,
-              "note": f"remote points: loopback worker with EMULATED RTT {args.rtt} ms"}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1, default=str))
-    print(f"wrote {args.out}")
+    write_report(args.out, {"pair": args.pair, "settings": vars(args), "rows": rows,
+                            "median_abs_tps_error": median_error,
+                            "note": f"remote points: loopback worker with EMULATED RTT {args.rtt} ms"})
 
 
 if __name__ == "__main__":

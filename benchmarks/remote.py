@@ -10,15 +10,12 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
-import platform
 import statistics
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
-import torch
 
 from specbench.api import outputs, run
 from specbench.decode.metrics import tokens_per_second
@@ -29,6 +26,8 @@ from specbench.types import DraftTree, SamplingParams, SparseDist
 from specbench.worker import protocol
 from specbench.worker.client import NetworkEmulation, RemoteTarget
 from specbench.worker.launch import free_port, spawn_worker
+
+from common import write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = "tiny-random:seed=0"
@@ -205,9 +204,7 @@ def main():
     steps = 200 if args.quick else 2000
     max_new = 16 if args.quick else 48
     pd.set_option("display.width", 200)
-    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "machine": {"platform": platform.platform(), "threads": torch.get_num_threads()},
-              "note": "loopback; RTT values are emulated on the client"}
+    report = {"note": "loopback; RTT values are emulated on the client"}
 
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     worker = spawn_worker(endpoint, "--model", TINY)
@@ -232,9 +229,7 @@ def main():
     print(pd.DataFrame(report["bytes_per_step"]).to_string(index=False))
 
     if args.protocol_only:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=1, default=str))
-        print(f"\nwrote {args.out}")
+        write_report(args.out, report)
         return
     target_spec = ModelSpec("smollm2-135m")
     endpoint = f"tcp://127.0.0.1:{free_port()}"
@@ -251,9 +246,7 @@ def main():
         print(pd.DataFrame(report["rtt_sweep"]).round(3).to_string(index=False))
     finally:
         worker.terminate()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1, default=str))
-    print(f"\nwrote {args.out}")
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-from datetime import datetime, timezone
 from pathlib import Path
 
 import pandas as pd
-import torch
 
 from specbench.api import TreeShape, outputs, run
 from specbench.decode.metrics import acceptance_rate, tokens_per_second, tokens_per_step
@@ -26,12 +23,9 @@ from specbench.models.spec import ModelSpec
 from specbench.worker.client import NetworkEmulation, RemoteTarget
 from specbench.worker.launch import free_port, spawn_worker
 
+from common import bench_prompts, write_report
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def prompts(limit):
-    rows = [json.loads(line) for line in (ROOT / "datasets" / "bench_prompts.jsonl").read_text().splitlines()]
-    return [row["prompt"] for row in rows[:limit]]
 
 
 def measure(target, draft, texts, configs, max_new_tokens, tokenizer, label):
@@ -74,7 +68,7 @@ def main():
         target_spec = ModelSpec("qwen2.5-coder-1.5b", dtype=args.dtype)
         target = load_model(target_spec)
         draft = load_model(ModelSpec("qwen2.5-coder-0.5b", dtype=args.dtype))
-    texts = prompts(args.prompts)
+    texts = bench_prompts(args.prompts)
     configs = [("target-only", "target-only", 1, TreeShape(), False), ("chain K=2", "chain", 2, TreeShape(), False),
                ("chain K=4", "chain", 4, TreeShape(), False), ("chain K=6", "chain", 6, TreeShape(), False),
                ("fixed tree (4,2,2,1)", "fixed-tree", 64, TreeShape(widths=(4, 2, 2, 1)), False)]
@@ -115,12 +109,8 @@ def main():
                  remote_rows[remote_rows.config == "chain K=4 proactive"].tokens_per_s.iloc[0]
                  / remote_rows[remote_rows.config == "chain K=4"].tokens_per_s.iloc[0])}
     print(json.dumps(goals, indent=1))
-    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "pair": args.pair,
-              "machine": {"platform": platform.platform(), "threads": torch.get_num_threads()},
-              "settings": vars(args), "rows": rows, "goals": goals, "note": "RTT is emulated on the client"}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1, default=str))
-    print(f"wrote {args.out}")
+    write_report(args.out, {"pair": args.pair, "settings": vars(args), "rows": rows, "goals": goals,
+                            "note": "RTT is emulated on the client"})
 
 
 if __name__ == "__main__":

@@ -3,8 +3,7 @@ import pytest
 import torch
 
 from specbench.api import run
-from specbench.decode.drafters import ModelDrafter, PromptLookupDrafter
-from specbench.decode.loop import generate
+from specbench.decode.drafters import PromptLookupDrafter
 from specbench.decode.target import LocalTarget, UnknownSessionError
 from specbench.models.loading import VocabMismatchError, check_vocab_compatible
 from specbench.models.spec import ModelSpec

@@ -53,7 +53,6 @@ def plots_on(browser, url, expected_plots=1, timeout=30):
 def test_pareto_report_renders_all_points(browser, tmp_path):
     from test_viz import frame
 
-    from specbench.plan.explore import recommend
     from specbench.viz.report import write_pareto_report
 
     predicted = frame()

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from specbench.api import outputs, run
-from specbench.decode.drafters import ModelDrafter, PromptLookupDrafter
+from specbench.decode.drafters import ModelDrafter
 from specbench.decode.loop import generate
 from specbench.decode.target import LocalTarget
 from specbench.models.self_draft import truncated_view

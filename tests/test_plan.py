@@ -1,5 +1,4 @@
 """Cost formulas by hand, Pareto frontier vs brute force, the cost knob's extremes, replay prediction."""
-import itertools
 import random
 
 import pytest

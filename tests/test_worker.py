@@ -1,6 +1,5 @@
 """The remote target: identical results to local, faults, fuzzing, reconnects, auth, emulation."""
 import multiprocessing
-import os
 import random
 import signal
 import threading
@@ -14,13 +13,13 @@ import zmq
 from specbench.api import outputs, run
 from specbench.models.spec import ModelSpec
 from specbench.models.tiny import tiny_model
-from specbench.types import DraftTree, SamplingParams, SparseDist, SpecbenchError
+from specbench.types import DraftTree, SamplingParams, SpecbenchError
 from specbench.worker import protocol
 from specbench.worker.client import NetworkEmulation, RemoteTarget, WorkerError, WorkerUnavailableError
 from specbench.worker.server import Worker, WorkerConfig, is_local_endpoint
 
 from conftest import PROMPTS
-from worker_helpers import DRAFT, TARGET, ThreadWorker, free_port, start_process_worker
+from worker_helpers import TARGET, ThreadWorker, free_port, start_process_worker
 
 
 @pytest.fixture(scope="module")
