@@ -103,4 +103,5 @@ def test_jupyterlab_export_of_the_pareto_notebook(browser):
     assert names["recommended"] == 1 and "measured" not in names
     assert plot["drawn_markers"] == len(expected) + 1
     SHOTS.mkdir(parents=True, exist_ok=True)
+    browser.execute_script("document.querySelector('.js-plotly-plot').scrollIntoView()")
     browser.save_screenshot(str(SHOTS / "notebook_03_export.png"))
