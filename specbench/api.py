@@ -61,6 +61,7 @@ class TreeShape:
     beam: int = 4
     branch: int = 4
     lookup_candidates: int = 4
+    prune: bool = True  # dynamic trees: skip levels no node of which could be kept (same tree, fewer forwards)
 
 
 def make_drafter(method: str, target: LocalTarget | Target, draft: Optional[ModelLike] = None,
@@ -86,7 +87,7 @@ def make_drafter(method: str, target: LocalTarget | Target, draft: Optional[Mode
                 f"draft has {loaded.vocab_size} output ids but the target has {target.vocab_size}")
         if method == "tree":
             return TreeDrafter(loaded, target.vocab_size, max_depth=tree.max_depth, beam=tree.beam,
-                               branch=tree.branch, name=f"tree:{loaded.spec.label}")
+                               branch=tree.branch, name=f"tree:{loaded.spec.label}", prune=tree.prune)
         if method == "fixed-tree":
             return TreeDrafter(loaded, target.vocab_size, widths=tree.widths, name=f"fixed-tree:{loaded.spec.label}")
         return ModelDrafter(loaded, target.vocab_size, name=f"chain:{loaded.spec.label}")

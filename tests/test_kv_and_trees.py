@@ -69,9 +69,6 @@ def test_target_commits_only_the_accepted_tree_path(tiny_target):
 def test_dynamic_tree_pruning_saves_forwards_and_keeps_the_tree(tiny_target, tiny_draft):
     from specbench.decode.tree_drafters import TreeDrafter
 
-    def plain_beam(self, nodes, created, budget):
-        return sorted(created, key=lambda i: -nodes[i].log_prob)[: self.beam]
-
     def counted(drafter):
         calls = []
         original = drafter._forward_level
@@ -81,8 +78,7 @@ def test_dynamic_tree_pruning_saves_forwards_and_keeps_the_tree(tiny_target, tin
     saved = 0
     for budget in (2, 4, 8, 16):
         for prompt in ([1, 2, 3, 4, 5], [40, 41, 42, 43], [5, 80, 3, 17]):
-            pruned, plain = TreeDrafter(tiny_draft, 96, max_depth=6), TreeDrafter(tiny_draft, 96, max_depth=6)
-            plain._worth_expanding = plain_beam.__get__(plain)
+            pruned, plain = TreeDrafter(tiny_draft, 96, max_depth=6), TreeDrafter(tiny_draft, 96, max_depth=6, prune=False)
             pruned_calls, plain_calls = counted(pruned), counted(plain)
             a = pruned.propose(prompt, budget, SamplingParams(), torch.Generator())
             b = plain.propose(prompt, budget, SamplingParams(), torch.Generator())

@@ -49,7 +49,7 @@ class TreeDrafter(ModelDrafter):
     supports_lookahead = False  # proactive drafting extends one chain; a tree has no single path to extend
 
     def __init__(self, draft: LoadedModel, target_vocab_size: int, widths: Optional[Sequence[int]] = None,
-                 max_depth: int = 6, beam: int = 4, branch: int = 4, name: str = "tree"):
+                 max_depth: int = 6, beam: int = 4, branch: int = 4, name: str = "tree", prune: bool = True):
         super().__init__(draft, target_vocab_size, name=name)
         if widths is not None and (not widths or any(w < 1 for w in widths)):
             raise SpecbenchError(f"tree widths must be positive per depth, got {widths}")
@@ -57,7 +57,7 @@ class TreeDrafter(ModelDrafter):
             raise SpecbenchError("max_depth, beam and branch must all be >= 1")
         self.widths = tuple(widths) if widths is not None else None
         self.max_depth = len(self.widths) if self.widths else max_depth
-        self.beam, self.branch = beam, branch
+        self.beam, self.branch, self.prune = beam, branch, prune
 
     def propose(self, context: Sequence[int], budget: int, sampling: SamplingParams,
                 generator: torch.Generator, max_depth: Optional[int] = None) -> DraftTree:
@@ -141,7 +141,7 @@ class TreeDrafter(ModelDrafter):
         leaves the selected tree exactly as it would have been.
         """
         best = sorted(created, key=lambda i: -nodes[i].log_prob)[: self.beam]
-        if len(nodes) < budget:
+        if not self.prune or len(nodes) < budget:
             return best
         cutoff = sorted((n.log_prob for n in nodes), reverse=True)[budget - 1]
         return [i for i in best if nodes[i].log_prob > cutoff]
