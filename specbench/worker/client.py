@@ -182,10 +182,10 @@ class RemoteTarget:
         client is free to work (proactive drafting) while the request is in flight."""
         request_id = next(self._ids)
         frames = protocol.encode(dict(header, id=request_id), arrays)
+        started = time.perf_counter()  # before sending: the worker may start (and time) its work at once
         self.socket.send_multipart([b"", *frames])
         bytes_up = sum(len(f) for f in frames)
-        return _Flight(request_id, header["op"], time.perf_counter(), bytes_up,
-                       self.network.one_way_s(bytes_up, self._rng))
+        return _Flight(request_id, header["op"], started, bytes_up, self.network.one_way_s(bytes_up, self._rng))
 
     def _poll(self, flight: "_Flight", wait_s: float) -> bool:
         """Wait up to `wait_s` for the flight's reply; True once it arrived and its emulated delay passed."""
