@@ -51,6 +51,7 @@ def generate(target: Target, drafter: Optional[Drafter], prompt_ids: Sequence[in
     prefill_s = time.perf_counter() - start
     proactive = (proactive and getattr(drafter, "supports_lookahead", False)
                  and hasattr(target, "verify_begin"))
+    planner = planner if drafter is not None else None  # nothing to plan without a draft
     context, output, records = list(prompt_ids), [], []
     ahead = None  # a look-ahead chain confirmed for the current context
     try:
@@ -58,7 +59,7 @@ def generate(target: Target, drafter: Optional[Drafter], prompt_ids: Sequence[in
             step_start = time.perf_counter()
             depth_cap = max_new_tokens - len(output) - 1
             tree = DraftTree()
-            step_k = k if planner is None or drafter is None else min(k, planner.choose(len(context)))
+            step_k = k if planner is None else min(k, planner.choose(len(context)))
             reused = len(ahead) if ahead is not None and depth_cap > 0 and step_k > 0 else 0
             if drafter is not None and depth_cap > 0 and step_k > 0:
                 tree = (drafter.propose(context, step_k, sampling, generator, prefix=ahead, max_depth=depth_cap)
@@ -82,7 +83,7 @@ def generate(target: Target, drafter: Optional[Drafter], prompt_ids: Sequence[in
             else:
                 ahead = None
                 verdict = target.verify(session, tree, sampling, step_seed)
-            if planner is not None and drafter is not None:
+            if planner is not None:
                 planner.observe(len(tree), len(verdict.accepted_path), verdict.network_s)
             emitted = verdict.emitted(tree)
             finished = False

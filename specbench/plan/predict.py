@@ -115,13 +115,23 @@ def predict_step(point: OperatingPoint, target: LatencyProfile, draft: Optional[
     accepted = reference.accepted(point.method, point.k) if reference else 0.0
     if point.method != "target-only" and (draft is None or reference is None):
         raise SpecbenchError(f"{point.label} needs a draft profile and an acceptance reference")
+    depth, width = 1.0, 1
+    if point.method == "tree":
+        depth = float(reference.tree_depth.get(point.k) or reference.tree_depth.get(str(point.k)) or 1)
+        width = int(reference.tree_width.get(point.k) or reference.tree_width.get(str(point.k)) or 1)
+    return step_cost(point, target, draft, accepted, context, overhead_s, bandwidth_mbps, depth, width)
+
+
+def step_cost(point: OperatingPoint, target: LatencyProfile, draft: Optional[LatencyProfile], accepted: float,
+              context: int = 256, overhead_s: float = 0.0, bandwidth_mbps: float = 0.0,
+              tree_depth: float = 1.0, tree_width: int = 1) -> StepCost:
+    """Seconds and bytes of one step at `point` when `accepted` drafts are accepted on average: the
+    cost model that replay prediction and the per-step planner share."""
     if point.method == "chain":
         # the first draft forward also catches up on last step's accepted tokens and bonus
         draft_s = draft.forward_s(1 + round(accepted), context) + (point.k - 1) * draft.forward_s(1, context)
     elif point.method == "tree":
-        depth = float(reference.tree_depth.get(point.k) or reference.tree_depth.get(str(point.k)) or 1)
-        width = int(reference.tree_width.get(point.k) or reference.tree_width.get(str(point.k)) or 1)
-        draft_s = draft.forward_s(1, context) + (depth - 1) * draft.forward_s(width, context)
+        draft_s = draft.forward_s(1, context) + (tree_depth - 1) * draft.forward_s(tree_width, context)
     else:
         draft_s = 0.0
     verify_s = target.forward_s(1 + (point.k if point.method != "target-only" else 0), context)

@@ -19,9 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from specbench.plan.costs import Network, Power, Prices, StepCost, check_cs, cost_knob
+from specbench.plan.costs import Power, Prices, check_cs, cost_knob
 from specbench.plan.explore import cost_column
-from specbench.plan.predict import AcceptanceReference, LatencyProfile, OperatingPoint, bytes_per_step, priced
+from specbench.plan.predict import AcceptanceReference, LatencyProfile, OperatingPoint, priced, step_cost
 from specbench.types import SpecbenchError
 
 
@@ -89,20 +89,13 @@ class StepPlanner:
             total += survive
         return total
 
-    def step_cost(self, k: int, context: int) -> StepCost:
-        point = OperatingPoint("target-only" if k == 0 else "chain", k, self.where, self.rtt_ms)
-        accepted = self.expected_accepted(k)
-        draft_s = 0.0
-        if k:
-            draft_s = self.draft.forward_s(1 + round(accepted), context) + (k - 1) * self.draft.forward_s(1, context)
-        up, down = bytes_per_step(point)
-        network_s = Network(self.rtt_ms).transfer_s(up, down) if self.where == "remote" else 0.0
-        return StepCost(1.0 + accepted, draft_s, self.target.forward_s(1 + k, context), network_s,
-                        self.overhead_s, up, down)
-
     def scores(self, context: int) -> list[dict]:
         """Every candidate K with its predicted speed, cost and J at this context (K=0 is the reference)."""
-        rows = [{"k": k, **priced(self.step_cost(k, context), self.prices, self.power)} for k in range(self.max_k + 1)]
+        rows = []
+        for k in range(self.max_k + 1):
+            point = OperatingPoint("target-only" if k == 0 else "chain", k, self.where, self.rtt_ms)
+            step = step_cost(point, self.target, self.draft, self.expected_accepted(k), context, self.overhead_s)
+            rows.append({"k": k, **priced(step, self.prices, self.power)})
         base = rows[0]
         for row in rows:
             row["J"] = cost_knob(self.cs, row[self.cost_name], base[self.cost_name], row["tokens_per_s"],

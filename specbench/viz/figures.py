@@ -9,6 +9,7 @@ import plotly.graph_objects as go
 from specbench.decode.metrics import per_position_acceptance, time_split, tokens_per_second
 
 SPEED = "tokens_per_s"
+COLORS = {"target-only": "#636efa", "chain": "#ef553b", "tree": "#00cc96"}
 
 
 def use_exportable_figures() -> None:
@@ -18,7 +19,6 @@ def use_exportable_figures() -> None:
     from plotly.offline import init_notebook_mode
 
     init_notebook_mode(connected=False)
-COLORS = {"target-only": "#636efa", "chain": "#ef553b", "tree": "#00cc96"}
 
 
 def pareto_figure(predicted: pd.DataFrame, measured: Optional[pd.DataFrame] = None,
