@@ -239,6 +239,7 @@ def _worker(args) -> int:
     from datetime import datetime
 
     from specbench.models.spec import ModelSpec
+    from specbench.worker.limits import WorkerLimits
     from specbench.worker.server import Worker, WorkerConfig
 
     def log(line: str) -> None:
@@ -246,11 +247,18 @@ def _worker(args) -> int:
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
     spec = lambda name: ModelSpec(name, dtype=args.dtype, device=args.device, quantization=args.quant) if name else None
+    limits = WorkerLimits(
+        max_sessions=args.max_sessions, max_sessions_per_client=args.max_sessions_per_client,
+        max_prompt_tokens=args.max_prompt_tokens, max_tree_nodes=args.max_tree_nodes,
+        max_new_tokens=args.max_new_tokens, max_profile_points=args.max_profile_points,
+        max_profile_repeats=args.max_profile_repeats,
+        max_kv_bytes=int(args.max_kv_gib * 2**30) if args.max_kv_gib else None,
+        max_request_bytes=args.max_request_bytes, inbound_queue=args.inbound_queue)
     config = WorkerConfig(bind=args.bind, model=spec(args.model),
                           draft=ModelSpec(args.draft, dtype=args.dtype, device=args.device) if args.draft else None,
-                          lazy=args.lazy, max_sessions=args.max_sessions, idle_timeout_s=args.idle_timeout,
-                          max_kv_bytes=int(args.max_kv_gib * 2**30) if args.max_kv_gib else None,
-                          curve_keys=args.curve_keys, insecure=args.insecure)
+                          device=args.device, lazy=args.lazy, allow_load=tuple(args.allow_load),
+                          idle_timeout_s=args.idle_timeout, limits=limits, curve_keys=args.curve_keys,
+                          insecure=args.insecure)
     Worker(config, log=log).serve()
     return 0
 
@@ -263,8 +271,10 @@ def _keys(args) -> int:
 
     folder = Path(args.folder)
     (folder / "clients").mkdir(parents=True, exist_ok=True)
-    zmq.auth.create_certificates(folder, "server")
-    zmq.auth.create_certificates(folder, "client")
+    folder.chmod(0o700)
+    for name in ("server", "client"):
+        _, secret = zmq.auth.create_certificates(folder, name)
+        Path(secret).chmod(0o600)  # a secret key readable by others is no secret
     (folder / "clients" / "client.key").write_bytes((folder / "client.key").read_bytes())
     print(f"worker: --curve-keys {folder}  (clients allowed: {folder / 'clients'}/*.key)")
     print(f"client: RemoteTarget(..., curve_keys='{folder}')  (needs server.key and client.key_secret)")
@@ -272,6 +282,8 @@ def _keys(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from specbench.worker.limits import LIMIT_FLAGS, WorkerLimits
+
     parser = argparse.ArgumentParser(prog="specbench", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -304,9 +316,15 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--dtype", default="float32")
     worker.add_argument("--device", default="cpu")
     worker.add_argument("--lazy", action="store_true", help="load the model on first use, not at start")
-    worker.add_argument("--max-sessions", type=int, default=64)
+    worker.add_argument("--allow-load", action="append", default=[], metavar="MODEL",
+                        help="a model clients may load besides --model/--draft (repeat the flag for more)")
     worker.add_argument("--idle-timeout", type=float, default=900.0, help="seconds before an idle session expires")
-    worker.add_argument("--max-kv-gib", type=float, help="refuse new prefills beyond this much KV cache")
+    defaults = WorkerLimits()
+    for name, (flag, what) in LIMIT_FLAGS.items():
+        if name == "max_kv_bytes":
+            worker.add_argument(flag, type=float, help=f"{what}, GiB (default: half the memory free at start)")
+        else:
+            worker.add_argument(flag, type=int, default=getattr(defaults, name), help=f"{what} (default %(default)s)")
     worker.add_argument("--curve-keys", help="folder made by `specbench keys`: CURVE encryption and client auth")
     worker.add_argument("--insecure", action="store_true", help="allow a non-loopback bind without CURVE keys")
     worker.set_defaults(handler=_worker)

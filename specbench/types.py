@@ -5,7 +5,9 @@ without pulling in a deep-learning stack.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from numbers import Integral, Real
 from typing import Optional, Sequence
 
 VERIFY_RULES = ("greedy", "rejection", "sample-match")
@@ -31,6 +33,15 @@ class SamplingParams:
     draft_top_k: int = 32
 
     def __post_init__(self):
+        for name, kind in (("temperature", Real), ("top_k", Integral), ("top_p", Real), ("draft_top_k", Integral)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, kind):
+                what = "an integer" if kind is Integral else "a number"
+                raise SpecbenchError(f"{name} must be {what}, got {value!r}")
+            if not math.isfinite(value):
+                raise SpecbenchError(f"{name} must be finite, got {value!r}")
+        if not isinstance(self.rule, str):
+            raise SpecbenchError(f"rule must be a string, got {self.rule!r}")
         if self.temperature < 0:
             raise SpecbenchError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:

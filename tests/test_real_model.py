@@ -36,6 +36,6 @@ def test_missing_bitsandbytes_is_explained(monkeypatch):
 
 
 def test_model_that_will_not_fit_is_refused(monkeypatch, smollm2):
-    monkeypatch.setattr(loading, "_available_bytes", lambda device: 10 * 2**20)
+    monkeypatch.setattr(loading, "available_bytes", lambda device: 10 * 2**20)
     with pytest.raises(ModelTooLargeError, match="GiB is free; try quantization"):
         load_model(ModelSpec("smollm2-135m"))

@@ -76,78 +76,6 @@ def test_profile_and_stats(worker):
     assert stats["requests"] > 0 and remote.health()
 
 
-def fuzz_messages(rng: random.Random, session: str):
-    """Random and truncated frames, wrong types, unknown ops/sessions, bad ids and trees, oversize."""
-    good_tree = protocol.tree_to_arrays(DraftTree.chain([1, 2, 3]))
-    kind = rng.randrange(10)
-    if kind == 0:
-        return [bytes(rng.getrandbits(8) for _ in range(rng.randrange(0, 40)))]
-    if kind == 1:
-        frames = protocol.encode({"op": "verify", "session": session, "id": 1, "seed": 1,
-                                  "sampling": {"temperature": 0.0}}, good_tree)
-        return frames[: rng.randrange(1, len(frames))]  # missing array frames
-    if kind == 2:
-        return protocol.encode({"op": rng.choice(["verify", "prefill", "open", 7]), "session": rng.choice([3, None, ""])})
-    if kind == 3:
-        return protocol.encode({"op": "".join(rng.choice("abcxyz") for _ in range(6))})
-    if kind == 4:
-        return protocol.encode({"op": "verify", "session": "nobody", "seed": 1, "sampling": {}}, good_tree)
-    if kind == 5:
-        tree = protocol.tree_to_arrays(DraftTree.chain([1, 99_999]))
-        return protocol.encode({"op": "verify", "session": session, "seed": 1, "sampling": {}}, tree)
-    if kind == 6:
-        arrays = {"tokens": np.array([1, 2, 3], dtype=np.int32), "parents": np.array([2, -1, 0], dtype=np.int16)}
-        return protocol.encode({"op": "verify", "session": session, "seed": 1, "sampling": {}}, arrays)
-    if kind == 7:
-        return [msgpack.packb({"op": "prefill", "session": session, "arrays": [["tokens", "int32", [5]]]}), b"abc"]
-    if kind == 8:
-        return protocol.encode({"op": "prefill", "session": session}, {"tokens": np.zeros(600_000, dtype=np.int32)})
-    return protocol.encode({"op": "verify", "session": session, "seed": "x", "sampling": {"temperature": -2}},
-                           good_tree)
-
-
-def test_fuzz_gets_error_replies_while_other_sessions_keep_working(worker):
-    reference = local_outputs(["chain"], max_new_tokens=30, prompts=PROMPTS[:1])[("chain", 0)]
-    remote = RemoteTarget(worker.endpoint)
-    from specbench.decode.drafters import ModelDrafter
-    import torch
-
-    drafter = ModelDrafter(tiny_model(1, noise_from=tiny_model(0), noise_scale=0.005), remote.vocab_size)
-    remote.prefill("good", PROMPTS[0])
-    produced = []
-    fuzzer = zmq.Context.instance().socket(zmq.DEALER)
-    fuzzer.setsockopt(zmq.LINGER, 0)
-    fuzzer.connect(worker.endpoint)
-    # a session the fuzzer may abuse, so bad requests reach the verify path itself
-    fuzzer.send_multipart([b"", *protocol.encode({"op": "open", "session": "victim"})])
-    fuzzer.recv_multipart()
-    fuzzer.send_multipart([b"", *protocol.encode({"op": "prefill", "session": "victim"},
-                                                 {"tokens": np.array([1, 2, 3], dtype=np.int32)})])
-    fuzzer.recv_multipart()
-    rng = random.Random(0)
-    generator = torch.Generator().manual_seed(0)
-    errors = 0
-    for count in range(2000):
-        fuzzer.send_multipart([b"", *fuzz_messages(rng, "victim")])
-        assert fuzzer.poll(5000), f"no reply to fuzz message {count}"
-        reply = fuzzer.recv_multipart()
-        header, _ = protocol.decode(reply[1:])
-        if not header["ok"]:
-            errors += 1
-            assert header["error"] and header["code"] in ("bad-request", "unknown-session"), header
-        if count % 100 == 0 and len(produced) < 30:
-            context = PROMPTS[0] + produced
-            tree = drafter.propose(context, min(4, 29 - len(produced)) or 1, SamplingParams(), generator)
-            verdict = remote.verify("good", tree, SamplingParams(), 0)
-            produced += verdict.emitted(tree)
-    while len(produced) < 30:
-        tree = drafter.propose(PROMPTS[0] + produced, 4, SamplingParams(), generator)
-        produced += remote.verify("good", tree, SamplingParams(), 0).emitted(tree)
-    assert errors > 1500
-    assert produced[:30] == reference
-    assert worker.worker.stats.errors >= errors
-
-
 def _client_process(endpoint, prompt, queue):
     from specbench.api import outputs, run
     from specbench.worker.client import RemoteTarget
@@ -228,12 +156,12 @@ def test_non_loopback_bind_needs_keys_or_insecure():
 
 
 def test_session_cap_and_idle_expiry():
-    running = ThreadWorker(max_sessions=2, idle_timeout_s=0.5)
+    running = ThreadWorker(limits={"max_sessions": 2}, idle_timeout_s=0.5)
     try:
         clients = [RemoteTarget(running.endpoint) for _ in range(3)]
         clients[0].prefill("a", [1, 2])
         clients[1].prefill("b", [1, 2])
-        with pytest.raises(WorkerError, match="session cap reached"):
+        with pytest.raises(WorkerError, match=r"open sessions: 3 exceeds the worker.s limit of 2 \(--max-sessions\)"):
             clients[2].prefill("c", [1, 2])
         time.sleep(1.0)
         assert running.worker.stats.expired == 2
@@ -246,7 +174,7 @@ def test_session_cap_and_idle_expiry():
 
 
 def test_lazy_worker_loads_on_request():
-    running = ThreadWorker(model=None, lazy=True)
+    running = ThreadWorker(model=None, lazy=True, allow_load=("no-such-model-here",))
     try:
         with pytest.raises(SpecbenchError, match="no model loaded"):
             RemoteTarget(running.endpoint)

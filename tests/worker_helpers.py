@@ -3,6 +3,7 @@ import threading
 
 from specbench.models.spec import ModelSpec
 from specbench.worker.launch import free_port, spawn_worker
+from specbench.worker.limits import WorkerLimits
 from specbench.worker.server import Worker, WorkerConfig
 
 TARGET = "tiny-random:seed=0"
@@ -10,10 +11,12 @@ DRAFT = "tiny-random:seed=1,noise=0.005,noise_from=0"
 
 
 class ThreadWorker:
-    def __init__(self, **overrides):
+    def __init__(self, limits=None, **overrides):
         self.endpoint = f"tcp://127.0.0.1:{free_port()}"
         config = dict(bind=self.endpoint, model=ModelSpec(TARGET), draft=ModelSpec(DRAFT), lazy=False)
         config.update(overrides)
+        if limits:
+            config["limits"] = WorkerLimits(**limits)
         self.lines = []
         self.worker = Worker(WorkerConfig(**config), log=self.lines.append)
         self._stop = threading.Event()
@@ -27,3 +30,39 @@ class ThreadWorker:
 
 def start_process_worker(endpoint: str, *extra: str):
     return spawn_worker(endpoint, "--model", TARGET, "--draft", DRAFT, *extra, timeout_s=60)
+
+
+class RawClient:
+    """A hand-written pyzmq + msgpack client, not ours: what an outside tester (or attacker) sends."""
+
+    def __init__(self, endpoint: str, token: str | None = None):
+        import secrets
+
+        import zmq
+
+        self.endpoint = endpoint
+        self.token = token or secrets.token_hex(16)
+        self.socket = zmq.Context.instance().socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(endpoint)
+
+    def send(self, header: dict, arrays: dict | None = None, *, raw: list | None = None) -> None:
+        from specbench.worker import protocol
+
+        frames = raw if raw is not None else protocol.encode(dict({"client": self.token}, **header), arrays)
+        self.socket.send_multipart([b"", *frames])
+
+    def receive(self, timeout_s: float = 30.0):
+        from specbench.worker import protocol
+
+        if not self.socket.poll(int(timeout_s * 1000)):
+            raise TimeoutError(f"no reply within {timeout_s}s")
+        frames = self.socket.recv_multipart()
+        return protocol.decode(frames[1:])
+
+    def request(self, header: dict, arrays: dict | None = None, timeout_s: float = 30.0, *, raw=None):
+        self.send(header, arrays, raw=raw)
+        return self.receive(timeout_s)
+
+    def close(self):
+        self.socket.close(0)

@@ -13,7 +13,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from specbench.decode.kv import cached_length, keep_positions, tree_attention_mask
+from specbench.decode.kv import cached_length, crop_to, keep_positions, tree_attention_mask
 from specbench.models.loading import LoadedModel
 from specbench.sampling.verify import verify
 from specbench.types import DraftTree, SamplingParams, SpecbenchError, Verdict
@@ -50,6 +50,22 @@ def check_token_ids(token_ids: Sequence[int], vocab_size: int, what: str) -> lis
                 f"{what}[{position}] = {token} is out of vocabulary (valid ids are 0..{vocab_size - 1})")
         ids.append(token)
     return ids
+
+
+def check_tree(tree: DraftTree, vocab_size: int, sampling: SamplingParams) -> None:
+    """Refuse, before any work, a tree the verification could only fail on halfway through."""
+    check_token_ids(tree.tokens, vocab_size, "draft tree token")
+    if tree.draft_dists is not None:
+        for node, dist in enumerate(tree.draft_dists):
+            check_token_ids(dist.ids, vocab_size, f"q id of draft node {node}")
+    if sampling.effective_rule != "rejection" or not len(tree):
+        return
+    if tree.draft_dists is None:
+        raise SpecbenchError("rejection sampling needs the draft distribution q of every node; this drafter "
+                             "sends none, so use rule='sample-match' (lossless without q)")
+    for node, (token, dist) in enumerate(zip(tree.tokens, tree.draft_dists)):
+        if not any(i == token and p > 0 for i, p in zip(dist.ids, dist.probs)):
+            raise SpecbenchError(f"draft node {node} has token {token} outside its own q")
 
 
 @dataclass
@@ -99,7 +115,7 @@ class LocalTarget:
         """One forward over [tail] + tree, verification by `sampling`'s rule, then commit the path."""
         start = time.perf_counter()
         state = self._session(session)
-        check_token_ids(tree.tokens, self.vocab_size, "draft tree token")
+        check_tree(tree, self.vocab_size, sampling)
         self._check_context(len(state.committed) + len(tree) + 1)
         past = cached_length(state.cache)
         num_prefix = len(state.tail)
@@ -112,10 +128,14 @@ class LocalTarget:
             position_ids = torch.tensor([positions], device=self.device)
             attention_mask = tree_attention_mask(tree.parents, num_prefix, past, self.model.dtype, self.device)
         forward_start = time.perf_counter()
-        logits = self._forward(state, inputs, position_ids, attention_mask)
-        forward_s = time.perf_counter() - forward_start
-        generator = torch.Generator().manual_seed(seed)
-        path, bonus = verify(tree, logits[num_prefix - 1:].float().cpu(), sampling, generator)
+        try:
+            logits = self._forward(state, inputs, position_ids, attention_mask)
+            forward_s = time.perf_counter() - forward_start
+            generator = torch.Generator().manual_seed(seed)
+            path, bonus = verify(tree, logits[num_prefix - 1:].float().cpu(), sampling, generator)
+        except BaseException:
+            crop_to(state.cache, past)  # a failed step leaves the session exactly as it was
+            raise
         keep_positions(state.cache, list(range(past + num_prefix)) + [past + num_prefix + i for i in path])
         state.committed += [tree.tokens[i] for i in path] + [bonus]
         state.tail = [bonus]

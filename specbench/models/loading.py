@@ -76,7 +76,7 @@ def _quantization_config(spec: ModelSpec):
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=compute, bnb_4bit_quant_type="nf4")
 
 
-def _available_bytes(device: str) -> Optional[int]:
+def available_bytes(device: str) -> Optional[int]:
     if device.startswith("cuda") and torch.cuda.is_available():
         free, _ = torch.cuda.mem_get_info(torch.device(device))
         return int(free)
@@ -121,7 +121,7 @@ def load_model(spec: ModelSpec) -> LoadedModel:
         return loaded
     source, extra = _resolve_source(spec)
     quantization = _quantization_config(spec)
-    needed, available = _estimated_bytes(source, spec), _available_bytes(spec.device)
+    needed, available = _estimated_bytes(source, spec), available_bytes(spec.device)
     if needed is not None and available is not None and needed > 0.9 * available:
         raise ModelTooLargeError(
             f"{spec.label} needs about {needed / 2**30:.1f} GiB on {spec.device} but only "

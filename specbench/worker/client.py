@@ -3,11 +3,14 @@
 The client holds every session's committed tokens, so when the worker dies or forgets a session,
 the client reconnects, re-prefills from those tokens and resends the step: no token is lost or
 duplicated, and with the same step seed the verdict is the same one an uninterrupted run gets.
+Every step names the state it expects, so a resend is never applied twice (worker/sessions.py).
 """
 from __future__ import annotations
 
 import itertools
 import random
+import re
+import secrets
 import time
 import uuid
 from dataclasses import dataclass
@@ -23,15 +26,23 @@ from specbench.models.spec import ModelSpec
 from specbench.types import DraftTree, SamplingParams, SpecbenchError, StepRecord, Verdict
 from specbench.worker import protocol
 from specbench.worker.protocol import PROTOCOL_VERSION
-from specbench.worker.server import spec_to_wire
 
 
 class WorkerError(SpecbenchError):
-    """The worker answered with an error reply."""
+    """The worker answered with an error reply; `code` says which kind (see the README's table)."""
 
     def __init__(self, message: str, code: str):
         super().__init__(message)
         self.code = code
+
+
+class ModelChangedError(WorkerError):
+    """The worker's model is not the one this client's sessions were decoding with: stopping is the
+    only way to keep the output exactly what that model would produce."""
+
+
+class SessionStateError(WorkerError):
+    """The worker confirmed a session state (committed length) other than the one this client holds."""
 
 
 class WorkerUnavailableError(SpecbenchError):
@@ -54,39 +65,56 @@ class NetworkEmulation:
         return max(0.0, (self.rtt_ms / 2 + jitter) / 1000 + transfer)
 
 
+@dataclass
+class _Session:
+    wire: str  # the session's name on the worker: unique per prefill, so a late close never hits a new one
+    tokens: list[int]  # every committed token, so the session can be rebuilt anywhere
+    epoch: int = 0  # prefills sent; the worker refuses requests of an older epoch
+
+
 class RemoteTarget:
-    """A Target whose model lives in a `specbench worker` process."""
+    """A Target whose model lives in a `specbench worker` process.
+
+    Every request that changes a session names the state it expects (epoch, committed length), so a
+    request resent after a timeout is answered from the worker's record instead of applied twice,
+    and every reply is checked against the state and the model identity this client holds: a
+    mismatch raises, it is never decoded on.
+    """
 
     def __init__(self, endpoint: str, model: Optional[ModelSpec | str] = None, timeout_s: float = 60.0,
                  retries: int = 3, network: Optional[NetworkEmulation] = None,
                  curve_keys: Optional[str] = None):
+        if retries < 0 or timeout_s <= 0:
+            raise SpecbenchError(f"need timeout_s > 0 and retries >= 0, got {timeout_s} and {retries}")
         self.endpoint, self.timeout_s, self.retries = endpoint, timeout_s, retries
         self.network = network or NetworkEmulation()
         self._rng = random.Random(self.network.seed)
         self.curve_keys = curve_keys
+        self.token = secrets.token_hex(16)  # owns this client's sessions; sent with every request, never logged
         self.context = zmq.Context.instance()
         self.socket = None
         self._ids = itertools.count()
-        self._committed: dict[str, list[int]] = {}
-        self._session_ids: dict[str, str] = {}
+        self._sessions: dict[str, _Session] = {}
         self.reconnects = 0
         self._connect()
         self.info = self._request({"op": "hello", "version": PROTOCOL_VERSION})[0]
         if model is not None:
             spec = model if isinstance(model, ModelSpec) else ModelSpec(model)
-            self.info = self._request({"op": "load", "model": spec_to_wire(spec)})[0]
+            self.info = self._request({"op": "load", "model": protocol.spec_to_wire(spec)})[0]
         if self.info.get("vocab_size") is None:
             raise SpecbenchError(f"worker at {endpoint} has no model loaded: pass model=... or start it with --model")
         self.vocab_size = int(self.info["vocab_size"])
         self.eos_token_ids = tuple(self.info.get("eos_token_ids", ()))
+        self.model_identity = self.info["identity"]
 
     # -- Target interface ------------------------------------------------------------------------
     def prefill(self, session: str, token_ids: Sequence[int]) -> int:
         ids = check_token_ids(token_ids, self.vocab_size, "prompt")
         if not ids:
             raise SpecbenchError("empty prompt: at least one token is needed to condition on")
-        self._committed[session] = list(ids)
-        self._open_and_prefill(session)
+        wire = f"{uuid.uuid4().hex[:12]}-{re.sub(r'[^A-Za-z0-9_.:@+-]', '_', session)}"[:128]
+        self._sessions[session] = _Session(wire, list(ids))
+        self._prefill_wire(self._sessions[session])
         return len(ids)
 
     def verify(self, session: str, tree: DraftTree, sampling: SamplingParams, seed: int) -> Verdict:
@@ -94,20 +122,17 @@ class RemoteTarget:
 
     def verify_begin(self, session: str, tree: DraftTree, sampling: SamplingParams, seed: int) -> "PendingVerify":
         """Send a verify and return at once; `ready()` polls, `result()` waits (and recovers if needed)."""
-        if session not in self._committed:
-            raise SpecbenchError(f"unknown session {session!r}; call prefill first")
-        header = {"op": "verify", "session": self._wire_session(session),
+        state = self._state(session)
+        header = {"op": "verify", "session": state.wire, "epoch": state.epoch, "committed": len(state.tokens),
                   "sampling": protocol.sampling_to_wire(sampling), "seed": seed}
         arrays = protocol.tree_to_arrays(tree)
         return PendingVerify(self, session, tree, header, arrays, self._launch(header, arrays))
 
     def close(self, session: str) -> None:
-        if session in self._committed:
-            try:
-                self._request({"op": "close", "session": self._wire_session(session)})
-            except SpecbenchError:
-                pass  # closing is best effort: the worker expires idle sessions anyway
-            self._committed.pop(session, None)
+        """Sent without waiting: closing is idempotent and the worker expires idle sessions anyway."""
+        state = self._sessions.pop(session, None)
+        if state is not None and self.socket is not None:
+            self._launch({"op": "close", "session": state.wire}, None)
 
     # -- worker-side operations ------------------------------------------------------------------
     def generate_on_worker(self, method: str, prompt_ids: Sequence[int], *, k: int, max_new_tokens: int,
@@ -117,7 +142,7 @@ class RemoteTarget:
         header = {"op": "generate", "method": method, "k": k, "max_new_tokens": max_new_tokens,
                   "sampling": protocol.sampling_to_wire(sampling), "seed": seed}
         if draft is not None:
-            header["draft"] = spec_to_wire(draft)
+            header["draft"] = protocol.spec_to_wire(draft)
         reply, arrays, timing = self._request(header, {"tokens": np.asarray(list(prompt_ids), dtype=np.int32)},
                                               with_timing=True)
         steps = reply["steps"]
@@ -149,13 +174,32 @@ class RemoteTarget:
         return self._request({"op": "health"})[0].get("status") == "ok"
 
     def committed(self, session: str) -> list[int]:
-        return list(self._committed[session])
+        return list(self._state(session).tokens)
+
+    # -- sessions --------------------------------------------------------------------------------
+    def _state(self, session: str) -> _Session:
+        if session not in self._sessions:
+            raise SpecbenchError(f"unknown session {session!r}; call prefill first")
+        return self._sessions[session]
+
+    def _prefill_wire(self, state: _Session) -> None:
+        """(Re)build the session on the worker from the tokens held here, in a new epoch."""
+        state.epoch += 1
+        reply = self._request({"op": "prefill", "session": state.wire, "epoch": state.epoch},
+                              {"tokens": np.asarray(state.tokens, dtype=np.int32)})[0]
+        self._confirm(reply, len(state.tokens))
+
+    def _confirm(self, reply: dict, committed: int) -> None:
+        """The worker's view of the session must be this client's; otherwise stop, loudly."""
+        if reply.get("model") != self.model_identity:
+            raise ModelChangedError(f"the worker now serves {reply.get('model')} but this client's sessions "
+                                    f"decode with {self.model_identity}: stopping rather than mixing models",
+                                    "model-changed")
+        if reply.get("committed") != committed:
+            raise SessionStateError(f"the worker holds {reply.get('committed')} committed tokens for this session "
+                                    f"but this client holds {committed}", "state-mismatch")
 
     # -- transport -------------------------------------------------------------------------------
-    def _wire_session(self, session: str) -> str:
-        """Sessions are namespaced per client so two clients may both call theirs 'default'."""
-        return self._session_ids.setdefault(session, f"{uuid.uuid4().hex[:12]}-{session}"[:128])
-
     def _connect(self) -> None:
         if self.socket is not None:
             self.socket.close(0)
@@ -171,17 +215,11 @@ class RemoteTarget:
             self.socket.curve_serverkey = server_public
         self.socket.connect(self.endpoint)
 
-    def _open_and_prefill(self, session: str) -> None:
-        wire = self._wire_session(session)
-        self._request({"op": "open", "session": wire}, recover=False)
-        tokens = np.asarray(self._committed[session], dtype=np.int32)
-        self._request({"op": "prefill", "session": wire}, {"tokens": tokens}, recover=False)
-
     def _launch(self, header: dict, arrays: Optional[dict]) -> "_Flight":
         """Send a request now; emulated delay is applied to when its reply may be *seen*, so the
         client is free to work (proactive drafting) while the request is in flight."""
         request_id = next(self._ids)
-        frames = protocol.encode(dict(header, id=request_id), arrays)
+        frames = protocol.encode(dict(header, id=request_id, client=self.token), arrays)
         started = time.perf_counter()  # before sending: the worker may start (and time) its work at once
         self.socket.send_multipart([b"", *frames])
         bytes_up = sum(len(f) for f in frames)
@@ -213,29 +251,32 @@ class RemoteTarget:
         return True
 
     def _request(self, header: dict, arrays: Optional[dict] = None, session: Optional[str] = None,
-                 with_timing: bool = False, recover: bool = True, flight: Optional["_Flight"] = None):
-        """Send (or finish an in-flight request), poll with a timeout, and on silence or a forgotten
-        session reconnect, re-prefill and resend."""
-        last_error = None
-        for attempt in range(self.retries + 1):
+                 with_timing: bool = False, flight: Optional["_Flight"] = None):
+        """Send (or finish an in-flight request) and wait up to `timeout_s` per try. On silence,
+        reconnect and resend the same request: the worker applies a step once and answers a repeat
+        from its record. On a forgotten session (worker restarted, session expired), rebuild it
+        from the tokens held here and resend in the new epoch."""
+        tries = self.retries + 1
+        last_error: Optional[SpecbenchError] = None
+        for _ in range(tries):
             flight = flight or self._launch(header, arrays)
             if not self._poll(flight, self.timeout_s):
                 flight = None
+                self.reconnects += 1
+                self._connect()  # a fresh socket: a dead peer can leave a DEALER wedged
                 last_error = WorkerUnavailableError(
-                    f"worker at {self.endpoint} did not answer {header['op']} within {self.timeout_s}s "
-                    f"({attempt + 1} of {self.retries + 1} tries)")
-                if not recover:
-                    raise last_error
-                self._recover(session)
+                    f"worker at {self.endpoint} did not answer {header['op']} within {self.timeout_s:g}s on any of "
+                    f"{tries} tries ({self.timeout_s * tries:g}s in all)")
                 continue
             reply, reply_arrays = protocol.decode(flight.frames)
             if not reply.get("ok"):
-                if reply.get("code") == "unknown-session" and session is not None and recover:
-                    flight = None
-                    last_error = WorkerError(reply.get("error", "unknown session"), "unknown-session")
-                    self._open_and_prefill(session)  # the worker restarted or expired it: rebuild and resend
-                    continue
-                raise WorkerError(f"worker refused {header['op']}: {reply.get('error')}", reply.get("code", "?"))
+                error = _worker_error(header["op"], reply)
+                if error.code != "unknown-session" or session is None:
+                    raise error
+                flight, last_error = None, error
+                self._prefill_wire(self._sessions[session])  # raises if the worker's model or state differs
+                header = dict(header, epoch=self._sessions[session].epoch)
+                continue
             round_trip = time.perf_counter() - flight.started
             timing = {"network_s": max(0.0, round_trip - float(reply.get("worker_s", 0.0))),
                       "bytes_up": flight.bytes_up, "bytes_down": sum(len(f) for f in flight.frames),
@@ -243,23 +284,18 @@ class RemoteTarget:
             return (reply, reply_arrays, timing) if with_timing else (reply, reply_arrays)
         raise last_error
 
-    def _recover(self, session: Optional[str]) -> None:
-        """Fresh socket (a dead peer can leave a DEALER wedged), then rebuild sessions if the worker answers."""
-        self.reconnects += 1
-        self._connect()
-        if session is None:
-            return
-        try:
-            self._open_and_prefill(session)
-        except SpecbenchError:
-            pass  # still down; the caller's next attempt will time out or succeed
-
     def disconnect(self) -> None:
-        for session in list(self._committed):
+        for session in list(self._sessions):
             self.close(session)
         if self.socket is not None:
             self.socket.close(0)
             self.socket = None
+
+
+def _worker_error(op: str, reply: dict) -> WorkerError:
+    code = str(reply.get("code", "?"))
+    kind = ModelChangedError if code == "model-changed" else WorkerError
+    return kind(f"worker refused {op} ({code}): {reply.get('error')}", code)
 
 
 @dataclass
@@ -290,7 +326,9 @@ class PendingVerify:
                                                      with_timing=True, flight=self.flight)
         path = tuple(int(i) for i in arrays["path"].tolist())
         bonus = int(reply["bonus"])
-        self.client._committed[self.session] += [self.tree.tokens[i] for i in path] + [bonus]
+        state = self.client._state(self.session)
+        self.client._confirm(reply, len(state.tokens) + len(path) + 1)
+        state.tokens += [self.tree.tokens[i] for i in path] + [bonus]
         return Verdict(path, bonus, float(reply["forward_s"]), float(reply["verify_s"]),
                        network_s=timing["network_s"], bytes_up=timing["bytes_up"],
                        bytes_down=timing["bytes_down"], emulated_s=timing["emulated_s"])

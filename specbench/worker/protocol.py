@@ -4,22 +4,36 @@ A message is `[header, *arrays]`: the header is a msgpack map whose `arrays` ent
 `[name, dtype, shape]` for each following frame, so arrays travel as raw bytes with no copy on
 either side. Per verify step only tokens, parent indices and the sparse draft distributions
 travel; siblings share one q, which is sent once and referenced by index.
+
+Every codec has its inverse here, and every decoder checks type, rank, range and finiteness, so a
+malformed request is answered "bad-request" naming the field, and "internal" is left for real bugs.
 """
 from __future__ import annotations
 
+import math
+import re
 from typing import Any, Optional, Sequence
 
 import msgpack
 import numpy as np
 
+from specbench.models.spec import ModelSpec
 from specbench.types import DraftTree, SamplingParams, SparseDist, SpecbenchError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 ALLOWED_DTYPES = ("int16", "int32", "int64", "float32", "float64", "uint16", "uint32")
+MAX_RANK = 2
+MAX_NAME = 128
+_NAME = re.compile(r"[A-Za-z0-9_.:@+-]{1,128}")
+_TOKEN = re.compile(r"[A-Za-z0-9_-]{16,128}")
 
 
 class ProtocolError(SpecbenchError):
     """A frame that does not decode into a well-formed message."""
+
+
+class LimitError(SpecbenchError):
+    """A request within the protocol but over one of the worker's limits (answered code "limit")."""
 
 
 def encode(header: dict, arrays: Optional[dict[str, np.ndarray]] = None) -> list[bytes]:
@@ -43,14 +57,17 @@ def decode(frames: Sequence[bytes]) -> tuple[dict, dict[str, np.ndarray]]:
     if not isinstance(specs, list) or len(specs) != len(frames) - 1:
         count = len(specs) if isinstance(specs, list) else "?"
         raise ProtocolError(f"header announces {count} array frames but {len(frames) - 1} followed")
-    arrays = {}
+    arrays: dict[str, np.ndarray] = {}
     for spec, frame in zip(specs, frames[1:]):
         if not (isinstance(spec, list) and len(spec) == 3 and isinstance(spec[0], str)
-                and spec[1] in ALLOWED_DTYPES and isinstance(spec[2], list)
-                and all(isinstance(d, int) and d >= 0 for d in spec[2])):
-            raise ProtocolError(f"bad array descriptor {spec!r}: need [name, dtype in {ALLOWED_DTYPES}, shape]")
+                and spec[1] in ALLOWED_DTYPES and isinstance(spec[2], list) and len(spec[2]) <= MAX_RANK
+                and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in spec[2])):
+            raise ProtocolError(f"bad array descriptor {spec!r}: need [name, dtype in {ALLOWED_DTYPES}, "
+                                f"shape of at most {MAX_RANK} non-negative ints]")
         name, dtype, shape = spec
-        expected = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        if name in arrays:
+            raise ProtocolError(f"array {name!r} appears twice")
+        expected = math.prod(shape) * np.dtype(dtype).itemsize  # Python ints: no overflow
         if len(frame) != expected:
             raise ProtocolError(f"array {name!r} should be {expected} bytes for {dtype}{shape}, got {len(frame)}")
         arrays[name] = np.frombuffer(frame, dtype=dtype).reshape(shape)
@@ -71,6 +88,52 @@ def field(header: dict, name: str, kind, default: Any = ...) -> Any:
     return value
 
 
+def integer(header: dict, name: str, low: int, high: Optional[int] = None, default: Any = ...) -> int:
+    """An int field within [low, high]."""
+    value = field(header, name, int, default)
+    if value < low or (high is not None and value > high):
+        raise ProtocolError(f"field {name!r} = {value} is outside {low}..{high if high is not None else 'inf'}")
+    return value
+
+
+def int_list(header: dict, name: str, low: int, default: Any = ...) -> list[int]:
+    """A list of ints >= low (the caller bounds its length and values against the worker's limits)."""
+    values = field(header, name, list, default)
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= low for v in values):
+        raise ProtocolError(f"field {name!r} must be a list of integers >= {low}")
+    return values
+
+
+def name_field(header: dict, name: str) -> str:
+    value = field(header, name, str)
+    if not _NAME.fullmatch(value):
+        raise ProtocolError(f"field {name!r} must be 1..{MAX_NAME} characters of letters, digits and _.:@+-")
+    return value
+
+
+def client_token(header: dict) -> str:
+    """The client's secret: 16..128 characters, drawn at random by the client and never logged."""
+    value = field(header, "client", str)
+    if not _TOKEN.fullmatch(value):
+        raise ProtocolError("field 'client' must be 16..128 characters of letters, digits, '_' and '-'")
+    return value
+
+
+def array(arrays: dict, name: str, rank: int = 1, integer_ids: bool = True) -> np.ndarray:
+    """A required array of the given rank; integer ids, or finite floats."""
+    if name not in arrays:
+        raise ProtocolError(f"missing array {name!r}")
+    values = arrays[name]
+    if values.ndim != rank:
+        raise ProtocolError(f"array {name!r} must have rank {rank}, got shape {list(values.shape)}")
+    if integer_ids and values.dtype.kind not in "iu":
+        raise ProtocolError(f"array {name!r} must hold integers, got {values.dtype}")
+    if not integer_ids and not np.isfinite(values).all():
+        raise ProtocolError(f"array {name!r} holds NaN or infinite values")
+    return values
+
+
+# -- codecs, in pairs ------------------------------------------------------------------------------
 def sampling_to_wire(sampling: SamplingParams) -> dict:
     return {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
             "rule": sampling.rule, "draft_top_k": sampling.draft_top_k}
@@ -79,10 +142,34 @@ def sampling_to_wire(sampling: SamplingParams) -> dict:
 def sampling_from_wire(data: Any) -> SamplingParams:
     if not isinstance(data, dict):
         raise ProtocolError("field 'sampling' must be a map")
+    unknown = set(data) - {"temperature", "top_k", "top_p", "rule", "draft_top_k"}
+    if unknown:
+        raise ProtocolError(f"unknown sampling fields {sorted(map(str, unknown))}")
     try:
         return SamplingParams(**data)
-    except TypeError as error:
+    except SpecbenchError as error:
         raise ProtocolError(f"bad sampling settings: {error}") from None
+
+
+def spec_to_wire(spec: ModelSpec) -> dict:
+    return {key: value for key, value in spec.__dict__.items() if value is not None}
+
+
+def spec_from_wire(data: Any) -> ModelSpec:
+    if not isinstance(data, dict):
+        raise ProtocolError("field 'model' must be a map of model spec fields")
+    allowed = {"model", "gguf_file", "dtype", "device", "quantization"}
+    unknown = set(data) - allowed
+    if unknown:
+        raise ProtocolError(f"unknown model spec fields {sorted(map(str, unknown))}")
+    if not all(isinstance(value, str) for value in data.values()):
+        raise ProtocolError("model spec fields must be strings")
+    if not isinstance(data.get("model"), str):
+        raise ProtocolError("model spec needs a 'model' string")
+    try:
+        return ModelSpec(**data)
+    except SpecbenchError as error:
+        raise ProtocolError(f"bad model spec: {error}") from None
 
 
 def tree_to_arrays(tree: DraftTree) -> dict[str, np.ndarray]:
@@ -100,24 +187,39 @@ def tree_to_arrays(tree: DraftTree) -> dict[str, np.ndarray]:
     return arrays
 
 
-def tree_from_arrays(arrays: dict[str, np.ndarray]) -> DraftTree:
-    if "tokens" not in arrays or "parents" not in arrays:
-        raise ProtocolError("a tree needs 'tokens' and 'parents' arrays")
-    tokens, parents = arrays["tokens"].tolist(), arrays["parents"].tolist()
+def tree_from_arrays(arrays: dict[str, np.ndarray], max_nodes: Optional[int] = None) -> DraftTree:
+    """Inverse of `tree_to_arrays`. Token ids are checked against the vocabulary by the target;
+    here: ranks, integer kinds, the node limit, and that every q is a finite sub-distribution."""
+    tokens, parents = array(arrays, "tokens").tolist(), array(arrays, "parents").tolist()
     if len(tokens) != len(parents):
         raise ProtocolError(f"{len(tokens)} tokens but {len(parents)} parents")
+    if max_nodes is not None and len(tokens) > max_nodes:
+        raise LimitError(f"a tree of {len(tokens)} nodes exceeds the limit of {max_nodes} tree nodes per verify "
+                         f"(--max-tree-nodes)")
     dists = None
     if "node_q" in arrays:
-        q_len, q_ids, q_probs = (arrays.get(k) for k in ("q_len", "q_ids", "q_probs"))
-        if q_len is None or q_ids is None or q_probs is None:
-            raise ProtocolError("draft distributions need node_q, q_len, q_ids and q_probs")
-        if int(q_len.sum()) != len(q_ids) or len(q_ids) != len(q_probs):
-            raise ProtocolError("q_len does not add up to the number of q ids and probabilities")
+        if not tokens:
+            raise ProtocolError("an empty tree carries no draft distributions")
+        q_len, q_ids = array(arrays, "q_len"), array(arrays, "q_ids")
+        q_probs, node_q = array(arrays, "q_probs", integer_ids=False), array(arrays, "node_q")
+        if (q_len < 1).any() or int(q_len.sum()) != len(q_ids) or len(q_ids) != len(q_probs):
+            raise ProtocolError("q_len must be positive and add up to the number of q ids and probabilities")
+        if (q_ids < 0).any():
+            raise ProtocolError("q_ids must be non-negative token ids")
+        if ((q_probs < 0) | (q_probs > 1)).any():
+            raise ProtocolError("q_probs must lie in [0, 1]")
         offsets = [0] + np.cumsum(q_len, dtype=np.int64).tolist()
-        table = [SparseDist(tuple(q_ids[a:b].tolist()), tuple(q_probs[a:b].tolist()))
-                 for a, b in zip(offsets[:-1], offsets[1:])]
-        node_q = arrays["node_q"].tolist()
-        if len(node_q) != len(tokens) or any(i >= len(table) for i in node_q):
-            raise ProtocolError("node_q must give every node a valid q index")
-        dists = tuple(table[i] for i in node_q)
-    return DraftTree(tuple(tokens), tuple(parents), dists)
+        if len(node_q) != len(tokens) or (node_q < 0).any() or (node_q >= len(q_len)).any():
+            raise ProtocolError("node_q must give every node a q index in 0..len(q_len)-1")
+        table = []
+        for a, b in zip(offsets[:-1], offsets[1:]):
+            if float(q_probs[a:b].sum(dtype=np.float64)) > 1.0 + 1e-3:
+                raise ProtocolError(f"a draft distribution sums to {float(q_probs[a:b].sum()):.4f} > 1")
+            table.append(SparseDist(tuple(q_ids[a:b].tolist()), tuple(q_probs[a:b].tolist())))
+        dists = tuple(table[i] for i in node_q.tolist())
+    elif any(key in arrays for key in ("q_len", "q_ids", "q_probs")):
+        raise ProtocolError("draft distributions need node_q, q_len, q_ids and q_probs together")
+    try:
+        return DraftTree(tuple(tokens), tuple(parents), dists)
+    except SpecbenchError as error:
+        raise ProtocolError(str(error)) from None

@@ -1,0 +1,268 @@
+"""What the worker does for each op: validate against the limits first, then touch the model.
+
+Every handler takes `(header, arrays, *, connection, curve_key)` and returns `(reply, arrays)`;
+errors are raised as SpecbenchError subclasses that `server.py` turns into coded replies.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from specbench.decode.target import LocalTarget
+from specbench.hardware import device_name
+from specbench.models.spec import ModelSpec
+from specbench.types import SpecbenchError
+from specbench.worker import protocol
+from specbench.worker.limits import check
+from specbench.worker.model_policy import LoadPolicy, LoadRefusedError, model_identity
+from specbench.worker.protocol import PROTOCOL_VERSION, LimitError, ProtocolError, field as get
+from specbench.worker.sessions import SessionEndedError, SessionTable, check_step, request_key
+
+MAX_SEED = 2**63 - 1
+
+
+class Ops:
+    def __init__(self, config, stats, log: Callable[[str], None]):
+        self.config, self.stats, self.log, self.limits = config, stats, log, config.limits
+        self.policy = LoadPolicy(config.device, config.model, config.draft, config.allow_load)
+        self.sessions = SessionTable(self.limits)
+        self.target: Optional[LocalTarget] = None
+        self.identity: Optional[str] = None
+        self.draft = None
+        self.kv_budget = self.limits.max_kv_bytes or _half_free_memory(config.device)
+        self.handlers = {"hello": self.hello, "info": self.info, "health": self.health, "stats": self.stats_op,
+                         "load": self.load, "prefill": self.prefill, "verify": self.verify, "close": self.close,
+                         "profile": self.profile, "generate": self.generate}
+
+    # -- model -----------------------------------------------------------------------------------
+    def ensure_loaded(self) -> LocalTarget:
+        if self.target is None:
+            if self.config.model is None:
+                raise SpecbenchError("no model loaded: start the worker with --model or send a 'load' request")
+            self._install(self.config.model, reason="")
+        return self.target
+
+    def _install(self, spec: ModelSpec, reason: str) -> None:
+        """Load `spec` while the old model keeps serving; only a successful load replaces it."""
+        from specbench.models.loading import load_model
+
+        self.log(f"loading {spec.label} ({spec.dtype}, {spec.device})")
+        loaded = load_model(spec)
+        identity = model_identity(loaded)
+        old, live = self.identity, self.sessions.live()
+        self.target, self.identity = LocalTarget(loaded), identity
+        if live:
+            self.sessions.end(live, f"the worker's model changed from {old} to {identity} ({reason})")
+            self.log(f"{len(live)} sessions of {old} ended: {reason}")
+        self.log(f"loaded {identity}: vocab {self.target.vocab_size}")
+
+    def _owner(self, header: dict, curve_key: str) -> tuple[str, str]:
+        """(namespace, quota principal): the CURVE key where there is one, else the client's token."""
+        token = protocol.client_token(header)
+        return f"{curve_key}:{token}", curve_key or token
+
+    def _check_kv(self, incoming: int, replacing: int = 0) -> None:
+        target = self.target
+        per_token = _kv_bytes_per_token(target.model)
+        held = sum(len(s.committed) for s in target.sessions.values()) - replacing
+        needed = per_token * (held + incoming)
+        if self.kv_budget and needed > self.kv_budget:
+            raise LimitError(f"KV cache: this request needs {needed} bytes in all ({incoming} new tokens x "
+                             f"{per_token} bytes) and exceeds the worker's limit of {self.kv_budget} bytes "
+                             f"(--max-kv-gib)")
+
+    def kv_bytes(self) -> int:
+        if self.target is None:
+            return 0
+        return _kv_bytes_per_token(self.target.model) * sum(len(s.committed) for s in self.target.sessions.values())
+
+    def expire_idle(self) -> None:
+        for session in self.sessions.idle(self.config.idle_timeout_s):
+            self.sessions.remove(session.owner, session.name)
+            if self.target is not None:
+                self.target.close(session.key)
+            if session.ended is None:
+                self.stats.expired += 1
+                self.log(f"session {session.name} expired after {self.config.idle_timeout_s:.0f}s idle")
+
+    # -- ops without sessions --------------------------------------------------------------------
+    def describe(self) -> dict:
+        loaded = self.target.loaded if self.target else None
+        return {"protocol": PROTOCOL_VERSION, "model": loaded.spec.label if loaded else None,
+                "identity": self.identity, "vocab_size": self.target.vocab_size if self.target else None,
+                "eos_token_ids": list(loaded.eos_token_ids) if loaded else [],
+                "device": str(self.target.device) if self.target else None,
+                "device_name": device_name(str(self.target.device)) if self.target else None,
+                "dtype": loaded.spec.dtype if loaded else None,
+                "quantization": loaded.spec.quantization if loaded else None,
+                "torch": torch.__version__, "sessions": len(self.sessions),
+                "limits": {**self.limits.__dict__, "max_kv_bytes": self.kv_budget}}
+
+    def hello(self, header, arrays, **_):
+        version = get(header, "version", int)
+        if version != PROTOCOL_VERSION:
+            raise ProtocolError(f"client speaks protocol v{version}, this worker v{PROTOCOL_VERSION}")
+        if self.config.model is not None:
+            self.ensure_loaded()
+        return self.describe(), None
+
+    def info(self, header, arrays, **_):
+        return self.describe(), None
+
+    def health(self, header, arrays, **_):
+        return {"status": "ok"}, None
+
+    def stats_op(self, header, arrays, **_):
+        s = self.stats
+        return {"uptime_s": time.time() - s.started, "requests": s.requests, "errors": s.errors,
+                "bytes_in": s.bytes_in, "bytes_out": s.bytes_out, "sessions": len(self.sessions),
+                "expired": s.expired, "kv_bytes": self.kv_bytes()}, None
+
+    def load(self, header, arrays, *, connection, curve_key):
+        spec = protocol.spec_from_wire(get(header, "model", dict))
+        _, principal = self._owner(header, curve_key)
+        self.policy.check(spec)
+        if self.target is not None and self.target.loaded.spec == spec:
+            return self.describe(), None
+        others = [s for s in self.sessions.live() if s.principal != principal]
+        if others:
+            raise LoadRefusedError(f"the worker's model {self.identity} is in use by {len(others)} sessions of "
+                                   f"other clients; loading {spec.label} would end them")
+        self._install(spec, reason=f"a load of {spec.label} by the sessions' own client")
+        return self.describe(), None
+
+    def profile(self, header, arrays, **_):
+        from specbench.decode.profile import forward_latency_grid
+
+        tokens = protocol.int_list(header, "tokens", 1, [1, 2, 4, 8, 16])
+        contexts = protocol.int_list(header, "contexts", 1, [128, 512])
+        repeats = protocol.integer(header, "repeats", 1, None, 5)
+        limits = self.limits
+        check(len(tokens) * len(contexts), limits.max_profile_points, "profile grid points",
+              "--max-profile-points")
+        check(repeats, limits.max_profile_repeats, "profile repeats", "--max-profile-repeats")
+        check(max(tokens, default=0), limits.max_tree_nodes, "profile tokens per forward", "--max-tree-nodes")
+        check(max(contexts, default=0), limits.max_prompt_tokens, "profile context", "--max-prompt-tokens")
+        target = self.ensure_loaded()
+        if target.max_context:
+            check(max(tokens, default=0) + max(contexts, default=0), target.max_context,
+                  "profile context + tokens", "the model's context length")
+        rows = forward_latency_grid(target.model, tokens, contexts, repeats)
+        return {"rows": rows, **self.describe()}, None
+
+    def generate(self, header, arrays, **_):
+        """Server-only baselines: the worker drafts and verifies itself, and returns finished tokens."""
+        from specbench.decode.drafters import ModelDrafter
+        from specbench.decode.loop import generate
+        from specbench.models.loading import load_model
+
+        method = get(header, "method", str)
+        if method not in ("server-only", "server-only-ar"):
+            raise ProtocolError(f"generate supports methods server-only and server-only-ar, not {method!r}")
+        limits = self.limits
+        max_new_tokens = protocol.integer(header, "max_new_tokens", 1)
+        check(max_new_tokens, limits.max_new_tokens, "max_new_tokens of a generate", "--max-new-tokens")
+        k = protocol.integer(header, "k", 1, None, 4)
+        check(k, limits.max_tree_nodes, "k of a generate", "--max-tree-nodes")
+        prompt = protocol.array(arrays, "tokens")
+        check(len(prompt), limits.max_prompt_tokens, "prompt tokens", "--max-prompt-tokens")
+        sampling = protocol.sampling_from_wire(get(header, "sampling", dict))
+        seed = protocol.integer(header, "seed", 0, MAX_SEED, 0)
+        draft_spec = protocol.spec_from_wire(header["draft"]) if "draft" in header else self.config.draft
+        target = self.ensure_loaded()
+        self._check_kv(incoming=len(prompt) + max_new_tokens + k)
+        drafter = None
+        if method == "server-only":
+            if draft_spec is None:
+                raise SpecbenchError("server-only needs a draft model: start the worker with --draft or send one")
+            self.policy.check(draft_spec)
+            if self.draft is None or self.draft.draft.spec != draft_spec:
+                self.log(f"loading draft {draft_spec.label}")
+                self.draft = ModelDrafter(load_model(draft_spec), target.vocab_size, name="server-draft")
+            drafter = self.draft
+        result = generate(target, drafter, prompt.tolist(), k=k, max_new_tokens=max_new_tokens, sampling=sampling,
+                          generator=torch.Generator().manual_seed(seed), eos_token_ids=target.loaded.eos_token_ids,
+                          method=method, session=f"generate/{self.stats.requests}")
+        steps = [{"drafted": r.drafted, "accepted": r.accepted, "emitted": r.emitted, "draft_s": r.draft_s,
+                  "verify_s": r.verify_s, "forward_s": r.target_forward_s, "step_s": r.step_s}
+                 for r in result.records]
+        return {"steps": steps, "prefill_s": result.prefill_s}, {"output": np.asarray(result.output_ids, dtype=np.int32)}
+
+    # -- session ops -----------------------------------------------------------------------------
+    def prefill(self, header, arrays, *, connection, curve_key):
+        owner, principal = self._owner(header, curve_key)
+        name = protocol.name_field(header, "session")
+        epoch = protocol.integer(header, "epoch", 1, MAX_SEED)
+        tokens = protocol.array(arrays, "tokens")
+        check(len(tokens), self.limits.max_prompt_tokens, "prompt tokens", "--max-prompt-tokens")
+        target = self.ensure_loaded()
+        key = request_key("prefill", epoch, len(tokens), header, arrays)
+        existing = self.sessions.sessions.get((owner, name))
+        if existing is not None:
+            if existing.ended is not None:
+                raise SessionEndedError(f"session {name!r} ended: {existing.ended}")
+            stored = check_step(existing, key)
+            if stored is not None:
+                return dict(stored[0], replayed=True), stored[1]
+        self._check_kv(incoming=len(tokens), replacing=existing.committed if existing else 0)
+        session = self.sessions.admit(owner, name, principal, connection, self.identity)
+        try:
+            committed = target.prefill(session.key, tokens.tolist())
+        except BaseException:
+            if existing is None:
+                self.sessions.remove(owner, name)
+            raise
+        session.epoch, session.committed = epoch, committed
+        reply = {"session": name, "epoch": epoch, "committed": committed, "model": session.model}
+        session.replay = (key, reply, None)
+        if existing is None:
+            self.log(f"session {name} opened ({len(self.sessions)} open)")
+        return reply, None
+
+    def verify(self, header, arrays, *, connection, curve_key):
+        owner, _ = self._owner(header, curve_key)
+        name = protocol.name_field(header, "session")
+        epoch = protocol.integer(header, "epoch", 1, MAX_SEED)
+        committed = protocol.integer(header, "committed", 1, MAX_SEED)
+        sampling = protocol.sampling_from_wire(get(header, "sampling", dict))
+        seed = protocol.integer(header, "seed", 0, MAX_SEED)
+        tree = protocol.tree_from_arrays(arrays, max_nodes=self.limits.max_tree_nodes)
+        session = self.sessions.find(owner, name)
+        key = request_key("verify", epoch, committed, header, arrays)
+        stored = check_step(session, key)
+        if stored is not None:
+            return dict(stored[0], replayed=True), stored[1]
+        target = self.ensure_loaded()
+        self._check_kv(incoming=len(tree) + 1)
+        verdict = target.verify(session.key, tree, sampling, seed)
+        session.committed += len(verdict.accepted_path) + 1
+        reply = {"bonus": verdict.bonus_token, "forward_s": verdict.target_forward_s, "verify_s": verdict.verify_s,
+                 "epoch": epoch, "committed": session.committed, "model": session.model}
+        path = {"path": np.asarray(verdict.accepted_path, dtype=np.int32)}
+        session.replay = (key, reply, path)
+        return reply, path
+
+    def close(self, header, arrays, *, connection, curve_key):
+        owner, _ = self._owner(header, curve_key)
+        name = protocol.name_field(header, "session")
+        session = self.sessions.remove(owner, name)
+        if session is not None and self.target is not None:
+            self.target.close(session.key)
+        return {"session": name}, None
+
+
+def _kv_bytes_per_token(model) -> int:
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    itemsize = torch.finfo(model.dtype).bits // 8 if model.dtype.is_floating_point else 2
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * itemsize
+
+
+def _half_free_memory(device: str) -> Optional[int]:
+    from specbench.models.loading import available_bytes
+
+    free = available_bytes(device)
+    return free // 2 if free else None
