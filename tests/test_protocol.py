@@ -28,6 +28,7 @@ def test_150_node_tree_fits_in_3_kb():
     parents = tuple([-1] * 10 + [i // 10 for i in range(140)])
     tree = DraftTree(tuple(range(150)), parents)
     frames = protocol.encode({"op": "verify", "session": "abcdef123456-default", "seed": 2**61, "id": 10_000,
+                              "client": "0" * 32, "epoch": 1, "committed": 4096,
                               "sampling": {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "rule": "greedy",
                                            "draft_top_k": 32}}, protocol.tree_to_arrays(tree))
     assert sum(len(f) for f in frames) <= 3 * 1024
