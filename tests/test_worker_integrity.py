@@ -18,7 +18,7 @@ from specbench.worker import protocol
 from specbench.worker.client import RemoteTarget
 
 from conftest import PROMPTS
-from worker_helpers import TARGET, RawClient, free_port, start_process_worker
+from worker_helpers import TARGET, RawClient, free_port, process_worker, start_process_worker
 
 TOKENS = 40
 
@@ -34,14 +34,11 @@ def reference(draft):
                        progress=False, warmup=False))[("chain", 0)]
 
 
-@pytest.fixture()
+@pytest.fixture(scope="module")
 def worker():
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
-    process = start_process_worker(endpoint)
-    process.endpoint = endpoint
-    yield process
-    process.kill()
-    process.wait()
+    """One real worker process for the module: starting one costs seconds; each test brings its own clients."""
+    with process_worker() as process:
+        yield process
 
 
 def victim_run(remote, draft, tokens=TOKENS):
@@ -349,9 +346,8 @@ def fuzz_message(rng, token: str, session: str, foreign: str):
 
 def test_fuzz_never_crashes_never_internal_and_never_changes_output(draft, reference):
     """>= 3,000 malformed requests against a real worker process, with a legitimate client decoding beside."""
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
-    process = start_process_worker(endpoint)
-    try:
+    with process_worker() as process:
+        endpoint = process.endpoint
         from specbench.decode.drafters import ModelDrafter
         from specbench.types import SamplingParams
         import random
@@ -384,19 +380,6 @@ def test_fuzz_never_crashes_never_internal_and_never_changes_output(draft, refer
         assert codes.get("ok", 0) < 300 and sum(codes.values()) == 3000, codes
         assert process.poll() is None, "the worker died"
         assert remote.stats()["errors"] >= 2700
-    finally:
-        process.kill()
-        process.wait()
-
-
-@pytest.fixture(scope="module")
-def shared_worker():
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
-    process = start_process_worker(endpoint)
-    process.endpoint = endpoint
-    yield process
-    process.kill()
-    process.wait()
 
 
 def _verify(client, **changes):
@@ -425,8 +408,8 @@ REJECTION = {"sampling": {"temperature": 1.0, "rule": "rejection"}}
     (REJECTION, {"tokens": np.array([1, 2], np.int32), "parents": np.array([-1, 0], np.int16)}, "needs the draft"),
 ], ids=["0d-ids", "2d-ids", "float-parents", "q-oov", "negative-node_q", "nan-q", "inf-q", "negative-q",
         "nan-temperature", "inf-temperature", "float-top_k", "rejection-without-q"])
-def test_malformed_verify_is_a_bad_request(shared_worker, changes, arrays, message):
-    client = RawClient(shared_worker.endpoint)
+def test_malformed_verify_is_a_bad_request(worker, changes, arrays, message):
+    client = RawClient(worker.endpoint)
     client.request({"op": "prefill", "session": "s", "epoch": 1}, {"tokens": np.array([1, 2, 3], np.int32)})
     arrays = arrays if arrays is not None else protocol.tree_to_arrays(DraftTree.chain([1, 2]))
     reply, _ = client.request(_verify(client, **changes), arrays)
@@ -448,8 +431,8 @@ def test_malformed_verify_is_a_bad_request(shared_worker, changes, arrays, messa
     (lambda: protocol.encode({"op": "verify", "session": "s", "client": "short"}), "field 'client'"),
 ], ids=["overflowing-shape", "duplicate-array", "float-profile-tokens", "string-profile-context",
         "float-repeats", "cuda-on-cpu-worker", "bad-client-token"])
-def test_malformed_requests_name_the_problem(shared_worker, frames, message):
-    client = RawClient(shared_worker.endpoint)
+def test_malformed_requests_name_the_problem(worker, frames, message):
+    client = RawClient(worker.endpoint)
     raw = frames()
     if raw[0][:1] != b"\x00":  # give well-formed headers the client's token unless the case is about it
         header = protocol.msgpack.unpackb(raw[0])
@@ -460,9 +443,9 @@ def test_malformed_requests_name_the_problem(shared_worker, frames, message):
     assert message in reply["error"], reply["error"]
 
 
-def test_load_policy(shared_worker):
+def test_load_policy(worker):
     """Defect 3: loads need an allow-list; a refusal says nothing about which paths exist; no traversal."""
-    client = RawClient(shared_worker.endpoint)
+    client = RawClient(worker.endpoint)
     replies = {name: client.request({"op": "load", "model": {"model": name}})[0]
                for name in ("/etc", "/no/such/dir", "gpt2")}
     assert all(reply["code"] == "refused" for reply in replies.values()), replies
@@ -480,10 +463,9 @@ def test_model_switch_only_by_the_sole_client_and_never_silent():
     from specbench.types import SamplingParams
     from specbench.worker.client import ModelChangedError
 
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
     other_model = "tiny-random:seed=0,layers=2"
-    process = start_process_worker(endpoint, "--allow-load", other_model, "--allow-load", "/no/such/model")
-    try:
+    with process_worker("--allow-load", other_model, "--allow-load", "/no/such/model") as process:
+        endpoint = process.endpoint
         alice, bob = RemoteTarget(endpoint), RemoteTarget(endpoint)
         alice.prefill("a", PROMPTS[0])
         bob.prefill("b", PROMPTS[1])
@@ -500,9 +482,6 @@ def test_model_switch_only_by_the_sole_client_and_never_silent():
         assert switched["ok"] and switched["identity"] != alice.model_identity
         with pytest.raises(ModelChangedError, match="model changed"):
             alice.verify("a", DraftTree(), SamplingParams(), 0)
-    finally:
-        process.kill()
-        process.wait()
 
 
 def test_worker_restarted_with_another_model_is_never_decoded_on(draft):
@@ -559,9 +538,8 @@ def test_failed_verify_rolls_back_on_a_local_target(tiny_target, monkeypatch):
 
 def test_session_quota_per_client_and_kv_limit_counting_the_request():
     """Defect 6: one client's prefills filled every slot; a prefill alone over the KV limit was admitted."""
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
-    process = start_process_worker(endpoint, "--max-sessions-per-client", "2", "--max-kv-gib", str(200 * 768 / 2**30))
-    try:
+    with process_worker("--max-sessions-per-client", "2", "--max-kv-gib", str(200 * 768 / 2**30)) as process:
+        endpoint = process.endpoint
         greedy = RawClient(endpoint)
         tokens = np.arange(1, 9, dtype=np.int32)
         for name in ("a", "b"):
@@ -575,9 +553,6 @@ def test_session_quota_per_client_and_kv_limit_counting_the_request():
         huge, _ = other.request({"op": "prefill", "session": "big", "epoch": 1},
                                 {"tokens": np.ones(190, dtype=np.int32)})
         assert huge["code"] == "limit" and "KV cache" in huge["error"], huge
-    finally:
-        process.kill()
-        process.wait()
 
 
 def test_secret_keys_are_private(tmp_path):
@@ -592,23 +567,23 @@ def test_secret_keys_are_private(tmp_path):
     assert stat.S_IMODE(os.stat(tmp_path / "keys").st_mode) == 0o700
 
 
-def test_no_retries_waits_one_timeout(shared_worker):
+def test_no_retries_waits_one_timeout(worker):
     """Defect 8: with retries=0 a verify to a frozen worker waited twice the timeout it reported."""
     import signal
 
     from specbench.types import SamplingParams
     from specbench.worker.client import WorkerUnavailableError
 
-    remote = RemoteTarget(shared_worker.endpoint, timeout_s=0.5, retries=0)
+    remote = RemoteTarget(worker.endpoint, timeout_s=0.5, retries=0)
     remote.prefill("a", PROMPTS[0])
-    shared_worker.send_signal(signal.SIGSTOP)
+    worker.send_signal(signal.SIGSTOP)
     try:
         started = time.perf_counter()
         with pytest.raises(WorkerUnavailableError, match="within 0.5s on any of 1 tries"):
             remote.verify("a", DraftTree(), SamplingParams(), 0)
         assert time.perf_counter() - started < 0.9
     finally:
-        shared_worker.send_signal(signal.SIGCONT)
+        worker.send_signal(signal.SIGCONT)
 
 
 def test_busy_worker_buffers_a_bounded_inbound_queue():
@@ -617,9 +592,8 @@ def test_busy_worker_buffers_a_bounded_inbound_queue():
     import psutil
     import zmq
 
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
-    process = start_process_worker(endpoint)
-    try:
+    with process_worker() as process:
+        endpoint = process.endpoint
         memory = psutil.Process(process.pid)
         flooder, busy = RawClient(endpoint), RawClient(endpoint)
         flooder.request({"op": "health"})
@@ -640,6 +614,3 @@ def test_busy_worker_buffers_a_bounded_inbound_queue():
             time.sleep(0.005)
         assert (peak - before) / 2**20 < 64, f"worker grew {(peak - before) / 2**20:.0f} MiB under a 320 MB flood"
         assert busy.receive(timeout_s=60)[0]["ok"]
-    finally:
-        process.kill()
-        process.wait()

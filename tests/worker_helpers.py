@@ -1,4 +1,5 @@
 """Start workers for tests: in a thread (fast) or as a real `specbench worker` process (kill -9 tests)."""
+import contextlib
 import threading
 
 from specbench.models.spec import ModelSpec
@@ -66,3 +67,16 @@ class RawClient:
 
     def close(self):
         self.socket.close(0)
+
+
+@contextlib.contextmanager
+def process_worker(*extra: str):
+    """A real `specbench worker` process on a free loopback port, killed on exit; `.endpoint` says where."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    process = start_process_worker(endpoint, *extra)
+    process.endpoint = endpoint
+    try:
+        yield process
+    finally:
+        process.kill()
+        process.wait()

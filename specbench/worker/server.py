@@ -97,6 +97,9 @@ class Worker:
         self.log(f"worker listening on {self.config.bind} (protocol v{PROTOCOL_VERSION}, "
                  f"{'CURVE' if authenticator else 'no auth'}); model: "
                  f"{self.config.model.label if self.config.model else 'none until a client loads one'}")
+        allowed = ", ".join(self.config.allow_load) or ("embedded catalog models" if self.config.model is None else
+                                                       "nothing else")
+        self.log(f"limits: {self.ops.describe()['limits']}; clients may also load: {allowed}")
         try:
             while not (stop and stop()):
                 if socket.poll(200):
