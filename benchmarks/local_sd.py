@@ -18,8 +18,9 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from specbench.api import encode_prompts, make_drafter
-from specbench.decode.loop import generate
+from specbench.api import encode_prompts
+from specbench.decode.loop import Decoding, generate
+from specbench.methods import DraftSource, make_drafter
 from specbench.decode.target import LocalTarget
 from specbench.models.loading import load_model
 from specbench.models.spec import ModelSpec
@@ -62,8 +63,7 @@ def load_prompts(limit: int) -> list[dict]:
 
 def run_specbench(target, drafter, prompt_ids, k, max_new_tokens, eos):
     started = time.perf_counter()
-    result = generate(target, drafter, prompt_ids, k=k, max_new_tokens=max_new_tokens, sampling=GREEDY,
-                      generator=torch.Generator().manual_seed(0), eos_token_ids=eos)
+    result = generate(target, drafter, prompt_ids, Decoding(k, max_new_tokens, GREEDY))
     wall = time.perf_counter() - started
     accepted = sum(r.accepted for r in result.records)
     drafted = sum(r.drafted for r in result.records)
@@ -130,8 +130,8 @@ def bench_pair(name, target_spec, draft_spec, prompts, max_new_tokens, ks, self_
             key = {"chain": "chain", "prompt-lookup": "prompt-lookup", "self-draft": "self-draft",
                    "substitute-8bit": "substitute"}[kind]
             if key not in drafters:
-                drafters[key] = make_drafter(key, target, draft_loaded, target_loaded, self_draft_layers,
-                                             "8bit", dtype)
+                drafters[key] = make_drafter(key, DraftSource(target, target_loaded, draft_loaded, dtype,
+                                                              self_draft_layers, "8bit"))
             drafter = drafters[key]
         # warm-up on the first prompt, discarded
         if engine == "specbench":

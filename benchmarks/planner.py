@@ -40,8 +40,8 @@ def measure(target, draft, texts, configs, args, tokenizer, where):
             reference = produced
         rows.append({"where": where, "config": name, "tokens_per_s": tokens_per_second(records),
                      "tokens_per_step": tokens_per_step(records), "acceptance_rate": acceptance_rate(records),
-                     "mean_k": float(records["budget"].mean()),
-                     "k_histogram": records["budget"].value_counts().sort_index().to_dict(),
+                     "mean_k": float(records["step_k"].mean()),
+                     "k_histogram": records["step_k"].value_counts().sort_index().to_dict(),
                      "identical_to_target_only": all(produced[(key, i)] == reference[("target-only", i)]
                                                      for i in range(len(texts)))})
         print(f"  {where:>7s} {name:24s} tps={rows[-1]['tokens_per_s']:.2f} mean K={rows[-1]['mean_k']:.2f}", flush=True)

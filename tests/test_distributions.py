@@ -8,7 +8,7 @@ import pytest
 import torch
 from scipy import stats
 
-from specbench.decode.loop import generate
+from specbench.decode.loop import Decoding, generate
 from specbench.decode.target import LocalTarget
 from specbench.models.tiny import tiny_model
 from specbench.sampling.probs import draft_distribution, processed_probs, sample_sparse
@@ -91,25 +91,24 @@ def target_marginals(target, prompt, sampling, vocab):
                                            ("prompt-lookup-tree", "rejection", 6)])
 def test_end_to_end_two_token_marginals_match_target(method, rule, k):
     """Real models, real KV caches, chains and trees: the first two emitted tokens follow the target."""
-    from specbench.api import TreeShape, make_drafter
+    from specbench.methods import DraftSource, TreeShape, make_drafter
 
     vocab = 16
     target = tiny_model(seed=3, vocab_size=vocab)
     draft = tiny_model(seed=4, vocab_size=vocab, noise_from=target, noise_scale=0.01)
     sampling = SamplingParams(temperature=1.5, rule=rule, draft_top_k=8)
     local = LocalTarget(target)
-    drafter = make_drafter(method, local, draft, target, tree=TreeShape(widths=(3, 2), beam=2, branch=3,
-                                                                        lookup_candidates=3))
+    drafter = make_drafter(method, DraftSource(local, target, draft, tree=TreeShape(widths=(3, 2), beam=2, branch=3,
+                                                                                     lookup_candidates=3)))
     # a prompt with repeats, so prompt lookup finds several candidate continuations; the three
     # continuations of "1, 2" are ones the target itself rates likely (~70% together), so lookup
     # drafts get accepted often enough to exercise the acceptance path
     prompt = [1, 2, 14, 1, 2, 15, 1, 2, 5, 1, 2]
-    generator = torch.Generator().manual_seed(5)
     draws = 1500
     first_counts, second_counts = np.zeros(vocab), np.zeros(vocab)
     accepted = 0
-    for _ in range(draws):
-        result = generate(local, drafter, prompt, k=k, max_new_tokens=2, sampling=sampling, generator=generator)
+    for draw in range(draws):
+        result = generate(local, drafter, prompt, Decoding(k, 2, sampling), seed=5_000 + draw)
         accepted += sum(r.accepted for r in result.records)
         first_counts[result.output_ids[0]] += 1
         second_counts[result.output_ids[1]] += 1

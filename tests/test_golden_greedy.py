@@ -5,7 +5,7 @@ import torch
 
 from specbench.api import outputs, run
 from specbench.decode.drafters import ModelDrafter
-from specbench.decode.loop import generate
+from specbench.decode.loop import Decoding, generate
 from specbench.decode.target import LocalTarget
 from specbench.models.self_draft import truncated_view
 from specbench.types import DraftTree, SamplingParams
@@ -50,11 +50,10 @@ def test_eos_inside_an_accepted_run_stops_there(tiny_target):
     reference = baseline[("target-only", 0)]
     eos = reference[6]
     stop = reference.index(eos)
-    local = LocalTarget(tiny_target)
+    local = LocalTarget(tiny_target, eos_token_ids=(eos,))
     # The draft is the target itself, so the EOS token arrives in the middle of a fully accepted chain.
     drafter = ModelDrafter(tiny_target, local.vocab_size)
-    result = generate(local, drafter, PROMPTS[0], k=5, max_new_tokens=30, sampling=GREEDY,
-                      generator=torch.Generator().manual_seed(0), eos_token_ids=[eos])
+    result = generate(local, drafter, PROMPTS[0], Decoding(5, 30, GREEDY))
     assert result.output_ids == reference[: stop + 1]
     last = result.records[-1]
     assert last.accepted > last.emitted - 1, "EOS should have cut an accepted run short"
@@ -91,18 +90,15 @@ def test_tree_verification_keeps_greedy_output(tiny_target):
 
     def oracle(context, n):
         key = tuple(context)
-        generated = generate(base_target, None, list(context), k=1, max_new_tokens=n, sampling=GREEDY,
-                             generator=torch.Generator(), session="oracle").output_ids
+        generated = generate(base_target, None, list(context), Decoding(1, n, GREEDY), session="oracle").output_ids
         reference[key] = generated
         return generated
 
     local = LocalTarget(tiny_target)
     drafter = RandomTreeDrafter(oracle, local.vocab_size)
     for prompt in PROMPTS:
-        expected = generate(base_target, None, prompt, k=1, max_new_tokens=24, sampling=GREEDY,
-                            generator=torch.Generator()).output_ids
-        got = generate(local, drafter, prompt, k=8, max_new_tokens=24, sampling=GREEDY,
-                       generator=torch.Generator())
+        expected = generate(base_target, None, prompt, Decoding(1, 24, GREEDY)).output_ids
+        got = generate(local, drafter, prompt, Decoding(8, 24, GREEDY))
         assert got.output_ids == expected
         assert sum(r.accepted for r in got.records) > 0
 

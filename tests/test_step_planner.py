@@ -96,8 +96,8 @@ def test_planned_runs_stay_lossless_and_vary_k(tiny_target, tiny_draft):
     for index in range(len(PROMPTS)):
         assert produced[("chain+planner", index)] == produced[("target-only", index)]
     planned = records[records.method == "chain+planner"]
-    assert planned["budget"].nunique() > 1, "the planner never changed K"
-    assert (planned["drafted"] <= planned["budget"]).all()
+    assert planned["step_k"].nunique() > 1, "the planner never changed K"
+    assert (planned["drafted"] <= planned["step_k"]).all()
     with pytest.raises(SpecbenchError, match="not a chain method"):
         run(tiny_target, PROMPTS, method="tree", draft=tiny_draft, planner=planner, progress=False)
 

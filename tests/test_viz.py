@@ -56,8 +56,10 @@ def records():
     rows = []
     for method, k, accepted in (("target-only", 0, [0, 0, 0]), ("chain", 4, [4, 1, 2])):
         for step, a in enumerate(accepted):
-            rows.append({"method": method, "k": k, "drafted": k, "accepted": a, "emitted": a + 1, "draft_s": 0.01 * k,
-                         "verify_s": 0.1, "network_s": 0.0, "step_s": 0.12 + 0.01 * k, "bytes_up": 0, "bytes_down": 0})
+            rows.append({"method": method, "kind": "none" if k == 0 else "chain", "planned": False, "k": k,
+                         "drafted": k, "accepted": a, "emitted": a + 1, "draft_s": 0.01 * k, "verify_s": 0.1,
+                         "network_s": 0.0, "step_s": 0.12 + 0.01 * k, "overhead_s": 0.02, "bytes_up": 0,
+                         "bytes_down": 0})
     return pd.DataFrame(rows)
 
 
@@ -94,8 +96,8 @@ def test_report_and_cli_write_html_from_cached_files(tmp_path, capsys):
 def test_token_sources_split_accepted_draft_from_bonus():
     from specbench.viz.text import colored_text_html, token_sources
 
-    data = pd.DataFrame([{"method": "chain", "prompt_index": 0, "step": 0, "accepted": 2, "accepted_tokens": [5, 6, 7]},
-                         {"method": "chain", "prompt_index": 0, "step": 1, "accepted": 0, "accepted_tokens": [8]}])
+    data = pd.DataFrame([{"method": "chain", "prompt_index": 0, "step": 0, "accepted": 2, "emitted_tokens": [5, 6, 7]},
+                         {"method": "chain", "prompt_index": 0, "step": 1, "accepted": 0, "emitted_tokens": [8]}])
     assert token_sources(data, "chain") == [(5, "draft"), (6, "draft"), (7, "target"), (8, "target")]
 
     class Letters:

@@ -92,14 +92,13 @@ def test_stall_by_another_client_never_changes_output(worker, draft, reference, 
     """Defect 1: another tenant's long request outlasts the user's timeout; the user reconnects and
     resends while the worker still holds (and later runs) the abandoned copies."""
     from specbench.decode.drafters import ModelDrafter
-    from specbench.decode.loop import generate
+    from specbench.decode.loop import Decoding, generate
     from specbench.types import SamplingParams
     import torch
 
     remote = RemoteTarget(worker.endpoint, timeout_s=timeout_s, retries=retries)
     drafter = StallingDrafter(ModelDrafter(draft, remote.vocab_size), stall_at=(2, 4, 6))
-    outcome = in_thread(lambda: generate(remote, drafter, PROMPTS[0], k=4, max_new_tokens=TOKENS,
-                                         sampling=SamplingParams(), generator=torch.Generator().manual_seed(0)))
+    outcome = in_thread(lambda: generate(remote, drafter, PROMPTS[0], Decoding(4, TOKENS)))
     attacker = RawClient(worker.endpoint)
     for _ in drafter.stall_at:
         assert drafter.waiting.wait(60)
@@ -124,14 +123,13 @@ def test_frozen_worker_resumed_at_any_phase_of_the_retries(worker, draft, refere
     import signal
 
     from specbench.decode.drafters import ModelDrafter
-    from specbench.decode.loop import generate
+    from specbench.decode.loop import Decoding, generate
     from specbench.types import SamplingParams
     import torch
 
     remote = RemoteTarget(worker.endpoint, timeout_s=0.25, retries=20)
     drafter = StallingDrafter(ModelDrafter(draft, remote.vocab_size), stall_at=(2, 5))
-    outcome = in_thread(lambda: generate(remote, drafter, PROMPTS[0], k=4, max_new_tokens=TOKENS,
-                                         sampling=SamplingParams(), generator=torch.Generator().manual_seed(0)))
+    outcome = in_thread(lambda: generate(remote, drafter, PROMPTS[0], Decoding(4, TOKENS)))
     for _ in drafter.stall_at:
         assert drafter.waiting.wait(60)
         drafter.waiting.clear()
@@ -161,13 +159,12 @@ def test_foreign_client_cannot_touch_a_session(worker, draft, reference):
             return self.inner.propose(*args, **kwargs)
 
     from specbench.decode.drafters import ModelDrafter
-    from specbench.decode.loop import generate
+    from specbench.decode.loop import Decoding, generate
     from specbench.types import SamplingParams
     import torch
 
     drafter = Pausing(ModelDrafter(draft, remote.vocab_size))
-    outcome = in_thread(lambda: generate(remote, drafter, PROMPTS[0], k=4, max_new_tokens=TOKENS,
-                                         sampling=SamplingParams(), generator=torch.Generator().manual_seed(0)))
+    outcome = in_thread(lambda: generate(remote, drafter, PROMPTS[0], Decoding(4, TOKENS)))
     deadline = time.time() + 30
     while not opened_sessions(worker) and time.time() < deadline:
         time.sleep(0.05)

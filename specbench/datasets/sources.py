@@ -11,10 +11,11 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from specbench.data_paths import data_folder
 from specbench.models.catalog import cache_root, pip_download_wheel
 from specbench.types import SpecbenchError
 
-PROJECT_DATASETS = Path(__file__).resolve().parents[2] / "datasets"
+PROJECT_DATASETS = data_folder("datasets")
 
 
 @dataclass(frozen=True)

@@ -6,23 +6,25 @@ from typing import Optional, Protocol, Sequence
 import torch
 
 from specbench.decode.kv import cached_length, crop_to
-from specbench.models.loading import LoadedModel
+from specbench.models.loaded import LoadedModel
 from specbench.sampling.probs import draft_distribution, sample_sparse
+from specbench.sampling.streams import DraftDraws, draft_draws
 from specbench.types import DraftTree, SamplingParams, SparseDist, SpecbenchError
 
 
 class Drafter(Protocol):
     name: str
 
-    def propose(self, context: Sequence[int], budget: int, sampling: SamplingParams,
-                generator: torch.Generator, max_depth: Optional[int] = None) -> DraftTree:
-        """At most `budget` nodes and `max_depth` levels (the loop caps depth near max_new_tokens)."""
+    def propose(self, context: Sequence[int], k: int, sampling: SamplingParams,
+                draws: DraftDraws | torch.Generator, max_depth: Optional[int] = None) -> DraftTree:
+        """At most `k` nodes and `max_depth` levels (the loop caps depth near max_new_tokens); the
+        token at absolute position i is drawn with `draws.at(i)`."""
 
 
-def _capped(budget: int, max_depth: Optional[int]) -> int:
+def _capped(k: int, max_depth: Optional[int]) -> int:
     if max_depth is not None and max_depth < 1:
         raise SpecbenchError(f"max_depth must be >= 1, got {max_depth}")
-    return budget if max_depth is None else min(budget, max_depth)
+    return k if max_depth is None else min(k, max_depth)
 
 
 class ModelDrafter:
@@ -31,8 +33,6 @@ class ModelDrafter:
     The drafter keeps its own KV cache and syncs it to whatever context it is given by the longest
     common prefix, so it needs no notice of which tokens the target accepted.
     """
-
-    supports_lookahead = True  # can keep drafting while a remote verify is in flight
 
     def __init__(self, draft: LoadedModel, target_vocab_size: int, name: str = "draft"):
         self.draft = draft
@@ -43,45 +43,23 @@ class ModelDrafter:
         self.cache = None
         self.cached_ids: list[int] = []
 
-    def propose(self, context: Sequence[int], budget: int, sampling: SamplingParams,
-                generator: torch.Generator, prefix: Optional[DraftTree] = None,
-                max_depth: Optional[int] = None) -> DraftTree:
-        """A chain of `budget` tokens; `prefix` (a chain drafted ahead for this exact context) is reused."""
-        if budget < 1:
-            raise SpecbenchError(f"draft budget must be >= 1, got {budget}")
-        budget = _capped(budget, max_depth)
-        tokens = list(prefix.tokens[:budget]) if prefix else []
-        dists = list(prefix.draft_dists[:budget]) if prefix and prefix.draft_dists else []
-        if len(tokens) < budget:
-            more = self._draft(list(context) + tokens, budget - len(tokens), sampling, generator)
-            tokens += more.tokens
-            dists += more.draft_dists
-        return DraftTree.chain(tokens, dists)
-
-    def lookahead(self, context: Sequence[int], limit: int, sampling: SamplingParams,
-                  generator: torch.Generator, keep_going) -> DraftTree:
-        """Draft one token at a time past `context` while `keep_going()` says the verify is still in
-        flight (AutoDraft's proactive drafting); the caller keeps it only if the verdict confirms it."""
-        tokens, dists = [], []
-        while len(tokens) < limit and keep_going():
-            step = self._draft(list(context) + tokens, 1, sampling, generator)
-            tokens += step.tokens
-            dists += step.draft_dists
-        return DraftTree.chain(tokens, dists)
-
-    def _draft(self, context: list[int], budget: int, sampling: SamplingParams,
-               generator: torch.Generator) -> DraftTree:
+    def propose(self, context: Sequence[int], k: int, sampling: SamplingParams,
+                draws: DraftDraws | torch.Generator, max_depth: Optional[int] = None) -> DraftTree:
+        """A chain of `k` tokens, each drawn from the exact sparse q it reports."""
+        if k < 1:
+            raise SpecbenchError(f"draft budget must be >= 1, got {k}")
+        k, draws = _capped(k, max_depth), draft_draws(draws)
+        context = list(context)
         logits = self._sync(context)
         tokens: list[int] = []
         dists: list[SparseDist] = []
-        for position in range(budget):
+        for position in range(k):
             dist = draft_distribution(logits[: self.vocab_limit], sampling)
-            token = sample_sparse(dist, generator)
-            tokens.append(token)
+            tokens.append(sample_sparse(dist, draws.at(len(context) + position)))
             dists.append(dist)
-            if position + 1 < budget:
-                logits = self._extend([token])
-        return DraftTree(tuple(tokens), tuple(range(-1, len(tokens) - 1)), tuple(dists))
+            if position + 1 < k:
+                logits = self._extend(tokens[-1:])
+        return DraftTree.chain(tokens, dists)
 
     def _sync(self, context: list[int]) -> torch.Tensor:
         """Crop the cache to the common prefix (leaving at least the last token to feed); feed the rest."""
@@ -127,15 +105,15 @@ class PromptLookupDrafter:
         self.max_ngram, self.min_ngram, self.name = max_ngram, min_ngram, name
         self.max_candidates = max_candidates
 
-    def propose(self, context: Sequence[int], budget: int, sampling: SamplingParams,
-                generator: torch.Generator, max_depth: Optional[int] = None) -> DraftTree:
-        if budget < 1:
-            raise SpecbenchError(f"draft budget must be >= 1, got {budget}")
-        candidates = self.candidates(list(context), _capped(budget, max_depth))
+    def propose(self, context: Sequence[int], k: int, sampling: SamplingParams,
+                draws: DraftDraws | torch.Generator, max_depth: Optional[int] = None) -> DraftTree:
+        if k < 1:
+            raise SpecbenchError(f"draft budget must be >= 1, got {k}")
+        candidates = self.candidates(list(context), _capped(k, max_depth))
         if self.max_candidates == 1:
             tokens = candidates[0] if candidates else []
             return DraftTree.chain(tokens, [SparseDist((t,), (1.0,)) for t in tokens])
-        return self._trie(candidates, budget)
+        return self._trie(candidates, k)
 
     def lookup(self, context: list[int], budget: int) -> list[int]:
         candidates = self.candidates(context, budget)

@@ -1,15 +1,43 @@
-"""The speculative loop: draft, verify, commit, record. Target-only decoding is the same loop with no drafter."""
+"""The speculative loop: prefill, then per step ask the budget, speculate, cut at EOS or the limit, record.
+
+Target-only decoding is the same loop with no drafter.
+"""
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Optional, Sequence
-
-import torch
+from typing import Any, Callable, Optional, Sequence
 
 from specbench.decode.drafters import Drafter
+from specbench.decode.records import record_step
+from specbench.decode.step import Step, speculative_step
 from specbench.decode.target import Target
-from specbench.types import DraftTree, SamplingParams, SpecbenchError, StepRecord
+from specbench.sampling.streams import Streams
+from specbench.types import SamplingParams, SpecbenchError, StepRecord
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """How one method decodes every prompt of a run.
+
+    `k` is the draft size per step (chain tokens, or tree nodes); a `planner` (anything with
+    `choose(context_length) -> k` and `observe(drafted, accepted, network_s)`, e.g.
+    `specbench.plan.step_planner.StepPlanner`) picks it afresh per step up to `k`, 0 making that
+    step a plain target step. `method` and `kind` label the records.
+    """
+
+    k: int
+    max_new_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    method: str = ""
+    kind: str = "chain"
+    planner: Optional[Any] = None
+
+    def __post_init__(self):
+        if self.k < 1 and self.kind != "none":
+            raise SpecbenchError(f"k (draft tokens per step) must be >= 1, got {self.k}")
+        if self.max_new_tokens < 1:
+            raise SpecbenchError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
 
 @dataclass
@@ -21,91 +49,42 @@ class Generation:
     records: list[StepRecord]
 
 
-def generate(target: Target, drafter: Optional[Drafter], prompt_ids: Sequence[int], *, k: int,
-             max_new_tokens: int, sampling: SamplingParams, generator: torch.Generator,
-             eos_token_ids: Sequence[int] = (), method: str = "", prompt_index: int = 0,
-             session: str = "default", proactive: bool = False, planner=None) -> Generation:
-    """Generate up to `max_new_tokens` tokens, stopping after an EOS token, drafting `k` per step.
+def generate(target: Target, drafter: Optional[Drafter], prompt_ids: Sequence[int], decoding: Decoding, *,
+             seed: int = 0, prompt_index: int = 0, session: str = "default",
+             step: Callable[..., Step] = speculative_step) -> Generation:
+    """Generate up to `decoding.max_new_tokens` tokens, stopping after one of the target's EOS ids.
 
-    Tokens past an EOS or past the budget are dropped even when the target accepted them, so the
-    output is exactly what target-only decoding would return. Near the end the draft depth is
-    capped at remaining - 1 (the bonus token supplies the last one), so no level is wasted; a tree
-    keeps its node budget `k`, so its siblings survive the cap.
-
-    With `proactive` (a chain drafter and a target that verifies asynchronously, i.e. remote), the
-    drafter keeps drafting past the chain while the verify is in flight; when the verdict accepts
-    the whole chain and its bonus token equals the first look-ahead token, the rest of the
-    look-ahead opens the next chain, otherwise it is discarded and counted.
-
-    A `planner` (anything with `choose(context_length) -> k` and `observe(drafted, accepted,
-    network_s)`, e.g. `specbench.plan.step_planner.StepPlanner`) picks k afresh before every step,
-    up to `k`; k = 0 makes that step a plain target step.
+    Tokens past an EOS or the limit are dropped even when accepted, so the output is exactly what
+    target-only decoding returns. The depth is capped at remaining - 1 (the bonus token supplies the
+    last one); a tree keeps its node budget, so its siblings survive the cap.
     """
-    if drafter is not None and k < 1:
-        raise SpecbenchError(f"k (draft tokens per step) must be >= 1, got {k}")
-    if max_new_tokens < 1:
-        raise SpecbenchError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    eos = set(eos_token_ids)
-    start = time.perf_counter()
+    streams, planner = Streams(seed), decoding.planner if drafter is not None else None
+    started = time.perf_counter()
     target.prefill(session, prompt_ids)
-    prefill_s = time.perf_counter() - start
-    proactive = (proactive and getattr(drafter, "supports_lookahead", False)
-                 and hasattr(target, "verify_begin"))
-    planner = planner if drafter is not None else None  # nothing to plan without a draft
-    context, output, records = list(prompt_ids), [], []
-    ahead = None  # a look-ahead chain confirmed for the current context
+    prefill_s = time.perf_counter() - started
+    context, records = list(prompt_ids), []
     try:
-        while len(output) < max_new_tokens:
-            step_start = time.perf_counter()
-            depth_cap = max_new_tokens - len(output) - 1
-            tree = DraftTree()
-            step_k = k if planner is None else min(k, planner.choose(len(context)))
-            reused = len(ahead) if ahead is not None and depth_cap > 0 and step_k > 0 else 0
-            if drafter is not None and depth_cap > 0 and step_k > 0:
-                tree = (drafter.propose(context, step_k, sampling, generator, prefix=ahead, max_depth=depth_cap)
-                        if ahead is not None else
-                        drafter.propose(context, step_k, sampling, generator, max_depth=depth_cap))
-            draft_s = time.perf_counter() - step_start
-            step_seed = int(torch.randint(0, 2**62, (), generator=generator))
-            looked_ahead, discarded = 0, 0
-            if proactive and len(tree) and tree.is_chain:
-                pending = target.verify_begin(session, tree, sampling, step_seed)
-                ahead = drafter.lookahead(context + list(tree.tokens), step_k + 1, sampling, generator,
-                                          keep_going=lambda: not pending.ready())
-                verdict = pending.result()
-                looked_ahead = len(ahead)
-                whole_chain = len(verdict.accepted_path) == len(tree)
-                if whole_chain and len(ahead) > 1 and ahead.tokens[0] == verdict.bonus_token:
-                    ahead = DraftTree.chain(ahead.tokens[1:], ahead.draft_dists[1:])
-                    discarded = 0
-                else:
-                    discarded, ahead = looked_ahead, None
-            else:
-                ahead = None
-                verdict = target.verify(session, tree, sampling, step_seed)
+        while (remaining := decoding.max_new_tokens - (len(context) - len(prompt_ids))) > 0:
+            step_k = 0 if drafter is None else min(decoding.k, planner.choose(len(context)) if planner else decoding.k)
+            started = time.perf_counter()
+            result = step(target, drafter, session, context, step_k, remaining - 1, decoding.sampling, streams)
             if planner is not None:
-                planner.observe(len(tree), len(verdict.accepted_path), verdict.network_s)
-            emitted = verdict.emitted(tree)
-            finished = False
-            for cut, token in enumerate(emitted):
-                if token in eos:
-                    emitted, finished = emitted[:cut + 1], True
-                    break
-            emitted = emitted[: max_new_tokens - len(output)]
+                planner.observe(len(result.tree), len(result.verdict.accepted_path), result.verdict.timing.network_s)
+            emitted, finished = _cut(result.verdict.emitted(result.tree), target.eos_token_ids, remaining)
             context += emitted
-            output += emitted
-            records.append(StepRecord(
-                prompt_index=prompt_index, step=len(records), method=method, drafted=len(tree),
-                accepted=len(verdict.accepted_path), emitted=len(emitted), draft_s=draft_s,
-                verify_s=verdict.verify_s, target_forward_s=verdict.target_forward_s,
-                network_s=verdict.network_s, step_s=time.perf_counter() - step_start,
-                tree_depth=max(tree.depths(), default=0), accepted_tokens=emitted,
-                bonus_token=verdict.bonus_token, bytes_up=verdict.bytes_up, bytes_down=verdict.bytes_down,
-                emulated_network_s=verdict.emulated_s, tree_widths=tree.widths(),
-                expected_accepted=tree.expected_accepted, lookahead_drafted=looked_ahead,
-                lookahead_discarded=discarded, lookahead_reused=reused, budget=step_k if drafter is not None else 0))
+            records.append(record_step(result, emitted, prompt_index=prompt_index, index=len(records),
+                                       method=decoding.method, kind=decoding.kind, planned=planner is not None,
+                                       step_k=step_k, step_s=time.perf_counter() - started))
             if finished:
                 break
     finally:
         target.close(session)
-    return Generation(prompt_index, list(prompt_ids), output, prefill_s, records)
+    return Generation(prompt_index, list(prompt_ids), context[len(prompt_ids):], prefill_s, records)
+
+
+def _cut(emitted: list[int], eos_token_ids: Sequence[int], remaining: int) -> tuple[list[int], bool]:
+    """The emitted tokens up to and including the first EOS, and at most `remaining` of them."""
+    for index, token in enumerate(emitted[:remaining]):
+        if token in eos_token_ids:
+            return emitted[:index + 1], True
+    return emitted[:remaining], False

@@ -9,26 +9,53 @@ from __future__ import annotations
 import operator
 import time
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
 import torch
 
 from specbench.decode.kv import cached_length, crop_to, keep_positions, tree_attention_mask
-from specbench.models.loading import LoadedModel
+from specbench.models.loaded import LoadedModel
 from specbench.sampling.verify import verify
-from specbench.types import DraftTree, SamplingParams, SpecbenchError, Verdict
+from specbench.types import DraftTree, SamplingParams, SpecbenchError, Timing, Verdict
+
+
+class PendingVerdict(Protocol):
+    """A verify under way: `ready()` without waiting, `result()` waits for it."""
+
+    def ready(self) -> bool: ...
+
+    def result(self) -> Verdict: ...
 
 
 class Target(Protocol):
-    """What every method needs from a verifier, local or remote."""
+    """What `run` and every method need from a verifier, local or remote: the vocabulary, where
+    generation stops, the tokenizer where one is known, and sessions to prefill and verify."""
 
     vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    tokenizer: Optional[Any]
 
     def prefill(self, session: str, token_ids: Sequence[int]) -> int: ...
+
+    def verify_begin(self, session: str, tree: DraftTree, sampling: SamplingParams, seed: int) -> PendingVerdict:
+        """Start a verify; a remote target returns at once, a local one when it is done."""
 
     def verify(self, session: str, tree: DraftTree, sampling: SamplingParams, seed: int) -> Verdict: ...
 
     def close(self, session: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A verdict already reached: what a target that verifies in place returns from verify_begin."""
+
+    verdict: Verdict
+
+    def ready(self) -> bool:
+        return True
+
+    def result(self) -> Verdict:
+        return self.verdict
 
 
 class UnknownSessionError(SpecbenchError):
@@ -85,10 +112,13 @@ class _Sequence:
 class LocalTarget:
     """The target model in this process; sessions are independent sequences with their own caches."""
 
-    def __init__(self, loaded: LoadedModel, max_context: int | None = None):
+    def __init__(self, loaded: LoadedModel, max_context: int | None = None,
+                 eos_token_ids: Optional[Sequence[int]] = None):
         self.loaded = loaded
         self.model = loaded.model
         self.vocab_size = loaded.vocab_size
+        self.eos_token_ids = tuple(loaded.eos_token_ids if eos_token_ids is None else eos_token_ids)
+        self.tokenizer = loaded.tokenizer
         self.max_context = max_context or getattr(self.model.config, "max_position_embeddings", None)
         self.sessions: dict[str, _Sequence] = {}
 
@@ -140,7 +170,10 @@ class LocalTarget:
         state.committed += [tree.tokens[i] for i in path] + [bonus]
         state.tail = [bonus]
         state.check_invariant()
-        return Verdict(tuple(path), bonus, forward_s, time.perf_counter() - start)
+        return Verdict(tuple(path), bonus, Timing(target_forward_s=forward_s, verify_s=time.perf_counter() - start))
+
+    def verify_begin(self, session: str, tree: DraftTree, sampling: SamplingParams, seed: int) -> Finished:
+        return Finished(self.verify(session, tree, sampling, seed))
 
     def close(self, session: str) -> None:
         self.sessions.pop(session, None)

@@ -14,8 +14,9 @@ import torch
 
 from specbench.decode.drafters import ModelDrafter
 from specbench.decode.kv import crop_to
-from specbench.models.loading import LoadedModel
+from specbench.models.loaded import LoadedModel
 from specbench.sampling.probs import draft_distribution, sample_sparse
+from specbench.sampling.streams import DraftDraws, draft_draws
 from specbench.types import DraftTree, SamplingParams, SparseDist, SpecbenchError
 
 
@@ -46,8 +47,6 @@ class TreeDrafter(ModelDrafter):
     the tokens drawn, so multi-draft rejection would not be exact on it.
     """
 
-    supports_lookahead = False  # proactive drafting extends one chain; a tree has no single path to extend
-
     def __init__(self, draft: LoadedModel, target_vocab_size: int, widths: Optional[Sequence[int]] = None,
                  max_depth: int = 6, beam: int = 4, branch: int = 4, name: str = "tree", prune: bool = True):
         super().__init__(draft, target_vocab_size, name=name)
@@ -59,8 +58,10 @@ class TreeDrafter(ModelDrafter):
         self.max_depth = len(self.widths) if self.widths else max_depth
         self.beam, self.branch, self.prune = beam, branch, prune
 
-    def propose(self, context: Sequence[int], budget: int, sampling: SamplingParams,
-                generator: torch.Generator, max_depth: Optional[int] = None) -> DraftTree:
+    def propose(self, context: Sequence[int], k: int, sampling: SamplingParams,
+                draws: DraftDraws | torch.Generator, max_depth: Optional[int] = None) -> DraftTree:
+        """A tree of at most `k` nodes; the nodes of one level draw from that position's generator."""
+        budget, draws = k, draft_draws(draws)
         if budget < 1:
             raise SpecbenchError(f"tree node budget must be >= 1, got {budget}")
         if self.widths is None and sampling.effective_rule == "rejection":
@@ -74,7 +75,7 @@ class TreeDrafter(ModelDrafter):
         depth_limit = min(self.max_depth, budget, max_depth or budget)
         try:
             for depth in range(1, depth_limit + 1):
-                created = []
+                created, generator = [], draws.at(len(context) + depth - 1)
                 for parent, logits in frontier:
                     created += self._children(nodes, parent, depth, logits, sampling, generator)
                 if depth == depth_limit or not created:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from specbench.models.notices import quiet_transformers
 from specbench.types import SpecbenchError
 
 
@@ -179,7 +180,7 @@ def ensure_model(name: str) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    with tqdm(total=3, desc=f"convert {name}") as bar:
+    with tqdm(total=3, desc=f"convert {name}") as bar, quiet_transformers():
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
         bar.update()
         model = AutoModelForCausalLM.from_pretrained(

@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional, Union
 
 import torch
 
 from specbench.models.catalog import CATALOG, ensure_model
+from specbench.models.loaded import LoadedModel
 from specbench.models.spec import ModelSpec
 from specbench.types import SpecbenchError
 
@@ -24,27 +24,6 @@ class ModelTooLargeError(SpecbenchError):
 
 class VocabMismatchError(SpecbenchError):
     """Draft and target tokenizers disagree on what token ids mean."""
-
-
-@dataclass
-class LoadedModel:
-    spec: ModelSpec
-    model: Any  # a transformers PreTrainedModel (causal LM)
-    tokenizer: Optional[Any]  # None for tiny random test models that have no tokenizer
-
-    @property
-    def vocab_size(self) -> int:
-        """Rows of the output layer: every id in [0, vocab_size) has a logit."""
-        return int(self.model.get_output_embeddings().weight.shape[0])
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        ids = getattr(self.model.generation_config, "eos_token_id", None)
-        if ids is None and self.tokenizer is not None:
-            ids = self.tokenizer.eos_token_id
-        if ids is None:
-            return ()
-        return tuple(ids) if isinstance(ids, (list, tuple)) else (int(ids),)
 
 
 def _torch_dtype(name: str) -> torch.dtype:
@@ -142,6 +121,13 @@ def load_model(spec: ModelSpec) -> LoadedModel:
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(source, **extra)
     return LoadedModel(spec=spec, model=model, tokenizer=tokenizer)
+
+
+def as_loaded(model: Union[str, ModelSpec, LoadedModel], dtype: str = "float32") -> LoadedModel:
+    """A catalog name, Hugging Face id, path or ModelSpec, loaded; a LoadedModel as it is."""
+    if isinstance(model, LoadedModel):
+        return model
+    return load_model(model if isinstance(model, ModelSpec) else ModelSpec(model=model, dtype=dtype))
 
 
 def check_vocab_compatible(draft: LoadedModel, target: LoadedModel, cross_tokenizer: bool = False) -> None:

@@ -9,7 +9,7 @@ import copy
 
 import torch
 
-from specbench.models.loading import LoadedModel
+from specbench.models.loaded import LoadedModel
 from specbench.types import SpecbenchError
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from specbench.models.loading import LoadedModel
+from specbench.models.loaded import LoadedModel
 from specbench.models.spec import ModelSpec
 
 
@@ -39,7 +39,8 @@ def tiny_model(seed: int = 0, vocab_size: int = 96, hidden_size: int = 64, num_l
 def tiny_from_name(name: str) -> LoadedModel:
     """Build a tiny model from its name, so workers and CLIs can load one like any other model.
 
-    Example: "tiny-random:seed=1,noise=0.005,noise_from=0" is a noisy copy of "tiny-random:seed=0".
+    Example: "tiny-random:seed=1,noise=0.005,noise_from=0" is a noisy copy of "tiny-random:seed=0";
+    "tiny-random:seed=0,eos=17" stops generating after token 17.
     """
     from specbench.types import SpecbenchError
 
@@ -54,7 +55,10 @@ def tiny_from_name(name: str) -> LoadedModel:
         noise_from = None
         if "noise_from" in options:
             noise_from = tiny_model(seed=int(options["noise_from"]), **base)
-        return tiny_model(seed=int(options["seed"]), noise_from=noise_from,
-                          noise_scale=float(options.get("noise", 0.0)), **base)
+        loaded = tiny_model(seed=int(options["seed"]), noise_from=noise_from,
+                            noise_scale=float(options.get("noise", 0.0)), **base)
+        if "eos" in options:  # tiny models have no EOS of their own; tests give them one by name
+            loaded.model.generation_config.eos_token_id = int(options["eos"])
+        return loaded
     except (ValueError, KeyError) as error:
         raise SpecbenchError(f"bad tiny model name {name!r} ({error}); e.g. 'tiny-random:seed=0,vocab=96'") from None

@@ -71,12 +71,11 @@ def measured_points(records: pd.DataFrame, prices: Prices = Prices(), power: Pow
     rows = []
     for (method, k), group in records.groupby(["method", "k"], sort=False):
         emitted_per_step = group["emitted"].sum() / len(group)
-        overhead = (group["step_s"] - group["draft_s"] - group["verify_s"] - group["network_s"]).clip(lower=0)
-        step = StepCost(emitted_per_step, group["draft_s"].mean(), group["verify_s"].mean(),
-                        group["network_s"].mean(), overhead.mean(), group["bytes_up"].mean(), group["bytes_down"].mean())
-        kind = "tree" if "tree" in method else "target-only" if method == "target-only" else "chain"
-        label = OperatingPoint(kind, int(k), where, rtt_ms).label
-        if method.endswith("+planner"):  # K varies per step; no fixed-K prediction to overlay
+        step = StepCost(emitted_per_step, group["draft_s"].mean(), group["verify_s"].mean(), group["network_s"].mean(),
+                        group["overhead_s"].mean(), group["bytes_up"].mean(), group["bytes_down"].mean())
+        kind = group["kind"].iloc[0]
+        label = OperatingPoint("target-only" if kind == "none" else kind, int(k), where, rtt_ms).label
+        if group["planned"].any():  # K varies per step; no fixed-K prediction to overlay
             label = f"{method} K<={int(k)} ({label.rsplit('(', 1)[1]}"
         rows.append({"label": label, "method": method, "k": int(k),
                      "where": where, "rtt_ms": rtt_ms, **priced(step, prices, power),
@@ -115,3 +114,22 @@ def break_even_frame(target: LatencyProfile, draft: LatencyProfile, reference: O
                 row["pays_off"] = row["measured_accepted"] > needed
             rows.append(row)
     return pd.DataFrame(rows)
+
+
+def pair_predictions(profiles: Sequence[LatencyProfile], references: Sequence[AcceptanceReference],
+                     rtts_ms: Sequence[float] = (), target: Optional[str] = None, prices: Prices = Prices(),
+                     power: Power = Power(), context: int = 256, cost: str = "total_cost") -> list[dict]:
+    """One predicted frame per cached pair (the `pareto` command's and the demo report's sections):
+    local, plus remote at each RTT; `title` names pair, device, dtype and dataset."""
+    sections = []
+    for target_profile, draft, reference in matching_pairs(profiles, references, target=target):
+        points = operating_points(reference, rtts_ms=rtts_ms, remote=bool(rtts_ms))
+        sections.append({"title": f"{reference.draft} -> {reference.target} on {target_profile.device} "
+                                  f"({target_profile.dtype}, {reference.dataset})",
+                         "target": target_profile,
+                         "predicted": prediction_frame(target_profile, draft, reference, points, prices, power,
+                                                       context=context, cost=cost)})
+    if not sections:
+        raise SpecbenchError("no reference with matching target and draft profiles on one device; "
+                             "run `specbench profile` and `specbench reference` first")
+    return sections

@@ -9,11 +9,11 @@ from pathlib import Path
 from typing import Optional
 
 from specbench.cache.store import find_records, write_record
+from specbench.data_paths import data_folder
 from specbench.plan.predict import AcceptanceReference, LatencyProfile
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
-PROFILES = PROJECT_ROOT / "profiles"
-REFERENCES = PROJECT_ROOT / "reference"
+PROFILES = data_folder("profiles")
+REFERENCES = data_folder("reference")
 
 
 def library_versions() -> dict:

@@ -14,7 +14,7 @@ def token_sources(records: pd.DataFrame, method: str, prompt_index: int = 0) -> 
     steps = records[(records["method"] == method) & (records["prompt_index"] == prompt_index)].sort_values("step")
     out = []
     for _, step in steps.iterrows():
-        for position, token in enumerate(step["accepted_tokens"]):
+        for position, token in enumerate(step["emitted_tokens"]):
             out.append((int(token), "draft" if position < step["accepted"] else "target"))
     return out
 

@@ -13,7 +13,7 @@ import re
 import secrets
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -23,7 +23,7 @@ import zmq
 from specbench.decode.loop import Generation
 from specbench.decode.target import check_token_ids
 from specbench.models.spec import ModelSpec
-from specbench.types import DraftTree, SamplingParams, SpecbenchError, StepRecord, Verdict
+from specbench.types import DraftTree, SamplingParams, SpecbenchError, StepRecord, Timing, Verdict
 from specbench.worker import protocol
 from specbench.worker.protocol import PROTOCOL_VERSION
 
@@ -83,7 +83,7 @@ class RemoteTarget:
 
     def __init__(self, endpoint: str, model: Optional[ModelSpec | str] = None, timeout_s: float = 60.0,
                  retries: int = 3, network: Optional[NetworkEmulation] = None,
-                 curve_keys: Optional[str] = None):
+                 curve_keys: Optional[str] = None, tokenizer=None):
         if retries < 0 or timeout_s <= 0:
             raise SpecbenchError(f"need timeout_s > 0 and retries >= 0, got {timeout_s} and {retries}")
         self.endpoint, self.timeout_s, self.retries = endpoint, timeout_s, retries
@@ -106,6 +106,7 @@ class RemoteTarget:
         self.vocab_size = int(self.info["vocab_size"])
         self.eos_token_ids = tuple(self.info.get("eos_token_ids", ()))
         self.model_identity = self.info["identity"]
+        self.tokenizer = tokenizer  # tokens travel, text does not: text prompts need the target's tokenizer here
 
     # -- Target interface ------------------------------------------------------------------------
     def prefill(self, session: str, token_ids: Sequence[int]) -> int:
@@ -145,23 +146,14 @@ class RemoteTarget:
             header["draft"] = protocol.spec_to_wire(draft)
         reply, arrays, timing = self._request(header, {"tokens": np.asarray(list(prompt_ids), dtype=np.int32)},
                                               with_timing=True)
-        steps = reply["steps"]
-        output = arrays["output"].tolist()
+        steps = max(len(reply["records"]), 1)
         # The one round trip is shared out over the steps, so per-step records still add up.
-        share = timing["network_s"] / max(len(steps), 1)
-        records = [StepRecord(prompt_index=prompt_index, step=i, method=method, drafted=s["drafted"],
-                              accepted=s["accepted"], emitted=s["emitted"], draft_s=s["draft_s"],
-                              verify_s=s["verify_s"], target_forward_s=s["forward_s"], network_s=share,
-                              step_s=s["step_s"] + share, accepted_tokens=[],
-                              bytes_up=timing["bytes_up"] if i == 0 else 0,
-                              bytes_down=timing["bytes_down"] if i == 0 else 0,
-                              emulated_network_s=timing["emulated_s"] / max(len(steps), 1))
-                   for i, s in enumerate(steps)]
-        position = 0
-        for record in records:
-            record.accepted_tokens = output[position:position + record.emitted]
-            position += record.emitted
-        return Generation(prompt_index, list(prompt_ids), output, float(reply["prefill_s"]), records)
+        share, emulated = timing["network_s"] / steps, timing["emulated_network_s"] / steps
+        records = [replace(StepRecord(**fields), prompt_index=prompt_index, network_s=share,
+                           emulated_network_s=emulated, step_s=fields["step_s"] + share,
+                           bytes_up=timing["bytes_up"] if i == 0 else 0, bytes_down=timing["bytes_down"] if i == 0 else 0)
+                   for i, fields in enumerate(reply["records"])]
+        return Generation(prompt_index, list(prompt_ids), arrays["output"].tolist(), float(reply["prefill_s"]), records)
 
     def profile(self, tokens=(1, 2, 4, 8, 16), contexts=(128, 512), repeats: int = 5) -> dict:
         return self._request({"op": "profile", "tokens": list(tokens), "contexts": list(contexts),
@@ -280,7 +272,7 @@ class RemoteTarget:
             round_trip = time.perf_counter() - flight.started
             timing = {"network_s": max(0.0, round_trip - float(reply.get("worker_s", 0.0))),
                       "bytes_up": flight.bytes_up, "bytes_down": sum(len(f) for f in flight.frames),
-                      "emulated_s": flight.up_delay + flight.down_delay}
+                      "emulated_network_s": flight.up_delay + flight.down_delay}
             return (reply, reply_arrays, timing) if with_timing else (reply, reply_arrays)
         raise last_error
 
@@ -329,6 +321,7 @@ class PendingVerify:
         state = self.client._state(self.session)
         self.client._confirm(reply, len(state.tokens) + len(path) + 1)
         state.tokens += [self.tree.tokens[i] for i in path] + [bonus]
-        return Verdict(path, bonus, float(reply["forward_s"]), float(reply["verify_s"]),
-                       network_s=timing["network_s"], bytes_up=timing["bytes_up"],
-                       bytes_down=timing["bytes_down"], emulated_s=timing["emulated_s"])
+        return Verdict(path, bonus, Timing(
+            target_forward_s=float(reply["target_forward_s"]), verify_s=float(reply["verify_s"]),
+            network_s=timing["network_s"], emulated_network_s=timing["emulated_network_s"], bytes_up=timing["bytes_up"],
+            bytes_down=timing["bytes_down"]))

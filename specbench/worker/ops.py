@@ -6,6 +6,7 @@ errors are raised as SpecbenchError subclasses that `server.py` turns into coded
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 from typing import Callable, Optional
 
 import numpy as np
@@ -13,6 +14,7 @@ import torch
 
 from specbench.decode.target import LocalTarget
 from specbench.hardware import device_name
+from specbench.methods import METHODS
 from specbench.models.spec import ModelSpec
 from specbench.types import SpecbenchError
 from specbench.worker import protocol
@@ -156,12 +158,13 @@ class Ops:
     def generate(self, header, arrays, **_):
         """Server-only baselines: the worker drafts and verifies itself, and returns finished tokens."""
         from specbench.decode.drafters import ModelDrafter
-        from specbench.decode.loop import generate
+        from specbench.decode.loop import Decoding, generate
         from specbench.models.loading import load_model
 
         method = get(header, "method", str)
-        if method not in ("server-only", "server-only-ar"):
-            raise ProtocolError(f"generate supports methods server-only and server-only-ar, not {method!r}")
+        if method not in METHODS or not METHODS[method].on_worker:
+            on_worker = [name for name, m in METHODS.items() if m.on_worker]
+            raise ProtocolError(f"generate runs the worker methods {on_worker}, not {method!r}")
         limits = self.limits
         max_new_tokens = protocol.integer(header, "max_new_tokens", 1)
         check(max_new_tokens, limits.max_new_tokens, "max_new_tokens of a generate", "--max-new-tokens")
@@ -175,7 +178,7 @@ class Ops:
         target = self.ensure_loaded()
         self._check_kv(incoming=len(prompt) + max_new_tokens + k)
         drafter = None
-        if method == "server-only":
+        if METHODS[method].kind != "none":  # the worker drafts too
             if draft_spec is None:
                 raise SpecbenchError("server-only needs a draft model: start the worker with --draft or send one")
             self.policy.check(draft_spec)
@@ -183,13 +186,10 @@ class Ops:
                 self.log(f"loading draft {draft_spec.label}")
                 self.draft = ModelDrafter(load_model(draft_spec), target.vocab_size, name="server-draft")
             drafter = self.draft
-        result = generate(target, drafter, prompt.tolist(), k=k, max_new_tokens=max_new_tokens, sampling=sampling,
-                          generator=torch.Generator().manual_seed(seed), eos_token_ids=target.loaded.eos_token_ids,
-                          method=method, session=f"generate/{self.stats.requests}")
-        steps = [{"drafted": r.drafted, "accepted": r.accepted, "emitted": r.emitted, "draft_s": r.draft_s,
-                  "verify_s": r.verify_s, "forward_s": r.target_forward_s, "step_s": r.step_s}
-                 for r in result.records]
-        return {"steps": steps, "prefill_s": result.prefill_s}, {"output": np.asarray(result.output_ids, dtype=np.int32)}
+        decoding = Decoding(k, max_new_tokens, sampling, method=method, kind=METHODS[method].kind)
+        result = generate(target, drafter, prompt.tolist(), decoding, seed=seed, session=f"generate/{self.stats.requests}")
+        return ({"records": [asdict(record) for record in result.records], "prefill_s": result.prefill_s},
+                {"output": np.asarray(result.output_ids, dtype=np.int32)})
 
     # -- session ops -----------------------------------------------------------------------------
     def prefill(self, header, arrays, *, connection, curve_key):
@@ -239,7 +239,8 @@ class Ops:
         self._check_kv(incoming=len(tree) + 1)
         verdict = target.verify(session.key, tree, sampling, seed)
         session.committed += len(verdict.accepted_path) + 1
-        reply = {"bonus": verdict.bonus_token, "forward_s": verdict.target_forward_s, "verify_s": verdict.verify_s,
+        reply = {"bonus": verdict.bonus_token, "target_forward_s": verdict.timing.target_forward_s,
+                 "verify_s": verdict.timing.verify_s,
                  "epoch": epoch, "committed": session.committed, "model": session.model}
         path = {"path": np.asarray(verdict.accepted_path, dtype=np.int32)}
         session.replay = (key, reply, path)

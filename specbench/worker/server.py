@@ -39,7 +39,7 @@ class WorkerConfig:
     model: Optional[ModelSpec] = None
     draft: Optional[ModelSpec] = None
     device: str = "cpu"
-    lazy: bool = True
+    lazy: bool = False  # load the model on first use rather than at start (`--lazy`)
     allow_load: tuple[str, ...] = ()  # models clients may load besides --model / --draft
     idle_timeout_s: float = 900.0
     limits: WorkerLimits = field(default_factory=WorkerLimits)

@@ -1,0 +1,33 @@
+"""Where the shipped data folders are: `profiles/`, `reference/` and `datasets/`.
+
+Why not a path relative to this file: from a wheel the package lives in site-packages while the
+folders are installed as data files under `<prefix>/share/specbench/`. Lookup order: an environment
+variable (`SPECBENCH_PROFILES`, `SPECBENCH_REFERENCE`, `SPECBENCH_DATASETS`, or `SPECBENCH_DATA`
+for all three), the source checkout, the installed data files.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import sysconfig
+from pathlib import Path
+
+FOLDERS = ("profiles", "reference", "datasets")
+
+
+def data_folder(name: str) -> Path:
+    if name not in FOLDERS:
+        raise ValueError(f"unknown data folder {name!r}; one of {FOLDERS}")
+    configured = os.environ.get(f"SPECBENCH_{name.upper()}")
+    if configured:
+        return Path(configured).expanduser()
+    if os.environ.get("SPECBENCH_DATA"):
+        return Path(os.environ["SPECBENCH_DATA"]).expanduser() / name
+    checkout = Path(__file__).resolve().parents[1] / name
+    if (checkout.parent / "pyproject.toml").exists() and checkout.is_dir():
+        return checkout
+    for prefix in (sysconfig.get_path("data"), sys.prefix):
+        installed = Path(prefix) / "share" / "specbench" / name
+        if installed.is_dir():
+            return installed
+    return checkout  # nothing shipped: where `save_*` will create it

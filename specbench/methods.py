@@ -1,0 +1,165 @@
+"""The method table: every decoding method by name, read by `run`, the CLI, the worker and the plan layer.
+
+A method says how to build its drafter and what it is: its kind (`none`, `chain` or `tree`: how the
+predictor prices it), whether a step planner may choose its K, whether proactive drafting applies,
+and whether it runs wholly on a worker. Adding a method is one `register(Method(...))` call in
+one file; `run`, `specbench run` and the records pick it up from here. Drafter classes are imported
+only when a method is built, so the table itself loads without torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Union
+
+from specbench.models.spec import ModelSpec
+from specbench.types import SpecbenchError
+
+KINDS = ("none", "chain", "tree")
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """Tree drafting settings: `k` is the node budget; widths per depth make a fixed tree."""
+
+    widths: tuple[int, ...] = (4, 2, 2, 1)
+    max_depth: int = 6
+    beam: int = 4
+    branch: int = 4
+    lookup_candidates: int = 4
+    prune: bool = True  # dynamic trees: skip levels no node of which could be kept (same tree, fewer forwards)
+
+
+@dataclass(frozen=True)
+class DraftSource:
+    """What a method may build its drafter from: the target (and its weights when it runs in this
+    process), a draft model, and the options that shape drafters."""
+
+    target: Any  # a Target: vocab_size is what drafters need
+    target_model: Optional[Any] = None  # LoadedModel of an in-process target
+    draft: Optional[Union[str, ModelSpec, Any]] = None  # catalog name, ModelSpec or LoadedModel
+    dtype: str = "float32"
+    self_draft_layers: Optional[int] = None
+    substitute_quantization: str = "8bit"
+    tree: TreeShape = TreeShape()
+
+    def draft_model(self, method: str):
+        """The draft model, loaded, and checked to speak the target's vocabulary."""
+        from specbench.models.loading import VocabMismatchError, as_loaded, check_vocab_compatible
+
+        if self.draft is None:
+            raise SpecbenchError(f"method {method!r} needs a draft model: pass draft=...")
+        loaded = as_loaded(self.draft, self.dtype)
+        if self.target_model is not None:
+            check_vocab_compatible(loaded, self.target_model)
+        elif loaded.vocab_size < self.target.vocab_size and loaded.tokenizer is None:
+            raise VocabMismatchError(
+                f"draft has {loaded.vocab_size} output ids but the target has {self.target.vocab_size}")
+        return loaded
+
+    def own_weights(self, method: str):
+        if self.target_model is None:
+            raise SpecbenchError(f"method {method!r} drafts from the target's own weights, so it needs a "
+                                 f"target in this process (a name, ModelSpec, LoadedModel or LocalTarget)")
+        return self.target_model
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    kind: str  # none | chain | tree
+    build: Optional[Callable[[DraftSource], Any]] = None  # the drafter; None: no drafter here
+    plannable: bool = False  # a step planner may choose its K per step
+    drafts_ahead: bool = False  # proactive drafting applies: a chain from a draft model
+    on_worker: bool = False  # runs wholly on a RemoteTarget's worker (only finished tokens travel)
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise SpecbenchError(f"method {self.name!r}: kind must be one of {KINDS}, got {self.kind!r}")
+
+
+METHODS: dict[str, Method] = {}
+
+
+def register(method: Method) -> Method:
+    METHODS[method.name] = method
+    return method
+
+
+def get_method(name: str) -> Method:
+    try:
+        return METHODS[name]
+    except KeyError:
+        raise SpecbenchError(f"unknown method {name!r}; choose one of {tuple(METHODS)}") from None
+
+
+def _chain(source: DraftSource):
+    from specbench.decode.drafters import ModelDrafter
+
+    draft = source.draft_model("chain")
+    return ModelDrafter(draft, source.target.vocab_size, name=f"chain:{draft.spec.label}")
+
+
+def _tree(source: DraftSource):
+    from specbench.decode.tree_drafters import TreeDrafter
+
+    draft, shape = source.draft_model("tree"), source.tree
+    return TreeDrafter(draft, source.target.vocab_size, max_depth=shape.max_depth, beam=shape.beam,
+                       branch=shape.branch, name=f"tree:{draft.spec.label}", prune=shape.prune)
+
+
+def _fixed_tree(source: DraftSource):
+    from specbench.decode.tree_drafters import TreeDrafter
+
+    draft = source.draft_model("fixed-tree")
+    return TreeDrafter(draft, source.target.vocab_size, widths=source.tree.widths,
+                       name=f"fixed-tree:{draft.spec.label}")
+
+
+def _prompt_lookup(source: DraftSource):
+    from specbench.decode.drafters import PromptLookupDrafter
+
+    return PromptLookupDrafter()
+
+
+def _prompt_lookup_tree(source: DraftSource):
+    from specbench.decode.drafters import PromptLookupDrafter
+
+    return PromptLookupDrafter(max_candidates=source.tree.lookup_candidates, name="prompt-lookup-tree")
+
+
+def _self_draft(source: DraftSource):
+    from specbench.decode.drafters import ModelDrafter
+    from specbench.models.self_draft import truncated_view
+
+    target = source.own_weights("self-draft")
+    layers = source.self_draft_layers or max(1, target.model.config.num_hidden_layers // 4)
+    return ModelDrafter(truncated_view(target, layers), source.target.vocab_size, name=f"self-draft:{layers}")
+
+
+def _substitute(source: DraftSource):
+    from specbench.decode.drafters import ModelDrafter
+    from specbench.models.loading import load_model
+
+    spec = source.own_weights("substitute").spec.with_(quantization=source.substitute_quantization)
+    return ModelDrafter(load_model(spec), source.target.vocab_size, name=f"substitute:{spec.label}")
+
+
+for _method in (
+    Method("target-only", "none"),
+    Method("chain", "chain", _chain, plannable=True, drafts_ahead=True),
+    Method("tree", "tree", _tree),
+    Method("fixed-tree", "tree", _fixed_tree),
+    Method("prompt-lookup", "chain", _prompt_lookup, plannable=True),
+    Method("prompt-lookup-tree", "tree", _prompt_lookup_tree),
+    Method("self-draft", "chain", _self_draft, plannable=True, drafts_ahead=True),
+    Method("substitute", "chain", _substitute, plannable=True, drafts_ahead=True),
+    Method("server-only", "chain", on_worker=True),  # AutoDraft's Server-Only: the worker drafts too
+    Method("server-only-ar", "none", on_worker=True),  # AutoDraft's Server-Only-AR
+):
+    register(_method)
+
+
+def make_drafter(name: str, source: DraftSource):
+    """The drafter method `name` uses with `source`; None for methods without one."""
+    method = get_method(name)
+    return method.build(source) if method.build else None

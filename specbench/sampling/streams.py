@@ -1,0 +1,57 @@
+"""The seeded randomness of one generation, split into streams so that none depends on timing.
+
+p = target, q = draft (Leviathan et al.). Two streams, derived from one seed:
+- draft draws, keyed by the absolute position of the token being drawn: a token drafted ahead
+  (proactive drafting, while a verify is still in flight) is the very token a plain step would
+  draw there later, so how fast a reply comes back changes no output;
+- verify seeds, one per step in step order, for the target's side of the verification rule.
+
+Why reusing a position's draws is still lossless: a position is drafted again only if no verify
+examined it (verification stops at the first rejected node, and the next draft starts after the
+bonus token), so its uniforms are independent of everything observed so far.
+Example: seed 7 -> the draft token at position 12 is drawn from `draws.at(12)`, whichever step
+drafts it; the 3rd verify gets the 3rd number of the verify stream.
+"""
+from __future__ import annotations
+
+import torch
+
+_MASK = 2**64 - 1
+
+
+def mix(seed: int, salt: int) -> int:
+    """splitmix64 of (seed, salt): well-spread 63-bit seeds from neighbouring inputs."""
+    z = (seed * 0x9E3779B97F4A7C15 + salt * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return (z ^ (z >> 31)) >> 1
+
+
+class DraftDraws:
+    """The draft's randomness: `at(position)` is a fresh generator for the token at that position."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+
+    def at(self, position: int) -> torch.Generator:
+        return torch.Generator().manual_seed(mix(self.seed, position))
+
+
+def draft_draws(rng: "DraftDraws | torch.Generator") -> DraftDraws:
+    """Drafters take either; a plain generator (tests, one-off calls) gives one seed for the draws."""
+    if isinstance(rng, DraftDraws):
+        return rng
+    if isinstance(rng, torch.Generator):
+        return DraftDraws(int(torch.randint(0, 2**62, (), generator=rng)))
+    raise TypeError(f"draft randomness must be DraftDraws or torch.Generator, got {type(rng).__name__}")
+
+
+class Streams:
+    """Both streams of one generation from its seed."""
+
+    def __init__(self, seed: int):
+        self.draft = DraftDraws(mix(seed, 1))
+        self._verify = torch.Generator().manual_seed(mix(seed, 2))
+
+    def verify_seed(self) -> int:
+        return int(torch.randint(0, 2**62, (), generator=self._verify))
