@@ -180,12 +180,13 @@ def ensure_model(name: str) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    with tqdm(total=3, desc=f"convert {name}") as bar, quiet_transformers():
+    # One bar for this phase: transformers' own per-tensor bar (it cannot be turned off); its other
+    # bars and notices (weight loading, shard writing, the GGUF dtype notice) are silenced.
+    print(f"converting {name} from GGUF to a safetensors cache (once)", file=sys.stderr, flush=True)
+    with quiet_transformers():
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-        bar.update()
         model = AutoModelForCausalLM.from_pretrained(
             str(gguf_path.parent), gguf_file=gguf_path.name, dtype=getattr(torch, CONVERTED_DTYPE))
-        bar.update()
         # The GGUF loader leaves a quantizer attached although the weights are already dense.
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
@@ -199,5 +200,4 @@ def ensure_model(name: str) -> Path:
             {"name": name, "gguf_sha256": entry.sha256, "dtype": CONVERTED_DTYPE}, indent=1))
         shutil.rmtree(out_dir, ignore_errors=True)
         staging.replace(out_dir)
-        bar.update()
     return out_dir
