@@ -15,8 +15,8 @@ PROMPTS = ["Write a Python function that returns the squares of a list of number
 def test_predicted_chain_matches_a_measured_run(smollm2):
     draft = truncated_view(smollm2, 26)
     reference = record_reference(smollm2, draft, PROMPTS, dataset="ci-prompts", max_chain=6, max_new_tokens=40)
-    target_profile, _ = profile_model(smollm2, tokens=(1, 2, 3, 4, 5), contexts=(96,), repeats=5)
-    draft_profile, _ = profile_model(draft, tokens=(1, 2, 3, 4), contexts=(96,), repeats=5)
+    target_profile, _ = profile_model(smollm2, tokens=(1, 2, 3, 4, 5), contexts=(96,), repeats=15)
+    draft_profile, _ = profile_model(draft, tokens=(1, 2, 3, 4), contexts=(96,), repeats=15)
     measured = run(smollm2, PROMPTS, method="chain", draft=draft, k=3, max_new_tokens=40, progress=False)
     overhead = time_split(measured)["overhead_s"]
     [row] = predict([OperatingPoint("chain", 3)], target_profile, draft_profile, reference, context=96,
