@@ -180,7 +180,8 @@ def _worker(args) -> int:
                           draft=ModelSpec(args.draft, dtype=args.dtype, device=args.device) if args.draft else None,
                           device=args.device, lazy=args.lazy, allow_load=tuple(args.allow_load),
                           idle_timeout_s=args.idle_timeout, limits=limits, curve_keys=args.curve_keys,
-                          insecure=args.insecure)
+                          insecure=args.insecure, batching=not args.no_batching,
+                          batch_window_ms=args.batch_window_ms, max_batch=args.max_batch)
     Worker(config, log=log).serve()
     return 0
 
@@ -241,6 +242,11 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--allow-load", action="append", default=[], metavar="MODEL",
                         help="a model clients may load besides --model/--draft (repeat the flag for more)")
     worker.add_argument("--idle-timeout", type=float, default=900.0, help="seconds before an idle session expires")
+    worker.add_argument("--no-batching", action="store_true",
+                        help="one request at a time (default: verifies of different sessions share one forward)")
+    worker.add_argument("--batch-window-ms", type=float, default=1.0,
+                        help="after the first waiting request, how long to wait for more (default %(default)s)")
+    worker.add_argument("--max-batch", type=int, default=16, help="requests taken in one round (default %(default)s)")
     defaults = WorkerLimits()
     for name, (flag, what) in LIMIT_FLAGS.items():
         if name == "max_kv_bytes":

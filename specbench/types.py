@@ -132,13 +132,16 @@ class DraftTree:
 class Timing:
     """Where a verify's time went, under the names the records and DataFrames use.
 
-    `verify_s` is the target's whole verify (forward and verification rule); `network_s` is a
-    remote round trip minus the worker's own time, of which `emulated_network_s` was added by
+    `verify_s` is the target's whole verify (forward and verification rule); `queue_s` the time a
+    shared worker held the request before its batch started; `network_s` is a remote round trip
+    minus the worker's own time (queue included), of which `emulated_network_s` was added by
     NetworkEmulation (never hidden); bytes count whole messages each way.
     """
 
     target_forward_s: float = 0.0
     verify_s: float = 0.0
+    queue_s: float = 0.0
+    batch_size: int = 1  # verifies that shared the target's forward
     network_s: float = 0.0
     emulated_network_s: float = 0.0
     bytes_up: int = 0
@@ -177,10 +180,12 @@ class StepRecord:
     draft_s: float
     target_forward_s: float
     verify_s: float
+    queue_s: float  # waiting in a shared worker's queue
+    batch_size: int  # verifies that shared the target's forward (1 locally)
     network_s: float
     emulated_network_s: float
     step_s: float
-    overhead_s: float  # step_s not spent drafting, verifying or on the network: the loop's own cost
+    overhead_s: float  # step_s not spent drafting, queued, verifying or on the network: the loop's own cost
     bytes_up: int = 0
     bytes_down: int = 0
     tree_depth: int = 0

@@ -6,12 +6,13 @@ errors are raised as SpecbenchError subclasses that `server.py` turns into coded
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
 import numpy as np
 import torch
 
+from specbench.decode.batch import VerifyRequest
 from specbench.decode.target import LocalTarget
 from specbench.hardware import device_name
 from specbench.methods import METHODS
@@ -21,9 +22,17 @@ from specbench.worker import protocol
 from specbench.worker.limits import check
 from specbench.worker.model_policy import LoadPolicy, LoadRefusedError, model_identity
 from specbench.worker.protocol import PROTOCOL_VERSION, LimitError, ProtocolError, field as get
-from specbench.worker.sessions import SessionEndedError, SessionTable, check_step, request_key
+from specbench.worker.sessions import Session, SessionEndedError, SessionTable, check_step, request_key
 
 MAX_SEED = 2**63 - 1
+
+
+@dataclass
+class PreparedVerify:
+    session: Session
+    key: tuple
+    epoch: int
+    request: VerifyRequest
 
 
 class Ops:
@@ -223,28 +232,50 @@ class Ops:
         return reply, None
 
     def verify(self, header, arrays, *, connection, curve_key):
+        """One verify alone (batching off, or a batch of one)."""
+        prepared = self.prepare_verify(header, arrays, self.verify_session(header, curve_key))
+        if isinstance(prepared, tuple):
+            return prepared
+        request = prepared.request
+        return self.finish_verify(prepared, self.target.verify(request.session, request.tree, request.sampling,
+                                                                request.seed))
+
+    def verify_session(self, header, curve_key) -> Session:
+        """The caller's session a verify names; the scheduler needs it before deciding to batch."""
         owner, _ = self._owner(header, curve_key)
-        name = protocol.name_field(header, "session")
+        return self.sessions.find(owner, protocol.name_field(header, "session"))
+
+    def prepare_verify(self, header, arrays, session: Session):
+        """A stored reply (a repeated step) as (reply, arrays), or the validated request to run."""
         epoch = protocol.integer(header, "epoch", 1, MAX_SEED)
         committed = protocol.integer(header, "committed", 1, MAX_SEED)
         sampling = protocol.sampling_from_wire(get(header, "sampling", dict))
         seed = protocol.integer(header, "seed", 0, MAX_SEED)
         tree = protocol.tree_from_arrays(arrays, max_nodes=self.limits.max_tree_nodes)
-        session = self.sessions.find(owner, name)
         key = request_key("verify", epoch, committed, header, arrays)
         stored = check_step(session, key)
         if stored is not None:
             return dict(stored[0], replayed=True), stored[1]
-        target = self.ensure_loaded()
+        self.ensure_loaded()
         self._check_kv(incoming=len(tree) + 1)
-        verdict = target.verify(session.key, tree, sampling, seed)
+        return PreparedVerify(session, key, epoch, VerifyRequest(session.key, tree, sampling, seed))
+
+    def finish_verify(self, prepared: "PreparedVerify", verdict) -> tuple[dict, dict]:
+        session = prepared.session
         session.committed += len(verdict.accepted_path) + 1
         reply = {"bonus": verdict.bonus_token, "target_forward_s": verdict.timing.target_forward_s,
-                 "verify_s": verdict.timing.verify_s,
-                 "epoch": epoch, "committed": session.committed, "model": session.model}
+                 "verify_s": verdict.timing.verify_s, "epoch": prepared.epoch, "committed": session.committed,
+                 "model": session.model}
         path = {"path": np.asarray(verdict.accepted_path, dtype=np.int32)}
-        session.replay = (key, reply, path)
+        session.replay = (prepared.key, reply, path)
         return reply, path
+
+    def verify_many(self, prepared: list["PreparedVerify"]) -> list:
+        """Each prepared verify's (reply, arrays), or the error its own row raised: one forward for all."""
+        from specbench.decode.batch import verify_batch
+
+        verdicts = verify_batch(self.target, [p.request for p in prepared])
+        return [v if isinstance(v, Exception) else self.finish_verify(p, v) for p, v in zip(prepared, verdicts)]
 
     def close(self, header, arrays, *, connection, curve_key):
         owner, _ = self._owner(header, curve_key)

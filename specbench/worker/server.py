@@ -1,8 +1,9 @@
 """The remote target worker: a ZeroMQ ROUTER serving many clients, each session with its own KV cache.
 
 Every request gets exactly one reply; a bad request gets an error reply naming the problem and the
-worker keeps serving every other session. Requests are handled one at a time (the model is one
-device), so clients interleave step by step. What a client may rely on, and why, is in
+worker keeps serving every other session. Verifies waiting from different sessions run in one
+batched target forward (`decode/batch.py`); each reply says the batch size and the request's time
+in the queue. `--no-batching` handles one request at a time, for comparison. What a client may rely on, and why, is in
 `sessions.py` (ownership, exactly-once steps), `model_policy.py` (loads) and `limits.py`.
 """
 from __future__ import annotations
@@ -43,6 +44,9 @@ class WorkerConfig:
     allow_load: tuple[str, ...] = ()  # models clients may load besides --model / --draft
     idle_timeout_s: float = 900.0
     limits: WorkerLimits = field(default_factory=WorkerLimits)
+    batching: bool = True  # verifies of different sessions share one forward (`--no-batching`: one at a time)
+    batch_window_ms: float = 1.0  # after the first waiting message, how long to wait for more
+    max_batch: int = 16  # messages taken in one round
     curve_keys: Optional[str] = None
     insecure: bool = False
 
@@ -103,12 +107,8 @@ class Worker:
         try:
             while not (stop and stop()):
                 if socket.poll(200):
-                    frames = socket.recv_multipart(copy=False)
-                    identity, body = frames[0].bytes, frames[1:]
-                    key = (body[-1].get("User-Id") or "") if authenticator and body else ""
-                    envelope = [b""] if body and body[0].bytes == b"" else []
-                    reply = self.handle([f.bytes for f in body[len(envelope):]], identity, key)
-                    socket.send_multipart([identity, *envelope, *reply])
+                    for message, reply in self.handle_many(self._drain(socket, authenticator is not None)):
+                        socket.send_multipart([message.identity, *message.envelope, *reply])
                 self.ops.expire_idle()
         except KeyboardInterrupt:
             self.log("interrupted: stopping")
@@ -131,37 +131,119 @@ class Worker:
         return authenticator
 
     # -- dispatch --------------------------------------------------------------------------------
+    def _drain(self, socket, curve: bool) -> list["Message"]:
+        """Every message waiting now (continuous batching: what arrived while the last batch ran), and
+        what arrives within the batch window, up to the largest batch."""
+        config, messages = self.config, []
+        deadline = time.perf_counter() + config.batch_window_ms / 1000
+        limit = config.max_batch if config.batching else 1
+        while len(messages) < limit:
+            wait_ms = max(0, int((deadline - time.perf_counter()) * 1000)) if messages else 0
+            if messages and not socket.poll(wait_ms):
+                break
+            frames = socket.recv_multipart(copy=False)
+            identity, body = frames[0].bytes, frames[1:]
+            envelope = [b""] if body and body[0].bytes == b"" else []
+            key = (body[-1].get("User-Id") or "") if curve and body else ""
+            messages.append(Message(identity, envelope, [f.bytes for f in body[len(envelope):]], key))
+        return messages
+
     def handle(self, frames: list[bytes], connection: bytes = b"", curve_key: str = "") -> list[bytes]:
         """One request in, one reply out; never raises."""
-        started = time.perf_counter()
-        self.stats.requests += 1
-        size = sum(len(f) for f in frames)
+        return self.handle_many([Message(connection, [], frames, curve_key)])[0][1]
+
+    def handle_many(self, messages: list["Message"]) -> list[tuple["Message", list[bytes]]]:
+        """A reply for every message, in order of completion; never raises. Verifies of different
+        sessions wait in one batch (one target forward); anything else runs alone, after the batch
+        gathered so far, so every session still sees its requests in the order they came."""
+        out, batch = [], []
+        for message in messages:
+            self.stats.requests += 1
+            try:
+                header, arrays, op = self._parse(message)
+                if op == "verify" and self.config.batching:
+                    session = self.ops.verify_session(header, message.curve_key)
+                    if any(prepared.session is session for _, prepared in batch):
+                        out += self._run_batch(batch)  # a session's steps run in order
+                        batch = []
+                    prepared = self.ops.prepare_verify(header, arrays, session)
+                    if not isinstance(prepared, tuple):
+                        batch.append((message, prepared))
+                        continue
+                    result = prepared  # a repeated step: its stored reply
+                else:
+                    out += self._run_batch(batch)
+                    batch = []
+                    result = self.ops.handlers[op](header, arrays, connection=message.identity,
+                                                   curve_key=message.curve_key)
+            except Exception as error:  # every failure becomes an error reply; the worker keeps serving
+                result = error
+            out.append((message, self._reply(message, result)))
+        return out + self._run_batch(batch)
+
+    def _parse(self, message: "Message") -> tuple[dict, dict, str]:
+        size = sum(len(f) for f in message.frames)
         self.stats.bytes_in += size
-        request_id = None
+        if size > self.config.limits.max_request_bytes:
+            raise LimitError(f"message of {size} bytes exceeds the worker's limit of "
+                             f"{self.config.limits.max_request_bytes} bytes (--max-request-bytes)")
+        header, arrays = protocol.decode(message.frames)
+        request_id = header.get("id")
+        if isinstance(request_id, int) and not isinstance(request_id, bool):
+            message.request_id = request_id
+        elif request_id is not None:
+            raise ProtocolError("field 'id' must be an int")
+        op = get(header, "op", str)
+        if op not in self.ops.handlers:
+            raise ProtocolError(f"unknown op {op!r}; known ops: {sorted(self.ops.handlers)}")
+        return header, arrays, op
+
+    def _run_batch(self, batch: list) -> list[tuple["Message", list[bytes]]]:
+        if not batch:
+            return []
+        started = time.perf_counter()
+        prepared = [p for _, p in batch]
         try:
-            if size > self.config.limits.max_request_bytes:
-                raise LimitError(f"message of {size} bytes exceeds the worker's limit of "
-                                 f"{self.config.limits.max_request_bytes} bytes (--max-request-bytes)")
-            header, arrays = protocol.decode(frames)
-            request_id = header.get("id")
-            if not isinstance(request_id, (int, type(None))) or isinstance(request_id, bool):
-                request_id = None
-                raise ProtocolError("field 'id' must be an int")
-            op = get(header, "op", str)
-            handler = self.ops.handlers.get(op)
-            if handler is None:
-                raise ProtocolError(f"unknown op {op!r}; known ops: {sorted(self.ops.handlers)}")
-            reply, out_arrays = handler(header, arrays, connection=connection, curve_key=curve_key)
-            reply = dict(reply, ok=True)
-        except Exception as error:  # every failure becomes an error reply; the worker keeps serving
+            results = self.ops.verify_many(prepared) if len(batch) > 1 else [self._alone(prepared[0])]
+        except Exception as error:  # the forward itself failed: every row gets the error, no session changed
+            results = [error] * len(batch)
+        out = []
+        for message, result in zip((m for m, _ in batch), results):
+            if not isinstance(result, Exception):
+                result = (dict(result[0], batch_size=len(batch), queue_s=started - message.received), result[1])
+            out.append((message, self._reply(message, result)))
+        return out
+
+    def _alone(self, prepared):
+        request = prepared.request
+        try:
+            return self.ops.finish_verify(prepared, self.ops.target.verify(request.session, request.tree,
+                                                                           request.sampling, request.seed))
+        except Exception as error:
+            return error
+
+    def _reply(self, message: "Message", result) -> list[bytes]:
+        if isinstance(result, Exception):
             self.stats.errors += 1
-            code = next((code for kind, code in ERROR_CODES if isinstance(error, kind)), "internal")
-            message = str(error) if code != "internal" else f"internal error: {type(error).__name__}: {error}"
+            code = next((code for kind, code in ERROR_CODES if isinstance(result, kind)), "internal")
+            text = str(result) if code != "internal" else f"internal error: {type(result).__name__}: {result}"
             if code == "internal":
-                self.log(f"error: {message}")
-            reply, out_arrays = {"ok": False, "code": code, "error": message}, None
-        reply["id"] = request_id
-        reply["worker_s"] = time.perf_counter() - started
-        out = protocol.encode(reply, out_arrays)
+                self.log(f"error: {text}")
+            reply, arrays = {"ok": False, "code": code, "error": text}, None
+        else:
+            reply, arrays = dict(result[0], ok=True), result[1]
+        reply["id"] = message.request_id
+        reply["worker_s"] = time.perf_counter() - message.received
+        out = protocol.encode(reply, arrays)
         self.stats.bytes_out += sum(len(f) for f in out)
         return out
+
+
+@dataclass
+class Message:
+    identity: bytes  # the connection (ROUTER routing id)
+    envelope: list
+    frames: list[bytes]
+    curve_key: str = ""
+    received: float = field(default_factory=time.perf_counter)
+    request_id: Optional[int] = None

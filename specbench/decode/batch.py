@@ -1,0 +1,143 @@
+"""Verify many sessions' draft trees in one target forward: what a shared target does for its clients.
+
+Why: on a 2-core CPU one forward of 8 sequences x 5 tokens costs ~2x one sequence's, so batching the
+verifies of 8 clients verifies ~4x more tokens per second. Each session keeps its own KV cache;
+for the forward their caches are copied, left-aligned and padded, into one batch cache:
+
+    row i: [its P_i cached positions | padding up to P = max P_i | its n_i new inputs | padding to N]
+
+The 4D mask lets row i's inputs see its own P_i positions and, among the new inputs, what its tree
+allows (the same mask a lone verify builds), never padding or another row. Positions are row i's
+own (P_i + depth), so rotary embeddings match the lone forward; only the shapes of the matmuls differ,
+which can change float rounding, never which keys a query attends to. After the forward each row's
+new keys and values are appended to its own cache, the accepted path kept, exactly as a lone verify.
+Example: sessions with 10 and 3 cached tokens verifying a 4-node chain and a 2-node tree: P = 10,
+N = 5 (tail + 4), a [2, 1, 5, 15] mask; row 1 sees columns 0..2 and 10..12.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence, Union
+
+import torch
+
+from specbench.decode.kv import cached_length, keep_positions, tree_attention_mask
+from specbench.decode.target import LocalTarget, _Sequence, check_tree
+from specbench.sampling.verify import verify
+from specbench.types import DraftTree, SamplingParams, Timing, Verdict
+
+
+@dataclass(frozen=True)
+class VerifyRequest:
+    session: str
+    tree: DraftTree
+    sampling: SamplingParams
+    seed: int
+
+
+@dataclass
+class _Row:
+    index: int
+    request: VerifyRequest
+    state: _Sequence
+    past: int  # cached positions of this session
+    inputs: list[int]  # its tail + tree tokens
+    mask: torch.Tensor  # [n, past + n] additive, as a lone verify builds it
+    positions: list[int]
+
+
+def verify_batch(target: LocalTarget, requests: Sequence[VerifyRequest]) -> list[Union[Verdict, Exception]]:
+    """One verdict (or the error that request alone caused) per request, in order. At most one
+    request per session: a session's steps are sequential by nature."""
+    if len({r.session for r in requests}) != len(requests):
+        raise ValueError("verify_batch takes at most one request per session")
+    results: list[Union[Verdict, Exception, None]] = [None] * len(requests)
+    rows = []
+    for index, request in enumerate(requests):
+        try:
+            rows.append(_prepare(target, index, request))
+        except Exception as error:  # refused before any work: the session is untouched
+            results[index] = error
+    if rows:
+        started = time.perf_counter()
+        logits = _forward(target, rows)
+        forward_s = time.perf_counter() - started
+        for position, row in enumerate(rows):
+            results[row.index] = _finish(target, row, logits[position], forward_s, started)
+    return results
+
+
+def _prepare(target: LocalTarget, index: int, request: VerifyRequest) -> _Row:
+    state = target._session(request.session)
+    tree = request.tree
+    check_tree(tree, target.vocab_size, request.sampling)
+    target._check_context(len(state.committed) + len(tree) + 1)
+    past, num_prefix = cached_length(state.cache), len(state.tail)
+    depths = tree.depths()
+    positions = list(range(past, past + num_prefix)) + [past + num_prefix - 1 + d for d in depths]
+    mask = tree_attention_mask(tree.parents, num_prefix, past, target.model.dtype, "cpu")[0, 0]
+    return _Row(index, request, state, past, state.tail + list(tree.tokens), mask, positions)
+
+
+@torch.inference_mode()
+def _forward(target: LocalTarget, rows: list[_Row]) -> torch.Tensor:
+    """Logits [rows, N, vocab] of one padded forward; each row's new K/V appended to its own cache."""
+    from transformers import DynamicCache
+
+    model, device = target.model, target.device
+    batch, longest_past, longest_input = len(rows), max(r.past for r in rows), max(len(r.inputs) for r in rows)
+    minimum = torch.finfo(model.dtype).min
+    mask = torch.full((batch, 1, longest_input, longest_past + longest_input), minimum, dtype=model.dtype)
+    input_ids = torch.zeros((batch, longest_input), dtype=torch.long)
+    position_ids = torch.zeros((batch, longest_input), dtype=torch.long)
+    for i, row in enumerate(rows):
+        n = len(row.inputs)
+        mask[i, 0, :n, : row.past] = row.mask[:, : row.past]
+        mask[i, 0, :n, longest_past: longest_past + n] = row.mask[:, row.past:]
+        mask[i, 0, n:, longest_past + n:] = 0.0  # padding queries see only padding: no NaN, no effect
+        input_ids[i, :n] = torch.tensor(row.inputs)
+        position_ids[i, :n] = torch.tensor(row.positions)
+    cache = DynamicCache(config=model.config)
+    for layer, batched in enumerate(cache.layers):
+        keys, values = zip(*(_padded(row.state.cache.layers[layer], longest_past, model) for row in rows))
+        batched.update(torch.cat(keys), torch.cat(values))
+    output = model(input_ids=input_ids.to(device), past_key_values=cache, position_ids=position_ids.to(device),
+                   attention_mask=mask.to(device), use_cache=True)
+    for i, row in enumerate(rows):
+        new = slice(longest_past, longest_past + len(row.inputs))
+        for own, batched in zip(row.state.cache.layers, cache.layers):
+            own.update(batched.keys[i:i + 1, :, new], batched.values[i:i + 1, :, new])
+    return output.logits
+
+
+def _padded(layer, length: int, model) -> tuple[torch.Tensor, torch.Tensor]:
+    """This layer's cached keys and values, [1, heads, length, head_dim], zero-padded on the right."""
+    config = model.config
+    heads = config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    device = model.get_input_embeddings().weight.device
+    keys, values = [torch.zeros((1, heads, length, head_dim), dtype=model.dtype, device=device) for _ in range(2)]
+    held = layer.keys.shape[-2] if getattr(layer, "keys", None) is not None and layer.keys.numel() else 0
+    if held:
+        keys[:, :, :held], values[:, :, :held] = layer.keys, layer.values
+    return keys, values
+
+
+def _finish(target: LocalTarget, row: _Row, logits: torch.Tensor, forward_s: float,
+            started: float) -> Union[Verdict, Exception]:
+    """Verification for one row, then its commit; a failure rolls back this session only."""
+    request, state = row.request, row.state
+    num_prefix = len(state.tail)
+    try:
+        generator = torch.Generator().manual_seed(request.seed)
+        rows_needed = logits[num_prefix - 1: len(row.inputs)].float().cpu()
+        path, bonus = verify(request.tree, rows_needed, request.sampling, generator)
+    except Exception as error:
+        keep_positions(state.cache, list(range(row.past)))
+        return error
+    keep_positions(state.cache, list(range(row.past + num_prefix)) + [row.past + num_prefix + i for i in path])
+    state.committed += [request.tree.tokens[i] for i in path] + [bonus]
+    state.tail = [bonus]
+    state.check_invariant()
+    return Verdict(tuple(path), bonus, Timing(target_forward_s=forward_s, verify_s=time.perf_counter() - started))

@@ -1,0 +1,82 @@
+"""Batched verification across sessions gives each session exactly what it gets alone."""
+import pytest
+import torch
+
+from specbench.decode.batch import VerifyRequest, verify_batch
+from specbench.decode.drafters import ModelDrafter, PromptLookupDrafter
+from specbench.decode.target import LocalTarget
+from specbench.decode.tree_drafters import TreeDrafter
+from specbench.types import DraftTree, SamplingParams
+
+from conftest import PROMPTS
+
+SAMPLINGS = [SamplingParams(), SamplingParams(temperature=1.0, rule="rejection"),
+             SamplingParams(temperature=0.8, top_k=20, rule="sample-match")]
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "rejection", "sample-match"])
+def test_batched_verdicts_equal_lone_verdicts(tiny_target, tiny_draft, sampling):
+    """Ragged contexts, chains, fixed trees, empty trees and prompt-lookup tries in one batch."""
+    batched, alone = LocalTarget(tiny_target), LocalTarget(tiny_target)
+    drafters = [ModelDrafter(tiny_draft, 96), TreeDrafter(tiny_draft, 96, widths=(3, 2, 1)),
+                PromptLookupDrafter(max_candidates=3), None, ModelDrafter(tiny_draft, 96)]
+    prompts = [PROMPTS[i % len(PROMPTS)][: 3 + 2 * i] for i in range(len(drafters))]
+    for i, prompt in enumerate(prompts):
+        batched.prefill(f"s{i}", prompt)
+        alone.prefill(f"s{i}", prompt)
+    generator = torch.Generator().manual_seed(0)
+    for step in range(12):
+        requests = []
+        for i, drafter in enumerate(drafters):
+            context = batched.committed(f"s{i}")
+            k = 2 + (step + i) % 4
+            tree = DraftTree() if drafter is None else drafter.propose(context, k, sampling, generator)
+            requests.append(VerifyRequest(f"s{i}", tree, sampling, seed=1000 * step + i))
+        verdicts = verify_batch(batched, requests)
+        for request, verdict in zip(requests, verdicts):
+            lone = alone.verify(request.session, request.tree, request.sampling, request.seed)
+            assert (verdict.accepted_path, verdict.bonus_token) == (lone.accepted_path, lone.bonus_token)
+            assert batched.committed(request.session) == alone.committed(request.session)
+
+
+def test_a_failing_row_rolls_back_only_its_own_session(tiny_target):
+    target = LocalTarget(tiny_target)
+    for name in ("good", "bad"):
+        target.prefill(name, PROMPTS[0])
+    requests = [VerifyRequest("good", DraftTree.chain([1, 2]), SamplingParams(), 0),
+                VerifyRequest("bad", DraftTree.chain([1, 5000]), SamplingParams(), 0),  # out of vocabulary
+                VerifyRequest("nobody", DraftTree.chain([1]), SamplingParams(), 0)]
+    good, bad, unknown = verify_batch(target, requests)
+    assert good.bonus_token >= 0 and isinstance(bad, Exception) and isinstance(unknown, Exception)
+    assert target.committed("bad") == PROMPTS[0]
+    fresh = LocalTarget(tiny_target)
+    fresh.prefill("bad", PROMPTS[0])
+    expected = fresh.verify("bad", DraftTree.chain([1, 2]), SamplingParams(), 0)
+    assert target.verify("bad", DraftTree.chain([1, 2]), SamplingParams(), 0).bonus_token == expected.bonus_token
+
+
+def test_a_row_failing_after_the_forward_rolls_back_alone(tiny_target, monkeypatch):
+    from specbench.decode import batch
+
+    real = batch.verify
+
+    def failing(tree, logits, sampling, generator):
+        if 77 in tree.tokens:
+            raise RuntimeError("this row fails after the forward")
+        return real(tree, logits, sampling, generator)
+
+    target, reference = LocalTarget(tiny_target), LocalTarget(tiny_target)
+    for name in ("a", "b"):
+        target.prefill(name, PROMPTS[1])
+        reference.prefill(name, PROMPTS[1])
+    monkeypatch.setattr(batch, "verify", failing)
+    ok, failed = verify_batch(target, [VerifyRequest("a", DraftTree.chain([3, 4]), SamplingParams(), 0),
+                                       VerifyRequest("b", DraftTree.chain([77, 4]), SamplingParams(), 0)])
+    assert isinstance(failed, RuntimeError) and target.committed("b") == PROMPTS[1]
+    monkeypatch.setattr(batch, "verify", real)
+    for name in ("a", "b"):  # both sessions go on exactly as sessions that never saw the failure
+        reference.verify("a", DraftTree.chain([3, 4]), SamplingParams(), 0) if name == "a" else None
+        got = target.verify(name, DraftTree.chain([5]), SamplingParams(), 1)
+        expected = reference.verify(name, DraftTree.chain([5]), SamplingParams(), 1)
+        assert (got.accepted_path, got.bonus_token) == (expected.accepted_path, expected.bonus_token)
+        assert target.committed(name) == reference.committed(name)
