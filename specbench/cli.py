@@ -244,8 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--idle-timeout", type=float, default=900.0, help="seconds before an idle session expires")
     worker.add_argument("--no-batching", action="store_true",
                         help="one request at a time (default: verifies of different sessions share one forward)")
-    worker.add_argument("--batch-window-ms", type=float, default=1.0,
-                        help="after the first waiting request, how long to wait for more (default %(default)s)")
+    worker.add_argument("--batch-window-ms", type=float, default=20.0,
+                        help="after the first waiting request, how long at most to wait for the other active "
+                             "sessions' (default %(default)s)")
     worker.add_argument("--max-batch", type=int, default=16, help="requests taken in one round (default %(default)s)")
     defaults = WorkerLimits()
     for name, (flag, what) in LIMIT_FLAGS.items():

@@ -45,7 +45,7 @@ class WorkerConfig:
     idle_timeout_s: float = 900.0
     limits: WorkerLimits = field(default_factory=WorkerLimits)
     batching: bool = True  # verifies of different sessions share one forward (`--no-batching`: one at a time)
-    batch_window_ms: float = 1.0  # after the first waiting message, how long to wait for more
+    batch_window_ms: float = 20.0  # after the first waiting message, how long at most to wait for the others
     max_batch: int = 16  # messages taken in one round
     curve_keys: Optional[str] = None
     insecure: bool = False
@@ -132,12 +132,17 @@ class Worker:
 
     # -- dispatch --------------------------------------------------------------------------------
     def _drain(self, socket, curve: bool) -> list["Message"]:
-        """Every message waiting now (continuous batching: what arrived while the last batch ran), and
-        what arrives within the batch window, up to the largest batch."""
+        """Every message waiting now (continuous batching: what arrived while the last batch ran), then
+        more until every recently active session has one in hand or the batch window closes, up to the
+        largest batch. Waiting for the active sessions matters: clients answer a batch's replies a few
+        ms apart, and without it the first one back would run alone while the rest queue behind it."""
         config, messages = self.config, []
         deadline = time.perf_counter() + config.batch_window_ms / 1000
         limit = config.max_batch if config.batching else 1
+        active = self.ops.sessions.active(within_s=2.0) if config.batching else 1
         while len(messages) < limit:
+            if len(messages) >= max(active, 1) and not socket.poll(0):
+                break
             wait_ms = max(0, int((deadline - time.perf_counter()) * 1000)) if messages else 0
             if messages and not socket.poll(wait_ms):
                 break

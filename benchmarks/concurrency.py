@@ -1,0 +1,120 @@
+"""Many clients, one worker: aggregate tokens/s and per-client latency with batching on and off, one run.
+
+1, 2, 4, 8 client processes (each its own prompt) decode at once against a `specbench worker` on
+loopback (one mt-bench prompt each), first with batched verification, then with `--no-batching`; target-only and prompt-lookup
+SD (drafting costs the clients nothing, so the worker is what is measured). Every greedy output is
+compared with the same prompt decoded alone in this process (fp32); a difference is shown with the
+target's top-2 logit gap at the first differing token (a near-tie means batched shapes changed
+the rounding). Prints a table and writes results/concurrency.json.
+
+    python benchmarks/concurrency.py [--pair smollm2|qwen] [--clients 1 2 4 8] [--max-new-tokens 24]
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from specbench.api import encode_prompts, outputs, run
+from specbench.datasets import load_prompts
+from specbench.models.loading import load_model
+from specbench.models.spec import ModelSpec
+from specbench.worker.launch import free_port, spawn_worker
+
+from common import write_report
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGETS = {"smollm2": "smollm2-135m", "qwen": "qwen2.5-coder-1.5b"}
+
+
+def client_job(job: dict) -> dict:
+    """One client process's decode, started at the shared `go` time."""
+    from specbench.worker.client import RemoteTarget
+
+    torch.set_num_threads(1)
+    remote = RemoteTarget(job["endpoint"], timeout_s=900)
+    time.sleep(max(0.0, job["go"] - time.perf_counter()))
+    started = time.perf_counter()
+    records = run(remote, [job["prompt"]], method=job["method"], k=job["k"], max_new_tokens=job["max_new_tokens"],
+                  progress=False, warmup=False)
+    return {"started": started, "ended": time.perf_counter(), "tokens": int(records["emitted"].sum()),
+            "output": outputs(records)[(job["method"], 0)], "step_s": records["step_s"].tolist(),
+            "queue_s": records["queue_s"].tolist(), "batch_size": records["batch_size"].tolist()}
+
+
+def measure(pool, endpoint: str, prompts, method: str, clients: int, args) -> dict:
+    go = time.perf_counter() + 3.0  # every client connected and waiting before any starts
+    jobs = [{"endpoint": endpoint, "prompt": prompts[i], "method": method, "k": args.k,
+             "max_new_tokens": args.max_new_tokens, "go": go} for i in range(clients)]
+    results = pool.map(client_job, jobs, chunksize=1)
+    wall = max(r["ended"] for r in results) - min(r["started"] for r in results)
+    steps = np.array([s for r in results for s in r["step_s"]]) * 1000
+    queue = np.array([q for r in results for q in r["queue_s"]]) * 1000
+    return {"clients": clients, "method": method, "aggregate_tokens_per_s": sum(r["tokens"] for r in results) / wall,
+            "step_ms_p50": float(np.percentile(steps, 50)), "step_ms_p99": float(np.percentile(steps, 99)),
+            "queue_ms_p50": float(np.percentile(queue, 50)), "queue_ms_p99": float(np.percentile(queue, 99)),
+            "mean_batch": float(np.mean([b for r in results for b in r["batch_size"]])),
+            "outputs": [r["output"] for r in results]}
+
+
+def near_tie(loaded, prompt: list[int], got: list[int], alone: list[int]) -> dict:
+    """Where two greedy outputs part, the target's top-2 logit gap after their common prefix."""
+    position = next(i for i, (a, b) in enumerate(zip(got, alone)) if a != b)
+    with torch.inference_mode():
+        logits = loaded.model(input_ids=torch.tensor([prompt + alone[:position]])).logits[0, -1]
+    top = torch.topk(logits.float(), 2).values
+    return {"position": position, "top2_gap": float(top[0] - top[1])}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pair", choices=sorted(TARGETS), default="smollm2")
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--methods", nargs="+", default=["target-only", "prompt-lookup"])
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--dataset", default="mt-bench", help="one prompt per client from this prompt set")
+    parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--out", default=str(ROOT / "results" / "concurrency.json"))
+    args = parser.parse_args()
+    name = TARGETS[args.pair]
+    loaded = load_model(ModelSpec(name))
+    texts = [row["prompt"] for row in load_prompts(args.dataset, limit=max(args.clients))]
+    prompts = encode_prompts(texts, loaded.tokenizer)
+    alone = {method: outputs(run(loaded, prompts, method=method, k=args.k, max_new_tokens=args.max_new_tokens,
+                                 progress=False)) for method in args.methods}
+    rows, mismatches = [], []
+    with multiprocessing.get_context("spawn").Pool(max(args.clients)) as pool:
+        for batching in (True, False):
+            endpoint = f"tcp://127.0.0.1:{free_port()}"
+            worker = spawn_worker(endpoint, "--model", name, *([] if batching else ["--no-batching"]))
+            try:
+                for clients in args.clients:
+                    for method in args.methods:
+                        row = measure(pool, endpoint, prompts, method, clients, args)
+                        for index, output in enumerate(row.pop("outputs")):
+                            if output != alone[method][(method, index)]:
+                                mismatches.append({"batching": batching, "clients": clients, "method": method,
+                                                   "prompt": index, **near_tie(loaded, prompts[index], output,
+                                                                                alone[method][(method, index)])})
+                        rows.append({"batching": batching, **row})
+                        print(rows[-1], flush=True)
+            finally:
+                worker.terminate()
+    table = pd.DataFrame(rows)
+    off = table[~table["batching"]].set_index(["clients", "method"])["aggregate_tokens_per_s"]
+    table["vs_unbatched"] = [row.aggregate_tokens_per_s / off[(row.clients, row.method)] for row in table.itertuples()]
+    print(f"\n== {name} worker on loopback, fp32, {args.max_new_tokens} tokens per client, K={args.k} ==")
+    print(table.round(3).to_string(index=False))
+    print(f"greedy outputs differing from the same prompt alone: {len(mismatches)}", mismatches or "")
+    write_report(args.out.replace(".json", f"-{args.pair}.json"),
+                 {"target": name, "rows": table.to_dict("records"), "mismatches": mismatches,
+                  "settings": vars(args)})
+
+
+if __name__ == "__main__":
+    main()
