@@ -66,7 +66,7 @@ def _profile(args) -> int:
     from specbench.plan.library import PROFILES, save_profile
     from specbench.record import profile_model, profile_worker
 
-    grid = dict(tokens=args.tokens, contexts=args.contexts, repeats=args.repeats)
+    grid = dict(tokens=args.tokens, contexts=args.contexts, repeats=args.repeats, batches=args.batches)
     if args.worker:
         profile, extra = profile_worker(args.worker, **grid)
     else:
@@ -268,6 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 24, 32, 48, 64])
     profile.add_argument("--contexts", type=int, nargs="+", default=[128, 512])
     profile.add_argument("--repeats", type=int, default=5)
+    profile.add_argument("--batches", type=int, nargs="+", default=[1],
+                         help="batch sizes: a target shared by that many clients (default: 1)")
     profile.add_argument("--out-dir", help="default: the repository's profiles/")
     profile.set_defaults(handler=_profile)
 

@@ -18,17 +18,18 @@ DEFAULT_CONTEXTS = (128, 512)
 
 def profile_model(model: ModelLike, tokens: Sequence[int] = DEFAULT_TOKENS,
                   contexts: Sequence[int] = DEFAULT_CONTEXTS, repeats: int = 5,
-                  dtype: str = "float32") -> tuple[LatencyProfile, dict]:
-    """Forward latency of `model` on its device over the grid, plus metadata (power, device, settings)."""
+                  dtype: str = "float32", batches: Sequence[int] = (1,)) -> tuple[LatencyProfile, dict]:
+    """Forward latency of `model` on its device over the grid (per batch size, for a target shared
+    by that many clients), plus metadata (power, device, settings)."""
     loaded = as_loaded(model, dtype)
     device = str(loaded.model.get_input_embeddings().weight.device)
-    rows = forward_latency_grid(loaded.model, tokens, contexts, repeats)
+    rows = forward_latency_grid(loaded.model, tokens, contexts, repeats, batches=batches)
     profile = LatencyProfile(model=loaded.spec.label, device=device_name(device), dtype=str(loaded.model.dtype)[6:],
                              quantization=loaded.spec.quantization,
-                             rows=tuple((r["tokens"], r["context"], r["median_s"]) for r in rows))
+                             rows=tuple((r["tokens"], r["context"], r["median_s"], r["batch"]) for r in rows))
     power = measure_power(device)
     return profile, {"power_watts": power["watts"], "power_source": power["source"], "repeats": repeats,
-                     "threads": torch.get_num_threads()}
+                     "threads": torch.get_num_threads(), "batches": list(batches)}
 
 
 def record_reference(target: ModelLike, draft: ModelLike, prompts, dataset: str, max_chain: int = 8,
@@ -60,14 +61,15 @@ def record_reference(target: ModelLike, draft: ModelLike, prompts, dataset: str,
 
 
 def profile_worker(endpoint: str, tokens: Sequence[int] = DEFAULT_TOKENS, contexts: Sequence[int] = DEFAULT_CONTEXTS,
-                   repeats: int = 5, **client_options) -> tuple[LatencyProfile, dict]:
+                   repeats: int = 5, batches: Sequence[int] = (1,), **client_options) -> tuple[LatencyProfile, dict]:
     """The same grid measured by a worker on its own hardware (the `profile` op), for its loaded target."""
     from specbench.worker.client import RemoteTarget
 
     client_options.setdefault("timeout_s", 600.0)
     remote = RemoteTarget(endpoint, **client_options)
-    reply = remote.profile(tokens=tokens, contexts=contexts, repeats=repeats)
+    reply = remote.profile(tokens=tokens, contexts=contexts, repeats=repeats, batches=batches)
     profile = LatencyProfile(model=reply["model"], device=reply.get("device_name") or reply["device"],
                              dtype=reply.get("dtype") or "float32", quantization=reply.get("quantization") or "none",
-                             rows=tuple((r["tokens"], r["context"], r["median_s"]) for r in reply["rows"]))
-    return profile, {"repeats": repeats, "worker": endpoint, "power_source": "configured", "power_watts": None}
+                             rows=tuple((r["tokens"], r["context"], r["median_s"], r.get("batch", 1))
+                                        for r in reply["rows"]))
+    return profile, {"repeats": repeats, "worker": endpoint, "batches": list(batches), "power_source": "configured", "power_watts": None}

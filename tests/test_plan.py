@@ -110,3 +110,32 @@ def test_break_even_frame_marks_where_sd_pays_off():
     frame = break_even_frame(target, DRAFT, AcceptanceReference("d", "t", "x", max_chain=4, chain_accepts=(1, 1)),
                              ks=(4,))
     assert not frame["pays_off"].iloc[0]
+
+
+SHARED = LatencyProfile("t", "cpu", rows=((1, 256, 0.10, 1), (5, 256, 0.15, 1), (1, 256, 0.20, 4), (5, 256, 0.30, 4)))
+
+
+def test_forward_time_over_batch_size():
+    assert SHARED.batches == [1, 4]
+    assert SHARED.forward_s(1, 256, batch=5) == pytest.approx(0.2 + 0.1 / 3)  # the docstring's example: last slope
+    assert SHARED.forward_s(5, 256, batch=2) == pytest.approx(0.15 + 0.15 / 3)
+    assert TARGET.forward_s(4, 256, batch=3) == pytest.approx(3 * 0.16)  # batch 1 only: no batching gain assumed
+
+
+def test_clients_share_the_target_cost_and_each_waits_for_the_batch():
+    reference = AcceptanceReference("d", "t", "x", max_chain=4, chain_accepts=(4, 0, 2, 2))
+    alone, shared = (predict([OperatingPoint("chain", 4, "remote", 10.0, clients=n)], SHARED, DRAFT, reference)[0]
+                     for n in (1, 4))
+    assert shared["step_ms"] - alone["step_ms"] == pytest.approx(1000 * (0.30 - 0.15))  # the batched forward is longer
+    assert shared["aggregate_tokens_per_s"] == pytest.approx(4 * shared["tokens_per_s"])
+    per_token_target_s = {n: row["step_ms"] for n, row in ((1, alone), (4, shared))}
+    assert shared["api_cost_usd_per_mtok"] == pytest.approx(alone["api_cost_usd_per_mtok"] * 0.30 / 0.15 / 4)
+    assert "4 clients" in shared["label"] and per_token_target_s[4] > per_token_target_s[1]
+
+
+def test_profile_grid_measures_batches(tiny_target):
+    from specbench.decode.profile import forward_latency_grid
+
+    rows = forward_latency_grid(tiny_target.model, tokens=[1, 3], contexts=[8], repeats=1, warmup=0, batches=[1, 3])
+    assert [(r["batch"], r["tokens"]) for r in rows] == [(1, 1), (1, 3), (3, 1), (3, 3)]
+    assert all(r["median_s"] > 0 for r in rows)

@@ -52,7 +52,8 @@ class Network:
 
 @dataclass(frozen=True)
 class StepCost:
-    """Per-step figures the objectives are built from (one target call per step)."""
+    """Per-step figures of one client the objectives are built from (one target call per step);
+    `clients` share that call (one batched forward), so its seconds are paid once for all of them."""
 
     tokens_per_step: float
     draft_s: float
@@ -61,6 +62,7 @@ class StepCost:
     overhead_s: float
     bytes_up: float
     bytes_down: float
+    clients: int = 1
 
     @property
     def step_s(self) -> float:
@@ -72,10 +74,11 @@ class StepCost:
 
 
 def api_cost_per_mtok(step: StepCost, prices: Prices) -> float:
-    """Target-side $ per 1M generated tokens: GPU $/hour x verify seconds per token, or the API price."""
+    """Target-side $ per 1M generated tokens: GPU $/hour x verify seconds per token (amortised over the
+    clients sharing each batched forward), or the API price."""
     if prices.target_usd_per_mtok > 0:
         return prices.target_usd_per_mtok
-    return prices.target_usd_per_hour / 3600 * step.verify_s / step.tokens_per_step * 1e6
+    return prices.target_usd_per_hour / 3600 * step.verify_s / (step.tokens_per_step * step.clients) * 1e6
 
 
 def draft_energy_j_per_mtok(step: StepCost, power: Power) -> float:
@@ -83,7 +86,7 @@ def draft_energy_j_per_mtok(step: StepCost, power: Power) -> float:
 
 
 def target_energy_j_per_mtok(step: StepCost, power: Power) -> float:
-    return power.target_watts * step.verify_s / step.tokens_per_step * 1e6
+    return power.target_watts * step.verify_s / (step.tokens_per_step * step.clients) * 1e6
 
 
 def total_cost_per_mtok(step: StepCost, prices: Prices, power: Power) -> float:

@@ -20,9 +20,10 @@ OBJECTIVE_COLUMNS = {"api_cost": "api_cost_usd_per_mtok", "total_cost": "total_c
 
 def operating_points(reference: Optional[AcceptanceReference], chain_ks: Sequence[int] = (1, 2, 3, 4, 5, 6, 8),
                      rtts_ms: Sequence[float] = (0.0,), remote: bool = False, local: bool = True,
-                     rule: str = "greedy") -> list[OperatingPoint]:
+                     rule: str = "greedy", clients: Sequence[int] = (1,)) -> list[OperatingPoint]:
     """Target-only plus every chain K the reference covers and every tree budget it measured,
-    at each place (local; remote at each RTT)."""
+    at each place (local; remote at each RTT); with several client counts, each remote point again
+    per count (clients share a remote worker, never a local target)."""
     places = ([("local", 0.0)] if local else []) + ([("remote", float(r)) for r in rtts_ms] if remote else [])
     if not places:
         raise SpecbenchError("choose local, remote or both")
@@ -30,7 +31,8 @@ def operating_points(reference: Optional[AcceptanceReference], chain_ks: Sequenc
     if reference is not None:
         sizes += [("chain", k) for k in chain_ks if 1 <= k <= reference.max_chain]
         sizes += [("tree", int(b)) for b in sorted(int(b) for b in reference.tree_accepts)]
-    return [OperatingPoint(method, k, where, rtt, rule) for where, rtt in places for method, k in sizes]
+    return [OperatingPoint(method, k, where, rtt, rule, n) for where, rtt in places for method, k in sizes
+            for n in (clients if where == "remote" else (1,))]
 
 
 def prediction_frame(target: LatencyProfile, draft: Optional[LatencyProfile],

@@ -22,28 +22,51 @@ REQUEST_HEADER_BYTES = 150  # verify request header: op, session, seed, sampling
 
 @dataclass(frozen=True)
 class LatencyProfile:
-    """Median forward seconds of one model on one device over a (tokens, context) grid."""
+    """Median forward seconds of one model on one device over a (tokens, context, batch) grid.
+
+    A row is (tokens, context, median_s) or (tokens, context, median_s, batch): one forward of
+    `batch` sequences, each adding `tokens` to its own `context`-long cache (a shared worker
+    verifying `batch` clients' drafts at once). Rows without a batch are batch 1.
+    """
 
     model: str
     device: str
     dtype: str = "float32"
     quantization: str = "none"
-    rows: tuple[tuple[int, int, float], ...] = ()  # (tokens, context, median_s)
+    rows: tuple[tuple, ...] = ()  # (tokens, context, median_s[, batch])
 
-    def forward_s(self, tokens: int, context: int) -> float:
+    @property
+    def batches(self) -> list[int]:
+        return sorted({row[3] if len(row) > 3 else 1 for row in self.rows})
+
+    def forward_s(self, tokens: int, context: int, batch: int = 1) -> float:
         """Linear in tokens between measured points (beyond the grid: the last slope), nearest measured
-        context at or above `context` (the largest if none)."""
+        context at or above `context` (the largest if none), linear in batch between measured batch
+        sizes (beyond: the last slope). A profile of batch 1 only predicts no gain from batching:
+        `batch` forwards one after another. Example: 0.10 s at batch 1 and 0.20 s at batch 4 give
+        0.233 s at batch 5 (the last slope, 0.033 s per sequence)."""
         if not self.rows:
             raise SpecbenchError(f"latency profile of {self.model} on {self.device} has no rows")
-        contexts = sorted({c for _, c, _ in self.rows})
+        measured = self.batches
+        if measured == [1]:
+            return batch * self._at(tokens, context, 1)
+        return _linear(measured, [self._at(tokens, context, b) for b in measured], batch)
+
+    def _at(self, tokens: int, context: int, batch: int) -> float:
+        rows = [row for row in self.rows if (row[3] if len(row) > 3 else 1) == batch]
+        contexts = sorted({row[1] for row in rows})
         chosen = contexts[min(bisect.bisect_left(contexts, context), len(contexts) - 1)]
-        points = sorted((t, s) for t, c, s in self.rows if c == chosen)
-        if len(points) == 1:
-            return points[0][1]
-        xs = [t for t, _ in points]
-        index = min(max(bisect.bisect_left(xs, tokens), 1), len(points) - 1)
-        (x0, y0), (x1, y1) = points[index - 1], points[index]
-        return max(0.0, y0 + (y1 - y0) * (tokens - x0) / (x1 - x0))
+        points = sorted((row[0], row[2]) for row in rows if row[1] == chosen)
+        return _linear([t for t, _ in points], [s for _, s in points], tokens)
+
+
+def _linear(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Piecewise-linear through (xs, ys), ascending xs; the end slopes beyond them; never below 0."""
+    if len(xs) == 1:
+        return ys[0]
+    index = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[index - 1], xs[index], ys[index - 1], ys[index]
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
 
 
 @dataclass(frozen=True)
@@ -92,12 +115,14 @@ class OperatingPoint:
     where: str = "local"  # local | remote
     rtt_ms: float = 0.0
     rule: str = "greedy"
+    clients: int = 1  # clients sharing the target, their verifies batched into one forward
 
     @property
     def label(self) -> str:
         size = "" if self.method == "target-only" else f" {'K' if self.method == 'chain' else 'budget'}={self.k}"
         place = "local" if self.where == "local" else f"remote {self.rtt_ms:g}ms"
-        return f"{self.method}{size} ({place})"
+        shared = f", {self.clients} clients" if self.clients > 1 else ""
+        return f"{self.method}{size} ({place}{shared})"
 
 
 def bytes_per_step(point: OperatingPoint, draft_top_k: int = 32) -> tuple[float, float]:
@@ -134,10 +159,11 @@ def step_cost(point: OperatingPoint, target: LatencyProfile, draft: Optional[Lat
         draft_s = draft.forward_s(1, context) + (tree_depth - 1) * draft.forward_s(tree_width, context)
     else:
         draft_s = 0.0
-    verify_s = target.forward_s(1 + (point.k if point.method != "target-only" else 0), context)
+    # every client's verify in one batched forward: each waits for the whole batch
+    verify_s = target.forward_s(1 + (point.k if point.method != "target-only" else 0), context, point.clients)
     up, down = bytes_per_step(point)
     network_s = Network(point.rtt_ms, bandwidth_mbps).transfer_s(up, down) if point.where == "remote" else 0.0
-    return StepCost(1.0 + accepted, draft_s, verify_s, network_s, overhead_s, up, down)
+    return StepCost(1.0 + accepted, draft_s, verify_s, network_s, overhead_s, up, down, point.clients)
 
 
 def predict(points: Sequence[OperatingPoint], target: LatencyProfile, draft: Optional[LatencyProfile],
@@ -148,13 +174,14 @@ def predict(points: Sequence[OperatingPoint], target: LatencyProfile, draft: Opt
     for point in points:
         step = predict_step(point, target, draft, reference, context, overhead_s, bandwidth_mbps)
         rows.append({"label": point.label, "method": point.method, "k": point.k, "where": point.where,
-                     "rtt_ms": point.rtt_ms, **priced(step, prices, power)})
+                     "rtt_ms": point.rtt_ms, "clients": point.clients, **priced(step, prices, power)})
     return rows
 
 
 def priced(step: StepCost, prices: Prices, power: Power) -> dict:
     """Speed, $, J and bytes of one step per the cost model: the columns predictions and measurements share."""
     return {"tokens_per_step": step.tokens_per_step, "tokens_per_s": step.tokens_per_s, "step_ms": 1000 * step.step_s,
+            "aggregate_tokens_per_s": step.clients * step.tokens_per_s,
             "api_cost_usd_per_mtok": api_cost_per_mtok(step, prices),
             "total_cost_usd_per_mtok": total_cost_per_mtok(step, prices, power),
             "draft_energy_j_per_mtok": draft_energy_j_per_mtok(step, power),

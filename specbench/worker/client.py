@@ -155,9 +155,9 @@ class RemoteTarget:
                    for i, fields in enumerate(reply["records"])]
         return Generation(prompt_index, list(prompt_ids), arrays["output"].tolist(), float(reply["prefill_s"]), records)
 
-    def profile(self, tokens=(1, 2, 4, 8, 16), contexts=(128, 512), repeats: int = 5) -> dict:
+    def profile(self, tokens=(1, 2, 4, 8, 16), contexts=(128, 512), repeats: int = 5, batches=(1,)) -> dict:
         return self._request({"op": "profile", "tokens": list(tokens), "contexts": list(contexts),
-                              "repeats": repeats})[0]
+                              "repeats": repeats, "batches": list(batches)})[0]
 
     def stats(self) -> dict:
         return self._request({"op": "stats"})[0]

@@ -151,9 +151,11 @@ class Ops:
         tokens = protocol.int_list(header, "tokens", 1, [1, 2, 4, 8, 16])
         contexts = protocol.int_list(header, "contexts", 1, [128, 512])
         repeats = protocol.integer(header, "repeats", 1, None, 5)
+        batches = protocol.int_list(header, "batches", 1, [1])
         limits = self.limits
-        check(len(tokens) * len(contexts), limits.max_profile_points, "profile grid points",
+        check(len(tokens) * len(contexts) * len(batches), limits.max_profile_points, "profile grid points",
               "--max-profile-points")
+        check(max(batches, default=1), limits.max_sessions, "profile batch size", "--max-sessions")
         check(repeats, limits.max_profile_repeats, "profile repeats", "--max-profile-repeats")
         check(max(tokens, default=0), limits.max_tree_nodes, "profile tokens per forward", "--max-tree-nodes")
         check(max(contexts, default=0), limits.max_prompt_tokens, "profile context", "--max-prompt-tokens")
@@ -161,7 +163,7 @@ class Ops:
         if target.max_context:
             check(max(tokens, default=0) + max(contexts, default=0), target.max_context,
                   "profile context + tokens", "the model's context length")
-        rows = forward_latency_grid(target.model, tokens, contexts, repeats)
+        rows = forward_latency_grid(target.model, tokens, contexts, repeats, batches=batches)
         return {"rows": rows, **self.describe()}, None
 
     def generate(self, header, arrays, **_):
