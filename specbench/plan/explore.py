@@ -135,3 +135,22 @@ def pair_predictions(profiles: Sequence[LatencyProfile], references: Sequence[Ac
         raise SpecbenchError("no reference with matching target and draft profiles on one device; "
                              "run `specbench profile` and `specbench reference` first")
     return sections
+
+
+def concurrency_frame(target: LatencyProfile, draft: LatencyProfile, reference: AcceptanceReference,
+                      clients: Sequence[int] = (1, 2, 4, 8), chain_ks: Sequence[int] = (2, 4),
+                      rtt_ms: float = 0.0, context: int = 256, overhead_s: float = 0.0) -> pd.DataFrame:
+    """SD's speedup over target-only per number of clients sharing a remote target, for chains and the
+    reference's tree budgets: where batching many clients' verifies makes drafting stop paying."""
+    rows = []
+    for n in clients:
+        points = [p for p in operating_points(reference, chain_ks, rtts_ms=(rtt_ms,), remote=True, local=False,
+                                              clients=(n,))]
+        frame = pd.DataFrame(predict(points, target, draft, reference, context=context, overhead_s=overhead_s))
+        base = frame.loc[frame["method"] == "target-only", "tokens_per_s"].iloc[0]
+        for row in frame[frame["method"] != "target-only"].itertuples():
+            rows.append({"clients": n, "method": row.method, "k": row.k,
+                         "series": f"{row.method} {'K' if row.method == 'chain' else 'budget'}={row.k}",
+                         "tokens_per_s": row.tokens_per_s, "aggregate_tokens_per_s": row.aggregate_tokens_per_s,
+                         "target_only_tokens_per_s": base, "speedup": row.tokens_per_s / base})
+    return pd.DataFrame(rows)

@@ -83,3 +83,22 @@ def time_breakdown_figure(records: pd.DataFrame, by: str = "method") -> go.Figur
 def _cost_title(column: str) -> str:
     unit = "J" if column.endswith("_j_per_mtok") else "$"
     return f"{column.split('_usd')[0].split('_j_')[0].replace('_', ' ')} ({unit} per 1M tokens, lower is better)"
+
+
+def concurrency_figure(predicted: pd.DataFrame, measured: Optional[pd.DataFrame] = None,
+                       title: str = "SD speedup over target-only vs clients sharing the target") -> go.Figure:
+    """One line per chain K / tree budget (from `plan.explore.concurrency_frame`); measured speedups
+    (columns clients, series, speedup) as diamonds. Below 1, drafting costs more than it saves."""
+    figure = go.Figure()
+    for series, group in predicted.groupby("series", sort=False):
+        figure.add_trace(go.Scatter(x=group["clients"], y=group["speedup"], mode="lines+markers",
+                                    name=f"predicted: {series}"))
+    if measured is not None and len(measured):
+        for series, group in measured.groupby("series", sort=False):
+            figure.add_trace(go.Scatter(x=group["clients"], y=group["speedup"], mode="markers",
+                                        name=f"measured: {series}",
+                                        marker=dict(size=12, symbol="diamond-open", line=dict(width=2))))
+    figure.add_hline(y=1.0, line=dict(color="grey", dash="dash"))
+    figure.update_layout(title=title, xaxis_title="concurrent clients", yaxis_title="speedup (tokens/s per client)",
+                         template="plotly_white", legend=dict(orientation="h", y=-0.2))
+    return figure
