@@ -105,3 +105,23 @@ def test_planned_runs_stay_lossless_and_vary_k(tiny_target, tiny_draft):
 def test_shipped_caches_give_a_planner():
     planner = planner_from_caches("smollm2-135m", "smollm2-135m[:26]", dataset="bench")
     assert 0 <= planner.choose(200) <= planner.max_k
+
+
+def test_planner_drafts_less_when_the_worker_is_loaded():
+    """SmartSpec's point: under load (large batches) each verified token costs a batched forward."""
+    from specbench.plan.predict import AcceptanceReference, LatencyProfile
+
+    # verify cost per extra token grows 8x faster at batch 8 than at batch 1 (compute-bound when shared)
+    target = LatencyProfile("t", "cpu", rows=((1, 256, 0.100, 1), (9, 256, 0.116, 1),
+                                              (1, 256, 0.200, 8), (9, 256, 0.600, 8)))
+    draft = LatencyProfile("d", "cpu", rows=((1, 256, 0.004), (2, 256, 0.005)))
+    reference = AcceptanceReference("d", "t", "x", max_chain=8, chain_accepts=(8, 6, 8, 5, 7, 8, 4, 8))
+    chosen = {}
+    for batch_size in (1, 8):  # the same verdicts, only the worker's load differs
+        planner = StepPlanner(target, draft, reference, max_k=8, where="remote", rtt_ms=10.0)
+        for step in range(30):  # acceptance falling with position, as drafts usually do
+            planner.observe(drafted=8, accepted=(0, 1, 2, 3, 4, 5, 6, 8)[step % 8], network_s=0.01,
+                            batch_size=batch_size)
+        assert round(planner.clients) == batch_size
+        chosen[batch_size] = planner.choose(256)
+    assert chosen[8] < chosen[1], chosen

@@ -21,7 +21,7 @@ class Decoding:
     """How one method decodes every prompt of a run.
 
     `k` is the draft size per step (chain tokens, or tree nodes); a `planner` (anything with
-    `choose(context_length) -> k` and `observe(drafted, accepted, network_s)`, e.g.
+    `choose(context_length) -> k` and `observe(drafted, accepted, network_s, batch_size)`, e.g.
     `specbench.plan.step_planner.StepPlanner`) picks it afresh per step up to `k`, 0 making that
     step a plain target step. `method` and `kind` label the records.
     """
@@ -69,7 +69,8 @@ def generate(target: Target, drafter: Optional[Drafter], prompt_ids: Sequence[in
             started = time.perf_counter()
             result = step(target, drafter, session, context, step_k, remaining - 1, decoding.sampling, streams)
             if planner is not None:
-                planner.observe(len(result.tree), len(result.verdict.accepted_path), result.verdict.timing.network_s)
+                timing = result.verdict.timing
+                planner.observe(len(result.tree), len(result.verdict.accepted_path), timing.network_s, timing.batch_size)
             emitted, finished = _cut(result.verdict.emitted(result.tree), target.eos_token_ids, remaining)
             context += emitted
             records.append(record_step(result, emitted, prompt_index=prompt_index, index=len(records),

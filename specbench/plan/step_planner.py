@@ -58,6 +58,7 @@ class StepPlanner:
     overhead_s: float = 0.0
     rtt_smoothing: float = 0.3
     explore_after: int = 8  # after this many K=0 steps in a row, draft one token to re-check acceptance
+    clients: float = 1.0  # starting estimate of the worker's batch size; remote steps update it
 
     def __post_init__(self):
         check_cs(self.cs)
@@ -93,7 +94,8 @@ class StepPlanner:
         """Every candidate K with its predicted speed, cost and J at this context (K=0 is the reference)."""
         rows = []
         for k in range(self.max_k + 1):
-            point = OperatingPoint("target-only" if k == 0 else "chain", k, self.where, self.rtt_ms)
+            point = OperatingPoint("target-only" if k == 0 else "chain", k, self.where, self.rtt_ms,
+                                   clients=max(1, round(self.clients)))
             step = step_cost(point, self.target, self.draft, self.expected_accepted(k), context, self.overhead_s)
             rows.append({"k": k, **priced(step, self.prices, self.power)})
         base = rows[0]
@@ -111,8 +113,11 @@ class StepPlanner:
         self.history.append(best)
         return best
 
-    def observe(self, drafted: int, accepted: int, network_s: Optional[float] = None) -> None:
-        """Fold one verdict in: positions 1..accepted+1 were tried (up to drafted), 1..accepted passed."""
+    def observe(self, drafted: int, accepted: int, network_s: Optional[float] = None, batch_size: int = 1) -> None:
+        """Fold one verdict in: positions 1..accepted+1 were tried (up to drafted), 1..accepted passed.
+        `batch_size` (how many verifies shared the worker's forward) tracks the worker's load: under
+        load every verified token costs a batched forward, so shorter drafts win (SmartSpec's goodput
+        argument), which the cost model sees through the profile's batch-size grid."""
         self.counts = [(a * self.forget, t * self.forget) for a, t in self.counts]
         for position in range(1, min(drafted, self.max_k) + 1):
             if position > accepted + 1:
@@ -121,6 +126,8 @@ class StepPlanner:
             self.counts[position - 1] = (a + (1.0 if position <= accepted else 0.0), t + 1.0)
         if network_s is not None and network_s > 0 and self.where == "remote":
             self.rtt_ms += self.rtt_smoothing * (1000 * network_s - self.rtt_ms)
+        if self.where == "remote":
+            self.clients += self.rtt_smoothing * (batch_size - self.clients)
 
 
 def planner_from_caches(target: str, draft: str, dataset: Optional[str] = None, device: Optional[str] = None,
