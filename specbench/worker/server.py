@@ -83,6 +83,7 @@ class Worker:
                 f"model. Pass --curve-keys DIR (see `specbench keys`), or --insecure on a trusted network")
         self.config, self.log = config, log
         self.stats = Stats()
+        self._round_s = 0.0  # how long the last round of requests took
         self.ops = Ops(config, self.stats, log)
         if config.model is not None and not config.lazy:
             self.ops.ensure_loaded()
@@ -107,8 +108,10 @@ class Worker:
         try:
             while not (stop and stop()):
                 if socket.poll(200):
+                    round_started = time.perf_counter()
                     for message, reply in self.handle_many(self._drain(socket, authenticator is not None)):
                         socket.send_multipart([message.identity, *message.envelope, *reply])
+                    self._round_s = time.perf_counter() - round_started
                 self.ops.expire_idle()
         except KeyboardInterrupt:
             self.log("interrupted: stopping")
@@ -139,7 +142,8 @@ class Worker:
         config, messages = self.config, []
         deadline = time.perf_counter() + config.batch_window_ms / 1000
         limit = config.max_batch if config.batching else 1
-        active = self.ops.sessions.active(within_s=2.0) if config.batching else 1
+        # "recently": within a few rounds (a round of a 1.5B model on a CPU takes seconds)
+        active = self.ops.sessions.active(within_s=max(2.0, 3 * self._round_s)) if config.batching else 1
         while len(messages) < limit:
             if len(messages) >= max(active, 1) and not socket.poll(0):
                 break
