@@ -77,7 +77,7 @@ def test_jupyterlab_export_of_the_pareto_notebook(browser):
     from nbconvert import HTMLExporter
 
     from specbench.plan.costs import Power, Prices
-    from specbench.plan.explore import matching_pairs, operating_points, prediction_frame
+    from specbench.plan.explore import concurrency_frame, matching_pairs, operating_points, prediction_frame
     from specbench.plan.library import load_profiles, load_references
 
     book = nbformat.read(NOTEBOOKS / "03_pareto_explorer.ipynb", as_version=4)
@@ -94,9 +94,14 @@ def test_jupyterlab_export_of_the_pareto_notebook(browser):
     target, draft, reference = matching_pairs(load_profiles(), load_references())[0]
     points = operating_points(reference, rtts_ms=parameters["RTTS_MS"], local=True, remote=True)
     expected = prediction_frame(target, draft, reference, points, Prices(), Power())
+    shared = concurrency_frame(target, draft, reference, clients=(1, 2, 4, 8, 16), rtt_ms=parameters["RTTS_MS"][0])
 
     # The widget's own output needs a live kernel; the static copy below it is what an export shows.
-    [plot] = plots_on(browser, export.as_uri(), timeout=60)
+    # Two figures: the Pareto plot, then SD speedup vs concurrent clients.
+    plot, concurrency = plots_on(browser, export.as_uri(), expected_plots=2, timeout=60)
+    lines = {t["name"]: t["points"] for t in concurrency["traces"]}
+    assert lines == {f"predicted: {s}": len(g) for s, g in shared.groupby("series", sort=False)}
+    assert concurrency["drawn_markers"] == len(shared)
     names = {t["name"]: t["points"] for t in plot["traces"]}
     assert sum(v for k, v in names.items() if k.startswith("predicted:")) == len(expected)
     assert names["Pareto front (predicted)"] == int(expected["on_front"].sum())
