@@ -181,7 +181,8 @@ def _worker(args) -> int:
                           device=args.device, lazy=args.lazy, allow_load=tuple(args.allow_load),
                           idle_timeout_s=args.idle_timeout, limits=limits, curve_keys=args.curve_keys,
                           insecure=args.insecure, batching=not args.no_batching,
-                          batch_window_ms=args.batch_window_ms, max_batch=args.max_batch)
+                          batch_window_ms=args.batch_window_ms, max_batch=args.max_batch,
+                          prefill_chunk=args.prefill_chunk)
     Worker(config, log=log).serve()
     return 0
 
@@ -248,6 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="after the first waiting request, how long at most to wait for the other active "
                              "sessions' (default %(default)s)")
     worker.add_argument("--max-batch", type=int, default=16, help="requests taken in one round (default %(default)s)")
+    worker.add_argument("--prefill-chunk", type=int, default=256,
+                        help="prompt tokens fed per slice of a long prefill, other sessions' steps running between "
+                             "slices (default %(default)s)")
     defaults = WorkerLimits()
     for name, (flag, what) in LIMIT_FLAGS.items():
         if name == "max_kv_bytes":

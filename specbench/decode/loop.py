@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Generator, Optional, Sequence
 
 from specbench.decode.drafters import Drafter
 from specbench.decode.records import record_step
@@ -58,6 +58,15 @@ def generate(target: Target, drafter: Optional[Drafter], prompt_ids: Sequence[in
     target-only decoding returns. The depth is capped at remaining - 1 (the bonus token supplies the
     last one); a tree keeps its node budget, so its siblings survive the cap.
     """
+    return run_to_end(generate_steps(target, drafter, prompt_ids, decoding, seed=seed, prompt_index=prompt_index,
+                                     session=session, step=step))
+
+
+def generate_steps(target: Target, drafter: Optional[Drafter], prompt_ids: Sequence[int], decoding: Decoding, *,
+                   seed: int = 0, prompt_index: int = 0, session: str = "default",
+                   step: Callable[..., Step] = speculative_step) -> Generator[StepRecord, None, Generation]:
+    """`generate`, pausing after each step (yielding its record): a shared worker runs a server-only
+    generation a step at a time between other clients' batches. Closing it closes the session."""
     streams, planner = Streams(seed), decoding.planner if drafter is not None else None
     started = time.perf_counter()
     target.prefill(session, prompt_ids)
@@ -76,11 +85,21 @@ def generate(target: Target, drafter: Optional[Drafter], prompt_ids: Sequence[in
             records.append(record_step(result, emitted, prompt_index=prompt_index, index=len(records),
                                        method=decoding.method, kind=decoding.kind, planned=planner is not None,
                                        step_k=step_k, step_s=time.perf_counter() - started))
+            yield records[-1]
             if finished:
                 break
     finally:
         target.close(session)
     return Generation(prompt_index, list(prompt_ids), context[len(prompt_ids):], prefill_s, records)
+
+
+def run_to_end(steps: Generator) -> Any:
+    """Drive a step generator to its end and return what it returns."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 def _cut(emitted: list[int], eos_token_ids: Sequence[int], remaining: int) -> tuple[list[int], bool]:

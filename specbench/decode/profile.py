@@ -8,18 +8,23 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
 from specbench.decode.kv import crop_to
 
 
-@torch.inference_mode()
 def forward_latency_grid(model, tokens: Sequence[int], contexts: Sequence[int], repeats: int = 5,
                          warmup: int = 2, batches: Sequence[int] = (1,)) -> list[dict]:
     """Median (and spread) seconds of one forward of `n` new tokens on a cache of `c` positions, for
     `b` sequences at once (each with its own cache rows, as a shared worker's batched verify)."""
+    return list(forward_latency_points(model, tokens, contexts, repeats, warmup, batches))
+
+
+def forward_latency_points(model, tokens: Sequence[int], contexts: Sequence[int], repeats: int = 5,
+                           warmup: int = 2, batches: Sequence[int] = (1,)) -> Iterator[dict]:
+    """The grid's rows one at a time, so a shared worker can serve other clients between points."""
     from transformers import DynamicCache
 
     if repeats < 1 or any(n < 1 for n in tokens) or any(c < 1 for c in contexts) or any(b < 1 for b in batches):
@@ -27,11 +32,11 @@ def forward_latency_grid(model, tokens: Sequence[int], contexts: Sequence[int], 
     device = model.get_input_embeddings().weight.device
     vocab = model.get_input_embeddings().weight.shape[0]
     generator = torch.Generator().manual_seed(0)
-    rows = []
     for batch, context in ((b, c) for b in batches for c in contexts):
         cache = DynamicCache(config=model.config)
         prefix = torch.randint(0, vocab, (batch, context), generator=generator).to(device)
-        model(input_ids=prefix, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        with torch.inference_mode():
+            model(input_ids=prefix, past_key_values=cache, use_cache=True, logits_to_keep=1)
         for count in tokens:
             new = torch.randint(0, vocab, (batch, count), generator=generator).to(device)
             samples = []
@@ -39,13 +44,13 @@ def forward_latency_grid(model, tokens: Sequence[int], contexts: Sequence[int], 
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 start = time.perf_counter()
-                model(input_ids=new, past_key_values=cache, use_cache=True)
+                with torch.inference_mode():
+                    model(input_ids=new, past_key_values=cache, use_cache=True)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 if attempt >= warmup:
                     samples.append(time.perf_counter() - start)
                 crop_to(cache, context)
             samples.sort()
-            rows.append({"tokens": count, "context": context, "batch": batch, "median_s": statistics.median(samples),
-                         "min_s": samples[0], "max_s": samples[-1], "repeats": repeats})
-    return rows
+            yield {"tokens": count, "context": context, "batch": batch, "median_s": statistics.median(samples),
+                   "min_s": samples[0], "max_s": samples[-1], "repeats": repeats}

@@ -109,6 +109,30 @@ class _Sequence:
                 f"tokens with a tail of {len(self.tail)}")
 
 
+class PrefillJob:
+    """A session's prefill, fed `max_tokens` at a time; the session (if it existed) keeps serving its
+    old state until the last chunk is in, and only then is replaced. Chunks through one cache give
+    the same keys and values as one forward (causal attention), up to float rounding."""
+
+    def __init__(self, target: "LocalTarget", session: str, ids: list[int]):
+        from transformers import DynamicCache
+
+        self.target, self.session, self.ids, self.fed = target, session, ids, 0
+        self.state = _Sequence(cache=DynamicCache(config=target.model.config), committed=list(ids), tail=ids[-1:])
+
+    def advance(self, max_tokens: int) -> bool:
+        """Feed up to `max_tokens` more prompt tokens; True once the session is ready."""
+        chunk = self.ids[:-1][self.fed:self.fed + max_tokens]
+        if chunk:
+            self.target._forward(self.state, chunk, position_ids=None, attention_mask=None, logits_to_keep=1)
+            self.fed += len(chunk)
+        if self.fed < len(self.ids) - 1:
+            return False
+        self.state.check_invariant()
+        self.target.sessions[self.session] = self.state
+        return True
+
+
 class LocalTarget:
     """The target model in this process; sessions are independent sequences with their own caches."""
 
@@ -127,19 +151,19 @@ class LocalTarget:
         return self.model.get_input_embeddings().weight.device
 
     def prefill(self, session: str, token_ids: Sequence[int]) -> int:
-        """Start (or restart) `session` from `token_ids`; returns the committed length."""
+        """Start (or restart) `session` from `token_ids` in one forward; returns the committed length."""
+        job = self.prefill_job(session, token_ids)
+        job.advance(len(job.ids))
+        return len(job.ids)
+
+    def prefill_job(self, session: str, token_ids: Sequence[int]) -> "PrefillJob":
+        """A prefill to run chunk by chunk (`advance`), so a shared target can verify other sessions'
+        drafts between chunks of a long prompt."""
         ids = check_token_ids(token_ids, self.vocab_size, "prompt")
         if not ids:
             raise SpecbenchError("empty prompt: at least one token is needed to condition on")
         self._check_context(len(ids))
-        from transformers import DynamicCache
-
-        state = _Sequence(cache=DynamicCache(config=self.model.config), committed=list(ids), tail=ids[-1:])
-        if len(ids) > 1:
-            self._forward(state, ids[:-1], position_ids=None, attention_mask=None, logits_to_keep=1)
-        self.sessions[session] = state
-        state.check_invariant()
-        return len(ids)
+        return PrefillJob(self, session, ids)
 
     def verify(self, session: str, tree: DraftTree, sampling: SamplingParams, seed: int) -> Verdict:
         """One forward over [tail] + tree, verification by `sampling`'s rule, then commit the path."""

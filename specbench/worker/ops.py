@@ -19,10 +19,12 @@ from specbench.methods import METHODS
 from specbench.models.spec import ModelSpec
 from specbench.types import SpecbenchError
 from specbench.worker import protocol
+from specbench.worker.jobs import Job, JobQueue
 from specbench.worker.limits import check
 from specbench.worker.model_policy import LoadPolicy, LoadRefusedError, model_identity
 from specbench.worker.protocol import PROTOCOL_VERSION, LimitError, ProtocolError, field as get
-from specbench.worker.sessions import Session, SessionEndedError, SessionTable, check_step, request_key
+from specbench.worker.sessions import (Session, SessionEndedError, SessionTable, StaleStepError, check_step,
+                                       request_key)
 
 MAX_SEED = 2**63 - 1
 
@@ -40,6 +42,7 @@ class Ops:
         self.config, self.stats, self.log, self.limits = config, stats, log, config.limits
         self.policy = LoadPolicy(config.device, config.model, config.draft, config.allow_load)
         self.sessions = SessionTable(self.limits)
+        self.jobs = JobQueue()  # prefills, generates and profiles under way, a slice per round
         self.target: Optional[LocalTarget] = None
         self.identity: Optional[str] = None
         self.draft = None
@@ -65,6 +68,8 @@ class Ops:
         identity = model_identity(loaded)
         old, live = self.identity, self.sessions.live()
         self.target, self.identity = LocalTarget(loaded), identity
+        self.jobs.cancel_all(SessionEndedError(f"the worker's model changed from {old} to {identity} ({reason}) "
+                                               f"while this request ran"))
         if live:
             self.sessions.end(live, f"the worker's model changed from {old} to {identity} ({reason})")
             self.log(f"{len(live)} sessions of {old} ended: {reason}")
@@ -93,6 +98,7 @@ class Ops:
     def expire_idle(self) -> None:
         for session in self.sessions.idle(self.config.idle_timeout_s):
             self.sessions.remove(session.owner, session.name)
+            self.jobs.cancel(session.key, SessionEndedError(f"session {session.name} expired"))
             if self.target is not None:
                 self.target.close(session.key)
             if session.ended is None:
@@ -146,7 +152,7 @@ class Ops:
         return self.describe(), None
 
     def profile(self, header, arrays, **_):
-        from specbench.decode.profile import forward_latency_grid
+        from specbench.decode.profile import forward_latency_points
 
         tokens = protocol.int_list(header, "tokens", 1, [1, 2, 4, 8, 16])
         contexts = protocol.int_list(header, "contexts", 1, [128, 512])
@@ -163,13 +169,21 @@ class Ops:
         if target.max_context:
             check(max(tokens, default=0) + max(contexts, default=0), target.max_context,
                   "profile context + tokens", "the model's context length")
-        rows = forward_latency_grid(target.model, tokens, contexts, repeats, batches=batches)
-        return {"rows": rows, **self.describe()}, None
+        points = forward_latency_points(target.model, tokens, contexts, repeats, batches=batches)
+
+        def run():
+            rows = []
+            for row in points:  # one grid point per slice
+                rows.append(row)
+                yield
+            return {"rows": rows, **self.describe()}, None
+
+        return Job(run(), what=f"profile of {len(tokens) * len(contexts) * len(batches)} points")
 
     def generate(self, header, arrays, **_):
         """Server-only baselines: the worker drafts and verifies itself, and returns finished tokens."""
         from specbench.decode.drafters import ModelDrafter
-        from specbench.decode.loop import Decoding, generate
+        from specbench.decode.loop import Decoding, generate_steps
         from specbench.models.loading import load_model
 
         method = get(header, "method", str)
@@ -198,12 +212,21 @@ class Ops:
                 self.draft = ModelDrafter(load_model(draft_spec), target.vocab_size, name="server-draft")
             drafter = self.draft
         decoding = Decoding(k, max_new_tokens, sampling, method=method, kind=METHODS[method].kind)
-        result = generate(target, drafter, prompt.tolist(), decoding, seed=seed, session=f"generate/{self.stats.requests}")
-        return ({"records": [asdict(record) for record in result.records], "prefill_s": result.prefill_s},
-                {"output": np.asarray(result.output_ids, dtype=np.int32)})
+        steps = generate_steps(target, drafter, prompt.tolist(), decoding, seed=seed,
+                               session=f"generate/{self.stats.requests}")
+
+        def run():  # one speculative step per slice; closing it closes the target session
+            result = yield from steps
+            return ({"records": [asdict(record) for record in result.records], "prefill_s": result.prefill_s},
+                    {"output": np.asarray(result.output_ids, dtype=np.int32)})
+
+        return Job(run(), what=f"generate {method} of {max_new_tokens} tokens")
 
     # -- session ops -----------------------------------------------------------------------------
     def prefill(self, header, arrays, *, connection, curve_key):
+        """A job feeding the prompt `--prefill-chunk` tokens per slice (a short one finishes in its first
+        slice); the session keeps its old state until the last chunk is in. A resend of the same prefill
+        joins the job under way; a newer prefill of the session supersedes it."""
         owner, principal = self._owner(header, curve_key)
         name = protocol.name_field(header, "session")
         epoch = protocol.integer(header, "epoch", 1, MAX_SEED)
@@ -215,23 +238,37 @@ class Ops:
         if existing is not None:
             if existing.ended is not None:
                 raise SessionEndedError(f"session {name!r} ended: {existing.ended}")
+            running = self.jobs.for_session(existing.key)
+            if running is not None and running.key == key:
+                return running
             stored = check_step(existing, key)
             if stored is not None:
                 return dict(stored[0], replayed=True), stored[1]
+            if running is not None:
+                running.cancel(StaleStepError(f"prefill of session {name!r} superseded by a newer one "
+                                              f"(epoch {epoch})"))
+                existing = self.sessions.sessions.get((owner, name))
         self._check_kv(incoming=len(tokens), replacing=existing.committed if existing else 0)
         session = self.sessions.admit(owner, name, principal, connection, self.identity)
-        try:
-            committed = target.prefill(session.key, tokens.tolist())
-        except BaseException:
-            if existing is None:
-                self.sessions.remove(owner, name)
-            raise
-        session.epoch, session.committed = epoch, committed
-        reply = {"session": name, "epoch": epoch, "committed": committed, "model": session.model}
-        session.replay = (key, reply, None)
+        job = target.prefill_job(session.key, tokens.tolist())
+        chunk = self.config.prefill_chunk if self.config.batching else len(tokens)
         if existing is None:
             self.log(f"session {name} opened ({len(self.sessions)} open)")
-        return reply, None
+
+        def run():
+            try:
+                while not job.advance(chunk):
+                    yield
+            except BaseException:  # failed or cancelled: a session this prefill opened goes again
+                if existing is None and self.sessions.sessions.get((owner, name)) is session:
+                    self.sessions.remove(owner, name)
+                raise
+            session.epoch, session.committed = epoch, len(job.ids)
+            reply = {"session": name, "epoch": epoch, "committed": session.committed, "model": session.model}
+            session.replay = (key, reply, None)
+            return reply, None
+
+        return Job(run(), what=f"prefill of {name} ({len(tokens)} tokens)", session_key=session.key, key=key)
 
     def verify(self, header, arrays, *, connection, curve_key):
         """One verify alone (batching off, or a batch of one)."""
@@ -283,6 +320,8 @@ class Ops:
         owner, _ = self._owner(header, curve_key)
         name = protocol.name_field(header, "session")
         session = self.sessions.remove(owner, name)
+        if session is not None:
+            self.jobs.cancel(session.key, SessionEndedError(f"session {name!r} was closed while its prefill ran"))
         if session is not None and self.target is not None:
             self.target.close(session.key)
         return {"session": name}, None

@@ -21,6 +21,7 @@ import zmq
 from specbench.decode.target import UnknownSessionError as TargetUnknownSessionError
 from specbench.types import SpecbenchError
 from specbench.worker import protocol
+from specbench.worker.jobs import Job
 from specbench.worker.limits import WorkerLimits
 from specbench.worker.model_policy import LoadRefusedError
 from specbench.worker.ops import Ops
@@ -47,6 +48,7 @@ class WorkerConfig:
     batching: bool = True  # verifies of different sessions share one forward (`--no-batching`: one at a time)
     batch_window_ms: float = 20.0  # after the first waiting message, how long at most to wait for the others
     max_batch: int = 16  # messages taken in one round
+    prefill_chunk: int = 256  # prompt tokens per slice of a prefill, between other sessions' batches
     curve_keys: Optional[str] = None
     insecure: bool = False
 
@@ -105,13 +107,17 @@ class Worker:
         allowed = ", ".join(self.config.allow_load) or ("embedded catalog models" if self.config.model is None else
                                                        "nothing else")
         self.log(f"limits: {self.ops.describe()['limits']}; clients may also load: {allowed}")
+        jobs = self.ops.jobs
         try:
             while not (stop and stop()):
-                if socket.poll(200):
+                if socket.poll(0 if len(jobs) else 200):
                     round_started = time.perf_counter()
                     for message, reply in self.handle_many(self._drain(socket, authenticator is not None)):
                         socket.send_multipart([message.identity, *message.envelope, *reply])
                     self._round_s = time.perf_counter() - round_started
+                jobs.advance_one()  # one slice of a long request between rounds
+                for message, reply in self._finished_jobs():
+                    socket.send_multipart([message.identity, *message.envelope, *reply])
                 self.ops.expire_idle()
         except KeyboardInterrupt:
             self.log("interrupted: stopping")
@@ -143,7 +149,8 @@ class Worker:
         deadline = time.perf_counter() + config.batch_window_ms / 1000
         limit = config.max_batch if config.batching else 1
         # "recently": within a few rounds (a round of a 1.5B model on a CPU takes seconds)
-        active = self.ops.sessions.active(within_s=max(2.0, 3 * self._round_s)) if config.batching else 1
+        active = self.ops.sessions.active(within_s=max(2.0, 3 * self._round_s),
+                                          excluding=self.ops.jobs.sessions()) if config.batching else 1
         while len(messages) < limit:
             if len(messages) >= max(active, 1) and not socket.poll(0):
                 break
@@ -158,8 +165,13 @@ class Worker:
         return messages
 
     def handle(self, frames: list[bytes], connection: bytes = b"", curve_key: str = "") -> list[bytes]:
-        """One request in, one reply out; never raises."""
-        return self.handle_many([Message(connection, [], frames, curve_key)])[0][1]
+        """One request in, one reply out (a long one run to its end); never raises."""
+        message = Message(connection, [], frames, curve_key)
+        replies = [r for r in self.handle_many([message]) if r[0] is message]
+        while not replies:
+            self.ops.jobs.advance_one()
+            replies = [r for r in self._finished_jobs() if r[0] is message]
+        return replies[0][1]
 
     def handle_many(self, messages: list["Message"]) -> list[tuple["Message", list[bytes]]]:
         """A reply for every message, in order of completion; never raises. Verifies of different
@@ -185,10 +197,34 @@ class Worker:
                     batch = []
                     result = self.ops.handlers[op](header, arrays, connection=message.identity,
                                                    curve_key=message.curve_key)
+                    if isinstance(result, Job):
+                        out += self._start(result, message)
+                        continue
             except Exception as error:  # every failure becomes an error reply; the worker keeps serving
                 result = error
             out.append((message, self._reply(message, result)))
         return out + self._run_batch(batch)
+
+    def _start(self, job: Job, message: "Message") -> list[tuple["Message", list[bytes]]]:
+        """Attach `message` to `job`; a new job runs its first slice now (a short prefill ends in it),
+        the rest between rounds. With batching off it runs to its end here, as requests did before."""
+        job.waiters.append(message)
+        if job in self.ops.jobs.jobs:  # a resend joining the job under way
+            return []
+        self.ops.jobs.add(job)
+        while not job.advance() and not self.config.batching:
+            pass
+        return self._finished_jobs() if job.done else []
+
+    def _finished_jobs(self) -> list[tuple["Message", list[bytes]]]:
+        out = []
+        for job in self.ops.jobs.take_finished():
+            for message in job.waiters:
+                result = job.result
+                if not isinstance(result, Exception):
+                    result = (dict(result[0], queue_s=max(0.0, job.started - message.received)), result[1])
+                out.append((message, self._reply(message, result)))
+        return out
 
     def _parse(self, message: "Message") -> tuple[dict, dict, str]:
         size = sum(len(f) for f in message.frames)

@@ -96,10 +96,12 @@ class SessionTable:
     def remove(self, owner: str, name: str) -> Optional[Session]:
         return self.sessions.pop((owner, name), None)
 
-    def active(self, within_s: float) -> int:
-        """Live sessions used within the last `within_s` seconds: who will likely send a step soon."""
+    def active(self, within_s: float, excluding: frozenset = frozenset()) -> int:
+        """Live sessions used within the last `within_s` seconds, less those with a prefill under way
+        (`excluding`, target keys): who will likely send a step soon."""
         now = time.monotonic()
-        return sum(1 for s in self.sessions.values() if s.ended is None and now - s.last_used <= within_s)
+        return sum(1 for s in self.sessions.values()
+                   if s.ended is None and now - s.last_used <= within_s and s.key not in excluding)
 
     def live(self) -> list[Session]:
         return [s for s in self.sessions.values() if s.ended is None]

@@ -1,0 +1,85 @@
+"""Long requests as jobs the worker advances a slice at a time between other clients' batches.
+
+Why: a shared target that ran a 4,000-token prefill, a 1,000-token server-only generate or a
+profile grid in one go would hold every other client's step for that long. A job is a generator
+that does one bounded slice per `next()` (a prefill chunk, a generate step, a profile point) and
+returns its `(reply, arrays)`; the scheduler advances one slice per round, round robin.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Generator, Optional
+
+
+@dataclass
+class Job:
+    steps: Generator[Any, None, tuple]
+    what: str  # for the log: "prefill of s1 (4000 tokens)"
+    session_key: Optional[str] = None  # the target session it builds, if any
+    key: Optional[tuple] = None  # the request key (a resend of the same request joins the job)
+    waiters: list = field(default_factory=list)  # the messages its reply goes to
+    started: Optional[float] = None  # when its first slice ran (the end of its queueing)
+    result: Any = None  # (reply, arrays) or an exception, once done
+    done: bool = False
+
+    def advance(self) -> bool:
+        """Run one slice; True once the job has its result (or failed)."""
+        if self.done:
+            return True
+        if self.started is None:
+            self.started = time.perf_counter()
+        try:
+            next(self.steps)
+            return False
+        except StopIteration as finished:
+            self.result, self.done = finished.value, True
+        except Exception as error:  # the job's failure is its waiters' error reply
+            self.result, self.done = error, True
+        return True
+
+    def cancel(self, error: Exception) -> None:
+        if not self.done:
+            self.steps.close()  # runs the job's own clean-up (finally blocks)
+            self.result, self.done = error, True
+
+
+class JobQueue:
+    def __init__(self):
+        self.jobs: list[Job] = []
+        self._next = 0
+
+    def __len__(self) -> int:
+        return sum(not job.done for job in self.jobs)
+
+    def add(self, job: Job) -> None:
+        if job not in self.jobs:
+            self.jobs.append(job)
+
+    def for_session(self, session_key: str) -> Optional[Job]:
+        return next((job for job in self.jobs if job.session_key == session_key and not job.done), None)
+
+    def sessions(self) -> set[str]:
+        return {job.session_key for job in self.jobs if job.session_key and not job.done}
+
+    def cancel(self, session_key: str, error: Exception) -> None:
+        job = self.for_session(session_key)
+        if job is not None:
+            job.cancel(error)
+
+    def cancel_all(self, error: Exception) -> None:
+        for job in self.jobs:
+            job.cancel(error)
+
+    def advance_one(self) -> None:
+        """One slice of the next unfinished job, round robin."""
+        pending = [job for job in self.jobs if not job.done]
+        if pending:
+            self._next %= len(pending)
+            pending[self._next].advance()
+            self._next += 1
+
+    def take_finished(self) -> list[Job]:
+        finished = [job for job in self.jobs if job.done]
+        self.jobs = [job for job in self.jobs if not job.done]
+        return finished
