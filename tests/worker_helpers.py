@@ -80,3 +80,37 @@ def process_worker(*extra: str):
     finally:
         process.kill()
         process.wait()
+
+
+def decode_in_process(endpoint: str, prompt: list, max_new_tokens: int, method: str, ready, go, results) -> None:
+    """A client process (multiprocessing target): greedy-decode `prompt` through the worker once `go`
+    is set, stamping the wall time of every verify reply; puts (prompt, output, stamps) on `results`."""
+    import time
+
+    from specbench.decode.drafters import ModelDrafter
+    from specbench.decode.loop import Decoding, generate
+    from specbench.models.loading import load_model
+    from specbench.worker.client import RemoteTarget
+
+    remote = RemoteTarget(endpoint, timeout_s=120)
+    stamps, verify = [], remote.verify_begin
+
+    def stamped(*args, **kwargs):
+        pending = verify(*args, **kwargs)
+        result = pending.result
+
+        def result_and_stamp():
+            verdict = result()
+            stamps.append(time.time())
+            return verdict
+
+        pending.result = result_and_stamp
+        return pending
+
+    remote.verify_begin = stamped
+    drafter = ModelDrafter(load_model(ModelSpec(DRAFT)), remote.vocab_size) if method == "chain" else None
+    ready.set()
+    go.wait(120)
+    decoding = Decoding(3 if drafter else 0, max_new_tokens, method=method, kind="chain" if drafter else "none")
+    output = generate(remote, drafter, prompt, decoding, session="s").output_ids
+    results.put((prompt, method, output, stamps))

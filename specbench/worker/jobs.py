@@ -11,6 +11,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Generator, Optional
 
+from specbench.types import SpecbenchError
+
+
+class CancelledError(SpecbenchError):
+    """The request's session was closed or expired before the request finished."""
+
 
 @dataclass
 class Job:

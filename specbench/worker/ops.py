@@ -19,7 +19,7 @@ from specbench.methods import METHODS
 from specbench.models.spec import ModelSpec
 from specbench.types import SpecbenchError
 from specbench.worker import protocol
-from specbench.worker.jobs import Job, JobQueue
+from specbench.worker.jobs import CancelledError, Job, JobQueue
 from specbench.worker.limits import check
 from specbench.worker.model_policy import LoadPolicy, LoadRefusedError, model_identity
 from specbench.worker.protocol import PROTOCOL_VERSION, LimitError, ProtocolError, field as get
@@ -98,7 +98,7 @@ class Ops:
     def expire_idle(self) -> None:
         for session in self.sessions.idle(self.config.idle_timeout_s):
             self.sessions.remove(session.owner, session.name)
-            self.jobs.cancel(session.key, SessionEndedError(f"session {session.name} expired"))
+            self.jobs.cancel(session.key, CancelledError(f"session {session.name} expired"))
             if self.target is not None:
                 self.target.close(session.key)
             if session.ended is None:
@@ -321,7 +321,7 @@ class Ops:
         name = protocol.name_field(header, "session")
         session = self.sessions.remove(owner, name)
         if session is not None:
-            self.jobs.cancel(session.key, SessionEndedError(f"session {name!r} was closed while its prefill ran"))
+            self.jobs.cancel(session.key, CancelledError(f"session {name!r} was closed while its prefill ran"))
         if session is not None and self.target is not None:
             self.target.close(session.key)
         return {"session": name}, None

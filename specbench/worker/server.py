@@ -21,7 +21,7 @@ import zmq
 from specbench.decode.target import UnknownSessionError as TargetUnknownSessionError
 from specbench.types import SpecbenchError
 from specbench.worker import protocol
-from specbench.worker.jobs import Job
+from specbench.worker.jobs import CancelledError, Job
 from specbench.worker.limits import WorkerLimits
 from specbench.worker.model_policy import LoadRefusedError
 from specbench.worker.ops import Ops
@@ -32,7 +32,7 @@ from specbench.models.spec import ModelSpec
 ERROR_CODES = (  # most specific first
     (UnknownSessionError, "unknown-session"), (TargetUnknownSessionError, "unknown-session"),
     (StaleStepError, "stale-step"), (SessionEndedError, "model-changed"), (LoadRefusedError, "refused"),
-    (LimitError, "limit"), (SpecbenchError, "bad-request"))
+    (LimitError, "limit"), (CancelledError, "cancelled"), (SpecbenchError, "bad-request"))
 
 
 @dataclass
@@ -115,9 +115,13 @@ class Worker:
                     for message, reply in self.handle_many(self._drain(socket, authenticator is not None)):
                         socket.send_multipart([message.identity, *message.envelope, *reply])
                     self._round_s = time.perf_counter() - round_started
-                jobs.advance_one()  # one slice of a long request between rounds
-                for message, reply in self._finished_jobs():
-                    socket.send_multipart([message.identity, *message.envelope, *reply])
+                # Long requests: a slice between rounds, and more while no client is waiting.
+                while len(jobs):
+                    jobs.advance_one()
+                    for message, reply in self._finished_jobs():
+                        socket.send_multipart([message.identity, *message.envelope, *reply])
+                    if socket.poll(0):
+                        break
                 self.ops.expire_idle()
         except KeyboardInterrupt:
             self.log("interrupted: stopping")

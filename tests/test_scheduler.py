@@ -1,0 +1,119 @@
+"""Fairness on a shared worker: long requests (prefill, server-only generate, profile) run a slice
+at a time between other clients' batches, and give what they give when run in one go."""
+import multiprocessing
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from specbench.decode.loop import Decoding, generate
+from specbench.decode.target import LocalTarget
+from specbench.types import DraftTree, SamplingParams
+from specbench.worker import protocol
+from specbench.worker.client import RemoteTarget
+
+from conftest import PROMPTS
+from worker_helpers import RawClient, decode_in_process, process_worker
+
+LONG_PROMPT = [int(t) for t in np.random.default_rng(0).integers(0, 96, 480)]
+
+
+def greedy_alone(loaded, prompt, max_new_tokens):
+    return generate(LocalTarget(loaded), None, prompt, Decoding(0, max_new_tokens, kind="none")).output_ids
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 32, 479])
+def test_chunked_prefill_equals_one_forward(tiny_target, chunk):
+    """Chunks through one cache give the keys and values of one forward (causal attention), up to
+    rounding; the greedy continuation is the same token for token."""
+    one, chunked = LocalTarget(tiny_target), LocalTarget(tiny_target)
+    one.prefill("s", LONG_PROMPT)
+    job, slices = chunked.prefill_job("s", LONG_PROMPT), 1
+    while not job.advance(chunk):
+        slices += 1
+        assert "s" not in chunked.sessions, "a session must not be usable before its last chunk"
+    assert slices == -(-(len(LONG_PROMPT) - 1) // chunk)
+    for (k1, v1), (k2, v2) in zip(layers(one.sessions["s"].cache), layers(chunked.sessions["s"].cache)):
+        torch.testing.assert_close(k1, k2, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(v1, v2, rtol=1e-4, atol=1e-4)
+    for _ in range(24):
+        a = one.verify("s", DraftTree(), SamplingParams(), 0)
+        b = chunked.verify("s", DraftTree(), SamplingParams(), 0)
+        assert a.bonus_token == b.bonus_token
+
+
+def layers(cache):
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def test_resent_prefill_joins_and_newer_one_supersedes():
+    """A resend of a prefill under way gets the same reply (applied once); a newer prefill of the
+    session ends the older one with `stale-step`; a close ends it with `cancelled`."""
+    with process_worker("--prefill-chunk", "1") as worker:
+        client = RawClient(worker.endpoint)
+        tokens = {"tokens": np.asarray(LONG_PROMPT, np.int32)}
+        client.send({"op": "prefill", "session": "a", "epoch": 1, "id": 1}, tokens)
+        client.send({"op": "prefill", "session": "a", "epoch": 1, "id": 2}, tokens)
+        replies = sorted((client.receive(30)[0] for _ in range(2)), key=lambda r: r["id"])
+        assert [r["ok"] for r in replies] == [True, True], replies
+        assert [r["committed"] for r in replies] == [480, 480] and [r["epoch"] for r in replies] == [1, 1]
+
+        client.send({"op": "prefill", "session": "a", "epoch": 2, "id": 3}, tokens)
+        client.send({"op": "prefill", "session": "a", "epoch": 3, "id": 4}, {"tokens": np.asarray(PROMPTS[0], np.int32)})
+        replies = sorted((client.receive(30)[0] for _ in range(2)), key=lambda r: r["id"])
+        assert replies[0]["code"] == "stale-step" and "superseded" in replies[0]["error"], replies[0]
+        assert replies[1]["ok"] and replies[1]["committed"] == len(PROMPTS[0]), replies[1]
+        verify = {"op": "verify", "session": "a", "epoch": 3, "committed": len(PROMPTS[0]), "seed": 0,
+                  "sampling": {"temperature": 0.0}, "id": 5}
+        reply, _ = client.request(verify, protocol.tree_to_arrays(DraftTree()))
+        assert reply["ok"] and reply["committed"] == len(PROMPTS[0]) + 1, reply
+
+        client.send({"op": "prefill", "session": "b", "epoch": 1, "id": 6}, tokens)
+        client.send({"op": "close", "session": "b", "id": 7})
+        replies = {r["id"]: r for r in (client.receive(30)[0] for _ in range(2))}
+        assert replies[7]["ok"] and replies[6]["code"] == "cancelled", replies
+        assert client.request({"op": "stats"})[0]["sessions"] == 1  # "a" only: "b" left nothing behind
+
+
+def test_eight_clients_keep_stepping_through_long_requests(tiny_target, tiny_draft):
+    """Seven client processes decode while an eighth sends a 480-token prompt and a 300-token
+    server-only generate: the seven's steps keep completing during both (a slice at a time), and every
+    output, the long ones included, equals the same prompt run alone."""
+    context = multiprocessing.get_context("spawn")
+    with process_worker("--prefill-chunk", "8") as worker:
+        ready, go, results = [context.Event() for _ in range(7)], context.Event(), context.Queue()
+        prompts = [PROMPTS[i % len(PROMPTS)][: 4 + i % 4] for i in range(7)]
+        clients = [context.Process(target=decode_in_process,
+                                   args=(worker.endpoint, prompts[i], 400, "chain" if i % 2 else "target-only",
+                                         ready[i], go, results)) for i in range(7)]
+        for client in clients:
+            client.start()
+        for event in ready:
+            assert event.wait(180), "a client process did not start"
+        remote = RemoteTarget(worker.endpoint, timeout_s=120)
+        go.set()
+        time.sleep(0.5)  # the seven are stepping
+        started = time.time()
+        long = generate(remote, None, LONG_PROMPT, Decoding(0, 20, kind="none"), session="long")
+        prefill_window = (started, started + long.prefill_s)
+        started = time.time()
+        server_only = remote.generate_on_worker("server-only-ar", PROMPTS[0], k=1, max_new_tokens=300,
+                                                sampling=SamplingParams(), seed=0)
+        generate_window = (started, time.time())
+        finished = [results.get(timeout=300) for _ in clients]
+        for client in clients:
+            client.join(30)
+
+    during_prefill = sum(prefill_window[0] < t < prefill_window[1] for *_, stamps in finished for t in stamps)
+    during_generate = sum(generate_window[0] < t < generate_window[1] for *_, stamps in finished for t in stamps)
+    longest_gap = max(b - a for *_, stamps in finished for a, b in zip(stamps, stamps[1:]))
+    print(f"\nother clients' steps during the 480-token prefill ({long.prefill_s:.2f} s): {during_prefill}; "
+          f"during the 300-token generate ({generate_window[1] - generate_window[0]:.2f} s): {during_generate}; "
+          f"longest wait between two steps of a client: {longest_gap:.2f} s")
+    assert during_prefill >= 20 and during_generate >= 50, "long requests held the other clients"
+    assert longest_gap < 10.0
+    for prompt, method, output, _ in finished:
+        assert output == greedy_alone(tiny_target, prompt, 400), (prompt, method)
+    assert long.output_ids == greedy_alone(tiny_target, LONG_PROMPT, 20)
+    assert server_only.output_ids == greedy_alone(tiny_target, PROMPTS[0], 300)
