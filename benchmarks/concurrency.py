@@ -5,7 +5,10 @@ loopback (one mt-bench prompt each), first with batched verification, then with 
 SD (drafting costs the clients nothing, so the worker is what is measured). Every greedy output is
 compared with the same prompt decoded alone in this process (fp32); a difference is shown with the
 target's top-2 logit gap at the first differing token (a near-tie means batched shapes changed
-the rounding). Prints a table and writes results/concurrency.json.
+the rounding). With batching on, SD's speedup over target-only per client count is also predicted
+(`plan.predict.replay_speed`: each client's steps of the alone run replayed on the shipped profile's
+batch grid of the target, plus the loopback round trip) and printed beside the measured one, with
+the error. Prints tables and writes results/concurrency-<pair>.json.
 
     python benchmarks/concurrency.py [--pair smollm2|qwen] [--clients 1 2 4 8] [--max-new-tokens 24]
 """
@@ -23,6 +26,9 @@ import torch
 
 from specbench.api import encode_prompts, outputs, run
 from specbench.datasets import load_prompts
+from specbench.hardware import device_name
+from specbench.plan.library import load_profiles
+from specbench.plan.predict import replay_speed
 from specbench.models.loading import load_model
 from specbench.models.spec import ModelSpec
 from specbench.worker.launch import free_port, spawn_worker
@@ -87,8 +93,9 @@ def main():
     loaded = load_model(ModelSpec(name))
     texts = [row["prompt"] for row in load_prompts(args.dataset, limit=max(args.clients))]
     prompts = encode_prompts(texts, loaded.tokenizer)
-    alone = {method: outputs(run(loaded, prompts, method=method, k=args.k, max_new_tokens=args.max_new_tokens,
-                                 progress=False)) for method in args.methods}
+    alone_records = {method: run(loaded, prompts, method=method, k=args.k, max_new_tokens=args.max_new_tokens,
+                                 progress=False) for method in args.methods}
+    alone = {method: outputs(records) for method, records in alone_records.items()}
     del loaded  # the worker loads its own copy: two 1.5B fp32 models and eight clients crowd 24 GiB
     gc.collect()
     rows, mismatches = [], []
@@ -97,6 +104,7 @@ def main():
             endpoint = f"tcp://127.0.0.1:{free_port()}"
             worker = spawn_worker(endpoint, "--model", name, *([] if batching else ["--no-batching"]))
             try:
+                round_trip_s = loopback_round_trip(endpoint)
                 for clients in args.clients:
                     for method in args.methods:
                         row = measure(pool, endpoint, prompts, method, clients, args)
@@ -115,9 +123,55 @@ def main():
     print(f"\n== {name} worker on loopback, fp32, {args.max_new_tokens} tokens per client, K={args.k} ==")
     print(table.round(3).to_string(index=False))
     print(f"greedy outputs differing from the same prompt alone: {len(mismatches)}", mismatches or "")
+    speedups = speedup_table(table, name, alone_records, [len(p) for p in prompts], round_trip_s, args)
+    if speedups is not None:
+        print(f"\n== SD speedup over target-only per client, batching on: predicted vs measured ==")
+        print(speedups.round(3).to_string(index=False))
     write_report(args.out.replace(".json", f"-{args.pair}.json"),
                  {"target": name, "rows": table.to_dict("records"), "mismatches": mismatches,
-                  "settings": vars(args)})
+                  "speedups": None if speedups is None else speedups.to_dict("records"),
+                  "round_trip_s": round_trip_s, "settings": vars(args)})
+
+
+def loopback_round_trip(endpoint: str) -> float:
+    """Median seconds of a `health` request: the per-step network time the prediction adds."""
+    from specbench.worker.client import RemoteTarget
+
+    remote = RemoteTarget(endpoint)
+    samples = []
+    for _ in range(21):
+        started = time.perf_counter()
+        remote.health()
+        samples.append(time.perf_counter() - started)
+    remote.disconnect()
+    return float(np.median(samples))
+
+
+def speedup_table(table: pd.DataFrame, name: str, alone_records: dict, prompt_lengths, round_trip_s, args):
+    """Per client count: each SD method's predicted and measured per-client speedup over target-only."""
+    profiles = [p for p in load_profiles() if p.model == name and p.device == device_name("cpu")
+                and len(p.batches) > 1]
+    if not profiles or "target-only" not in args.methods:
+        print(f"(no speedup prediction: needs target-only among the methods and a profile of {name} over batch "
+              f"sizes; record one with `specbench profile --model {name} --batches 1 2 4 8`)")
+        return None
+    profile, on = profiles[0], table[table["batching"]].set_index(["clients", "method"])
+    rows = []
+    for clients in args.clients:
+        def predicted(method):
+            records = alone_records[method]
+            return replay_speed(records[records["prompt_index"] < clients], prompt_lengths, profile, clients,
+                                round_trip_s)
+
+        base_measured = on.loc[(clients, "target-only"), "aggregate_tokens_per_s"]
+        for method in (m for m in args.methods if m != "target-only"):
+            measured = on.loc[(clients, method), "aggregate_tokens_per_s"] / base_measured
+            forecast = predicted(method) / predicted("target-only")
+            rows.append({"clients": clients, "method": method, "predicted_speedup": forecast,
+                         "measured_speedup": measured, "error": forecast / measured - 1,
+                         "predicted_target_only_tok_s": clients * predicted("target-only"),
+                         "measured_target_only_tok_s": base_measured})
+    return pd.DataFrame(rows)
 
 
 if __name__ == "__main__":

@@ -78,7 +78,7 @@ def _profile(args) -> int:
             from specbench.models.self_draft import truncated_view
 
             loaded = truncated_view(loaded, args.self_draft_layers)
-        profile, extra = profile_model(loaded, **grid)
+        profile, extra = profile_model(loaded, **grid, progress=True)
     path = save_profile(profile, extra, folder=args.out_dir or PROFILES)
     print(f"{profile.model} on {profile.device} ({profile.dtype}): {len(profile.rows)} grid points -> {path}")
     return 0

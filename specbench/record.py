@@ -7,7 +7,7 @@ import torch
 
 from specbench.api import ModelLike, TreeShape, run
 from specbench.models.loading import as_loaded
-from specbench.decode.profile import forward_latency_grid
+from specbench.decode.profile import forward_latency_points
 from specbench.hardware import device_name, measure_power
 from specbench.plan.predict import AcceptanceReference, LatencyProfile
 from specbench.types import SamplingParams
@@ -18,12 +18,17 @@ DEFAULT_CONTEXTS = (128, 512)
 
 def profile_model(model: ModelLike, tokens: Sequence[int] = DEFAULT_TOKENS,
                   contexts: Sequence[int] = DEFAULT_CONTEXTS, repeats: int = 5,
-                  dtype: str = "float32", batches: Sequence[int] = (1,)) -> tuple[LatencyProfile, dict]:
+                  dtype: str = "float32", batches: Sequence[int] = (1,),
+                  progress: bool = False) -> tuple[LatencyProfile, dict]:
     """Forward latency of `model` on its device over the grid (per batch size, for a target shared
     by that many clients), plus metadata (power, device, settings)."""
+    from tqdm.auto import tqdm
+
     loaded = as_loaded(model, dtype)
     device = str(loaded.model.get_input_embeddings().weight.device)
-    rows = forward_latency_grid(loaded.model, tokens, contexts, repeats, batches=batches)
+    points = forward_latency_points(loaded.model, tokens, contexts, repeats, batches=batches)
+    rows = list(tqdm(points, total=len(tokens) * len(contexts) * len(batches), desc=f"profile {loaded.spec.label}",
+                     unit="point", disable=not progress))
     profile = LatencyProfile(model=loaded.spec.label, device=device_name(device), dtype=str(loaded.model.dtype)[6:],
                              quantization=loaded.spec.quantization,
                              rows=tuple((r["tokens"], r["context"], r["median_s"], r["batch"]) for r in rows))

@@ -139,3 +139,22 @@ def test_profile_grid_measures_batches(tiny_target):
     rows = forward_latency_grid(tiny_target.model, tokens=[1, 3], contexts=[8], repeats=1, warmup=0, batches=[1, 3])
     assert [(r["batch"], r["tokens"]) for r in rows] == [(1, 1), (1, 3), (3, 1), (3, 3)]
     assert all(r["median_s"] > 0 for r in rows)
+
+
+def test_replay_speed_prices_each_measured_step_at_the_batch_size():
+    import pandas as pd
+
+    from specbench.plan.predict import replay_speed
+
+    # prompt 0 (context 10): a 4-token draft, 3 accepted (4 emitted), then a plain step (1 emitted);
+    # prompt 1: one 0-draft step. Client-side time 0.01 s per step, 0.002 s network.
+    records = pd.DataFrame([
+        {"prompt_index": 0, "step": 0, "drafted": 4, "emitted": 4, "draft_s": 0.008, "overhead_s": 0.002},
+        {"prompt_index": 0, "step": 1, "drafted": 0, "emitted": 1, "draft_s": 0.0, "overhead_s": 0.01},
+        {"prompt_index": 1, "step": 0, "drafted": 0, "emitted": 1, "draft_s": 0.0, "overhead_s": 0.01}])
+    # at 4 clients: 5 tokens -> 0.30 s, 1 token -> 0.20 s; at 2 clients, linear between batch 1 and 4
+    expected_4 = 6 / (0.30 + 0.20 + 0.20 + 3 * (0.01 + 0.002))
+    assert replay_speed(records, [10, 20], SHARED, clients=4, network_s=0.002) == pytest.approx(expected_4)
+    at_2 = (0.10 + (0.20 - 0.10) / 3, 0.15 + (0.30 - 0.15) / 3)  # (1 token, 5 tokens)
+    expected_2 = 6 / (at_2[1] + 2 * at_2[0] + 3 * 0.01)
+    assert replay_speed(records, [10, 20], SHARED, clients=2) == pytest.approx(expected_2)

@@ -222,3 +222,19 @@ def break_even_acceptance(target: LatencyProfile, draft: LatencyProfile, k: int,
     baseline_step = target.forward_s(1, context) + net + overhead_s
     sd_step = k * draft.forward_s(1, context) + target.forward_s(k + 1, context) + net + overhead_s
     return sd_step / baseline_step - 1.0
+
+
+def replay_speed(records, prompt_lengths: Sequence[int], target: LatencyProfile, clients: int = 1,
+                 network_s: float = 0.0) -> float:
+    """Per-client tokens/s predicted for a measured run (a records frame, one client's steps) replayed
+    on a target shared by `clients`: each step's verify priced at its own drafted count and context
+    by the profile's batch grid, the client's own time (drafting, loop) as measured, plus `network_s`
+    per step. Why: methods without a draft profile (prompt lookup) still get a concurrency forecast."""
+    seconds, tokens = 0.0, 0
+    for _, steps in records.groupby("prompt_index", sort=False):
+        context = prompt_lengths[int(steps["prompt_index"].iloc[0])]
+        for step in steps.sort_values("step").itertuples():
+            seconds += target.forward_s(1 + step.drafted, context, clients) + step.draft_s + step.overhead_s + network_s
+            context += step.emitted
+            tokens += step.emitted
+    return tokens / seconds if seconds else 0.0
