@@ -1,7 +1,8 @@
 """Many clients, one worker: aggregate tokens/s and per-client latency with batching on and off, one run.
 
 1, 2, 4, 8 client processes (each its own prompt) decode at once against a `specbench worker` on
-loopback (one mt-bench prompt each), first with batched verification, then with `--no-batching`; target-only and prompt-lookup
+loopback (one mt-bench prompt each), against a worker with batched verification and one with
+`--no-batching`, measured back to back per setting (order alternating) after a discarded warm-up; target-only and prompt-lookup
 SD (drafting costs the clients nothing, so the worker is what is measured). Every greedy output is
 compared with the same prompt decoded alone in this process (fp32); a difference is shown with the
 target's top-2 logit gap at the first differing token (a near-tie means batched shapes changed
@@ -99,15 +100,19 @@ def main():
     del loaded  # the worker loads its own copy: two 1.5B fp32 models and eight clients crowd 24 GiB
     gc.collect()
     rows, mismatches = [], []
-    with multiprocessing.get_context("spawn").Pool(max(args.clients)) as pool:
-        for batching in (True, False):
-            endpoint = f"tcp://127.0.0.1:{free_port()}"
-            worker = spawn_worker(endpoint, "--model", name, *([] if batching else ["--no-batching"]))
-            try:
-                round_trip_s = loopback_round_trip(endpoint)
-                for clients in args.clients:
-                    for method in args.methods:
-                        row = measure(pool, endpoint, prompts, method, clients, args)
+    endpoints = {batching: f"tcp://127.0.0.1:{free_port()}" for batching in (True, False)}
+    workers = {batching: spawn_worker(endpoint, "--model", name, *([] if batching else ["--no-batching"]))
+               for batching, endpoint in endpoints.items()}
+    try:
+        with multiprocessing.get_context("spawn").Pool(max(args.clients)) as pool:
+            round_trip_s = loopback_round_trip(endpoints[True])
+            for endpoint in endpoints.values():  # warm-up, discarded: every pool process and both workers
+                measure(pool, endpoint, prompts, args.methods[0], max(args.clients), args)
+            for step, clients in enumerate(args.clients):
+                for method in args.methods:
+                    # batching on and off back to back, the order alternating, so drift hits both alike
+                    for batching in ((True, False) if step % 2 == 0 else (False, True)):
+                        row = measure(pool, endpoints[batching], prompts, method, clients, args)
                         for index, output in enumerate(row.pop("outputs")):
                             if output != alone[method][(method, index)]:
                                 mismatches.append({"batching": batching, "clients": clients, "method": method,
@@ -115,9 +120,10 @@ def main():
                                                                                alone[method][(method, index)])})
                         rows.append({"batching": batching, **row})
                         print(rows[-1], flush=True)
-            finally:
-                worker.terminate()
-    table = pd.DataFrame(rows)
+    finally:
+        for worker in workers.values():
+            worker.terminate()
+    table = pd.DataFrame(rows).sort_values(["batching", "clients", "method"], ascending=[False, True, False])
     off = table[~table["batching"]].set_index(["clients", "method"])["aggregate_tokens_per_s"]
     table["vs_unbatched"] = [row.aggregate_tokens_per_s / off[(row.clients, row.method)] for row in table.itertuples()]
     print(f"\n== {name} worker on loopback, fp32, {args.max_new_tokens} tokens per client, K={args.k} ==")

@@ -21,6 +21,7 @@ def test_batched_verdicts_equal_lone_verdicts(tiny_target, tiny_draft, sampling)
     drafters = [ModelDrafter(tiny_draft, 96), TreeDrafter(tiny_draft, 96, widths=(3, 2, 1)),
                 PromptLookupDrafter(max_candidates=3), None, ModelDrafter(tiny_draft, 96)]
     prompts = [PROMPTS[i % len(PROMPTS)][: 3 + 2 * i] for i in range(len(drafters))]
+    prompts[-1] = PROMPTS[0][:1]  # a one-token prompt: nothing cached at the first step
     for i, prompt in enumerate(prompts):
         batched.prefill(f"s{i}", prompt)
         alone.prefill(f"s{i}", prompt)
@@ -37,6 +38,18 @@ def test_batched_verdicts_equal_lone_verdicts(tiny_target, tiny_draft, sampling)
             lone = alone.verify(request.session, request.tree, request.sampling, request.seed)
             assert (verdict.accepted_path, verdict.bonus_token) == (lone.accepted_path, lone.bonus_token)
             assert batched.committed(request.session) == alone.committed(request.session)
+
+
+def test_a_batch_of_one_token_prompts(tiny_target):
+    """Nothing cached in any row (every prompt is one token): the batch starts from an empty cache."""
+    batched, alone = LocalTarget(tiny_target), LocalTarget(tiny_target)
+    for i in range(3):
+        batched.prefill(f"s{i}", [5 + i])
+        alone.prefill(f"s{i}", [5 + i])
+    requests = [VerifyRequest(f"s{i}", DraftTree.chain([7, 8][:i]), SamplingParams(), 0) for i in range(3)]
+    for request, verdict in zip(requests, verify_batch(batched, requests)):
+        lone = alone.verify(request.session, request.tree, request.sampling, request.seed)
+        assert (verdict.accepted_path, verdict.bonus_token) == (lone.accepted_path, lone.bonus_token)
 
 
 def test_a_failing_row_rolls_back_only_its_own_session(tiny_target):

@@ -99,9 +99,9 @@ def _forward(target: LocalTarget, rows: list[_Row]) -> torch.Tensor:
         input_ids[i, :n] = torch.tensor(row.inputs)
         position_ids[i, :n] = torch.tensor(row.positions)
     cache = DynamicCache(config=model.config)
-    for layer, batched in enumerate(cache.layers):
-        keys, values = zip(*(_padded(row.state.cache.layers[layer], longest_past, model) for row in rows))
-        batched.update(torch.cat(keys), torch.cat(values))
+    if longest_past:  # else every session is a one-token prompt with nothing cached yet
+        for layer, batched in enumerate(cache.layers):
+            batched.update(*_padded([row.state.cache.layers[layer] for row in rows], longest_past))
     output = model(input_ids=input_ids.to(device), past_key_values=cache, position_ids=position_ids.to(device),
                    attention_mask=mask.to(device), use_cache=True)
     for i, row in enumerate(rows):
@@ -111,16 +111,18 @@ def _forward(target: LocalTarget, rows: list[_Row]) -> torch.Tensor:
     return output.logits
 
 
-def _padded(layer, length: int, model) -> tuple[torch.Tensor, torch.Tensor]:
-    """This layer's cached keys and values, [1, heads, length, head_dim], zero-padded on the right."""
-    config = model.config
-    heads = config.num_key_value_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    device = model.get_input_embeddings().weight.device
-    keys, values = [torch.zeros((1, heads, length, head_dim), dtype=model.dtype, device=device) for _ in range(2)]
-    held = layer.keys.shape[-2] if getattr(layer, "keys", None) is not None and layer.keys.numel() else 0
-    if held:
-        keys[:, :, :held], values[:, :, :held] = layer.keys, layer.values
+def _padded(layers: list, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer of every row's cached keys and values in one [rows, heads, length, head_dim] pair,
+    each row zero-padded on the right (a row with nothing cached is all padding)."""
+    held = [layer.keys if getattr(layer, "keys", None) is not None and layer.keys.numel() else None
+            for layer in layers]
+    first = next(keys for keys in held if keys is not None)
+    shape = (len(layers), first.shape[1], length, first.shape[3])
+    keys = torch.zeros(shape, dtype=first.dtype, device=first.device)
+    values = torch.zeros(shape, dtype=first.dtype, device=first.device)
+    for i, (layer, own) in enumerate(zip(layers, held)):
+        if own is not None:
+            keys[i, :, :own.shape[-2]], values[i, :, :own.shape[-2]] = own[0], layer.values[0]
     return keys, values
 
 
