@@ -115,13 +115,14 @@ class Worker:
                     for message, reply in self.handle_many(self._drain(socket, authenticator is not None)):
                         socket.send_multipart([message.identity, *message.envelope, *reply])
                     self._round_s = time.perf_counter() - round_started
-                # Long requests: a slice between rounds, and more while no client is waiting.
-                while len(jobs):
-                    jobs.advance_one()
+                # Long requests: a slice between rounds, and more while no client is waiting; a job
+                # cancelled in the round (its session closed) is answered here too.
+                while True:
                     for message, reply in self._finished_jobs():
                         socket.send_multipart([message.identity, *message.envelope, *reply])
-                    if socket.poll(0):
+                    if not len(jobs) or socket.poll(0):
                         break
+                    jobs.advance_one()
                 self.ops.expire_idle()
         except KeyboardInterrupt:
             self.log("interrupted: stopping")
