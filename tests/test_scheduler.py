@@ -117,3 +117,19 @@ def test_eight_clients_keep_stepping_through_long_requests(tiny_target, tiny_dra
         assert output == greedy_alone(tiny_target, prompt, 400), (prompt, method)
     assert long.output_ids == greedy_alone(tiny_target, LONG_PROMPT, 20)
     assert server_only.output_ids == greedy_alone(tiny_target, PROMPTS[0], 300)
+
+
+def test_a_clients_long_requests_count_against_its_quota():
+    """Generates and profiles under way count against --max-sessions-per-client: one client cannot
+    queue enough of them to take every slice between the other clients' rounds."""
+    with process_worker("--max-sessions-per-client", "2") as worker:
+        client, other = RawClient(worker.endpoint), RawClient(worker.endpoint)
+        generate = {"op": "generate", "method": "server-only-ar", "max_new_tokens": 400,
+                    "sampling": {"temperature": 0.0}}
+        prompt = {"tokens": np.asarray(PROMPTS[0], np.int32)}
+        for request_id in range(3):
+            client.send(dict(generate, id=request_id), prompt)
+        replies = sorted((client.receive(60)[0] for _ in range(3)), key=lambda r: r["id"])
+        assert [r["ok"] for r in replies[:2]] == [True, True], replies
+        assert replies[2]["code"] == "limit" and "--max-sessions-per-client" in replies[2]["error"], replies[2]
+        assert other.request(dict(generate, max_new_tokens=4), prompt, timeout_s=60)[0]["ok"]  # its own quota

@@ -24,6 +24,7 @@ class Job:
     what: str  # for the log: "prefill of s1 (4000 tokens)"
     session_key: Optional[str] = None  # the target session it builds, if any
     key: Optional[tuple] = None  # the request key (a resend of the same request joins the job)
+    principal: str = ""  # whose quota it counts against (generates and profiles)
     waiters: list = field(default_factory=list)  # the messages its reply goes to
     started: Optional[float] = None  # when its first slice ran (the end of its queueing)
     result: Any = None  # (reply, arrays) or an exception, once done

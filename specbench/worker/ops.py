@@ -151,7 +151,16 @@ class Ops:
         self._install(spec, reason=f"a load of {spec.label} by the sessions' own client")
         return self.describe(), None
 
-    def profile(self, header, arrays, **_):
+    def _check_jobs(self, header, curve_key) -> str:
+        """A client's long requests under way (generates, profiles) count against its session quota:
+        one client's many jobs would otherwise take every slice between rounds."""
+        _, principal = self._owner(header, curve_key)
+        running = sum(job.principal == principal for job in self.jobs.jobs if not job.done)
+        check(running + 1, self.limits.max_sessions_per_client, "long requests under way of this client",
+              "--max-sessions-per-client")
+        return principal
+
+    def profile(self, header, arrays, *, connection, curve_key):
         from specbench.decode.profile import forward_latency_points
 
         tokens = protocol.int_list(header, "tokens", 1, [1, 2, 4, 8, 16])
@@ -178,9 +187,10 @@ class Ops:
                 yield
             return {"rows": rows, **self.describe()}, None
 
-        return Job(run(), what=f"profile of {len(tokens) * len(contexts) * len(batches)} points")
+        return Job(run(), what=f"profile of {len(tokens) * len(contexts) * len(batches)} points",
+                   principal=self._check_jobs(header, curve_key))
 
-    def generate(self, header, arrays, **_):
+    def generate(self, header, arrays, *, connection, curve_key):
         """Server-only baselines: the worker drafts and verifies itself, and returns finished tokens."""
         from specbench.decode.drafters import ModelDrafter
         from specbench.decode.loop import Decoding, generate_steps
@@ -193,6 +203,7 @@ class Ops:
         limits = self.limits
         max_new_tokens = protocol.integer(header, "max_new_tokens", 1)
         check(max_new_tokens, limits.max_new_tokens, "max_new_tokens of a generate", "--max-new-tokens")
+        principal = self._check_jobs(header, curve_key)
         k = protocol.integer(header, "k", 1, None, 4)
         check(k, limits.max_tree_nodes, "k of a generate", "--max-tree-nodes")
         prompt = protocol.array(arrays, "tokens")
@@ -220,7 +231,7 @@ class Ops:
             return ({"records": [asdict(record) for record in result.records], "prefill_s": result.prefill_s},
                     {"output": np.asarray(result.output_ids, dtype=np.int32)})
 
-        return Job(run(), what=f"generate {method} of {max_new_tokens} tokens")
+        return Job(run(), what=f"generate {method} of {max_new_tokens} tokens", principal=principal)
 
     # -- session ops -----------------------------------------------------------------------------
     def prefill(self, header, arrays, *, connection, curve_key):
