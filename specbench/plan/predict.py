@@ -226,7 +226,7 @@ def break_even_acceptance(target: LatencyProfile, draft: LatencyProfile, k: int,
 
 def replay_speed(records, prompt_lengths: Sequence[int], target: LatencyProfile, clients: int = 1,
                  network_s: float = 0.0) -> float:
-    """Per-client tokens/s predicted for a measured run (a records frame, one client's steps) replayed
+    """Per-client tokens/s predicted for a measured run (a records frame, any number of prompts) replayed
     on a target shared by `clients`: each step's verify priced at its own drafted count and context
     by the profile's batch grid, the client's own time (drafting, loop) as measured, plus `network_s`
     per step. Why: methods without a draft profile (prompt lookup) still get a concurrency forecast."""

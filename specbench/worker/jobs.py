@@ -21,7 +21,6 @@ class CancelledError(SpecbenchError):
 @dataclass
 class Job:
     steps: Generator[Any, None, tuple]
-    what: str  # for the log: "prefill of s1 (4000 tokens)"
     session_key: Optional[str] = None  # the target session it builds, if any
     key: Optional[tuple] = None  # the request key (a resend of the same request joins the job)
     principal: str = ""  # whose quota it counts against (generates and profiles)
@@ -60,8 +59,7 @@ class JobQueue:
         return sum(not job.done for job in self.jobs)
 
     def add(self, job: Job) -> None:
-        if job not in self.jobs:
-            self.jobs.append(job)
+        self.jobs.append(job)
 
     def for_session(self, session_key: str) -> Optional[Job]:
         return next((job for job in self.jobs if job.session_key == session_key and not job.done), None)

@@ -187,8 +187,7 @@ class Ops:
                 yield
             return {"rows": rows, **self.describe()}, None
 
-        return Job(run(), what=f"profile of {len(tokens) * len(contexts) * len(batches)} points",
-                   principal=self._check_jobs(header, curve_key))
+        return Job(run(), principal=self._check_jobs(header, curve_key))
 
     def generate(self, header, arrays, *, connection, curve_key):
         """Server-only baselines: the worker drafts and verifies itself, and returns finished tokens."""
@@ -231,7 +230,7 @@ class Ops:
             return ({"records": [asdict(record) for record in result.records], "prefill_s": result.prefill_s},
                     {"output": np.asarray(result.output_ids, dtype=np.int32)})
 
-        return Job(run(), what=f"generate {method} of {max_new_tokens} tokens", principal=principal)
+        return Job(run(), principal=principal)
 
     # -- session ops -----------------------------------------------------------------------------
     def prefill(self, header, arrays, *, connection, curve_key):
@@ -279,7 +278,7 @@ class Ops:
             session.replay = (key, reply, None)
             return reply, None
 
-        return Job(run(), what=f"prefill of {name} ({len(tokens)} tokens)", session_key=session.key, key=key)
+        return Job(run(), session_key=session.key, key=key)
 
     def verify(self, header, arrays, *, connection, curve_key):
         """One verify alone (batching off, or a batch of one)."""
