@@ -93,7 +93,7 @@ def test_jupyterlab_export_of_the_pareto_notebook(browser):
     exec(next(c.source for c in book.cells if "parameters" in c.metadata.get("tags", [])), parameters)
     target, draft, reference = matching_pairs(load_profiles(), load_references())[0]
     points = operating_points(reference, rtts_ms=parameters["RTTS_MS"], local=True, remote=True)
-    expected = prediction_frame(target, draft, reference, points, Prices(), Power())
+    expected = prediction_frame(target, draft, reference, points, Prices(), Power(), cost=parameters["OBJECTIVE"])
     shared = concurrency_frame(target, draft, reference, clients=(1, 2, 4, 8, 16), rtt_ms=parameters["RTTS_MS"][0])
 
     # The widget's own output needs a live kernel; the static copy below it is what an export shows.

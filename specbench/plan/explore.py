@@ -59,6 +59,28 @@ def recommend(frame: pd.DataFrame, cs: float, cost: str = "total_cost") -> pd.Se
     return frame[frame["label"] == chosen["label"]].iloc[0]
 
 
+def cs_ranges(frame: pd.DataFrame, cost: str = "total_cost", step: float = 0.05) -> pd.DataFrame:
+    """Which point is recommended over which span of the cost weight (cs from 0 to 1 in `step`s): one row
+    per span. A single row means the weight changes nothing here (one point is fastest and cheapest)."""
+    spans: list[dict] = []
+    for i in range(int(round(1 / step)) + 1):
+        cs = min(1.0, i * step)
+        label = recommend(frame, cs, cost)["label"]
+        if spans and spans[-1]["label"] == label:
+            spans[-1]["cs_to"] = cs
+        else:
+            spans.append({"cs_from": cs, "cs_to": cs, "label": label})
+    return pd.DataFrame(spans)
+
+
+def cs_summary(spans: pd.DataFrame) -> str:
+    """One line saying how the recommendation moves with cs, or that it does not."""
+    if len(spans) == 1:
+        return (f"the cost weight changes nothing in this view: {spans['label'].iloc[0]} is recommended at every cs "
+                f"(it is both the fastest and the cheapest point that matters); try another cost, place or RTT")
+    return "recommended by cs: " + "; ".join(f"{row.cs_from:g}-{row.cs_to:g}: {row.label}" for row in spans.itertuples())
+
+
 def cost_column(objective: str) -> str:
     try:
         return OBJECTIVE_COLUMNS[objective]

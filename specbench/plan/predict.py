@@ -203,13 +203,19 @@ def pareto_front(rows: Sequence[dict], speed: str = "tokens_per_s", cost: str = 
 
 def choose(rows: Sequence[dict], cs: float, cost: str = "total_cost_usd_per_mtok",
            reference_label: Optional[str] = None) -> dict:
-    """The row minimising AutoDraft's J for cost weight cs; references default to target-only's row."""
+    """The row minimising AutoDraft's J for cost weight cs; references default to target-only's row.
+
+    An objective can be zero at the reference (target-only spends no draft energy): costs are then
+    scaled by the largest one instead, and when every point costs nothing, speed alone decides."""
     check_cs(cs)
     if not rows:
         raise SpecbenchError("no operating points to choose from")
     base = next((r for r in rows if r["label"] == reference_label), None) if reference_label else None
     base = base or next((r for r in rows if r["method"] == "target-only"), rows[0])
-    return min(rows, key=lambda r: cost_knob(cs, r[cost], base[cost], r["tokens_per_s"], base["tokens_per_s"]))
+    cost_ref = base[cost] if base[cost] > 0 else max(r[cost] for r in rows)
+    if cost_ref <= 0:
+        cost_ref, cs = 1.0, 0.0
+    return min(rows, key=lambda r: cost_knob(cs, r[cost], cost_ref, r["tokens_per_s"], base["tokens_per_s"]))
 
 
 def break_even_acceptance(target: LatencyProfile, draft: LatencyProfile, k: int, context: int = 256,
