@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from specbench.models.spec import QUANTIZATIONS
 from specbench.types import VERIFY_RULES, SamplingParams, SpecbenchError
 
 
@@ -33,8 +34,8 @@ def _run(args) -> int:
     from specbench.decode.metrics import summarize
     from specbench.models.spec import ModelSpec
 
-    target = ModelSpec(args.target, dtype=args.dtype)
-    draft = ModelSpec(args.draft, dtype=args.dtype) if args.draft else None
+    target = ModelSpec(args.target, dtype=args.dtype, quantization=args.quant)
+    draft = ModelSpec(args.draft, dtype=args.dtype, quantization=args.draft_quant) if args.draft else None
     sampling = SamplingParams(temperature=args.temperature, rule=args.rule)
     planner = None
     if args.plan:
@@ -46,7 +47,8 @@ def _run(args) -> int:
     from specbench.demo import DEMO_PROMPTS
 
     records = run(target, args.prompt or DEMO_PROMPTS, method=args.method, draft=draft, k=args.k,
-                  max_new_tokens=args.max_new_tokens, sampling=sampling, dtype=args.dtype, planner=planner)
+                  max_new_tokens=args.max_new_tokens, sampling=sampling, dtype=args.dtype, planner=planner,
+                  substitute_quantization=args.substitute_quant)
     print(summarize(records).round(3).to_string(index=False))
     if args.out:
         records.to_csv(args.out, index=False)
@@ -92,7 +94,7 @@ def _reference(args) -> int:
     from specbench.plan.library import REFERENCES, save_reference
     from specbench.record import record_reference
 
-    target = as_loaded(ModelSpec(args.target, dtype=args.dtype), args.dtype)
+    target = as_loaded(ModelSpec(args.target, dtype=args.dtype, quantization=args.target_quant), args.dtype)
     if args.self_draft_layers:
         from specbench.models.self_draft import truncated_view
 
@@ -226,6 +228,10 @@ def build_parser() -> argparse.ArgumentParser:
     run_parser.add_argument("--temperature", type=float, default=0.0)
     run_parser.add_argument("--rule", default=SamplingParams().rule, choices=list(VERIFY_RULES))
     run_parser.add_argument("--dtype", default="float32")
+    run_parser.add_argument("--quant", default="none", choices=list(QUANTIZATIONS), help="target quantization")
+    run_parser.add_argument("--draft-quant", default="none", choices=list(QUANTIZATIONS), help="draft quantization")
+    run_parser.add_argument("--substitute-quant", default="8bit", choices=list(QUANTIZATIONS)[1:],
+                            help="the substitute method's draft: the target itself, quantized (default %(default)s)")
     run_parser.add_argument("--out", help="write the per-step records as CSV")
     run_parser.add_argument("--plan", action="store_true",
                             help="choose K per step (up to --k) from the cached profiles and reference of the pair")
@@ -236,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--bind", default="tcp://127.0.0.1:5555")
     worker.add_argument("--model", help="catalog name, Hugging Face id or path")
     worker.add_argument("--draft", help="draft model for the server-only baseline")
-    worker.add_argument("--quant", default="none", choices=["none", "8bit", "4bit"])
+    worker.add_argument("--quant", default="none", choices=list(QUANTIZATIONS))
     worker.add_argument("--dtype", default="float32")
     worker.add_argument("--device", default="cpu")
     worker.add_argument("--lazy", action="store_true", help="load the model on first use, not at start")
@@ -267,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--model", help="catalog name, Hugging Face id or path (measured here)")
     source.add_argument("--worker", help="endpoint of a worker to measure its loaded target on its hardware")
     profile.add_argument("--dtype", default="float32")
-    profile.add_argument("--quant", default="none", choices=["none", "8bit", "4bit"])
+    profile.add_argument("--quant", default="none", choices=list(QUANTIZATIONS))
     profile.add_argument("--self-draft-layers", type=int, help="profile the first N layers of --model")
     profile.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 24, 32, 48, 64])
     profile.add_argument("--contexts", type=int, nargs="+", default=[128, 512])
@@ -280,7 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
     reference = commands.add_parser("reference", help="record per-step acceptance of a pair on a prompt set")
     reference.add_argument("--target", required=True)
     reference.add_argument("--draft")
-    reference.add_argument("--draft-quant", default="none", choices=["none", "8bit", "4bit"])
+    reference.add_argument("--draft-quant", default="none", choices=list(QUANTIZATIONS))
+    reference.add_argument("--target-quant", default="none", choices=list(QUANTIZATIONS))
     reference.add_argument("--self-draft-layers", type=int)
     reference.add_argument("--dataset", default="bench", help="dataset name or a JSONL file of prompts")
     reference.add_argument("--dataset-label", help="name stored in the reference (default: --dataset)")

@@ -30,7 +30,8 @@ def profile_model(model: ModelLike, tokens: Sequence[int] = DEFAULT_TOKENS,
     rows = list(tqdm(points, total=len(tokens) * len(contexts) * len(batches), desc=f"profile {loaded.spec.label}",
                      unit="point", disable=not progress))
     profile = LatencyProfile(model=loaded.spec.label, device=device_name(device), dtype=str(loaded.model.dtype)[6:],
-                             quantization=loaded.spec.quantization,
+                             quantization=loaded.spec.quantization, weight_bytes=loaded.weight_bytes,
+                             kv_bytes_per_token=loaded.kv_bytes_per_token,
                              rows=tuple((r["tokens"], r["context"], r["median_s"], r["batch"]) for r in rows))
     power = measure_power(device)
     return profile, {"power_watts": power["watts"], "power_source": power["source"], "repeats": repeats,
@@ -75,6 +76,8 @@ def profile_worker(endpoint: str, tokens: Sequence[int] = DEFAULT_TOKENS, contex
     reply = remote.profile(tokens=tokens, contexts=contexts, repeats=repeats, batches=batches)
     profile = LatencyProfile(model=reply["model"], device=reply.get("device_name") or reply["device"],
                              dtype=reply.get("dtype") or "float32", quantization=reply.get("quantization") or "none",
+                             weight_bytes=reply.get("weight_bytes") or 0,
+                             kv_bytes_per_token=reply.get("kv_bytes_per_token") or 0,
                              rows=tuple((r["tokens"], r["context"], r["median_s"], r.get("batch", 1))
                                         for r in reply["rows"]))
     return profile, {"repeats": repeats, "worker": endpoint, "batches": list(batches), "power_source": "configured", "power_watts": None}

@@ -12,14 +12,33 @@ pytestmark = pytest.mark.real_model
 PROMPTS = ["Write a haiku about the sea.", "def fibonacci(n):"]
 
 
-def test_8bit_substitute_of_itself_is_lossless(smollm2):
-    records = run(smollm2, PROMPTS, method=["target-only", "substitute"], substitute_quantization="8bit",
+@pytest.mark.parametrize("quantization, agreement", [("8bit", 0.5), ("4bit", 0.1), ("int8-dynamic", 0.3)])
+def test_quantized_substitute_of_itself_is_lossless(smollm2, quantization, agreement):
+    records = run(smollm2, PROMPTS, method=["target-only", "substitute"], substitute_quantization=quantization,
                   k=3, max_new_tokens=16, progress=False)
     produced = outputs(records)
     for index in range(len(PROMPTS)):
         assert produced[("substitute", index)] == produced[("target-only", index)]
     substitute = records[records.method == "substitute"]
-    assert substitute["accepted"].sum() / substitute["drafted"].sum() > 0.5  # a quantized twin agrees often
+    # a quantized twin agrees often (seen here: 8bit 0.6+, int8-dynamic 0.47, 4bit lower)
+    assert substitute["accepted"].sum() / substitute["drafted"].sum() > agreement
+
+
+@pytest.mark.parametrize("quantization, at_most", [("8bit", 0.5), ("4bit", 0.4), ("int8-dynamic", 0.55)])
+def test_quantized_weights_are_measured_smaller(smollm2, quantization, at_most):
+    quantized = load_model(ModelSpec("smollm2-135m", quantization=quantization))
+    assert smollm2.weight_bytes > 500 * 2**20  # fp32, the tied embedding counted once
+    assert quantized.weight_bytes < at_most * smollm2.weight_bytes
+    assert quantized.vocab_size == smollm2.vocab_size
+    # 30 layers x (K, V) x 3 KV heads x 64 x 4 bytes: the cache stays in the compute dtype
+    assert quantized.kv_bytes_per_token == smollm2.kv_bytes_per_token == 30 * 2 * 3 * 64 * 4
+
+
+def test_int8_dynamic_where_it_cannot_run_is_refused_with_what_would():
+    with pytest.raises(QuantizationUnavailableError, match="CPU only.*use quantization='8bit' or '4bit'"):
+        load_model(ModelSpec("smollm2-135m", quantization="int8-dynamic", device="cuda"))
+    with pytest.raises(QuantizationUnavailableError, match="dtype='float32'"):
+        load_model(ModelSpec("smollm2-135m", quantization="int8-dynamic", dtype="bfloat16"))
 
 
 def test_chat_template_is_applied(smollm2):

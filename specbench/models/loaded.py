@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Optional
 
+from specbench.models.memory import kv_bytes_per_token, weight_bytes
 from specbench.models.spec import ModelSpec
 
 
@@ -16,7 +18,19 @@ class LoadedModel:
     @property
     def vocab_size(self) -> int:
         """Rows of the output layer: every id in [0, vocab_size) has a logit."""
-        return int(self.model.get_output_embeddings().weight.shape[0])
+        head = self.model.get_output_embeddings()
+        if hasattr(head, "out_features"):  # also quantized layers, whose weight is packed or a method
+            return int(head.out_features)
+        return int(head.weight.shape[0])
+
+    @cached_property
+    def weight_bytes(self) -> int:
+        """Bytes its weights take as loaded (quantized ones as stored)."""
+        return weight_bytes(self.model)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return kv_bytes_per_token(self.model)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

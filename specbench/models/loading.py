@@ -38,7 +38,8 @@ def _resolve_source(spec: ModelSpec) -> tuple[str, dict]:
 
 
 def _quantization_config(spec: ModelSpec):
-    if spec.quantization == "none":
+    """transformers' config for bitsandbytes; None when loading unquantized (or quantizing after load)."""
+    if spec.quantization in ("none", "int8-dynamic"):
         return None
     try:
         import bitsandbytes  # noqa: F401  (import proves the backend is usable here)
@@ -53,6 +54,33 @@ def _quantization_config(spec: ModelSpec):
     if spec.quantization == "8bit":
         return BitsAndBytesConfig(load_in_8bit=True)
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=compute, bnb_4bit_quant_type="nf4")
+
+
+def _check_dynamic_int8(spec: ModelSpec) -> None:
+    """PyTorch's dynamic int8 Linear has CPU kernels only, for float32 models."""
+    if spec.quantization != "int8-dynamic":
+        return
+    if spec.device != "cpu":
+        raise QuantizationUnavailableError(
+            f"int8-dynamic runs on the CPU only (PyTorch's x86/fbgemm kernels), not on {spec.device}; "
+            f"on {spec.device} use quantization='8bit' or '4bit' (bitsandbytes)")
+    if spec.dtype != "float32":
+        raise QuantizationUnavailableError(
+            f"int8-dynamic quantizes float32 Linear layers; load with dtype='float32', not {spec.dtype}")
+    if not hasattr(torch, "ao") or not hasattr(torch.ao.quantization, "quantize_dynamic") or \
+            not torch.backends.quantized.supported_engines:
+        raise QuantizationUnavailableError(
+            f"this PyTorch ({torch.__version__}) has no dynamic int8 quantization; use '8bit' or '4bit' (bitsandbytes)")
+
+
+def _quantize_dynamic_int8(model):
+    """Every Linear (output layer included) to int8 weights with int8 matmuls on the CPU."""
+    import warnings
+
+    with warnings.catch_warnings():  # torch.ao's deprecation notice; still shipped and measured here
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
 
 
 def available_bytes(device: str) -> Optional[int]:
@@ -80,7 +108,7 @@ def _estimated_bytes(source: str, spec: ModelSpec) -> Optional[int]:
     stored_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}.get(stored, 2)
     on_disk = sum(path.stat().st_size for path in weights)
     wanted = {"float32": 4, "bfloat16": 2, "float16": 2}[spec.dtype]
-    if spec.quantization == "8bit":
+    if spec.quantization in ("8bit", "int8-dynamic"):
         wanted = 1
     elif spec.quantization == "4bit":
         wanted = 0.5
@@ -91,11 +119,14 @@ def load_model(spec: ModelSpec) -> LoadedModel:
     """Load a causal LM and its tokenizer as `spec` says; refuse loads that cannot work, by name."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    _check_dynamic_int8(spec)
     if spec.model.startswith("tiny-random"):
         from specbench.models.tiny import tiny_from_name
 
         loaded = tiny_from_name(spec.model)
         loaded.model.to(dtype=_torch_dtype(spec.dtype), device=spec.device)
+        if spec.quantization == "int8-dynamic":
+            loaded.model = _quantize_dynamic_int8(loaded.model)
         loaded.spec = spec
         return loaded
     source, extra = _resolve_source(spec)
@@ -118,6 +149,8 @@ def load_model(spec: ModelSpec) -> LoadedModel:
             f"a local directory, or a Hugging Face id (needs the hub).") from None
     if quantization is None:
         model.to(spec.device)
+    if spec.quantization == "int8-dynamic":
+        model = _quantize_dynamic_int8(model)
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(source, **extra)
     return LoadedModel(spec=spec, model=model, tokenizer=tokenizer)

@@ -41,6 +41,7 @@ def prediction_frame(target: LatencyProfile, draft: Optional[LatencyProfile],
                      overhead_s: float = 0.0, bandwidth_mbps: float = 0.0,
                      cost: str = "total_cost") -> pd.DataFrame:
     """One predicted row per operating point, with `on_front` marking the latency-cost Pareto set."""
+    check_pairing(target, draft, reference)
     points = points if points is not None else operating_points(reference)
     rows = predict(points, target, draft, reference, prices, power, context, overhead_s, bandwidth_mbps)
     column = cost_column(cost)
@@ -51,6 +52,21 @@ def prediction_frame(target: LatencyProfile, draft: Optional[LatencyProfile],
     frame["draft"] = draft.model if draft else None
     frame["device"] = target.device
     return frame
+
+
+def check_pairing(target: LatencyProfile, draft: Optional[LatencyProfile],
+                  reference: Optional[AcceptanceReference]) -> None:
+    """Refuse profiles of other models (a quantization included) than the reference measured: acceptance
+    of an 8-bit draft says nothing about its 4-bit twin."""
+    if reference is None:
+        return
+    wanted = {"target": (reference.target, target.model), "draft": (reference.draft, draft.model if draft else None)}
+    for role, (measured, profiled) in wanted.items():
+        if profiled is not None and measured != profiled:
+            raise SpecbenchError(
+                f"the reference measured {role} {measured!r} but the {role} profile is of {profiled!r}: pick the "
+                f"profile of {measured!r} (its quantization included), or record a reference for {profiled!r} "
+                f"with `specbench reference`")
 
 
 def recommend(frame: pd.DataFrame, cs: float, cost: str = "total_cost") -> pd.Series:

@@ -28,16 +28,18 @@ def library_versions() -> dict:
 
 def save_profile(profile: LatencyProfile, extra: Optional[dict] = None, folder: Path = PROFILES) -> Path:
     metadata = {"model": profile.model, "device": profile.device, "dtype": profile.dtype,
-                "quantization": profile.quantization, "host": platform.node(),
+                "quantization": profile.quantization, "weight_bytes": profile.weight_bytes,
+                "kv_bytes_per_token": profile.kv_bytes_per_token, "host": platform.node(),
                 "versions": library_versions(), **(extra or {})}
     metadata.setdefault("date", datetime.now(timezone.utc).date().isoformat())
     payload = {"rows": [list(row) for row in profile.rows]}
-    return write_record(folder, "profile", metadata, payload, label=f"{profile.device}-{profile.model}-{profile.dtype}")
+    return write_record(folder, "profile", metadata, payload, label=f"{profile.model}-{profile.dtype}-{profile.device}")
 
 
 def load_profiles(folder: Path = PROFILES, **match) -> list[LatencyProfile]:
     return [LatencyProfile(model=m["model"], device=m["device"], dtype=m["dtype"], quantization=m["quantization"],
-                           rows=tuple(tuple(row) for row in p["rows"]))
+                           rows=tuple(tuple(row) for row in p["rows"]), weight_bytes=m.get("weight_bytes") or 0,
+                           kv_bytes_per_token=m.get("kv_bytes_per_token") or 0)
             for _, m, p in find_records(folder, "profile", **match)]
 
 

@@ -34,6 +34,12 @@ class LatencyProfile:
     dtype: str = "float32"
     quantization: str = "none"
     rows: tuple[tuple, ...] = ()  # (tokens, context, median_s[, batch])
+    weight_bytes: int = 0  # as loaded for the profile; 0 in profiles recorded before it was measured
+    kv_bytes_per_token: int = 0
+
+    def memory_bytes(self, context: int, batch: int = 1) -> int:
+        """Weights plus `batch` caches of `context` tokens: what the model needs on its device."""
+        return self.weight_bytes + batch * context * self.kv_bytes_per_token
 
     @property
     def batches(self) -> list[int]:

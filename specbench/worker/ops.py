@@ -115,6 +115,8 @@ class Ops:
                 "device_name": device_name(str(self.target.device)) if self.target else None,
                 "dtype": loaded.spec.dtype if loaded else None,
                 "quantization": loaded.spec.quantization if loaded else None,
+                "weight_bytes": loaded.weight_bytes if loaded else None,
+                "kv_bytes_per_token": loaded.kv_bytes_per_token if loaded else None,
                 "torch": torch.__version__, "sessions": len(self.sessions),
                 "limits": {**self.limits.__dict__, "max_kv_bytes": self.kv_budget}}
 
