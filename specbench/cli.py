@@ -127,10 +127,13 @@ def _pareto(args) -> int:
     power = Power(draft_watts=args.draft_watts, target_watts=args.target_watts)
     sections = pair_predictions(load_profiles(args.profiles or PROFILES), load_references(args.references or REFERENCES),
                                 rtts_ms=args.rtt, target=args.target, prices=prices, power=power, context=args.context,
-                                cost=args.cost)
+                                cost=args.cost, draft_budget_bytes=args.draft_budget_mib * 2**20 if args.draft_budget_mib else None)
     for section in sections:
-        best = section["predicted"].sort_values("tokens_per_s", ascending=False).iloc[0]
-        print(f"{section['title']}: fastest {best['label']} {best['tokens_per_s']:.2f} tok/s")
+        predicted = section["predicted"]
+        best = predicted[predicted["fits"]].sort_values("tokens_per_s", ascending=False).iloc[0]
+        over = int((~predicted["fits"]).sum())
+        print(f"{section['title']}: fastest {best['label']} {best['tokens_per_s']:.2f} tok/s"
+              + (f" ({over} points over the draft memory budget)" if over else ""))
     path = write_pareto_report(args.out, [dict(s, cs=args.cs) for s in sections], cost=args.cost)
     print(f"Pareto report: {path.resolve()}")
     return 0
@@ -310,6 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
     pareto.add_argument("--cost", default="total_cost", choices=["total_cost", "api_cost", "draft_energy",
                                                                  "target_energy"])
     pareto.add_argument("--context", type=int, default=256)
+    pareto.add_argument("--draft-budget-mib", type=float,
+                        help="draft device memory budget: drafts whose weights + a --context cache exceed it are "
+                             "shown greyed and never recommended")
     pareto.add_argument("--usd-per-hour", type=float, default=2.0, help="target GPU $/hour")
     pareto.add_argument("--usd-per-kwh", type=float, default=0.30, help="draft-side electricity")
     pareto.add_argument("--usd-per-gb", type=float, default=0.09, help="egress $/GB")

@@ -90,5 +90,9 @@ def _write_report(path, local, dtype: str, rtt_ms: float):
     for section in sections:
         target = section["target"]
         if target.model == "smollm2-135m" and target.device == device_name("cpu") and target.dtype == dtype:
-            section["measured"] = measured_points(local[local["method"].isin(["target-only", "self-draft"])])
+            measured = measured_points(local[local["method"].isin(["target-only", "self-draft"])])
+            # named like the section's points: `model: operating point`
+            measured["label"] = [f"{target.model if method == 'target-only' else target.model + '[:26]'}: {label}"
+                                 for method, label in zip(measured["method"], measured["label"])]
+            section["measured"] = measured
     return write_pareto_report(path, sections, note="Measured diamonds: this demo run (local, greedy).")

@@ -77,7 +77,7 @@ def test_jupyterlab_export_of_the_pareto_notebook(browser):
     from nbconvert import HTMLExporter
 
     from specbench.plan.costs import Power, Prices
-    from specbench.plan.explore import concurrency_frame, matching_pairs, operating_points, prediction_frame
+    from specbench.plan.explore import concurrency_frame, matching_pairs, operating_points, target_groups, variants_frame
     from specbench.plan.library import load_profiles, load_references
 
     book = nbformat.read(NOTEBOOKS / "03_pareto_explorer.ipynb", as_version=4)
@@ -91,9 +91,11 @@ def test_jupyterlab_export_of_the_pareto_notebook(browser):
     # What the notebook's default selection must show, computed here independently of it.
     parameters = {}
     exec(next(c.source for c in book.cells if "parameters" in c.metadata.get("tags", [])), parameters)
-    target, draft, reference = matching_pairs(load_profiles(), load_references())[0]
-    points = operating_points(reference, rtts_ms=parameters["RTTS_MS"], local=True, remote=True)
-    expected = prediction_frame(target, draft, reference, points, Prices(), Power(), cost=parameters["OBJECTIVE"])
+    combos = next(iter(target_groups(matching_pairs(load_profiles(), load_references())).values()))
+    target, draft, reference = combos[0]
+    expected = variants_frame(combos, lambda ref: operating_points(ref, rtts_ms=parameters["RTTS_MS"], local=True,
+                                                                   remote=True), Prices(), Power(),
+                              cost=parameters["OBJECTIVE"])
     shared = concurrency_frame(target, draft, reference, clients=(1, 2, 4, 8, 16), rtt_ms=parameters["RTTS_MS"][0])
 
     # The widget's own output needs a live kernel; the static copy below it is what an export shows.

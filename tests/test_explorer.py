@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from specbench.plan.explore import cs_ranges, cs_summary, operating_points, prediction_frame, recommend
+from specbench.plan.predict import AcceptanceReference, LatencyProfile
 from test_viz import DRAFT, REFERENCE, TARGET
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
@@ -45,8 +46,17 @@ for name, control in explorer.controls.items():
     control.value = start
 print("checked", checked, "refused", refused)
 # Only empty selections are refused, each with its reason in the panel.
-assert {(name, value) for name, value, _ in refused} == {("place", ()), ("rtts", ())}, refused
-assert all("choose local, remote or both" in m or "pick at least one RTT" in m for _, _, m in refused), refused
+assert {(name, value) for name, value, _ in refused} == {("place", ()), ("rtts", ()), ("target_quant", ()),
+                                                         ("draft_quant", ())}, refused
+assert all(any(reason in m for reason in ("choose local, remote or both", "pick at least one RTT",
+                                          "pick at least one target and one draft quantization"))
+           for _, _, m in refused), refused
+# The pickers offer exactly the quantizations the shipped caches hold for each target.
+for title, combos in groups.items():
+    explorer.controls["target"].value = title
+    assert set(explorer.controls["target_quant"].options) == {t.quantization for t, _, _ in combos}
+    assert set(explorer.controls["draft_quant"].options) == {d.quantization for _, d, _ in combos}
+    assert set(explorer.frame["draft"]) - {None} <= {d.model for _, d, _ in combos}
 assert checked > 150
 '''
 
@@ -87,3 +97,68 @@ def test_an_objective_that_is_zero_everywhere_leaves_speed_to_decide():
     frame = prediction_frame(TARGET, DRAFT, REFERENCE, operating_points(REFERENCE))
     frame["api_cost_usd_per_mtok"] = 0.0
     assert recommend(frame, 1.0, "api_cost")["tokens_per_s"] == frame["tokens_per_s"].max()
+
+
+def _variant(quantization: str, weight_mib: float, speedup: float):
+    """A synthetic quantized twin of DRAFT: `speedup` times faster, `weight_mib` of weights."""
+    rows = tuple((t, c, s / speedup) for t, c, s in DRAFT.rows)
+    label = "small" if quantization == "none" else f"small@{quantization}"
+    profile = LatencyProfile(label, "test-device", quantization=quantization, rows=rows,
+                             weight_bytes=int(weight_mib * 2**20), kv_bytes_per_token=1024)
+    reference = AcceptanceReference(label, "big", "synthetic", max_chain=6, chain_accepts=REFERENCE.chain_accepts)
+    return TARGET, profile, reference
+
+
+def test_variants_share_one_frame_and_a_draft_over_budget_is_shown_not_dropped():
+    from specbench.plan.explore import variants_frame
+
+    combos = [_variant("none", 400, 1.0), _variant("8bit", 150, 1.3), _variant("4bit", 90, 1.1)]
+    points = lambda reference: operating_points(reference, chain_ks=(2, 4))
+    everything = variants_frame(combos, points)
+    assert everything["label"].is_unique
+    assert (everything["method"] == "target-only").sum() == 1  # one target variant: one target-only row
+    assert set(everything["draft_quantization"]) == {"none", "8bit", "4bit"} and everything["fits"].all()
+    budget = 200 * 2**20  # the fp32 draft (400 MiB + 256 tokens x 1 KiB) does not fit
+    limited = variants_frame(combos, points, draft_budget_bytes=budget)
+    assert len(limited) == len(everything)
+    over = limited[~limited["fits"]]
+    assert set(over["draft"]) == {"small"} and (over["draft_memory_bytes"] > budget).all()
+    assert not over["on_front"].any()
+    assert recommend(limited[limited["fits"]], 0.0)["draft"] != "small"
+
+
+def test_a_profile_of_another_quantization_than_the_reference_is_refused():
+    from specbench.types import SpecbenchError
+
+    target, draft_8bit, _ = _variant("8bit", 150, 1.3)
+    _, _, reference_4bit = _variant("4bit", 90, 1.1)
+    with pytest.raises(SpecbenchError, match="reference measured draft 'small@4bit' but the draft profile is of "
+                                             "'small@8bit'"):
+        prediction_frame(target, draft_8bit, reference_4bit)
+
+
+def test_memory_round_trips_through_the_profile_cache(tmp_path):
+    from specbench.plan.library import load_profiles, save_profile
+
+    _, profile, _ = _variant("int8-dynamic", 120, 2.0)
+    path = save_profile(profile, folder=tmp_path)
+    assert "small-int8-dynamic" in path.name
+    [loaded] = load_profiles(tmp_path)
+    assert loaded == profile and loaded.memory_bytes(1000) == profile.weight_bytes + 1000 * 1024
+
+
+def test_pareto_command_greys_drafts_over_the_memory_budget(tmp_path, capsys):
+    from specbench.cli import main
+    from specbench.plan.library import save_profile, save_reference
+
+    for quantization, mib, speedup in (("none", 400, 1.0), ("4bit", 90, 1.1)):
+        target, draft, reference = _variant(quantization, mib, speedup)
+        save_profile(draft, folder=tmp_path / "p")
+        save_reference(reference, folder=tmp_path / "r")
+    save_profile(TARGET, folder=tmp_path / "p")
+    out = tmp_path / "report.html"
+    assert main(["pareto", "--profiles", str(tmp_path / "p"), "--references", str(tmp_path / "r"), "--out", str(out),
+                 "--draft-budget-mib", "200"]) == 0
+    printed = capsys.readouterr().out
+    assert "drafts small, small@4bit" in printed and "points over the draft memory budget" in printed
+    assert "does not fit the draft memory budget" in out.read_text()

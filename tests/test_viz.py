@@ -85,7 +85,7 @@ def test_report_and_cli_write_html_from_cached_files(tmp_path, capsys):
     out = tmp_path / "cli.html"
     assert main(["pareto", "--profiles", str(tmp_path / "p"), "--references", str(tmp_path / "ref"),
                  "--out", str(out), "--rtt", "50"]) == 0
-    assert out.exists() and "small -&gt; big" in out.read_text()
+    assert out.exists() and "big (test-device, float32, synthetic): drafts small" in out.read_text()
     assert main(["pareto", "--profiles", str(tmp_path / "p"), "--references", str(tmp_path / "ref"),
                  "--out", str(out), "--cs", "1.5"]) == 2
     assert "cs must be in [0, 1]" in capsys.readouterr().err

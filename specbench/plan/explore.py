@@ -54,6 +54,57 @@ def prediction_frame(target: LatencyProfile, draft: Optional[LatencyProfile],
     return frame
 
 
+def base_name(label: str) -> str:
+    """A model label without its quantization: `smollm2-135m@8bit` -> `smollm2-135m`."""
+    return label.split("@", 1)[0]
+
+
+def target_groups(combos: Sequence[tuple]) -> dict[str, list[tuple]]:
+    """(target, draft, reference) combos by target family, device, dtype and prompt set: the drafts and
+    quantizations one Pareto view compares. Key example: `smollm2-135m (cpu-2t-AMD-EPYC, float32, bench)`."""
+    groups: dict[str, list[tuple]] = {}
+    for target, draft, reference in combos:
+        key = f"{base_name(target.model)} ({target.device}, {target.dtype}, {reference.dataset})"
+        groups.setdefault(key, []).append((target, draft, reference))
+    return groups
+
+
+def variants_frame(combos: Sequence[tuple], points, prices: Prices = Prices(), power: Power = Power(),
+                   context: int = 256, cost: str = "total_cost",
+                   draft_budget_bytes: Optional[float] = None) -> pd.DataFrame:
+    """Several drafts and quantizations of one target family in one predicted frame.
+
+    `points(reference)` gives each combo's operating points. Labels name the models (`smollm2-135m@8bit:
+    chain K=4 (local)`); target-only appears once per target variant. A draft whose weights plus a
+    `context`-token cache exceed `draft_budget_bytes` is kept with `fits` False (shown, never silently
+    dropped) and left out of the Pareto front; a profile recorded before memory was measured has
+    `draft_memory_bytes` NaN and counts as fitting.
+    """
+    frames, alone = [], set()
+    for target, draft, reference in combos:
+        frame = prediction_frame(target, draft, reference, points(reference), prices, power, context, cost=cost)
+        solo = frame["method"] == "target-only"
+        if target.model in alone:
+            frame = frame[~solo].reset_index(drop=True)
+            solo = frame["method"] == "target-only"
+        alone.add(target.model)
+        frame["target"], frame["target_quantization"] = target.model, target.quantization
+        frame["draft"], frame["draft_quantization"] = draft.model, draft.quantization
+        frame["variant"] = [f"{target.model} alone" if s else f"{draft.model} -> {target.model}" for s in solo]
+        frame["label"] = [f"{target.model if s else draft.model}: {label}" for s, label in zip(solo, frame["label"])]
+        memory = draft.memory_bytes(context) if draft.weight_bytes else float("nan")
+        frame["draft_memory_bytes"] = [0.0 if s else memory for s in solo]
+        frames.append(frame)
+    if not frames:
+        raise SpecbenchError("no draft/target combination selected: pick at least one target and one draft quantization")
+    frame = pd.concat(frames, ignore_index=True)
+    frame["fits"] = True if draft_budget_bytes is None else ~(frame["draft_memory_bytes"] > draft_budget_bytes)
+    column = cost_column(cost)
+    front = {row["label"] for row in pareto_front(frame[frame["fits"]].to_dict("records"), cost=column)}
+    frame["on_front"] = frame["label"].isin(front)
+    return frame
+
+
 def check_pairing(target: LatencyProfile, draft: Optional[LatencyProfile],
                   reference: Optional[AcceptanceReference]) -> None:
     """Refuse profiles of other models (a quantization included) than the reference measured: acceptance
@@ -158,17 +209,17 @@ def break_even_frame(target: LatencyProfile, draft: LatencyProfile, reference: O
 
 def pair_predictions(profiles: Sequence[LatencyProfile], references: Sequence[AcceptanceReference],
                      rtts_ms: Sequence[float] = (), target: Optional[str] = None, prices: Prices = Prices(),
-                     power: Power = Power(), context: int = 256, cost: str = "total_cost") -> list[dict]:
-    """One predicted frame per cached pair (the `pareto` command's and the demo report's sections):
-    local, plus remote at each RTT; `title` names pair, device, dtype and dataset."""
+                     power: Power = Power(), context: int = 256, cost: str = "total_cost",
+                     draft_budget_bytes: Optional[float] = None) -> list[dict]:
+    """One predicted frame per cached target family (the `pareto` command's and the demo report's sections),
+    every draft and quantization of it together: local, plus remote at each RTT."""
     sections = []
-    for target_profile, draft, reference in matching_pairs(profiles, references, target=target):
-        points = operating_points(reference, rtts_ms=rtts_ms, remote=bool(rtts_ms))
-        sections.append({"title": f"{reference.draft} -> {reference.target} on {target_profile.device} "
-                                  f"({target_profile.dtype}, {reference.dataset})",
-                         "target": target_profile,
-                         "predicted": prediction_frame(target_profile, draft, reference, points, prices, power,
-                                                       context=context, cost=cost)})
+    for title, combos in target_groups(matching_pairs(profiles, references, target=target)).items():
+        points = lambda reference: operating_points(reference, rtts_ms=rtts_ms, remote=bool(rtts_ms))
+        drafts = ", ".join(sorted({draft.model for _, draft, _ in combos}))
+        sections.append({"title": f"{title}: drafts {drafts}", "target": combos[0][0],
+                         "predicted": variants_frame(combos, points, prices, power, context, cost,
+                                                     draft_budget_bytes)})
     if not sections:
         raise SpecbenchError("no reference with matching target and draft profiles on one device; "
                              "run `specbench profile` and `specbench reference` first")

@@ -10,6 +10,7 @@ from specbench.decode.metrics import per_position_acceptance, time_split, tokens
 
 SPEED = "tokens_per_s"
 COLORS = {"target-only": "#636efa", "chain": "#ef553b", "tree": "#00cc96"}
+SYMBOLS = {"target-only": "square", "chain": "circle", "tree": "diamond"}
 
 
 def use_exportable_figures() -> None:
@@ -23,19 +24,29 @@ def use_exportable_figures() -> None:
 
 def pareto_figure(predicted: pd.DataFrame, measured: Optional[pd.DataFrame] = None,
                   cost: str = "total_cost_usd_per_mtok", recommended: Optional[pd.Series] = None,
-                  title: str = "Latency-cost trade-off") -> go.Figure:
+                  title: str = "Latency-cost trade-off", by: str = "method") -> go.Figure:
     """Predicted points (hover: label), the predicted Pareto front as a line, measured points overlaid.
 
     `measured` needs columns label, tokens_per_s and the cost column; each is drawn as a diamond so
     a reader sees at once where prediction and measurement part. Nothing is interpolated: the front
-    joins predicted operating points, each of which was predicted from measured inputs.
+    joins predicted operating points, each of which was predicted from measured inputs. `by` names
+    the column that colours the points (`variant`: one colour per draft/quantization, the method then
+    shown by the marker); points with `fits` False (over the draft's memory budget) are drawn grey.
     """
     figure = go.Figure()
-    for method, group in predicted.groupby("method", sort=False):
+    fits = predicted["fits"] if "fits" in predicted else pd.Series(True, index=predicted.index)
+    for name, group in predicted[fits].groupby(by, sort=False):
         figure.add_trace(go.Scatter(
-            x=group[cost], y=group[SPEED], mode="markers", name=f"predicted: {method}",
-            marker=dict(size=9, color=COLORS.get(method), opacity=0.7),
+            x=group[cost], y=group[SPEED], mode="markers", name=f"predicted: {name}",
+            marker=dict(size=9, color=COLORS.get(name), opacity=0.7,
+                        symbol=[SYMBOLS.get(method, "circle") for method in group["method"]]),
             text=group["label"], hovertemplate="%{text}<br>%{y:.2f} tok/s<br>%{x:.4g}<extra></extra>"))
+    if (~fits).any():
+        over = predicted[~fits]
+        figure.add_trace(go.Scatter(
+            x=over[cost], y=over[SPEED], mode="markers", name="does not fit the draft memory budget",
+            marker=dict(size=9, color="lightgrey", symbol="x"), text=over["label"],
+            hovertemplate="%{text} (over budget)<br>%{y:.2f} tok/s<br>%{x:.4g}<extra></extra>"))
     front = predicted[predicted["on_front"]].sort_values(cost)
     figure.add_trace(go.Scatter(x=front[cost], y=front[SPEED], mode="lines", name="Pareto front (predicted)",
                                 line=dict(color="black", dash="dot")))
