@@ -77,8 +77,14 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
     source = DraftSource(target, target_model, draft, dtype, self_draft_layers, substitute_quantization, tree)
     rows = []
     bar = tqdm(total=len(methods) * len(prompt_ids), desc="specbench run", disable=not progress)
+    described = getattr(target, "info", None)  # a RemoteTarget's worker description
+    target_bytes = target_model.weight_bytes if target_model else (
+        described.get("weight_bytes") if isinstance(described, dict) else None)
     for chosen in methods:
         drafter = chosen.build(source) if chosen.build else None
+        memory = {"target_weight_bytes": target_bytes,  # as loaded; a remote worker reports its own
+                  "draft_weight_bytes": drafter.draft.weight_bytes if isinstance(getattr(drafter, "draft", None),
+                                                                             LoadedModel) else None}
         planned = planner if chosen.plannable else None  # baselines in the same call run as they are
         decoding = Decoding(k, max_new_tokens, sampling, f"{chosen.name}+planner" if planned else chosen.name,
                             chosen.kind, planned)
@@ -91,7 +97,7 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
                 planned.reset()
             result = _generate_one(ids, index, seed * 1_000_003 + index, **one)
             rows += [{**asdict(record), "k": 0 if chosen.kind == "none" else k, "prompt_tokens": len(ids),
-                      "prefill_s": result.prefill_s} for record in result.records]
+                      "prefill_s": result.prefill_s, **memory} for record in result.records]
             bar.update()
     bar.close()
     return pd.DataFrame(rows)

@@ -62,8 +62,14 @@ def base_name(label: str) -> str:
 def target_groups(combos: Sequence[tuple]) -> dict[str, list[tuple]]:
     """(target, draft, reference) combos by target family, device, dtype and prompt set: the drafts and
     quantizations one Pareto view compares. Key example: `smollm2-135m (cpu-2t-AMD-EPYC, float32, bench)`."""
+    chosen: dict[tuple, tuple] = {}
+    for combo in combos:  # several references of one pair on one prompt set: the one with most steps
+        target, draft, reference = combo
+        pair = (target.model, target.device, target.dtype, draft.model, reference.dataset)
+        if pair not in chosen or len(reference.chain_accepts) > len(chosen[pair][2].chain_accepts):
+            chosen[pair] = combo
     groups: dict[str, list[tuple]] = {}
-    for target, draft, reference in combos:
+    for target, draft, reference in chosen.values():
         key = f"{base_name(target.model)} ({target.device}, {target.dtype}, {reference.dataset})"
         groups.setdefault(key, []).append((target, draft, reference))
     return groups
