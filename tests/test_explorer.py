@@ -125,6 +125,21 @@ def test_variants_share_one_frame_and_a_draft_over_budget_is_shown_not_dropped()
     assert set(over["draft"]) == {"small"} and (over["draft_memory_bytes"] > budget).all()
     assert not over["on_front"].any()
     assert recommend(limited[limited["fits"]], 0.0)["draft"] != "small"
+    assert recommend(limited, 0.0)["draft"] != "small"  # recommend itself never picks an over-budget point
+
+
+def test_the_fastest_point_over_the_budget_is_never_recommended():
+    from specbench.plan.explore import cs_ranges, variants_frame
+    from specbench.plan.predict import choose
+
+    combos = [_variant("none", 400, 2.0), _variant("8bit", 150, 1.3)]  # the fp32 draft is fastest, too big
+    frame = variants_frame(combos, lambda reference: operating_points(reference, chain_ks=(2, 4)),
+                           draft_budget_bytes=200 * 2**20)
+    fastest = frame.loc[frame["tokens_per_s"].idxmax()]
+    assert fastest["draft"] == "small" and not fastest["fits"]
+    assert choose(frame.to_dict("records"), 0.0, cost="total_cost_usd_per_mtok")["draft"] == "small"  # unfiltered
+    assert recommend(frame, 0.0)["draft"] == "small@8bit"
+    assert not cs_ranges(frame)["label"].str.startswith("small:").any()
 
 
 def test_a_profile_of_another_quantization_than_the_reference_is_refused():

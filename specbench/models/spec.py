@@ -6,10 +6,7 @@ from typing import Optional
 
 from specbench.types import SpecbenchError
 
-QUANTIZATIONS = ("none", "8bit", "4bit", "int8-dynamic")
-# Which library does each, and where it runs (measured on this project's CPU box: README, quantization).
-BACKENDS = {"8bit": "bitsandbytes LLM.int8 (CPU and CUDA)", "4bit": "bitsandbytes NF4 (CPU and CUDA)",
-            "int8-dynamic": "PyTorch dynamic int8 Linear layers (CPU only; the fastest choice on a CPU)"}
+QUANTIZATIONS = ("none", "8bit", "4bit", "int8-dynamic")  # bitsandbytes 8bit/4bit, PyTorch int8-dynamic (CPU)
 DTYPES = ("float32", "bfloat16", "float16")
 
 

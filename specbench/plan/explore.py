@@ -127,18 +127,25 @@ def check_pairing(target: LatencyProfile, draft: Optional[LatencyProfile],
 
 
 def recommend(frame: pd.DataFrame, cs: float, cost: str = "total_cost") -> pd.Series:
-    """The row that minimises AutoDraft's J at cost weight `cs` (0 = fastest, 1 = cheapest)."""
-    chosen = choose(frame.to_dict("records"), cs, cost=cost_column(cost))
+    """The row that minimises AutoDraft's J at cost weight `cs` (0 = fastest, 1 = cheapest), among the rows
+    that fit the draft's memory budget (`fits`, where the frame has it)."""
+    chosen = choose(_candidates(frame), cs, cost=cost_column(cost))
     return frame[frame["label"] == chosen["label"]].iloc[0]
+
+
+def _candidates(frame: pd.DataFrame) -> list[dict]:
+    """Rows a recommendation may pick: over-budget points are shown, never picked."""
+    return (frame[frame["fits"]] if "fits" in frame else frame).to_dict("records")
 
 
 def cs_ranges(frame: pd.DataFrame, cost: str = "total_cost", step: float = 0.05) -> pd.DataFrame:
     """Which point is recommended over which span of the cost weight (cs from 0 to 1 in `step`s): one row
     per span. A single row means the weight changes nothing here (one point is fastest and cheapest)."""
     spans: list[dict] = []
+    rows, column = _candidates(frame), cost_column(cost)
     for i in range(int(round(1 / step)) + 1):
         cs = min(1.0, i * step)
-        label = recommend(frame, cs, cost)["label"]
+        label = choose(rows, cs, cost=column)["label"]
         if spans and spans[-1]["label"] == label:
             spans[-1]["cs_to"] = cs
         else:

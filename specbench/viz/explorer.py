@@ -11,11 +11,12 @@ import ipywidgets as widgets
 
 from specbench.plan.costs import Power, Prices, PRESETS
 from specbench.models.spec import QUANTIZATIONS
-from specbench.plan.explore import cost_column, cs_ranges, cs_summary, operating_points, recommend, variants_frame
+from specbench.plan.explore import (OBJECTIVE_COLUMNS, cost_column, cs_ranges, cs_summary, operating_points, recommend,
+                                    variants_frame)
 from specbench.viz.figures import pareto_figure
 from specbench.viz.panels import replace_output
 
-OBJECTIVES = ("total_cost", "api_cost", "draft_energy", "target_energy")
+OBJECTIVES = tuple(OBJECTIVE_COLUMNS)
 RTT_CHOICES_MS = (5.0, 10.0, 25.0, 50.0, 100.0, 200.0)
 
 
@@ -121,11 +122,10 @@ class ParetoExplorer:
                 raise ValueError("remote is chosen but no RTT is: pick at least one RTT")
             frame = self.predictions()
             objective, column = c["objective"].value, cost_column(c["objective"].value)
-            fitting = frame[frame["fits"]]
-            best = recommend(fitting, c["cs"].value, objective)
-            picks = {name: recommend(fitting, value, objective)["label"] for name, value in PRESETS.items()}
+            best = recommend(frame, c["cs"].value, objective)
+            picks = {name: recommend(frame, value, objective)["label"] for name, value in PRESETS.items()}
             over = int((~frame["fits"]).sum())
-            self.message = cs_summary(cs_ranges(fitting, objective)) + (
+            self.message = cs_summary(cs_ranges(frame, objective)) + (
                 f"\n{over} points over the draft memory budget ({c['budget_mib'].value:g} MiB) are greyed and "
                 f"never recommended" if over else "")
             replace_output(self.output,

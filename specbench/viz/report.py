@@ -26,8 +26,7 @@ def write_pareto_report(path: Path | str, sections: Sequence[dict], cost: str = 
         predicted: pd.DataFrame = section["predicted"]
         measured: Optional[pd.DataFrame] = section.get("measured")
         cs = float(section.get("cs", PRESETS["balanced"]))
-        fitting = predicted[predicted["fits"]] if "fits" in predicted else predicted  # over-budget: shown, not picked
-        best = recommend(fitting, cs, cost)
+        best = recommend(predicted, cs, cost)
         figure = pareto_figure(predicted, measured, cost=column, recommended=best,
                                title=f"{section['title']} (recommended at cs={cs:g}: {best['label']})",
                                by="variant" if "variant" in predicted else "method")
@@ -35,7 +34,7 @@ def write_pareto_report(path: Path | str, sections: Sequence[dict], cost: str = 
         parts.append(figure.to_html(full_html=False, include_plotlyjs="inline" if first else False,
                                     div_id=f"pareto-{len(parts)}"))
         first = False
-        picks = [{"preset": name, "cs": value, **recommend(fitting, value, cost)[
+        picks = [{"preset": name, "cs": value, **recommend(predicted, value, cost)[
             ["label", "tokens_per_s", column]].to_dict()} for name, value in PRESETS.items()]
         parts.append("<h3>Recommended operating point per preset</h3>" + pd.DataFrame(picks).to_html(
             index=False, float_format=lambda v: f"{v:.4g}"))
