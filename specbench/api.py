@@ -56,7 +56,8 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
         max_new_tokens: int = 64, sampling: Optional[SamplingParams] = None, seed: int = 0,
         self_draft_layers: Optional[int] = None, substitute_quantization: str = "8bit",
         dtype: str = "float32", chat: bool = True, warmup: bool = True, progress: bool = True,
-        tokenizer=None, tree: TreeShape = TreeShape(), proactive: bool = False, planner=None) -> pd.DataFrame:
+        tokenizer=None, tree: TreeShape = TreeShape(), proactive: bool = False, planner=None,
+        cross_tokenizer: str = "auto") -> pd.DataFrame:
     """Run each method over each prompt and return one row per speculative step.
 
     `target` is a catalog name, Hugging Face id, path, ModelSpec, LoadedModel, LocalTarget or
@@ -66,7 +67,9 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
     prompt) come back through `outputs(df)`. `proactive` drafts ahead while a remote verify is in
     flight (methods that draft a chain from a model). A `planner` picks K per step up to `k` for
     plannable methods (AutoDraft's per-step choice), starting each prompt from its reference prior;
-    those runs are labelled "<method>+planner" and have `planned` set.
+    those runs are labelled "<method>+planner" and have `planned` set. A draft whose tokenizer is not
+    the target's is translated through text (`cross_tokenizer`: auto, text, shared-vocab; 'off'
+    refuses it); its rows say which rule ran (`cross_tokenizer`) and how many draft tokens it took.
     """
     sampling = sampling or SamplingParams()
     methods = [get_method(name) for name in ([method] if isinstance(method, str) else method)]
@@ -74,7 +77,8 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
     for chosen in methods:
         _check(chosen, target, planner)
     prompt_ids = encode_prompts(prompts, tokenizer or target.tokenizer, chat)
-    source = DraftSource(target, target_model, draft, dtype, self_draft_layers, substitute_quantization, tree)
+    source = DraftSource(target, target_model, draft, dtype, self_draft_layers, substitute_quantization, tree,
+                         cross_tokenizer)
     rows = []
     bar = tqdm(total=len(methods) * len(prompt_ids), desc="specbench run", disable=not progress)
     described = getattr(target, "info", None)  # a RemoteTarget's worker description

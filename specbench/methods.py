@@ -15,6 +15,7 @@ from specbench.models.spec import ModelSpec
 from specbench.types import SpecbenchError
 
 KINDS = ("none", "chain", "tree")
+CROSS_TOKENIZER = ("auto", "text", "shared-vocab", "off")
 
 
 @dataclass(frozen=True)
@@ -41,20 +42,46 @@ class DraftSource:
     self_draft_layers: Optional[int] = None
     substitute_quantization: str = "8bit"
     tree: TreeShape = TreeShape()
+    cross_tokenizer: str = "auto"  # a draft with another tokenizer: auto | text | shared-vocab | off (refuse it)
+
+    def __post_init__(self):
+        if self.cross_tokenizer not in CROSS_TOKENIZER:
+            raise SpecbenchError(f"cross_tokenizer must be one of {CROSS_TOKENIZER}, got {self.cross_tokenizer!r}")
 
     def draft_model(self, method: str):
-        """The draft model, loaded, and checked to speak the target's vocabulary."""
-        from specbench.models.loading import VocabMismatchError, as_loaded, check_vocab_compatible
+        """The draft model, loaded."""
+        from specbench.models.loading import as_loaded
 
         if self.draft is None:
             raise SpecbenchError(f"method {method!r} needs a draft model: pass draft=...")
-        loaded = as_loaded(self.draft, self.dtype)
-        if self.target_model is not None:
-            check_vocab_compatible(loaded, self.target_model)
-        elif loaded.vocab_size < self.target.vocab_size and loaded.tokenizer is None:
-            raise VocabMismatchError(
-                f"draft has {loaded.vocab_size} output ids but the target has {self.target.vocab_size}")
-        return loaded
+        return as_loaded(self.draft, self.dtype)
+
+    def model_drafter(self, method: str, tree: Optional[dict] = None):
+        """A drafter over the draft model: in the target's own ids when both speak one vocabulary,
+        else a cross-tokenizer drafter (unless `cross_tokenizer` is 'off'). `tree` holds TreeDrafter
+        settings for tree methods."""
+        from specbench.decode.drafters import ModelDrafter
+        from specbench.decode.tree_drafters import TreeDrafter
+        from specbench.models.loading import VocabMismatchError, same_vocabulary
+
+        draft = self.draft_model(method)
+        target_tokenizer = self.target_model.tokenizer if self.target_model is not None else self.target.tokenizer
+        name = f"{method}:{draft.spec.label}"
+        try:
+            same_vocabulary(draft, self.target_model, target_tokenizer, self.target.vocab_size)
+        except VocabMismatchError as mismatch:
+            if self.cross_tokenizer == "off" or draft.tokenizer is None or target_tokenizer is None:
+                raise VocabMismatchError(f"{mismatch}; a draft with another tokenizer is translated through "
+                                         f"text when both tokenizers are known"
+                                         + (" and cross_tokenizer is not 'off'" if self.cross_tokenizer == "off"
+                                            else "")) from None
+            from specbench.decode.cross_drafters import CrossTokenizerDrafter
+
+            return CrossTokenizerDrafter(draft, target_tokenizer, self.target.vocab_size, rule=self.cross_tokenizer,
+                                         tree=tree, name=f"{name}~cross")
+        if tree is not None:
+            return TreeDrafter(draft, self.target.vocab_size, name=name, **tree)
+        return ModelDrafter(draft, self.target.vocab_size, name=name)
 
     def own_weights(self, method: str):
         if self.target_model is None:
@@ -93,26 +120,17 @@ def get_method(name: str) -> Method:
 
 
 def _chain(source: DraftSource):
-    from specbench.decode.drafters import ModelDrafter
-
-    draft = source.draft_model("chain")
-    return ModelDrafter(draft, source.target.vocab_size, name=f"chain:{draft.spec.label}")
+    return source.model_drafter("chain")
 
 
 def _tree(source: DraftSource):
-    from specbench.decode.tree_drafters import TreeDrafter
-
-    draft, shape = source.draft_model("tree"), source.tree
-    return TreeDrafter(draft, source.target.vocab_size, max_depth=shape.max_depth, beam=shape.beam,
-                       branch=shape.branch, name=f"tree:{draft.spec.label}", prune=shape.prune)
+    shape = source.tree
+    return source.model_drafter("tree", tree=dict(max_depth=shape.max_depth, beam=shape.beam, branch=shape.branch,
+                                                  prune=shape.prune))
 
 
 def _fixed_tree(source: DraftSource):
-    from specbench.decode.tree_drafters import TreeDrafter
-
-    draft = source.draft_model("fixed-tree")
-    return TreeDrafter(draft, source.target.vocab_size, widths=source.tree.widths,
-                       name=f"fixed-tree:{draft.spec.label}")
+    return source.model_drafter("fixed-tree", tree=dict(widths=source.tree.widths))
 
 
 def _prompt_lookup(source: DraftSource):

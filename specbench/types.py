@@ -85,6 +85,10 @@ class DraftTree:
     draft_dists: Optional[tuple[SparseDist, ...]] = None
     # The drafter's own forecast of accepted tokens (sum of path probabilities); stays client-side.
     expected_accepted: Optional[float] = field(default=None, compare=False)
+    # A draft with another tokenizer: tokens it produced in its own vocabulary, and the rule that
+    # carried them into target ids ("text" or "shared-vocab"); client-side, for the records.
+    draft_tokens: Optional[int] = field(default=None, compare=False)
+    cross_tokenizer: str = field(default="", compare=False)
 
     def __post_init__(self):
         if len(self.tokens) != len(self.parents):
@@ -194,3 +198,5 @@ class StepRecord:
     lookahead_drafted: int = 0  # proactive drafting: tokens drafted while the verify was in flight
     lookahead_discarded: int = 0  # ... of which the verdict made useless
     lookahead_reused: int = 0  # tokens of this step's chain that were drafted ahead last step
+    cross_tokenizer: str = ""  # "" when the draft speaks the target's vocabulary, else the rule: text | shared-vocab
+    draft_tokens: Optional[int] = None  # tokens the draft model produced in its own vocabulary (cross-tokenizer)

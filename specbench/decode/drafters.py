@@ -113,7 +113,7 @@ class PromptLookupDrafter:
         if self.max_candidates == 1:
             tokens = candidates[0] if candidates else []
             return DraftTree.chain(tokens, [SparseDist((t,), (1.0,)) for t in tokens])
-        return self._trie(candidates, k)
+        return trie(candidates, k, point_masses=True)
 
     def lookup(self, context: list[int], budget: int) -> list[int]:
         candidates = self.candidates(context, budget)
@@ -135,20 +135,27 @@ class PromptLookupDrafter:
                 return found
         return found
 
-    @staticmethod
-    def _trie(candidates: list[list[int]], budget: int) -> DraftTree:
-        tokens: list[int] = []
-        parents: list[int] = []
-        index: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
-        for continuation in candidates:
-            parent = -1
-            for token in continuation:
-                node = index.get((parent, token))
-                if node is None:
-                    if len(tokens) == budget:
-                        break
-                    tokens.append(token)
-                    parents.append(parent)
-                    node = index[(parent, token)] = len(tokens) - 1
-                parent = node
-        return DraftTree(tuple(tokens), tuple(parents), tuple(SparseDist((t,), (1.0,)) for t in tokens))
+
+def trie(candidates: list[list[int]], budget: int, point_masses: bool = False) -> DraftTree:
+    """Token sequences merged into one tree of at most `budget` nodes, earlier sequences first.
+
+    Example: [[4, 2], [4, 7], [9]] with budget 3 gives tokens (4, 2, 7), parents (-1, 0, 0).
+    `point_masses`: each node's q is a point mass on its token, exact for deterministic proposals
+    (prompt lookup); otherwise nodes carry no q.
+    """
+    tokens: list[int] = []
+    parents: list[int] = []
+    index: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+    for continuation in candidates:
+        parent = -1
+        for token in continuation:
+            node = index.get((parent, token))
+            if node is None:
+                if len(tokens) == budget:
+                    break
+                tokens.append(token)
+                parents.append(parent)
+                node = index[(parent, token)] = len(tokens) - 1
+            parent = node
+    dists = tuple(SparseDist((t,), (1.0,)) for t in tokens) if point_masses else None
+    return DraftTree(tuple(tokens), tuple(parents), dists)

@@ -21,4 +21,5 @@ def record_step(step: Step, emitted: list[int], *, prompt_index: int, index: int
         bytes_up=timing.bytes_up, bytes_down=timing.bytes_down, tree_depth=max(tree.depths(), default=0),
         tree_widths=tree.widths(), expected_accepted=tree.expected_accepted,
         lookahead_drafted=step.lookahead_drafted, lookahead_discarded=step.lookahead_discarded,
-        lookahead_reused=step.lookahead_reused)
+        lookahead_reused=step.lookahead_reused, cross_tokenizer=tree.cross_tokenizer,
+        draft_tokens=tree.draft_tokens)

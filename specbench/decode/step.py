@@ -6,7 +6,7 @@ its verify is in flight. The loop takes either as its `step` and cannot tell the
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from specbench.decode.drafters import Drafter
@@ -80,7 +80,10 @@ class ProactiveDrafting:
     def _draft_ahead(drafter, chain_end, limit, sampling, streams, pending: PendingVerdict) -> DraftTree:
         ahead = DraftTree()
         while len(ahead) < limit and not pending.ready():
-            ahead = _joined(ahead, drafter.propose(chain_end + list(ahead.tokens), 1, sampling, streams.draft))
+            more = drafter.propose(chain_end + list(ahead.tokens), 1, sampling, streams.draft)
+            if not len(more):  # a drafter with nothing to say (a cross-tokenizer draft at a text boundary)
+                break
+            ahead = _joined(ahead, more)
         return ahead
 
 
@@ -88,7 +91,12 @@ def _joined(first: DraftTree, second: DraftTree) -> DraftTree:
     """Two chains, one after the other."""
     if not len(first):
         return second
-    return DraftTree.chain(first.tokens + second.tokens, (first.draft_dists or ()) + (second.draft_dists or ()))
+    dists = None if first.draft_dists is None or second.draft_dists is None else first.draft_dists + second.draft_dists
+    joined = DraftTree.chain(first.tokens + second.tokens, dists)
+    if second.cross_tokenizer:
+        joined = replace(joined, cross_tokenizer=second.cross_tokenizer,
+                         draft_tokens=(first.draft_tokens or 0) + (second.draft_tokens or 0))
+    return joined
 
 
 def _prefix(chain: DraftTree, length: int) -> DraftTree:

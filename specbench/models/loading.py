@@ -163,26 +163,29 @@ def as_loaded(model: Union[str, ModelSpec, LoadedModel], dtype: str = "float32")
     return load_model(model if isinstance(model, ModelSpec) else ModelSpec(model=model, dtype=dtype))
 
 
-def check_vocab_compatible(draft: LoadedModel, target: LoadedModel, cross_tokenizer: bool = False) -> None:
-    """Refuse a draft whose token ids mean something else to the target.
+def check_vocab_compatible(draft: LoadedModel, target: LoadedModel) -> None:
+    """Refuse a draft whose token ids mean something else to the target (both loaded here)."""
+    same_vocabulary(draft, target, target.tokenizer, target.vocab_size)
+
+
+def same_vocabulary(draft: LoadedModel, target: Optional[LoadedModel], target_tokenizer, target_vocab_size: int) -> None:
+    """Raise VocabMismatchError unless the draft's ids mean the target's tokens.
 
     Allowed: identical vocabularies, and the padding case where one tokenizer's vocabulary is a
-    prefix of the other's (models often pad the embedding to a multiple of 64 or 128).
+    prefix of the other's (models often pad the embedding to a multiple of 64 or 128). Without
+    both tokenizers only the output sizes can be compared. `target` is None for a remote target.
     """
-    if cross_tokenizer:
-        return
-    if draft.tokenizer is None or target.tokenizer is None:
-        if draft.vocab_size != target.vocab_size:
+    if draft.tokenizer is None or target_tokenizer is None:
+        if draft.vocab_size != target_vocab_size and (target is not None or draft.vocab_size < target_vocab_size):
             raise VocabMismatchError(
-                f"draft has {draft.vocab_size} output ids but target has {target.vocab_size}, and "
+                f"draft has {draft.vocab_size} output ids but target has {target_vocab_size}, and "
                 f"no tokenizer is there to show they agree")
         return
-    draft_vocab, target_vocab = draft.tokenizer.get_vocab(), target.tokenizer.get_vocab()
+    draft_vocab, target_vocab = draft.tokenizer.get_vocab(), target_tokenizer.get_vocab()
     small, large = sorted((draft_vocab, target_vocab), key=len)
     disagreeing = [token for token, index in small.items() if large.get(token) != index]
     if disagreeing:
+        target_label = target.spec.label if target is not None else "the target"
         raise VocabMismatchError(
-            f"draft {draft.spec.label} and target {target.spec.label} tokenizers differ on "
-            f"{len(disagreeing)} tokens (e.g. {disagreeing[:3]}); speculative decoding needs one "
-            f"shared vocabulary. Pick a draft from the target's family, or pass cross_tokenizer=True.")
-
+            f"draft {draft.spec.label} and target {target_label} tokenizers differ on "
+            f"{len(disagreeing)} tokens (e.g. {disagreeing[:3]})")
