@@ -5,6 +5,7 @@ import argparse
 import sys
 
 from specbench.models.spec import QUANTIZATIONS
+from specbench.methods import CROSS_TOKENIZER
 from specbench.types import VERIFY_RULES, SamplingParams, SpecbenchError
 
 
@@ -48,7 +49,7 @@ def _run(args) -> int:
 
     records = run(target, args.prompt or DEMO_PROMPTS, method=args.method, draft=draft, k=args.k,
                   max_new_tokens=args.max_new_tokens, sampling=sampling, dtype=args.dtype, planner=planner,
-                  substitute_quantization=args.substitute_quant)
+                  substitute_quantization=args.substitute_quant, cross_tokenizer=args.cross_tokenizer)
     print(summarize(records).round(3).to_string(index=False))
     if args.out:
         records.to_csv(args.out, index=False)
@@ -59,7 +60,8 @@ def _run(args) -> int:
 def _demo(args) -> int:
     from specbench.demo import main_job
 
-    main_job(k=args.k, max_new_tokens=args.max_new_tokens, dtype=args.dtype, rtt_ms=args.rtt, out_dir=args.out_dir)
+    main_job(k=args.k, max_new_tokens=args.max_new_tokens, dtype=args.dtype, rtt_ms=args.rtt, out_dir=args.out_dir,
+             cross_family=not args.no_cross_family)
     return 0
 
 
@@ -107,7 +109,8 @@ def _reference(args) -> int:
     sampling = SamplingParams(temperature=args.temperature, rule=args.rule)
     reference = record_reference(target, draft, prompts, dataset=args.dataset_label or args.dataset,
                                  max_chain=args.max_chain, tree_budgets=args.tree_budgets,
-                                 max_new_tokens=args.max_new_tokens, sampling=sampling)
+                                 max_new_tokens=args.max_new_tokens, sampling=sampling,
+                                 cross_tokenizer=args.cross_tokenizer)
     path = save_reference(reference, {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens},
                           folder=args.out_dir or REFERENCES)
     print(f"{reference.draft} -> {reference.target} on {reference.dataset}: {len(reference.chain_accepts)} chain "
@@ -235,6 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
     run_parser.add_argument("--draft-quant", default="none", choices=list(QUANTIZATIONS), help="draft quantization")
     run_parser.add_argument("--substitute-quant", default="8bit", choices=list(QUANTIZATIONS)[1:],
                             help="the substitute method's draft: the target itself, quantized (default %(default)s)")
+    run_parser.add_argument("--cross-tokenizer", default="auto", choices=list(CROSS_TOKENIZER),
+                            help="a draft with another tokenizer: auto (text, or shared-vocab for rejection), "
+                                 "text, shared-vocab, or off (refuse it)")
     run_parser.add_argument("--out", help="write the per-step records as CSV")
     run_parser.add_argument("--plan", action="store_true",
                             help="choose K per step (up to --k) from the cached profiles and reference of the pair")
@@ -301,6 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
     reference.add_argument("--temperature", type=float, default=0.0)
     reference.add_argument("--rule", default=SamplingParams().rule, choices=list(VERIFY_RULES))
     reference.add_argument("--dtype", default="float32")
+    reference.add_argument("--cross-tokenizer", default="auto", choices=list(CROSS_TOKENIZER),
+                           help="a draft with another tokenizer: how its drafts become target ids")
     reference.add_argument("--out-dir", help="default: the repository's reference/")
     reference.set_defaults(handler=_reference)
 
@@ -342,6 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--dtype", default="float32")
     demo.add_argument("--rtt", type=float, default=50.0, help="emulated RTT for the remote part (ms)")
     demo.add_argument("--out-dir", default="reports", help="where the records CSV and the HTML report go")
+    demo.add_argument("--no-cross-family", action="store_true",
+                      help="skip the Qwen2.5-Coder-1.5B target with the SmolLM2 draft (a 1.1 GB download once)")
     demo.set_defaults(handler=_demo)
     return parser
 

@@ -42,24 +42,32 @@ def record_reference(target: ModelLike, draft: ModelLike, prompts, dataset: str,
                      tree_budgets: Sequence[int] = (), max_new_tokens: int = 64,
                      sampling: Optional[SamplingParams] = None, tree: TreeShape = TreeShape(),
                      target_name: Optional[str] = None, draft_name: Optional[str] = None,
-                     dtype: str = "float32") -> AcceptanceReference:
-    """Run the pair with a long chain (and trees at each budget) and keep per-step acceptance."""
+                     dtype: str = "float32", cross_tokenizer: str = "auto") -> AcceptanceReference:
+    """Run the pair with a long chain (and trees at each budget) and keep per-step acceptance
+    (counted in target tokens; a draft with another tokenizer also records its draft tokens per
+    target token, which prices its drafting)."""
     sampling = sampling or SamplingParams()
     target_loaded, draft_loaded = as_loaded(target, dtype), as_loaded(draft, dtype)
     chain = run(target_loaded, prompts, method="chain", draft=draft_loaded, k=max_chain,
-                max_new_tokens=max_new_tokens, sampling=sampling, progress=False)
+                max_new_tokens=max_new_tokens, sampling=sampling, progress=False, cross_tokenizer=cross_tokenizer)
     full = chain[chain["drafted"] == max_chain]  # end-of-budget steps draft fewer and would bias min(a, K)
     tree_accepts, tree_depth, tree_width = {}, {}, {}
     for budget in tree_budgets:
         records = run(target_loaded, prompts, method="tree", draft=draft_loaded, k=budget, tree=tree,
                       max_new_tokens=max_new_tokens, sampling=SamplingParams(
                           temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                          rule="greedy" if sampling.greedy else "sample-match"), progress=False)
+                          rule="greedy" if sampling.greedy else "sample-match"), progress=False,
+                      cross_tokenizer="text" if cross_tokenizer == "shared-vocab" else cross_tokenizer)
         steps = records[records["drafted"] == budget]
         tree_accepts[budget] = tuple(int(a) for a in steps["accepted"])
         tree_depth[budget] = float(steps["tree_depth"].mean())
         tree_width[budget] = min(tree.beam, budget)
+    drafting = chain[chain["drafted"] > 0]
+    cross = sorted(set(drafting["cross_tokenizer"]) - {""})
+    draft_per_target = (float(drafting["draft_tokens"].sum() / drafting["drafted"].sum())
+                        if cross and drafting["drafted"].sum() else 1.0)
     return AcceptanceReference(
+        cross_tokenizer=",".join(cross), draft_per_target=draft_per_target,
         draft=draft_name or draft_loaded.spec.label, target=target_name or target_loaded.spec.label,
         dataset=dataset, rule=sampling.effective_rule, temperature=sampling.temperature, max_chain=max_chain,
         chain_accepts=tuple(int(a) for a in full["accepted"]), tree_accepts=tree_accepts,

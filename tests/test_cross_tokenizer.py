@@ -227,3 +227,45 @@ def test_smollm2_under_shuffled_ids_drafts_for_itself_through_text(smollm2):
     drafting = frame[(frame["method"] == "chain") & (frame["drafted"] > 0)]
     assert drafting["accepted"].sum() >= 0.9 * drafting["drafted"].sum()
     assert set(drafting["cross_tokenizer"]) == {"text"} and (drafting["draft_tokens"] >= drafting["drafted"]).all()
+
+
+def test_remote_target_with_a_draft_of_another_tokenizer(smollm2):
+    """Through the worker: the draft stays here and translates with the target's tokenizer."""
+    from specbench.models.spec import ModelSpec
+    from specbench.worker.client import RemoteTarget
+    from worker_helpers import ThreadWorker
+
+    running = ThreadWorker(model=ModelSpec("smollm2-135m"), draft=None)
+    try:
+        prompts = ["Name three colours."]
+        twin = permuted(smollm2, seed=5)
+        with pytest.raises(VocabMismatchError, match="both tokenizers are known"):
+            run(RemoteTarget(running.endpoint), [[1, 2, 3]], method="chain", draft=tiny_model(0, vocab_size=64),
+                progress=False)
+        remote = RemoteTarget(running.endpoint, tokenizer=smollm2.tokenizer)
+        frame = run(remote, prompts, method="chain", draft=twin, k=4, max_new_tokens=16, progress=False)
+        local = run(smollm2, prompts, method="target-only", max_new_tokens=16, progress=False)
+        assert outputs(frame)[("chain", 0)] == outputs(local)[("target-only", 0)]
+        drafting = frame[frame["drafted"] > 0]
+        assert drafting["accepted"].sum() >= 0.9 * drafting["drafted"].sum()
+    finally:
+        running.stop()
+
+
+def test_reference_of_a_cross_pair_round_trips_and_prices_the_drafts_forwards(tiny_pair, tmp_path):
+    from dataclasses import replace
+
+    from specbench.plan.library import load_references, save_reference
+    from specbench.plan.predict import LatencyProfile, OperatingPoint, predict_step
+    from specbench.record import record_reference
+
+    target, draft = tiny_pair
+    reference = record_reference(target, draft, TINY_PROMPTS, dataset="tiny", max_chain=4, max_new_tokens=12)
+    assert reference.cross_tokenizer == "text" and reference.draft_per_target >= 1.0
+    save_reference(reference, folder=tmp_path)
+    (loaded,) = load_references(tmp_path)
+    assert (loaded.cross_tokenizer, loaded.draft_per_target) == (reference.cross_tokenizer, reference.draft_per_target)
+    profile = LatencyProfile("m", "cpu", rows=((1, 256, 0.01), (4, 256, 0.02), (8, 256, 0.03)))
+    point = OperatingPoint("chain", 4)
+    one, more = (predict_step(point, profile, profile, replace(loaded, draft_per_target=r)) for r in (1.0, 1.5))
+    assert more.draft_s > one.draft_s

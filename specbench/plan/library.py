@@ -46,6 +46,8 @@ def load_profiles(folder: Path = PROFILES, **match) -> list[LatencyProfile]:
 def save_reference(reference: AcceptanceReference, extra: Optional[dict] = None, folder: Path = REFERENCES) -> Path:
     fields = asdict(reference)
     metadata = {key: fields[key] for key in ("draft", "target", "dataset", "rule", "temperature", "max_chain")}
+    if reference.cross_tokenizer:
+        metadata.update(cross_tokenizer=reference.cross_tokenizer, draft_per_target=reference.draft_per_target)
     metadata.update({"versions": library_versions(), **(extra or {})})
     metadata.setdefault("date", datetime.now(timezone.utc).date().isoformat())
     payload = {"chain_accepts": list(reference.chain_accepts),
@@ -64,5 +66,6 @@ def load_references(folder: Path = REFERENCES, **match) -> list[AcceptanceRefere
             temperature=m["temperature"], max_chain=m["max_chain"], chain_accepts=tuple(p["chain_accepts"]),
             tree_accepts={int(k): tuple(v) for k, v in p["tree_accepts"].items()},
             tree_depth={int(k): v for k, v in p["tree_depth"].items()},
-            tree_width={int(k): v for k, v in p["tree_width"].items()}))
+            tree_width={int(k): v for k, v in p["tree_width"].items()},
+            cross_tokenizer=m.get("cross_tokenizer", ""), draft_per_target=m.get("draft_per_target", 1.0)))
     return out

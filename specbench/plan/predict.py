@@ -93,6 +93,10 @@ class AcceptanceReference:
     tree_accepts: dict = field(default_factory=dict)
     tree_depth: dict = field(default_factory=dict)  # budget -> mean tree depth drafted
     tree_width: dict = field(default_factory=dict)  # budget -> draft tokens per draft forward (beam)
+    # a draft with another tokenizer: the rule that carried it ("text" or "shared-vocab"), and the
+    # draft-model tokens it produced per target token it proposed (its chains), which prices its drafting
+    cross_tokenizer: str = ""
+    draft_per_target: float = 1.0
 
     def accepted(self, method: str, k: int) -> float:
         """Expected accepted draft tokens per step."""
@@ -150,17 +154,21 @@ def predict_step(point: OperatingPoint, target: LatencyProfile, draft: Optional[
     if point.method == "tree":
         depth = float(reference.tree_depth.get(point.k) or reference.tree_depth.get(str(point.k)) or 1)
         width = int(reference.tree_width.get(point.k) or reference.tree_width.get(str(point.k)) or 1)
-    return step_cost(point, target, draft, accepted, context, overhead_s, bandwidth_mbps, depth, width)
+    return step_cost(point, target, draft, accepted, context, overhead_s, bandwidth_mbps, depth, width,
+                     reference.draft_per_target if reference else 1.0)
 
 
 def step_cost(point: OperatingPoint, target: LatencyProfile, draft: Optional[LatencyProfile], accepted: float,
               context: int = 256, overhead_s: float = 0.0, bandwidth_mbps: float = 0.0,
-              tree_depth: float = 1.0, tree_width: int = 1) -> StepCost:
+              tree_depth: float = 1.0, tree_width: int = 1, draft_per_target: float = 1.0) -> StepCost:
     """Seconds and bytes of one step at `point` when `accepted` drafts are accepted on average: the
-    cost model that replay prediction and the per-step planner share."""
+    cost model that replay prediction and the per-step planner share. `draft_per_target`: draft-model
+    tokens per proposed target token (1 unless the draft has another tokenizer)."""
     if point.method == "chain":
         # the first draft forward also catches up on last step's accepted tokens and bonus
-        draft_s = draft.forward_s(1 + round(accepted), context) + (point.k - 1) * draft.forward_s(1, context)
+        forwards = max(1.0, point.k * draft_per_target)
+        draft_s = (draft.forward_s(1 + round(accepted * draft_per_target), context)
+                   + (forwards - 1) * draft.forward_s(1, context))
     elif point.method == "tree":
         draft_s = draft.forward_s(1, context) + (tree_depth - 1) * draft.forward_s(tree_width, context)
     else:

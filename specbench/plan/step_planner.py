@@ -96,7 +96,8 @@ class StepPlanner:
         for k in range(self.max_k + 1):
             point = OperatingPoint("target-only" if k == 0 else "chain", k, self.where, self.rtt_ms,
                                    clients=max(1, round(self.clients)))
-            step = step_cost(point, self.target, self.draft, self.expected_accepted(k), context, self.overhead_s)
+            step = step_cost(point, self.target, self.draft, self.expected_accepted(k), context, self.overhead_s,
+                             draft_per_target=self.reference.draft_per_target)
             rows.append({"k": k, **priced(step, self.prices, self.power)})
         base = rows[0]
         for row in rows:

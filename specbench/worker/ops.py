@@ -193,8 +193,8 @@ class Ops:
 
     def generate(self, header, arrays, *, connection, curve_key):
         """Server-only baselines: the worker drafts and verifies itself, and returns finished tokens."""
-        from specbench.decode.drafters import ModelDrafter
         from specbench.decode.loop import Decoding, generate_steps
+        from specbench.methods import DraftSource
         from specbench.models.loading import load_model
 
         method = get(header, "method", str)
@@ -221,7 +221,8 @@ class Ops:
             self.policy.check(draft_spec)
             if self.draft is None or self.draft.draft.spec != draft_spec:
                 self.log(f"loading draft {draft_spec.label}")
-                self.draft = ModelDrafter(load_model(draft_spec), target.vocab_size, name="server-draft")
+                # through the method table, so a draft with another tokenizer is translated, not misread
+                self.draft = DraftSource(target, target.loaded, load_model(draft_spec)).model_drafter("server-draft")
             drafter = self.draft
         decoding = Decoding(k, max_new_tokens, sampling, method=method, kind=METHODS[method].kind)
         steps = generate_steps(target, drafter, prompt.tolist(), decoding, seed=seed,
