@@ -43,7 +43,7 @@ def main_job(k: int = 4, max_new_tokens: int = 48, dtype: str = "float32", rtt_m
     print("(self-draft and remote chain = SmolLM2's first 26 of 30 layers as the draft; substitute = its own "
           "8-bit twin)")
     if cross_family:
-        cross = _cross_family(target, k, dtype, steps)
+        cross = _cross_family(target, max(k, 6), dtype, steps)
         records = pd.concat([records, cross.assign(where="local, another family's draft")], ignore_index=True)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
