@@ -181,7 +181,7 @@ def test_shared_vocabulary_rejection_keeps_the_target_distribution(ascii_level):
     prompt = byte_level("hello world, hello", add_special_tokens=False)["input_ids"]
     counts, drafted_counts = np.zeros(len(byte_level)), np.zeros(len(byte_level))
     accepted = 0
-    for draw in range(1500):
+    for draw in range(1000):
         result = generate(local, drafter, prompt, Decoding(3, 2, sampling), seed=900 + draw)
         accepted += sum(r.accepted for r in result.records)
         counts[result.output_ids[0]] += 1
@@ -192,7 +192,7 @@ def test_shared_vocabulary_rejection_keeps_the_target_distribution(ascii_level):
     from specbench.sampling.probs import processed_probs
 
     p = processed_probs(logits, sampling)[0].double().numpy()
-    assert accepted > 300, "the draft must be accepted often for the test to exercise acceptance"
+    assert accepted > 200, "the draft must be accepted often for the test to exercise acceptance"
     assert chi_square_p(counts, p) > P_VALUE_FLOOR
     assert chi_square_p(drafted_counts, p) < P_VALUE_FLOOR
 
