@@ -20,7 +20,7 @@ CROSS_TARGET, CROSS_DRAFT = "qwen2.5-coder-1.5b", "smollm2-135m"
 
 
 def main_job(k: int = 4, max_new_tokens: int = 48, dtype: str = "float32", rtt_ms: float = 50.0,
-             out_dir: str = "reports", cross_family: bool = True) -> pd.DataFrame:
+             out_dir: str = "reports", cross_family: bool = False) -> pd.DataFrame:
     """Run every phase, print the comparison table, write the records CSV and the HTML report."""
     from specbench.models import catalog
     from specbench.models.loading import load_model
