@@ -87,10 +87,8 @@ def _cross_family(draft, k: int, dtype: str, steps: int, max_new_tokens: int = 4
     prompts = [DEMO_PROMPTS[0], DEMO_PROMPTS[2]]
     records = run(target, prompts, method=["target-only", "chain"], draft=draft, k=k, max_new_tokens=max_new_tokens,
                   dtype=dtype)
-    got = outputs(records)
     table = summarize(records)
-    table["identical_to_target_only"] = [all(got[(m, i)] == got[("target-only", i)] for i in range(len(prompts)))
-                                         for m in table["method"]]
+    table["identical_to_target_only"] = [_identical(records, records, m) for m in table["method"]]
     print(table.round(3).to_string(index=False))
     chain = table[table["method"] == "chain"].iloc[0]
     speedup = chain["speedup_vs_target_only"]
@@ -103,12 +101,18 @@ def _cross_family(draft, k: int, dtype: str, steps: int, max_new_tokens: int = 4
 
 def _table(records: pd.DataFrame, produced: dict[str, pd.DataFrame]) -> pd.DataFrame:
     """The summary per place and method, with whether every output equals local target-only's."""
-    reference = outputs(produced["local"])
     table = summarize(records, by=["where", "method"])
     table["identical_to_target_only"] = [
-        all(outputs(produced["local" if where == "local" else "remote"])[(method, i)] == reference[("target-only", i)]
-            for i in range(len(DEMO_PROMPTS))) for where, method in zip(table["where"], table["method"])]
+        _identical(produced["local" if where == "local" else "remote"], produced["local"], method)
+        for where, method in zip(table["where"], table["method"])]
     return table
+
+
+def _identical(run_records: pd.DataFrame, reference_records: pd.DataFrame, method: str) -> bool:
+    """Whether `method` produced target-only's output (from `reference_records`) on every prompt."""
+    got, reference = outputs(run_records), outputs(reference_records)
+    prompts = [i for (m, i) in reference if m == "target-only"]
+    return all(got[(method, i)] == reference[("target-only", i)] for i in prompts)
 
 
 def _write_report(path, local, dtype: str, rtt_ms: float):

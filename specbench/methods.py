@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
 from specbench.models.spec import ModelSpec
-from specbench.types import SpecbenchError
+from specbench.types import CROSS_TOKENIZER_RULES, SpecbenchError
 
 KINDS = ("none", "chain", "tree")
-CROSS_TOKENIZER = ("auto", "text", "shared-vocab", "off")
+CROSS_TOKENIZER = CROSS_TOKENIZER_RULES + ("off",)  # off: refuse a draft with another tokenizer
 
 
 @dataclass(frozen=True)

@@ -31,9 +31,7 @@ from specbench.models.loaded import LoadedModel
 from specbench.models.vocab_bridge import SharedVocab, TextBridge
 from specbench.sampling.probs import draft_distribution, sample_sparse
 from specbench.sampling.streams import DraftDraws, draft_draws
-from specbench.types import DraftTree, SamplingParams, SparseDist, SpecbenchError
-
-RULES = ("auto", "text", "shared-vocab")
+from specbench.types import CROSS_TOKENIZER_RULES, DraftTree, SamplingParams, SparseDist, SpecbenchError
 
 
 class CrossTokenizerDrafter:
@@ -47,8 +45,8 @@ class CrossTokenizerDrafter:
 
     def __init__(self, draft: LoadedModel, target_tokenizer, target_vocab_size: int, rule: str = "auto",
                  tree: Optional[dict] = None, name: str = "cross", slack: int = 2):
-        if rule not in RULES:
-            raise SpecbenchError(f"unknown cross-tokenizer rule {rule!r}; choose one of {RULES}")
+        if rule not in CROSS_TOKENIZER_RULES:
+            raise SpecbenchError(f"unknown cross-tokenizer rule {rule!r}; choose one of {CROSS_TOKENIZER_RULES}")
         if draft.tokenizer is None or target_tokenizer is None:
             raise SpecbenchError("a draft with another vocabulary needs both tokenizers to translate through "
                                  "text; pass the target's tokenizer (RemoteTarget(..., tokenizer=...))")

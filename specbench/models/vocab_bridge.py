@@ -39,6 +39,12 @@ def _decoder_types(tokenizer) -> set[str]:
     return {step.get("type", "") for step in steps}
 
 
+def added_tokens(tokenizer) -> dict[int, str]:
+    """Id -> text of each added token (chat markers, EOS, ...)."""
+    return {int(index): str(getattr(token, "content", token))
+            for index, token in getattr(tokenizer, "added_tokens_decoder", {}).items()}
+
+
 def token_keys(tokenizer, vocab_size: int) -> list[Optional[Key]]:
     """Per id below `vocab_size`: the bytes the token spells, ("added", text) for an added token,
     None for ids the tokenizer does not define (padding rows of the output layer)."""
@@ -57,9 +63,9 @@ def token_keys(tokenizer, vocab_size: int) -> list[Optional[Key]]:
             keys[index] = bytes([int(match.group(1), 16)])
         else:
             keys[index] = text.replace("\u2581", " ").encode("utf-8")
-    for index, added in getattr(tokenizer, "added_tokens_decoder", {}).items():
+    for index, text in added_tokens(tokenizer).items():
         if 0 <= index < vocab_size:
-            keys[index] = ("added", str(added.content if hasattr(added, "content") else added))
+            keys[index] = ("added", text)
     return keys
 
 
@@ -115,10 +121,8 @@ class TextBridge:
 
     def __init__(self, draft_tokenizer, target_tokenizer):
         self.draft_tokenizer, self.target_tokenizer = draft_tokenizer, target_tokenizer
-        self.draft_added = {int(i): str(getattr(t, "content", t))
-                            for i, t in getattr(draft_tokenizer, "added_tokens_decoder", {}).items()}
-        self.target_added = {str(getattr(t, "content", t)): int(i)
-                             for i, t in getattr(target_tokenizer, "added_tokens_decoder", {}).items()}
+        self.draft_added = added_tokens(draft_tokenizer)
+        self.target_added = {text: index for index, text in added_tokens(target_tokenizer).items()}
 
     def to_draft(self, target_ids: list[int]) -> list[int]:
         text = self.target_tokenizer.decode(target_ids, skip_special_tokens=False,
