@@ -156,6 +156,17 @@ def load_model(spec: ModelSpec) -> LoadedModel:
     return LoadedModel(spec=spec, model=model, tokenizer=tokenizer)
 
 
+def load_tokenizer(model: Union[str, ModelSpec]):
+    """Only the tokenizer (None for tiny random models): what a client of a remote target needs for text."""
+    from transformers import AutoTokenizer
+
+    spec = model if isinstance(model, ModelSpec) else ModelSpec(model=model)
+    if spec.model.startswith("tiny-random"):
+        return None
+    source, extra = _resolve_source(spec)
+    return AutoTokenizer.from_pretrained(source, **extra)
+
+
 def as_loaded(model: Union[str, ModelSpec, LoadedModel], dtype: str = "float32") -> LoadedModel:
     """A catalog name, Hugging Face id, path or ModelSpec, loaded; a LoadedModel as it is."""
     if isinstance(model, LoadedModel):

@@ -1,0 +1,114 @@
+"""Sweeps: typed grid and hashes, per-cell results that make reruns resume, the local and Ray executors."""
+import json
+import os
+import sys
+
+import pytest
+
+from specbench.sweep import SweepCell, expand, load_grid, sweep
+from specbench.sweep.drill import kill_running_cell_later
+from specbench.types import SpecbenchError
+
+TINY = dict(target="tiny-random:seed=0", draft="tiny-random:seed=1,noise=0.005,noise_from=0",
+            prompts=[[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 9, 10, 11]])
+COMPARED = ["cell", "method", "prompt_index", "step", "emitted_tokens", "accepted", "drafted", "k"]
+
+
+def tiny_grid(max_new_tokens=(8, 12)):
+    """8 cells: budgets x methods-run-together x lengths, on the tiny target/draft pair."""
+    return expand({"k": [2, 3], "methods": [["target-only", "chain"], ["tree"]],
+                   "max_new_tokens": list(max_new_tokens)}, TINY)
+
+
+def comparable(records):
+    frame = records[COMPARED].sort_values(COMPARED[:4]).reset_index(drop=True)
+    return frame.assign(emitted_tokens=frame["emitted_tokens"].map(list))
+
+
+def test_cell_hash_names_everything_that_defines_a_cell():
+    cell = SweepCell(**TINY, k=3)
+    assert cell.key == SweepCell(**TINY, k=3).key and len(cell.key) == 16
+    changed = [SweepCell(**TINY, k=4), SweepCell(**{**TINY, "prompts": [[1, 2, 3]]}, k=3),
+               SweepCell(**TINY, k=3, target_quantization="int8-dynamic"), SweepCell(**TINY, k=3, temperature=0.5)]
+    assert len({cell.key, *(c.key for c in changed)}) == 5
+    assert SweepCell(methods="chain").methods == ("chain",)
+
+
+def test_grids_from_json_and_csv(tmp_path):
+    grid = {"axes": {"k": [2, 4], "methods": [["target-only", "chain"], "prompt-lookup"]}, "fixed": {"dataset": "bench"}}
+    (tmp_path / "grid.json").write_text(json.dumps(grid))
+    cells = load_grid(tmp_path / "grid.json")
+    assert len(cells) == 4 and {c.methods for c in cells} == {("target-only", "chain"), ("prompt-lookup",)}
+    (tmp_path / "grid.csv").write_text('target,k,methods,temperature\nsmollm2-135m,2,"[""chain""]",0.5\n'
+                                       'smollm2-135m,4,"[""target-only"",""chain""]",0\n')
+    rows = load_grid(tmp_path / "grid.csv")
+    assert [(c.k, c.methods, c.temperature) for c in rows] == [(2, ("chain",), 0.5), (4, ("target-only", "chain"), 0.0)]
+    (tmp_path / "bad.json").write_text(json.dumps({"axes": {"budget": [2]}}))
+    with pytest.raises(SpecbenchError, match="unknown cell field.*budget"):
+        load_grid(tmp_path / "bad.json")
+    with pytest.raises(SpecbenchError, match="unknown cell kind"):
+        SweepCell(kind="train")
+
+
+def test_local_sweep_stores_per_cell_resumes_and_records_failures(tmp_path):
+    cells = tiny_grid()
+    broken = SweepCell(**{**TINY, "target": "tiny-random:seed=0,vocab=notanumber"})
+    first = sweep(cells + [broken], tmp_path, progress=False)
+    assert (first.ran, first.skipped, first.failed) == (9, 0, 1)
+    failed = first.status[first.status["state"] == "failed"]
+    assert list(failed["cell"]) == [broken.key] and "notanumber" in failed["error"].iloc[0]
+    assert set(first.records["cell"]) == {c.key for c in cells}
+    # chain and target-only ran side by side in one cell and agree (greedy fp32 is lossless)
+    together = first.records[first.records["cell"] == cells[0].key]
+    by_method = {m: [t for ts in g.sort_values(["prompt_index", "step"])["emitted_tokens"] for t in ts]
+                 for m, g in together.groupby("method")}
+    assert by_method["chain"] == by_method["target-only"]
+
+    again = sweep(cells, tmp_path, progress=False)
+    assert (again.ran, again.skipped) == (0, 8)
+    assert comparable(again.records).equals(comparable(first.records))
+    (tmp_path / "cells" / f"{cells[3].key}.parquet").unlink()  # a cell whose records were lost runs again
+    partial = sweep(cells, tmp_path, progress=False)
+    assert (partial.ran, partial.skipped) == (1, 7)
+    assert sweep([broken], tmp_path, retry_failed=False, progress=False).ran == 0
+
+
+def test_ray_executor_says_how_to_install_it(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray fails as if it were not installed
+    with pytest.raises(SpecbenchError, match=r"pip install .*\[ray\]"):
+        sweep(tiny_grid()[:1], tmp_path, executor="ray", progress=False)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    if os.environ.get("CI"):
+        import ray  # CI installs the ray extra (make test): a missing Ray fails here instead of skipping
+    else:
+        ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def test_ray_gives_the_same_records_as_local(tmp_path, ray_cluster):
+    cells = tiny_grid()
+    local = sweep(cells, tmp_path / "local", progress=False)
+    on_ray = sweep(cells, tmp_path / "ray", executor="ray", progress=False)
+    assert (on_ray.ran, on_ray.failed) == (8, 0)
+    assert comparable(on_ray.records).equals(comparable(local.records))
+    assert on_ray.status["host"].notna().all()
+    # models load once per Ray worker process and are reused by its later cells
+    assert on_ray.status["models_loaded"].sum() <= 2 * 2
+
+
+def test_a_killed_ray_worker_loses_no_cell(tmp_path, ray_cluster):
+    """kill -9 a Ray worker while it runs a cell: Ray retries that cell, every cell lands exactly once,
+    and a rerun of the finished sweep does no work."""
+    cells = tiny_grid(max_new_tokens=(40, 48))
+    killed = kill_running_cell_later(tmp_path, after_landed=1, timeout_s=120)
+    report = sweep(cells, tmp_path, executor="ray", progress=False)
+    assert killed, "no running cell was found to kill"
+    assert (report.ran, report.failed) == (8, 0) and (report.status["state"] == "done").all()
+    per_cell = report.records.groupby(["cell", "method", "prompt_index", "step"]).size()
+    assert (per_cell == 1).all() and set(report.records["cell"]) == {c.key for c in cells}
+    assert sweep(cells, tmp_path, executor="ray", progress=False).ran == 0
