@@ -112,3 +112,26 @@ def test_a_killed_ray_worker_loses_no_cell(tmp_path, ray_cluster):
     per_cell = report.records.groupby(["cell", "method", "prompt_index", "step"]).size()
     assert (per_cell == 1).all() and set(report.records["cell"]) == {c.key for c in cells}
     assert sweep(cells, tmp_path, executor="ray", progress=False).ran == 0
+
+
+def test_cli_runs_a_grid_with_profile_and_reference_cells(tmp_path, capsys):
+    """One grid file characterises a box: a run cell, a profile cell and a reference cell, whose profile
+    and reference are saved where `specbench pareto` can read them; a rerun skips all three."""
+    from specbench.cli import main
+    from specbench.plan.library import load_profiles, load_references
+
+    grid = {"grids": [
+        {"fixed": {**TINY, "methods": ["chain"], "k": 3, "max_new_tokens": 8}},
+        {"fixed": {"kind": "profile", "target": TINY["target"], "profile_tokens": [1, 4], "profile_contexts": [16],
+                   "profile_repeats": 2}},
+        {"fixed": {**TINY, "kind": "reference", "k": 4, "tree_budgets": [4], "max_new_tokens": 12}}]}
+    (tmp_path / "grid.json").write_text(json.dumps(grid))
+    assert main(["sweep", str(tmp_path / "grid.json"), "--out", str(tmp_path / "out")]) == 0
+    printed = capsys.readouterr().out
+    assert "3 cells: ran 3 (0 failed), skipped 0" in printed and "chain" in printed
+    [profile] = load_profiles(tmp_path / "out" / "profiles")
+    assert profile.model == TINY["target"] and {row[0] for row in profile.rows} == {1, 4}
+    [reference] = load_references(tmp_path / "out" / "reference")
+    assert reference.max_chain == 4 and reference.chain_accepts and 4 in reference.tree_accepts
+    assert main(["sweep", str(tmp_path / "grid.json"), "--out", str(tmp_path / "out")]) == 0
+    assert "ran 0 (0 failed), skipped 3" in capsys.readouterr().out
