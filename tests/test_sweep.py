@@ -32,6 +32,7 @@ def test_cell_hash_names_everything_that_defines_a_cell():
                SweepCell(**TINY, k=3, target_quantization="int8-dynamic"), SweepCell(**TINY, k=3, temperature=0.5)]
     assert len({cell.key, *(c.key for c in changed)}) == 5
     assert SweepCell(methods="chain").methods == ("chain",)
+    assert SweepCell(**TINY, k=3, device="cpu").key == cell.key  # a default value does not enter the hash
 
 
 def test_grids_from_json_and_csv(tmp_path):

@@ -16,12 +16,12 @@ N = 5 (tail + 4), a [2, 1, 5, 15] mask; row 1 sees columns 0..2 and 10..12.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Sequence, Union
 
 import torch
 
+from specbench.decode.clock import device_time
 from specbench.decode.kv import cached_length, keep_positions, tree_attention_mask
 from specbench.decode.target import LocalTarget, _Sequence, check_tree
 from specbench.sampling.verify import verify
@@ -60,9 +60,9 @@ def verify_batch(target: LocalTarget, requests: Sequence[VerifyRequest]) -> list
         except Exception as error:  # refused before any work: the session is untouched
             results[index] = error
     if rows:
-        started = time.perf_counter()
+        started = device_time(target.device)
         logits = _forward(target, rows)
-        forward_s = time.perf_counter() - started
+        forward_s = device_time(target.device) - started
         for position, row in enumerate(rows):
             results[row.index] = _finish(target, row, logits[position], forward_s, started)
     return results
@@ -133,7 +133,7 @@ def _finish(target: LocalTarget, row: _Row, logits: torch.Tensor, forward_s: flo
     num_prefix = len(state.tail)
     try:
         generator = torch.Generator().manual_seed(request.seed)
-        rows_needed = logits[num_prefix - 1: len(row.inputs)].float().cpu()
+        rows_needed = logits[num_prefix - 1: len(row.inputs)]  # stays on the device; verify moves ids
         path, bonus = verify(request.tree, rows_needed, request.sampling, generator)
     except Exception as error:
         keep_positions(state.cache, list(range(row.past)))
@@ -142,4 +142,5 @@ def _finish(target: LocalTarget, row: _Row, logits: torch.Tensor, forward_s: flo
     state.committed += [request.tree.tokens[i] for i in path] + [bonus]
     state.tail = [bonus]
     state.check_invariant()
-    return Verdict(tuple(path), bonus, Timing(target_forward_s=forward_s, verify_s=time.perf_counter() - started))
+    timing = Timing(target_forward_s=forward_s, verify_s=device_time(target.device) - started)
+    return Verdict(tuple(path), bonus, timing)

@@ -7,11 +7,11 @@ of B sequences what a worker shared by B clients pays for one batched verify.
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Iterator, Sequence
 
 import torch
 
+from specbench.decode.clock import device_time
 from specbench.decode.kv import crop_to
 
 
@@ -41,15 +41,11 @@ def forward_latency_points(model, tokens: Sequence[int], contexts: Sequence[int]
             new = torch.randint(0, vocab, (batch, count), generator=generator).to(device)
             samples = []
             for attempt in range(warmup + repeats):
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                start = time.perf_counter()
+                start = device_time(device)
                 with torch.inference_mode():
                     model(input_ids=new, past_key_values=cache, use_cache=True)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
                 if attempt >= warmup:
-                    samples.append(time.perf_counter() - start)
+                    samples.append(device_time(device) - start)
                 crop_to(cache, context)
             samples.sort()
             yield {"tokens": count, "context": context, "batch": batch, "median_s": statistics.median(samples),

@@ -7,12 +7,13 @@ Invariant, asserted after every step: cached positions == committed tokens - len
 from __future__ import annotations
 
 import operator
-import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol, Sequence
 
 import torch
 
+from specbench.decode import clock
+from specbench.decode.clock import device_time
 from specbench.decode.kv import cached_length, crop_to, keep_positions, tree_attention_mask
 from specbench.models.loaded import LoadedModel
 from specbench.sampling.verify import verify
@@ -125,6 +126,7 @@ class PrefillJob:
         chunk = self.ids[:-1][self.fed:self.fed + max_tokens]
         if chunk:
             self.target._forward(self.state, chunk, position_ids=None, attention_mask=None, logits_to_keep=1)
+            clock.synchronize(self.target.device)  # a caller timing the prefill times the work, not its launch
             self.fed += len(chunk)
         if self.fed < len(self.ids) - 1:
             return False
@@ -167,7 +169,7 @@ class LocalTarget:
 
     def verify(self, session: str, tree: DraftTree, sampling: SamplingParams, seed: int) -> Verdict:
         """One forward over [tail] + tree, verification by `sampling`'s rule, then commit the path."""
-        start = time.perf_counter()
+        start = device_time(self.device)
         state = self._session(session)
         check_tree(tree, self.vocab_size, sampling)
         self._check_context(len(state.committed) + len(tree) + 1)
@@ -181,12 +183,12 @@ class LocalTarget:
             positions = list(range(past, past + num_prefix)) + [past + num_prefix - 1 + d for d in depths]
             position_ids = torch.tensor([positions], device=self.device)
             attention_mask = tree_attention_mask(tree.parents, num_prefix, past, self.model.dtype, self.device)
-        forward_start = time.perf_counter()
+        forward_start = device_time(self.device)
         try:
             logits = self._forward(state, inputs, position_ids, attention_mask)
-            forward_s = time.perf_counter() - forward_start
+            forward_s = device_time(self.device) - forward_start
             generator = torch.Generator().manual_seed(seed)
-            path, bonus = verify(tree, logits[num_prefix - 1:].float().cpu(), sampling, generator)
+            path, bonus = verify(tree, logits[num_prefix - 1:], sampling, generator)  # on the device
         except BaseException:
             crop_to(state.cache, past)  # a failed step leaves the session exactly as it was
             raise
@@ -194,7 +196,8 @@ class LocalTarget:
         state.committed += [tree.tokens[i] for i in path] + [bonus]
         state.tail = [bonus]
         state.check_invariant()
-        return Verdict(tuple(path), bonus, Timing(target_forward_s=forward_s, verify_s=time.perf_counter() - start))
+        timing = Timing(target_forward_s=forward_s, verify_s=device_time(self.device) - start)
+        return Verdict(tuple(path), bonus, timing)
 
     def verify_begin(self, session: str, tree: DraftTree, sampling: SamplingParams, seed: int) -> Finished:
         return Finished(self.verify(session, tree, sampling, seed))

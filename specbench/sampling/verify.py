@@ -19,15 +19,17 @@ def verify(tree: DraftTree, target_logits: torch.Tensor, sampling: SamplingParam
            generator: torch.Generator) -> tuple[tuple[int, ...], int]:
     """Dispatch on the effective rule; returns (accepted node path, bonus token).
 
-    target_logits: [num_nodes + 1, vocab_size].
+    target_logits: [num_nodes + 1, vocab_size], on the target's device. Only what the walk needs
+    leaves it: the argmax ids under greedy (one small copy), else the processed rows it visits.
     """
     if target_logits.shape[0] != len(tree) + 1:
         raise SpecbenchError(
             f"target logits have {target_logits.shape[0]} rows; a {len(tree)}-node tree needs {len(tree) + 1}")
     rule = sampling.effective_rule
+    if rule == "greedy":  # argmax of the one-hot processed_probs gives, i.e. of the logits
+        target_choices = target_logits.argmax(-1).tolist()
+        return _walk(tree, lambda node: target_choices[node + 1])
     row_probs = _RowProbs(target_logits, sampling)
-    if rule == "greedy":
-        return _walk(tree, lambda node: int(row_probs(node).argmax()))
     if rule == "sample-match":
         return _walk(tree, lambda node: sample_from(row_probs(node), generator))
     if tree.draft_dists is None and len(tree):
@@ -38,14 +40,15 @@ def verify(tree: DraftTree, target_logits: torch.Tensor, sampling: SamplingParam
 
 
 class _RowProbs:
-    """Processed target probabilities per tree position, computed only for the rows visited."""
+    """Processed target probabilities per tree position, computed (on the logits' device) only for
+    the rows visited and brought to the CPU one row at a time, where the passed-in generator draws."""
 
     def __init__(self, target_logits: torch.Tensor, sampling: SamplingParams):
         self.logits, self.sampling = target_logits, sampling
         self.row = lru_cache(maxsize=None)(self._row)
 
     def _row(self, node: int) -> torch.Tensor:
-        return processed_probs(self.logits[node + 1].unsqueeze(0), self.sampling)[0]
+        return processed_probs(self.logits[node + 1].unsqueeze(0), self.sampling)[0].cpu()
 
     def __call__(self, node: int) -> torch.Tensor:
         return self.row(node)

@@ -17,7 +17,7 @@ import pandas as pd
 
 from specbench.sweep.grid import SweepCell
 
-_MODELS: "OrderedDict[tuple, object]" = OrderedDict()  # (model, quantization, dtype) -> LoadedModel
+_MODELS: "OrderedDict[tuple, object]" = OrderedDict()  # (model, quantization, dtype, device) -> LoadedModel
 _loads_done = 0  # models this process has loaded, so a cell can say whether it reused them
 MODELS_KEPT = 3  # a worker sweeping many targets keeps the most recent few, not all of them
 CELL_COLUMNS = ("target", "target_quantization", "draft", "draft_quantization", "self_draft_layers", "dataset",
@@ -64,14 +64,14 @@ def run_cell(cell: SweepCell, threads: int = 0) -> CellResult:
                       models_loaded=_loads_done - loads_before)
 
 
-def _model(name: str, quantization: str, dtype: str):
+def _model(cell: SweepCell, name: str, quantization: str):
     from specbench.models.loading import load_model
     from specbench.models.spec import ModelSpec
 
     global _loads_done
-    key = (name, quantization, dtype)
+    key = (name, quantization, cell.dtype, cell.device)
     if key not in _MODELS:
-        _MODELS[key] = load_model(ModelSpec(name, dtype=dtype, quantization=quantization))
+        _MODELS[key] = load_model(ModelSpec(name, dtype=cell.dtype, quantization=quantization, device=cell.device))
         _loads_done += 1
         while len(_MODELS) > MODELS_KEPT:
             _MODELS.popitem(last=False)
@@ -84,7 +84,8 @@ def _prompts(cell: SweepCell) -> list:
         return [p if isinstance(p, str) else list(p) for p in cell.prompts]
     from specbench.datasets import load_prompts
 
-    rows = load_prompts(cell.dataset)[cell.prompt_start: cell.prompt_start + cell.prompt_count]
+    # the seeded sample `specbench reference --prompts N` and notebook 04 take, so results compare
+    rows = load_prompts(cell.dataset, limit=cell.prompt_start + cell.prompt_count)[cell.prompt_start:]
     if not rows:
         raise ValueError(f"dataset {cell.dataset!r} has no rows from {cell.prompt_start}")
     return [row["prompt"] for row in rows]
@@ -98,7 +99,7 @@ def _sampling(cell: SweepCell):
 
 def _target(cell: SweepCell):
     if cell.place == "local":
-        return _model(cell.target, cell.target_quantization, cell.dtype)
+        return _model(cell, cell.target, cell.target_quantization)
     from specbench.models.loading import load_tokenizer
     from specbench.models.spec import ModelSpec
     from specbench.worker.client import RemoteTarget
@@ -109,7 +110,7 @@ def _target(cell: SweepCell):
 
 def _draft(cell: SweepCell, target):
     if cell.draft:
-        return _model(cell.draft, cell.draft_quantization, cell.dtype)
+        return _model(cell, cell.draft, cell.draft_quantization)
     if cell.self_draft_layers and cell.kind == "reference":
         from specbench.models.self_draft import truncated_view
 
@@ -131,7 +132,7 @@ def _run(cell: SweepCell):
 def _reference(cell: SweepCell):
     from specbench.record import record_reference
 
-    target = _model(cell.target, cell.target_quantization, cell.dtype)
+    target = _model(cell, cell.target, cell.target_quantization)
     draft = _draft(cell, target)
     prompts = _prompts(cell)
     reference = record_reference(target, draft, prompts, dataset=cell.dataset, max_chain=cell.k,
@@ -149,7 +150,7 @@ def _reference(cell: SweepCell):
 def _profile(cell: SweepCell):
     from specbench.record import profile_model
 
-    target = _model(cell.target, cell.target_quantization, cell.dtype)
+    target = _model(cell, cell.target, cell.target_quantization)
     profile, extra = profile_model(target, tokens=cell.profile_tokens, contexts=cell.profile_contexts,
                                    repeats=cell.profile_repeats, dtype=cell.dtype)
     rows = pd.DataFrame(profile.rows, columns=["tokens", "context", "median_s", "batch"])

@@ -27,7 +27,9 @@ class SweepCell:
     kind "run": `methods` run side by side over the prompts (their ratios are measured in one process);
     "reference": the target/draft pair's acceptance with chains up to `k` and trees at `tree_budgets`;
     "profile": the target's forward latency over `profile_tokens` x `profile_contexts`.
-    Prompts are `prompts` when given (text or token ids), else rows `prompt_start`.. of `dataset`.
+    Prompts are `prompts` when given (text or token ids), else rows `prompt_start`.. of the dataset's
+    seeded sample of `prompt_start + prompt_count` rows: with `prompt_start` 0, the same prompts that
+    `specbench reference --prompts N`, `run` users and notebook 04 take for N = `prompt_count`.
     `place` is "local" (the target loads where the cell runs) or a worker endpoint (tcp://...).
     """
 
@@ -51,6 +53,7 @@ class SweepCell:
     rule: str = "greedy"
     seed: int = 0
     dtype: str = "float32"
+    device: str = "cpu"  # where local models load: "cuda" with gpus_per_cell on a GPU cluster
     profile_tokens: tuple[int, ...] = (1, 2, 4, 8, 16)
     profile_contexts: tuple[int, ...] = (128,)
     profile_repeats: int = 5
@@ -75,17 +78,25 @@ class SweepCell:
 
     @property
     def key(self) -> str:
-        """16 hex digits of the SHA-256 of the cell's fields (canonical JSON): its name in the results."""
-        text = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        """16 hex digits of the SHA-256 of the fields that differ from their defaults (canonical JSON):
+        the cell's name in the results. Leaving defaults out keeps old results valid when a field is added."""
+        chosen = {name: value for name, value in asdict(self).items() if value != _DEFAULTS[name]}
+        text = json.dumps(chosen, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def describe(self) -> str:
-        draft = self.draft or (f"self-draft[:{self.self_draft_layers}]" if self.self_draft_layers else "")
+        def named(model: str, quantization: str) -> str:
+            return model if quantization == "none" else f"{model}@{quantization}"
+
+        draft = (named(self.draft, self.draft_quantization) if self.draft else
+                 f"self-draft[:{self.self_draft_layers}]" if self.self_draft_layers else "")
         what = {"run": "+".join(self.methods), "reference": "reference", "profile": "profile"}[self.kind]
-        return f"{self.target}{'/' + draft if draft else ''} {what} k={self.k} {self.dataset}"
+        return (f"{named(self.target, self.target_quantization)}{'/' + draft if draft else ''} {what} "
+                f"k={self.k} {self.dataset}")
 
 
 FIELD_NAMES = tuple(f.name for f in fields(SweepCell))
+_DEFAULTS = {f.name: f.default for f in fields(SweepCell)}
 
 
 def expand(axes: dict, fixed: Optional[dict] = None) -> list[SweepCell]:
@@ -128,10 +139,10 @@ def grid_cells(spec: Union[dict, list]) -> list[SweepCell]:
     if isinstance(spec, list):
         _check_names([name for cell in spec for name in cell])
         cells = [SweepCell(**cell) for cell in spec]
-    elif isinstance(spec, dict) and "grids" in spec:
+    elif isinstance(spec, dict) and "grids" in spec:  # several grids in one file (and a "description")
         cells = [cell for part in spec["grids"] for cell in grid_cells(part)]
     elif isinstance(spec, dict):
-        unknown = set(spec) - {"axes", "fixed", "name", "description"}
+        unknown = set(spec) - {"axes", "fixed", "description"}
         if unknown:
             raise SpecbenchError(f"a grid has 'axes' and 'fixed' (got also {sorted(unknown)})")
         cells = expand(spec.get("axes", {}), spec.get("fixed", {}))

@@ -1,0 +1,51 @@
+"""Device-correct timing and device-resident verification, exercised on CPU through the GPU's code path."""
+import torch
+
+from specbench.decode import clock
+from specbench.decode.target import LocalTarget
+from specbench.sampling import verify as verify_module
+from specbench.sampling.verify import verify
+from specbench.types import DraftTree, SamplingParams
+
+
+def test_every_timed_span_of_a_verify_waits_for_the_target_device(tiny_target, monkeypatch):
+    """The verify reads the clock only through device_time(target device): on CUDA each read waits for
+    the forward to finish, so target_forward_s is the forward's run, not its launch."""
+    waited = []
+    monkeypatch.setattr(clock, "synchronize", lambda device: waited.append(torch.device(device)))
+    target = LocalTarget(tiny_target)
+    target.prefill("s", [1, 2, 3, 4])
+    assert waited == [torch.device("cpu")]  # the prefill ends waiting for its forward
+    waited.clear()
+    verdict = target.verify("s", DraftTree(tokens=(5, 6), parents=(-1, 0)), SamplingParams(), seed=0)
+    assert waited == [torch.device("cpu")] * 4  # verify start, forward start, forward end, verify end
+    assert 0 < verdict.timing.target_forward_s <= verdict.timing.verify_s
+
+
+def test_synchronize_waits_on_cuda_devices_only(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(device))
+    clock.synchronize("cpu")
+    clock.synchronize(torch.device("cpu"))
+    assert calls == []
+    clock.synchronize(torch.device("cuda", 1))  # the stub stands in for a GPU this machine lacks
+    assert calls == [torch.device("cuda", 1)]
+
+
+def test_verification_reads_logits_in_their_own_dtype_without_copying_them_whole(monkeypatch):
+    """Greedy verification takes the argmax where the logits are (bf16 here, as a GPU target's would be)
+    and gives what float32 logits give; sampled rules process only the rows they visit."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 50, generator=generator) * 4
+    tree = DraftTree(tokens=tuple(int(t) for t in logits[:3].argmax(-1)), parents=(-1, 0, 1))
+    rounded = logits.bfloat16()
+    assert verify(tree, rounded, SamplingParams(), generator) == verify(tree, rounded.float(), SamplingParams(),
+                                                                      generator)
+    visited = []
+    original = verify_module.processed_probs
+    monkeypatch.setattr(verify_module, "processed_probs",
+                        lambda rows, sampling: visited.append(len(rows)) or original(rows, sampling))
+    sampled = SamplingParams(temperature=1.0, rule="sample-match")
+    chain = DraftTree(tokens=(int(logits[0].argmin()), 1, 2), parents=(-1, 0, 1))  # rejected at the root
+    path, _ = verify(chain, logits, sampled, torch.Generator().manual_seed(1))
+    assert path == () and visited == [1]  # one row of four processed
