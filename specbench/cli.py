@@ -215,17 +215,18 @@ def _keys(args) -> int:
 
 def _sweep(args) -> int:
     """Run a grid's unfinished cells (locally or on Ray) and print each cell's summary per method."""
-    from specbench.decode.metrics import summarize
-    from specbench.sweep import load_grid, sweep
+    from specbench.sweep import load_grid, summarize_sweep, sweep
 
     cells = load_grid(args.grid)
     report = sweep(cells, args.out, executor=args.executor, cpus_per_cell=args.cpus_per_cell,
                    gpus_per_cell=args.gpus_per_cell, retry_failed=not args.no_retry_failed)
     print(f"{len(cells)} cells: ran {report.ran} ({report.failed} failed), skipped {report.skipped} already "
           f"finished, {report.wall_s:.1f} s -> {report.folder}")
-    runs = report.records[report.records["cell_kind"] == "run"] if len(report.records) else report.records
-    if len(runs):
-        print(summarize(runs, by=["cell", "target", "k", "method"]).round(3).to_string(index=False))
+    table = summarize_sweep(report.records, cells)
+    if len(table):
+        shown = ["cell", "target", "target_quantization", "draft", "draft_quantization", "dataset", "k", "method",
+                 "tokens_per_s", "tokens_per_step", "acceptance_rate"]
+        print(table[shown].round(3).to_string(index=False))
     failed = report.status[report.status["state"] == "failed"]
     for _, row in failed.iterrows():
         print(f"failed {row['cell']} ({row['describe']}): {row['error']}", file=sys.stderr)

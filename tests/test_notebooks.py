@@ -11,20 +11,6 @@ pytestmark = pytest.mark.real_model
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 
 
-def test_sweep_notebook_with_injected_parameters(tmp_path, smollm2):
-    import papermill
-
-    out = tmp_path / "sweep.csv"
-    papermill.execute_notebook(
-        str(NOTEBOOKS / "04_sweep.ipynb"), str(tmp_path / "executed.ipynb"), cwd=str(tmp_path), progress_bar=False,
-        parameters={"METHODS": ["target-only", "prompt-lookup"], "BUDGETS": [2, 3], "PROMPTS": 1,
-                    "MAX_NEW_TOKENS": 6, "OUT": str(out)}, kernel_name="python3")
-    results = pd.read_csv(out)
-    assert len(results) == 2 * 2  # methods x budgets, one target, one dataset
-    assert {"method", "tokens_per_s", "acceptance_rate", "tokens_per_step", "target", "dataset", "k"} <= set(results)
-    assert set(results["method"]) == {"target-only", "prompt-lookup"} and set(results["k"]) == {2, 3}
-
-
 def test_notebooks_are_stored_without_outputs():
     import nbformat
 
@@ -34,15 +20,21 @@ def test_notebooks_are_stored_without_outputs():
         assert any("parameters" in cell.metadata.get("tags", []) for cell in book.cells), path.name
 
 
-def test_sweep_notebook_sweeps_quantizations(tmp_path, smollm2):
+def test_sweep_notebook_with_injected_parameters(tmp_path, smollm2):
+    """Papermill parameters reach the grid: methods x budgets, one row each, one results file per cell.
+    (The quantized substitutes themselves are checked in test_real_model.)"""
     import papermill
 
     out = tmp_path / "sweep.csv"
     papermill.execute_notebook(
         str(NOTEBOOKS / "04_sweep.ipynb"), str(tmp_path / "executed.ipynb"), cwd=str(tmp_path), progress_bar=False,
-        parameters={"METHODS": ["target-only", "substitute"], "SUBSTITUTE_QUANTS": ["int8-dynamic", "4bit"],
-                    "BUDGETS": [2], "PROMPTS": 1, "MAX_NEW_TOKENS": 6, "OUT": str(out)}, kernel_name="python3")
+        parameters={"METHODS": ["target-only", "prompt-lookup", "substitute"],
+                    "SUBSTITUTE_QUANTS": ["int8-dynamic"], "BUDGETS": [2, 3], "PROMPTS": 1,
+                    "MAX_NEW_TOKENS": 6, "OUT": str(out), "OUT_DIR": str(tmp_path / "cells")}, kernel_name="python3")
     results = pd.read_csv(out)
-    assert len(results) == 2 * 2  # substitute quantizations x methods
-    assert set(results["substitute_quantization"]) == {"int8-dynamic", "4bit"}
+    assert len(results) == 3 * 2  # methods x budgets
+    assert {"method", "tokens_per_s", "acceptance_rate", "tokens_per_step", "target", "dataset", "k"} <= set(results)
+    assert set(results["method"]) == {"target-only", "prompt-lookup", "substitute"} and set(results["k"]) == {2, 3}
+    assert set(results["substitute_quantization"]) == {"int8-dynamic"}
+    assert len(list((tmp_path / "cells" / "cells").glob("*.parquet"))) == 2  # one file per cell
     assert (results["target_weight_mib"] > 500).all()  # the fp32 target, measured as loaded

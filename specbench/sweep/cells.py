@@ -20,8 +20,8 @@ from specbench.sweep.grid import SweepCell
 _MODELS: "OrderedDict[tuple, object]" = OrderedDict()  # (model, quantization, dtype, device) -> LoadedModel
 _loads_done = 0  # models this process has loaded, so a cell can say whether it reused them
 MODELS_KEPT = 3  # a worker sweeping many targets keeps the most recent few, not all of them
-CELL_COLUMNS = ("target", "target_quantization", "draft", "draft_quantization", "self_draft_layers", "dataset",
-                "place", "temperature", "max_new_tokens")
+CELL_COLUMNS = ("target", "target_quantization", "draft", "draft_quantization", "self_draft_layers",
+                "substitute_quantization", "dataset", "place", "temperature", "max_new_tokens")
 
 
 @dataclass
@@ -151,6 +151,10 @@ def _profile(cell: SweepCell):
     from specbench.record import profile_model
 
     target = _model(cell, cell.target, cell.target_quantization)
+    if cell.self_draft_layers:
+        from specbench.models.self_draft import truncated_view
+
+        target = truncated_view(target, cell.self_draft_layers)
     profile, extra = profile_model(target, tokens=cell.profile_tokens, contexts=cell.profile_contexts,
                                    repeats=cell.profile_repeats, dtype=cell.dtype)
     rows = pd.DataFrame(profile.rows, columns=["tokens", "context", "median_s", "batch"])

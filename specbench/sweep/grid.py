@@ -26,7 +26,8 @@ class SweepCell:
 
     kind "run": `methods` run side by side over the prompts (their ratios are measured in one process);
     "reference": the target/draft pair's acceptance with chains up to `k` and trees at `tree_budgets`;
-    "profile": the target's forward latency over `profile_tokens` x `profile_contexts`.
+    "profile": the target's forward latency over `profile_tokens` x `profile_contexts` (of its first
+    `self_draft_layers` layers when set: the self-draft's profile).
     Prompts are `prompts` when given (text or token ids), else rows `prompt_start`.. of the dataset's
     seeded sample of `prompt_start + prompt_count` rows: with `prompt_start` 0, the same prompts that
     `specbench reference --prompts N`, `run` users and notebook 04 take for N = `prompt_count`.
@@ -90,9 +91,12 @@ class SweepCell:
 
         draft = (named(self.draft, self.draft_quantization) if self.draft else
                  f"self-draft[:{self.self_draft_layers}]" if self.self_draft_layers else "")
-        what = {"run": "+".join(self.methods), "reference": "reference", "profile": "profile"}[self.kind]
-        return (f"{named(self.target, self.target_quantization)}{'/' + draft if draft else ''} {what} "
-                f"k={self.k} {self.dataset}")
+        if self.kind == "profile":
+            return (f"{named(self.target, self.target_quantization)}{'/' + draft if draft else ''} profile "
+                    f"tokens {list(self.profile_tokens)} x contexts {list(self.profile_contexts)} on {self.device}")
+        what = "+".join(self.methods) if self.kind == "run" else "reference"
+        prompts = f"{len(self.prompts)} prompts" if self.prompts else f"{self.dataset}[{self.prompt_count}]"
+        return f"{named(self.target, self.target_quantization)}{'/' + draft if draft else ''} {what} k={self.k} {prompts}"
 
 
 FIELD_NAMES = tuple(f.name for f in fields(SweepCell))

@@ -1,0 +1,28 @@
+"""One row per (cell, method) of a sweep: the cell's fields beside the method's headline metrics."""
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Sequence
+
+import pandas as pd
+
+from specbench.decode.metrics import summarize
+from specbench.sweep.grid import SweepCell
+
+SHOWN = ("target", "target_quantization", "draft", "draft_quantization", "self_draft_layers",
+         "substitute_quantization", "dataset", "place", "temperature", "max_new_tokens")
+
+
+def summarize_sweep(records: pd.DataFrame, cells: Sequence[SweepCell]) -> pd.DataFrame:
+    """Headline metrics per (cell, method) of the run cells, with the cell's fields, its budget as `k`
+    (a method's own `k` in the records is 0 for target-only) and the weights as loaded, in MiB."""
+    runs = records[records["cell_kind"] == "run"] if len(records) else records
+    if not len(runs):
+        return pd.DataFrame()
+    table = summarize(runs, by=["cell", "method"])
+    fields = pd.DataFrame([{"cell": c.key, "k": c.k, **{n: asdict(c)[n] for n in SHOWN}} for c in cells])
+    weights = (runs.groupby("cell")[["target_weight_bytes", "draft_weight_bytes"]].max() / 2**20).rename(
+        columns={"target_weight_bytes": "target_weight_mib", "draft_weight_bytes": "draft_weight_mib"})
+    table = table.merge(fields, on="cell", how="left").merge(weights, left_on="cell", right_index=True, how="left")
+    first = ["cell", *SHOWN, "k", "method"]
+    return table[first + [c for c in table.columns if c not in first]]
