@@ -33,6 +33,7 @@ def test_cell_hash_names_everything_that_defines_a_cell():
     assert len({cell.key, *(c.key for c in changed)}) == 5
     assert SweepCell(methods="chain").methods == ("chain",)
     assert SweepCell(**TINY, k=3, device="cpu").key == cell.key  # a default value does not enter the hash
+    assert SweepCell(temperature=1).key == SweepCell(temperature=1.0).key
 
 
 def test_grids_from_json_and_csv(tmp_path):
@@ -136,3 +137,18 @@ def test_cli_runs_a_grid_with_profile_and_reference_cells(tmp_path, capsys):
     assert reference.max_chain == 4 and reference.chain_accepts and 4 in reference.tree_accepts
     assert main(["sweep", str(tmp_path / "grid.json"), "--out", str(tmp_path / "out")]) == 0
     assert "ran 0 (0 failed), skipped 3" in capsys.readouterr().out
+
+
+def test_a_cell_placed_on_a_worker_gives_the_records_of_a_local_cell(tmp_path):
+    """place = a worker's endpoint: the cell's target is that worker (the draft stays where the cell runs)."""
+    from worker_helpers import DRAFT, TARGET, process_worker
+
+    fixed = dict(target=TARGET, draft=DRAFT, prompts=TINY["prompts"], methods=["target-only", "chain"], k=3,
+                 max_new_tokens=10)
+    with process_worker() as worker:
+        remote_cell = SweepCell(**fixed, place=worker.endpoint)
+        report = sweep([SweepCell(**fixed), remote_cell], tmp_path, progress=False)
+    assert report.failed == 0
+    local, remote = (report.records[report.records["cell"] == key] for key in (report.status["cell"]))
+    assert comparable(local.assign(cell="")).equals(comparable(remote.assign(cell="")))
+    assert (remote["place"] == worker.endpoint).all() and (remote["bytes_up"] > 0).all()

@@ -65,6 +65,7 @@ class SweepCell:
         for name in ("methods", "tree_budgets", "profile_tokens", "profile_contexts"):
             value = getattr(self, name)
             object.__setattr__(self, name, (value,) if isinstance(value, (str, int)) else tuple(value))
+        object.__setattr__(self, "temperature", float(self.temperature))  # 1 and 1.0: one cell, one hash
         object.__setattr__(self, "prompts", tuple(p if isinstance(p, str) else tuple(int(t) for t in p)
                                                   for p in self.prompts))
         if self.kind == "run" and not self.methods:
