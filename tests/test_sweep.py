@@ -73,6 +73,9 @@ def test_local_sweep_stores_per_cell_resumes_and_records_failures(tmp_path):
     partial = sweep(cells, tmp_path, progress=False)
     assert (partial.ran, partial.skipped) == (1, 7)
     assert sweep([broken], tmp_path, retry_failed=False, progress=False).ran == 0
+    (tmp_path / "cells" / f"{cells[5].key}.json").write_text("{not json")  # a corrupt status file is named
+    with pytest.raises(SpecbenchError, match=f"{cells[5].key}.json is unreadable.*delete it"):
+        sweep(cells, tmp_path, progress=False)
 
 
 def test_ray_executor_says_how_to_install_it(tmp_path, monkeypatch):
