@@ -55,7 +55,7 @@ def sweep(cells: Sequence[SweepCell], out: Union[str, Path], executor: str = "lo
     failed_before = {cell.key for cell in cells if (store.state(cell.key) or {}).get("state") == "failed"}
     pending = [cell for cell in cells if cell.key not in finished and (retry_failed or cell.key not in failed_before)]
     bar = tqdm(total=len(cells), initial=len(cells) - len(pending), desc="sweep", unit="cell", disable=not progress)
-    tally = {"done": 0, "failed": 0}
+    tally = {"done": sum(cell.key in finished for cell in cells), "failed": 0}
 
     def land(cell: SweepCell, result: Optional[CellResult], error: Optional[str], running: int) -> None:
         if result is not None:
@@ -65,7 +65,7 @@ def sweep(cells: Sequence[SweepCell], out: Union[str, Path], executor: str = "lo
             store.write_failure(cell, error)
             tally["failed"] += 1
         bar.update()
-        bar.set_postfix(done=len(cells) - len(pending) + tally["done"], running=running, failed=tally["failed"])
+        bar.set_postfix(done=tally["done"], running=running, failed=tally["failed"])
 
     if pending:
         if executor == "local":
@@ -75,8 +75,9 @@ def sweep(cells: Sequence[SweepCell], out: Union[str, Path], executor: str = "lo
     bar.close()
     keys = [cell.key for cell in cells]
     status = store.status()
+    skipped = len(cells) - len(pending)
     return SweepReport(records=store.records(keys), status=status[status["cell"].isin(keys)].reset_index(drop=True),
-                       ran=tally["done"] + tally["failed"], skipped=len(cells) - len(pending), failed=tally["failed"],
+                       ran=len(pending), skipped=skipped, failed=tally["failed"],
                        wall_s=time.time() - started, folder=store.folder)
 
 
