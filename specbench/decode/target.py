@@ -13,7 +13,6 @@ from typing import Any, Optional, Protocol, Sequence
 import torch
 
 from specbench.decode import clock
-from specbench.decode.clock import device_time
 from specbench.decode.kv import cached_length, crop_to, keep_positions, tree_attention_mask
 from specbench.models.loaded import LoadedModel
 from specbench.sampling.verify import verify
@@ -169,7 +168,7 @@ class LocalTarget:
 
     def verify(self, session: str, tree: DraftTree, sampling: SamplingParams, seed: int) -> Verdict:
         """One forward over [tail] + tree, verification by `sampling`'s rule, then commit the path."""
-        start = device_time(self.device)
+        start = clock.device_time(self.device)
         state = self._session(session)
         check_tree(tree, self.vocab_size, sampling)
         self._check_context(len(state.committed) + len(tree) + 1)
@@ -183,10 +182,10 @@ class LocalTarget:
             positions = list(range(past, past + num_prefix)) + [past + num_prefix - 1 + d for d in depths]
             position_ids = torch.tensor([positions], device=self.device)
             attention_mask = tree_attention_mask(tree.parents, num_prefix, past, self.model.dtype, self.device)
-        forward_start = device_time(self.device)
+        forward_start = clock.device_time(self.device)
         try:
             logits = self._forward(state, inputs, position_ids, attention_mask)
-            forward_s = device_time(self.device) - forward_start
+            forward_s = clock.device_time(self.device) - forward_start
             generator = torch.Generator().manual_seed(seed)
             path, bonus = verify(tree, logits[num_prefix - 1:], sampling, generator)  # on the device
         except BaseException:
@@ -196,7 +195,7 @@ class LocalTarget:
         state.committed += [tree.tokens[i] for i in path] + [bonus]
         state.tail = [bonus]
         state.check_invariant()
-        timing = Timing(target_forward_s=forward_s, verify_s=device_time(self.device) - start)
+        timing = Timing(target_forward_s=forward_s, verify_s=clock.device_time(self.device) - start)
         return Verdict(tuple(path), bonus, timing)
 
     def verify_begin(self, session: str, tree: DraftTree, sampling: SamplingParams, seed: int) -> Finished:

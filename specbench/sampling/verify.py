@@ -26,7 +26,7 @@ def verify(tree: DraftTree, target_logits: torch.Tensor, sampling: SamplingParam
         raise SpecbenchError(
             f"target logits have {target_logits.shape[0]} rows; a {len(tree)}-node tree needs {len(tree) + 1}")
     rule = sampling.effective_rule
-    if rule == "greedy":  # argmax of the one-hot processed_probs gives, i.e. of the logits
+    if rule == "greedy":  # processed_probs is one-hot on the logits' argmax: take the argmax directly
         target_choices = target_logits.argmax(-1).tolist()
         return _walk(tree, lambda node: target_choices[node + 1])
     row_probs = _RowProbs(target_logits, sampling)

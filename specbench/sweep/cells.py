@@ -94,7 +94,7 @@ def _prompts(cell: SweepCell) -> list:
 def _sampling(cell: SweepCell):
     from specbench.types import SamplingParams
 
-    return SamplingParams(temperature=float(cell.temperature), rule=cell.rule)
+    return SamplingParams(temperature=cell.temperature, rule=cell.rule)
 
 
 def _target(cell: SweepCell):

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Union
 
-TASK_TITLE = "ray::_ray_cell"
+TASK_TITLE = "ray::run_cell"
 
 
 def kill_running_cell_later(folder: Union[str, Path], after_landed: int = 1, timeout_s: float = 300.0) -> dict:

@@ -90,10 +90,6 @@ def _run_local(pending, land) -> None:
         land(cell, result, error, running=1 if index + 1 < len(pending) else 0)
 
 
-def _ray_cell(cell: SweepCell, threads: int) -> CellResult:
-    return run_cell(cell, threads=threads)
-
-
 def _run_ray(pending, land, executor: str, cpus_per_cell: int, gpus_per_cell: float, max_retries: int) -> None:
     try:
         import ray
@@ -103,7 +99,7 @@ def _run_ray(pending, land, executor: str, cpus_per_cell: int, gpus_per_cell: fl
     if started_here:
         ray.init(address=None if executor == "ray" else executor, include_dashboard=False, log_to_driver=False)
     try:
-        task = ray.remote(_ray_cell).options(num_cpus=cpus_per_cell, num_gpus=gpus_per_cell,
+        task = ray.remote(run_cell).options(num_cpus=cpus_per_cell, num_gpus=gpus_per_cell,
                                              max_retries=max_retries, retry_exceptions=False)
         queue, in_flight = list(pending), {}
         while queue or in_flight:
