@@ -23,6 +23,7 @@ import torch
 
 from specbench.decode.clock import device_time
 from specbench.decode.kv import cached_length, keep_positions, tree_attention_mask
+from specbench.decode.kv_pool import PooledCache, batch_cache
 from specbench.decode.target import LocalTarget, _Sequence, check_tree
 from specbench.sampling.verify import verify
 from specbench.types import DraftTree, SamplingParams, Timing, Verdict
@@ -61,7 +62,11 @@ def verify_batch(target: LocalTarget, requests: Sequence[VerifyRequest]) -> list
             results[index] = error
     if rows:
         started = device_time(target.device)
-        logits = _forward(target, rows)
+        pooled = target.pool is not None and all(
+            isinstance(row.state.cache, PooledCache) and row.state.cache.pool is target.pool for row in rows)
+        if pooled:  # in slot order, so consecutive slots attend over a view of the pool
+            rows.sort(key=lambda row: row.state.cache.slot)
+        logits = (_forward_pooled if pooled else _forward)(target, rows)
         forward_s = device_time(target.device) - started
         for position, row in enumerate(rows):
             results[row.index] = _finish(target, row, logits[position], forward_s, started)
@@ -108,6 +113,38 @@ def _forward(target: LocalTarget, rows: list[_Row]) -> torch.Tensor:
         new = slice(longest_past, longest_past + len(row.inputs))
         for own, batched in zip(row.state.cache.layers, cache.layers):
             own.update(batched.keys[i:i + 1, :, new], batched.values[i:i + 1, :, new])
+    return output.logits
+
+
+@torch.inference_mode()
+def _forward_pooled(target: LocalTarget, rows: list[_Row]) -> torch.Tensor:
+    """`_forward` for sessions in the target's pool: row i's new positions go straight after its own
+    P_i cached ones in its pool row (no padding between), so nothing is copied in or out:
+
+        row i: [its P_i cached positions | its n_i new inputs | padding up to N | stale, masked]
+
+    Its mask allows its cached columns and what its tree allows among its new ones; a padding query
+    sees only its own column."""
+    model, device = target.model, target.device
+    batch, longest_input = len(rows), max(len(r.inputs) for r in rows)
+    width = max(r.past for r in rows) + longest_input
+    minimum = torch.finfo(model.dtype).min
+    mask = torch.full((batch, 1, longest_input, width), minimum, dtype=model.dtype)
+    input_ids = torch.zeros((batch, longest_input), dtype=torch.long)
+    position_ids = torch.zeros((batch, longest_input), dtype=torch.long)
+    for i, row in enumerate(rows):
+        n = len(row.inputs)
+        mask[i, 0, :n, : row.past + n] = row.mask
+        padding = torch.arange(n, longest_input)
+        mask[i, 0, padding, row.past + padding] = 0.0
+        input_ids[i, :n] = torch.tensor(row.inputs)
+        position_ids[i, :n] = torch.tensor(row.positions)
+    cache = batch_cache(target.pool, [row.state.cache.slot for row in rows], [row.past for row in rows])
+    output = model(input_ids=input_ids.to(device), past_key_values=cache, position_ids=position_ids.to(device),
+                   attention_mask=mask.to(device), use_cache=True)
+    for row in rows:
+        for layer in row.state.cache.layers:
+            layer.length = row.past + len(row.inputs)
     return output.logits
 
 

@@ -28,6 +28,9 @@ def keep_positions(cache, positions: Sequence[int]) -> None:
     if list(positions) == list(range(len(positions))):
         crop_to(cache, len(positions))
         return
+    if hasattr(cache, "keep"):  # a pooled cache compacts its own row in place
+        cache.keep(positions)
+        return
     index = torch.as_tensor(list(positions), dtype=torch.long)
     for layer in cache.layers:
         if getattr(layer, "keys", None) is None or not layer.keys.numel():

@@ -14,6 +14,7 @@ import torch
 
 from specbench.decode import clock
 from specbench.decode.kv import cached_length, crop_to, keep_positions, tree_attention_mask
+from specbench.decode.kv_pool import PooledCache, pool_for
 from specbench.models.loaded import LoadedModel
 from specbench.sampling.verify import verify
 from specbench.types import DraftTree, SamplingParams, SpecbenchError, Timing, Verdict
@@ -115,10 +116,8 @@ class PrefillJob:
     the same keys and values as one forward (causal attention), up to float rounding."""
 
     def __init__(self, target: "LocalTarget", session: str, ids: list[int]):
-        from transformers import DynamicCache
-
         self.target, self.session, self.ids, self.fed = target, session, ids, 0
-        self.state = _Sequence(cache=DynamicCache(config=target.model.config), committed=list(ids), tail=ids[-1:])
+        self.state = _Sequence(cache=target.new_cache(), committed=list(ids), tail=ids[-1:])
 
     def advance(self, max_tokens: int) -> bool:
         """Feed up to `max_tokens` more prompt tokens; True once the session is ready."""
@@ -138,7 +137,7 @@ class LocalTarget:
     """The target model in this process; sessions are independent sequences with their own caches."""
 
     def __init__(self, loaded: LoadedModel, max_context: int | None = None,
-                 eos_token_ids: Optional[Sequence[int]] = None):
+                 eos_token_ids: Optional[Sequence[int]] = None, kv_pool: bool = True):
         self.loaded = loaded
         self.model = loaded.model
         self.vocab_size = loaded.vocab_size
@@ -146,6 +145,16 @@ class LocalTarget:
         self.tokenizer = loaded.tokenizer
         self.max_context = max_context or getattr(self.model.config, "max_position_embeddings", None)
         self.sessions: dict[str, _Sequence] = {}
+        # None: Hugging Face's own cache per session (the model's layers need it, or the caller asked)
+        self.pool = pool_for(self.model) if kv_pool else None
+
+    def new_cache(self):
+        """An empty cache for one session: a row of the shared pool where the model allows it."""
+        if self.pool is None:
+            from transformers import DynamicCache
+
+            return DynamicCache(config=self.model.config)
+        return PooledCache(self.pool)
 
     @property
     def device(self):

@@ -1,0 +1,220 @@
+"""One KV store for every session of a target: a tensor per layer, [slots, heads, capacity, head_dim].
+
+Why: with a cache per session, a batched verify copied every session's keys and values into one
+padded batch cache and appended the new ones back (each append a full `torch.cat`): on SmolLM2 with
+8 sessions that was a quarter of the round. Here each session owns a row (slot) of the pool; a step
+writes only its new positions in place, rollback is a length change, and a batch whose sessions hold
+consecutive slots attends over a view of the pool, nothing copied. Lone forwards see the same view,
+row `slot`, positions `[0, length)`.
+
+Layout of row s: its `length` cached positions, then whatever earlier steps left (finite, never
+attended: a lone forward sees `[0, length)`, a batch masks it). The pool starts zeroed and grows by
+doubling (slots or capacity), keeping what it holds; a slot is released when its cache is dropped.
+"""
+from __future__ import annotations
+
+import heapq
+import threading
+import weakref
+from typing import Optional, Sequence
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+CAPACITY_STEP = 64  # positions; capacity grows to a multiple of it
+
+
+class KVPool:
+    """Keys and values of all sessions of one model; rows are handed out by `acquire`."""
+
+    def __init__(self, num_layers: int, slots: int = 4, capacity: int = 256):
+        self.keys: list[Optional[torch.Tensor]] = [None] * num_layers
+        self.values: list[Optional[torch.Tensor]] = [None] * num_layers
+        self.slots, self.capacity = slots, capacity
+        self._free = list(range(slots))
+        self._lock = threading.Lock()
+
+    def acquire(self) -> int:
+        with self._lock:
+            if not self._free:
+                self._grow(slots=self.slots * 2)
+            return heapq.heappop(self._free)
+
+    def release(self, slot: int) -> None:
+        with self._lock:
+            heapq.heappush(self._free, slot)
+
+    @property
+    def in_use(self) -> int:
+        return self.slots - len(self._free)
+
+    def reserve(self, length: int) -> None:
+        """Make room for `length` positions in every row (doubling, so appends stay amortised O(1))."""
+        if length > self.capacity:
+            wanted = max(length, 2 * self.capacity)
+            with self._lock:
+                self._grow(capacity=-(-wanted // CAPACITY_STEP) * CAPACITY_STEP)
+
+    @torch.inference_mode()  # pool tensors are inference tensors: written only in this mode
+    def layer(self, index: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `index`'s keys and values, allocated (zeroed) on first use with `like`'s heads and dtype."""
+        if self.keys[index] is None:
+            shape = (self.slots, like.shape[1], self.capacity, like.shape[3])
+            self.keys[index] = torch.zeros(shape, dtype=like.dtype, device=like.device)
+            self.values[index] = torch.zeros(shape, dtype=like.dtype, device=like.device)
+        return self.keys[index], self.values[index]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values if t is not None)
+
+    @torch.inference_mode()
+    def _grow(self, slots: Optional[int] = None, capacity: Optional[int] = None) -> None:
+        old_slots, old_capacity = self.slots, self.capacity
+        self.slots, self.capacity = slots or old_slots, capacity or old_capacity
+        for store in (self.keys, self.values):
+            for index, old in enumerate(store):
+                if old is not None:
+                    new = torch.zeros((self.slots, old.shape[1], self.capacity, old.shape[3]),
+                                      dtype=old.dtype, device=old.device)
+                    new[:old_slots, :, :old_capacity] = old
+                    store[index] = new
+        for slot in range(old_slots, self.slots):
+            heapq.heappush(self._free, slot)
+
+
+class PooledLayer(CacheLayerMixin):
+    """One layer of one session: a view of its pool row; `update` writes the new positions in place."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = True
+
+    def __init__(self, pool: KVPool, index: int, slot: int):  # noqa: the mixin's __init__ would set keys
+        self.pool, self.index, self.slot, self.length = pool, index, slot, 0
+        self.is_initialized = True
+
+    @property
+    def keys(self) -> Optional[torch.Tensor]:
+        keys = self.pool.keys[self.index]
+        return None if keys is None else keys[self.slot:self.slot + 1, :, :self.length]
+
+    @property
+    def values(self) -> Optional[torch.Tensor]:
+        values = self.pool.values[self.index]
+        return None if values is None else values[self.slot:self.slot + 1, :, :self.length]
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.pool.layer(self.index, key_states)
+
+    @torch.inference_mode()
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        new = key_states.shape[-2]
+        self.pool.reserve(self.length + new)
+        keys, values = self.pool.layer(self.index, key_states)
+        keys[self.slot, :, self.length:self.length + new] = key_states[0]
+        values[self.slot, :, self.length:self.length + new] = value_states[0]
+        self.length += new
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes the number of tokens to drop, negative")
+        self.length = max(0, self.length + tokens_to_remove)
+
+    @torch.inference_mode()
+    def keep_tail(self, first: int, tail: torch.Tensor) -> None:
+        """Positions `tail` (ascending, all >= `first`) move to `first`, `first + 1`, ...; the row's
+        positions before `first` stay where they are. Compacts an accepted tree path."""
+        keys, values = self.pool.keys[self.index], self.pool.values[self.index]
+        if keys is not None and len(tail):
+            tail = tail.to(keys.device)
+            keys[self.slot, :, first:first + len(tail)] = keys[self.slot].index_select(1, tail)
+            values[self.slot, :, first:first + len(tail)] = values[self.slot].index_select(1, tail)
+        self.length = first + len(tail)
+
+    def reset(self) -> None:
+        self.length = 0
+
+
+class PooledCache(Cache):
+    """A session's cache in a `KVPool`: a Hugging Face `Cache`, so the model runs on it unchanged."""
+
+    def __init__(self, pool: KVPool):
+        self.pool, self.slot = pool, pool.acquire()
+        super().__init__(layers=[PooledLayer(pool, index, self.slot) for index in range(len(pool.keys))])
+        weakref.finalize(self, pool.release, self.slot)
+
+    def keep(self, positions: Sequence[int]) -> None:
+        """Keep only `positions` (ascending), in place: what stays where it is is not copied."""
+        first_moved = next((i for i, p in enumerate(positions) if p != i), len(positions))
+        tail = torch.as_tensor(list(positions[first_moved:]), dtype=torch.long)
+        for layer in self.layers:
+            layer.keep_tail(first_moved, tail)
+
+
+def pool_for(model) -> Optional[KVPool]:
+    """A pool for `model` when every layer of its default cache is a plain growing one (no sliding
+    window, no linear attention), else None: those models keep Hugging Face's own caches."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    layers = DynamicCache(config=model.config).layers
+    if not layers or any(type(layer) is not DynamicLayer for layer in layers):
+        return None
+    return KVPool(len(layers))
+
+
+class PooledBatchLayer(CacheLayerMixin):
+    """One layer of a batched forward over pool rows: row r's new positions are written after its own
+    `pasts[r]` cached ones; attention sees columns `[0, max(pasts) + new)` of every row, a view of
+    the pool when the slots are consecutive (a copy otherwise), the caller's mask hiding what a row
+    must not see."""
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, pool: KVPool, index: int, slots: Sequence[int], pasts: Sequence[int]):  # noqa: see PooledLayer
+        self.pool, self.index, self.slots, self.pasts = pool, index, list(slots), list(pasts)
+        self.consecutive = self.slots == list(range(self.slots[0], self.slots[0] + len(self.slots)))
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.pool.layer(self.index, key_states)
+
+    @torch.inference_mode()
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        new = key_states.shape[-2]
+        self.pool.reserve(max(self.pasts) + new)
+        keys, values = self.pool.layer(self.index, key_states)
+        for row, (slot, past) in enumerate(zip(self.slots, self.pasts)):
+            keys[slot, :, past:past + new] = key_states[row]
+            values[slot, :, past:past + new] = value_states[row]
+        width = max(self.pasts) + new
+        if self.consecutive:
+            rows = slice(self.slots[0], self.slots[0] + len(self.slots))
+            return keys[rows, :, :width], values[rows, :, :width]
+        index = torch.as_tensor(self.slots, device=keys.device)
+        return keys[:, :, :width].index_select(0, index), values[:, :, :width].index_select(0, index)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return max(self.pasts) + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return max(self.pasts)
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+def batch_cache(pool: KVPool, slots: Sequence[int], pasts: Sequence[int]) -> Cache:
+    """The cache a batched forward over these pool rows runs on (see `PooledBatchLayer`)."""
+    return Cache(layers=[PooledBatchLayer(pool, index, slots, pasts) for index in range(len(pool.keys))])

@@ -1,0 +1,115 @@
+"""The shared KV pool gives every session what Hugging Face's own cache gives it, while growing,
+compacting tree paths in place and batching over consecutive or scattered slots."""
+import gc
+
+import torch
+
+from specbench.decode.batch import VerifyRequest, verify_batch
+from specbench.decode.drafters import ModelDrafter
+from specbench.decode.kv_pool import KVPool, PooledCache
+from specbench.decode.target import LocalTarget
+from specbench.decode.tree_drafters import TreeDrafter
+from specbench.types import DraftTree, SamplingParams
+
+from conftest import PROMPTS
+
+
+def _tiny_pool(target: LocalTarget) -> LocalTarget:
+    """One slot of 8 positions to start with: every test below makes it grow both ways."""
+    target.pool = KVPool(len(target.pool.keys), slots=1, capacity=8)
+    return target
+
+
+def test_pooled_sessions_decode_like_dynamic_caches(tiny_target, tiny_draft):
+    """Chains and trees, lone verifies, with the pool growing in slots and capacity mid-decode:
+    the same verdicts, committed tokens and (to float rounding) logits as per-session DynamicCaches."""
+    pooled, plain = _tiny_pool(LocalTarget(tiny_target)), LocalTarget(tiny_target, kv_pool=False)
+    assert plain.pool is None
+    drafters = [ModelDrafter(tiny_draft, 96), TreeDrafter(tiny_draft, 96, widths=(3, 2, 1))]
+    greedy, generator = SamplingParams(), torch.Generator().manual_seed(0)
+    for i, prompt in enumerate(PROMPTS[:3]):
+        pooled.prefill(f"s{i}", prompt)
+        plain.prefill(f"s{i}", prompt)
+    for step in range(14):
+        for i in range(3):
+            context = plain.committed(f"s{i}")
+            tree = drafters[(i + step) % 2].propose(context, 2 + step % 3, greedy, generator)
+            got = pooled.verify(f"s{i}", tree, greedy, step)
+            want = plain.verify(f"s{i}", tree, greedy, step)
+            assert (got.accepted_path, got.bonus_token) == (want.accepted_path, want.bonus_token)
+            assert pooled.committed(f"s{i}") == plain.committed(f"s{i}")
+    assert pooled.pool.slots >= 3 and pooled.pool.capacity >= len(pooled.committed("s0"))
+    for i in range(3):  # the cached keys themselves, position by position
+        ours, theirs = pooled.sessions[f"s{i}"].cache, plain.sessions[f"s{i}"].cache
+        assert ours.get_seq_length() == theirs.get_seq_length()
+        for mine, reference in zip(ours.layers, theirs.layers):
+            torch.testing.assert_close(mine.keys, reference.keys, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(mine.values, reference.values, rtol=1e-4, atol=1e-5)
+
+
+def test_batches_over_scattered_slots_equal_lone_dynamic_caches(tiny_target, tiny_draft):
+    """Closing sessions leaves holes: a batch over slots 0, 2, 4 attends over a copy, not a view,
+    and still gives each row its lone verdict; reopened sessions reuse the freed slots."""
+    batched, plain = _tiny_pool(LocalTarget(tiny_target)), LocalTarget(tiny_target, kv_pool=False)
+    for i in range(5):
+        batched.prefill(f"s{i}", PROMPTS[i % 4][: 3 + i])
+        plain.prefill(f"s{i}", PROMPTS[i % 4][: 3 + i])
+    for name in ("s1", "s3"):
+        batched.close(name)
+        plain.close(name)
+    gc.collect()
+    live = ["s0", "s2", "s4"]
+    assert sorted(batched.sessions[s].cache.slot for s in live) == [0, 2, 4]
+    drafter, greedy, generator = TreeDrafter(tiny_draft, 96, widths=(2, 2)), SamplingParams(), torch.Generator()
+    for step in range(8):
+        requests = [VerifyRequest(s, drafter.propose(plain.committed(s), 3, greedy, generator), greedy, step)
+                    for s in reversed(live)]  # out of slot order on purpose
+        for request, verdict in zip(requests, verify_batch(batched, requests)):
+            lone = plain.verify(request.session, request.tree, greedy, step)
+            assert (verdict.accepted_path, verdict.bonus_token) == (lone.accepted_path, lone.bonus_token)
+            assert batched.committed(request.session) == plain.committed(request.session)
+    batched.prefill("again", PROMPTS[1])
+    assert batched.sessions["again"].cache.slot == 1  # the lowest free slot
+
+
+def test_slots_are_released_when_sessions_go(tiny_target):
+    """Re-prefilling a session many times (a client restarting) or closing it never leaks pool rows."""
+    target = LocalTarget(tiny_target)
+    target.prefill("a", PROMPTS[0])
+    in_use = target.pool.in_use
+    for _ in range(20):
+        target.prefill("a", PROMPTS[1])
+        gc.collect()
+    assert target.pool.in_use == in_use
+    target.close("a")
+    gc.collect()
+    assert target.pool.in_use == in_use - 1
+
+
+def test_batch_of_consecutive_slots_is_a_view_of_the_pool(tiny_target):
+    """With every session in the batch holding consecutive slots, the forward's keys are the pool's."""
+    target = LocalTarget(tiny_target)
+    for i in range(3):
+        target.prefill(f"s{i}", PROMPTS[i])
+    from specbench.decode.kv_pool import batch_cache
+
+    pool = target.pool
+    cache = batch_cache(pool, [0, 1, 2], [len(PROMPTS[i]) - 1 for i in range(3)])
+    layer = cache.layers[0]
+    keys, _ = layer.update(torch.zeros(3, pool.keys[0].shape[1], 2, pool.keys[0].shape[3]),
+                           torch.zeros(3, pool.values[0].shape[1], 2, pool.values[0].shape[3]))
+    assert keys.data_ptr() == pool.keys[0].data_ptr()
+    assert isinstance(target.sessions["s0"].cache, PooledCache)
+
+
+def test_models_with_sliding_window_layers_keep_their_own_caches():
+    """A model whose cache mixes sliding-window layers (Gemma 3) gets no pool: its layers drop old
+    positions, which one shared row per session does not model."""
+    from transformers import Gemma3TextConfig, Gemma3ForCausalLM
+
+    from specbench.decode.kv_pool import pool_for
+
+    config = Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=4,
+                              layer_types=["sliding_attention", "full_attention"])
+    assert pool_for(Gemma3ForCausalLM(config)) is None
