@@ -14,10 +14,12 @@ SAMPLINGS = [SamplingParams(), SamplingParams(temperature=1.0, rule="rejection")
              SamplingParams(temperature=0.8, top_k=20, rule="sample-match")]
 
 
+@pytest.mark.parametrize("kv_pool", [True, False], ids=["pool", "copied-caches"])
 @pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "rejection", "sample-match"])
-def test_batched_verdicts_equal_lone_verdicts(tiny_target, tiny_draft, sampling):
-    """Ragged contexts, chains, fixed trees, empty trees and prompt-lookup tries in one batch."""
-    batched, alone = LocalTarget(tiny_target), LocalTarget(tiny_target)
+def test_batched_verdicts_equal_lone_verdicts(tiny_target, tiny_draft, sampling, kv_pool):
+    """Ragged contexts, chains, fixed trees, empty trees and prompt-lookup tries in one batch; batched
+    in place in the KV pool, and by copying per-session caches (models the pool does not take)."""
+    batched, alone = LocalTarget(tiny_target, kv_pool=kv_pool), LocalTarget(tiny_target, kv_pool=False)
     drafters = [ModelDrafter(tiny_draft, 96), TreeDrafter(tiny_draft, 96, widths=(3, 2, 1)),
                 PromptLookupDrafter(max_candidates=3), None, ModelDrafter(tiny_draft, 96)]
     prompts = [PROMPTS[i % len(PROMPTS)][: 3 + 2 * i] for i in range(len(drafters))]

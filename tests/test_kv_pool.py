@@ -113,3 +113,52 @@ def test_models_with_sliding_window_layers_keep_their_own_caches():
                               num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=4,
                               layer_types=["sliding_attention", "full_attention"])
     assert pool_for(Gemma3ForCausalLM(config)) is None
+
+
+def test_running_out_of_memory_while_growing_loses_nothing(tiny_target, monkeypatch):
+    """The pool cannot grow (allocation fails half-way): that step fails with the allocator's error,
+    the pool and the session are as before, and the next step, with memory back, decodes correctly."""
+    import specbench.decode.kv_pool as kv_pool
+
+    target, plain = _tiny_pool(LocalTarget(tiny_target)), LocalTarget(tiny_target, kv_pool=False)
+    target.prefill("s", PROMPTS[0][:5])
+    plain.prefill("s", PROMPTS[0][:5])
+    shape, committed = tuple(target.pool.keys[0].shape), target.committed("s")
+    allocations, real_zeros = [], torch.zeros
+
+    def failing_zeros(*args, **kwargs):
+        allocations.append(args)
+        if len(allocations) == 3:
+            raise RuntimeError("out of memory (simulated)")
+        return real_zeros(*args, **kwargs)
+
+    monkeypatch.setattr(kv_pool.torch, "zeros", failing_zeros)
+    chain = DraftTree.chain([3, 4, 5, 6, 7])  # 4 cached + 6 new > 8 positions: the pool must grow
+    try:
+        target.verify("s", chain, SamplingParams(), 0)
+        raise AssertionError("the step should have failed")
+    except RuntimeError as error:
+        assert "out of memory" in str(error)
+    assert tuple(target.pool.keys[0].shape) == shape and target.committed("s") == committed
+    monkeypatch.setattr(kv_pool.torch, "zeros", real_zeros)
+    got, want = target.verify("s", chain, SamplingParams(), 0), plain.verify("s", chain, SamplingParams(), 0)
+    assert (got.accepted_path, got.bonus_token) == (want.accepted_path, want.bonus_token)
+    assert target.committed("s") == plain.committed("s")
+
+
+def test_a_pool_over_its_byte_limit_refuses_to_grow_and_keeps_serving(tiny_target):
+    """The worker bounds the pool by --max-kv-gib: a step that would grow it past the limit is refused
+    with the numbers, its session is unchanged and other steps go on."""
+    import pytest
+
+    from specbench.types import SpecbenchError
+
+    target = _tiny_pool(LocalTarget(tiny_target))
+    target.prefill("s", PROMPTS[0][:5])
+    target.pool.max_bytes = target.pool.nbytes()  # full: no room to grow
+    committed = target.committed("s")
+    with pytest.raises(SpecbenchError, match=r"KV pool: 1 sessions x 64 positions .* --max-kv-gib"):
+        target.verify("s", DraftTree.chain([3, 4, 5, 6, 7]), SamplingParams(), 0)
+    assert target.committed("s") == committed
+    verdict = target.verify("s", DraftTree.chain([3]), SamplingParams(), 0)  # fits in the 8 positions held
+    assert target.committed("s") == committed + [3][:len(verdict.accepted_path)] + [verdict.bonus_token]

@@ -1,8 +1,10 @@
 """Verify many sessions' draft trees in one target forward: what a shared target does for its clients.
 
 Why: on a 2-core CPU one forward of 8 sequences x 5 tokens costs ~2x one sequence's, so batching the
-verifies of 8 clients verifies ~4x more tokens per second. Each session keeps its own KV cache;
-for the forward their caches are copied, left-aligned and padded, into one batch cache:
+verifies of 8 clients verifies ~4x more tokens per second. Each session keeps its own KV. Where the
+target keeps its sessions in a KV pool (`kv_pool`: most models), the forward runs on the pool's rows
+in place (`_forward_pooled`). Otherwise (sliding-window models) the sessions' caches are copied,
+left-aligned and padded, into one batch cache:
 
     row i: [its P_i cached positions | padding up to P = max P_i | its n_i new inputs | padding to N]
 

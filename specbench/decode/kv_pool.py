@@ -21,23 +21,27 @@ from typing import Optional, Sequence
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from specbench.types import SpecbenchError
+
 CAPACITY_STEP = 64  # positions; capacity grows to a multiple of it
 
 
 class KVPool:
     """Keys and values of all sessions of one model; rows are handed out by `acquire`."""
 
-    def __init__(self, num_layers: int, slots: int = 4, capacity: int = 256):
+    def __init__(self, num_layers: int, slots: int = 1, capacity: int = CAPACITY_STEP,
+                 max_bytes: Optional[int] = None):
         self.keys: list[Optional[torch.Tensor]] = [None] * num_layers
         self.values: list[Optional[torch.Tensor]] = [None] * num_layers
         self.slots, self.capacity = slots, capacity
+        self.max_bytes = max_bytes  # growing past it is refused (the worker's --max-kv-gib)
         self._free = list(range(slots))
         self._lock = threading.Lock()
 
     def acquire(self) -> int:
         with self._lock:
             if not self._free:
-                self._grow(slots=self.slots * 2)
+                self._grow(slots=(self.slots + 1, self.slots * 2))
             return heapq.heappop(self._free)
 
     def release(self, slot: int) -> None:
@@ -51,15 +55,16 @@ class KVPool:
     def reserve(self, length: int) -> None:
         """Make room for `length` positions in every row (doubling, so appends stay amortised O(1))."""
         if length > self.capacity:
-            wanted = max(length, 2 * self.capacity)
+            needed = -(-length // CAPACITY_STEP) * CAPACITY_STEP
             with self._lock:
-                self._grow(capacity=-(-wanted // CAPACITY_STEP) * CAPACITY_STEP)
+                self._grow(capacity=(needed, max(needed, 2 * self.capacity)))
 
     @torch.inference_mode()  # pool tensors are inference tensors: written only in this mode
     def layer(self, index: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `index`'s keys and values, allocated (zeroed) on first use with `like`'s heads and dtype."""
         if self.keys[index] is None:
             shape = (self.slots, like.shape[1], self.capacity, like.shape[3])
+            self._check_budget(self.slots, self.capacity, 2 * like.shape[1] * like.shape[3] * like.element_size())
             self.keys[index] = torch.zeros(shape, dtype=like.dtype, device=like.device)
             self.values[index] = torch.zeros(shape, dtype=like.dtype, device=like.device)
         return self.keys[index], self.values[index]
@@ -67,19 +72,43 @@ class KVPool:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values if t is not None)
 
+    def _per_position(self, new_layer_bytes: int = 0) -> int:
+        return new_layer_bytes + sum(
+            t.shape[1] * t.shape[3] * t.element_size() for t in self.keys + self.values if t is not None)
+
+    def _fits(self, slots: int, capacity: int) -> bool:
+        return not self.max_bytes or self._per_position() * slots * capacity <= self.max_bytes
+
+    def _check_budget(self, slots: int, capacity: int, new_layer_bytes: int = 0) -> None:
+        """Refuse, naming the numbers, a pool that would hold more than `max_bytes`."""
+        per_position = self._per_position(new_layer_bytes)
+        needed = per_position * slots * capacity
+        if self.max_bytes and needed > self.max_bytes:
+            raise SpecbenchError(
+                f"KV pool: {slots} sessions x {capacity} positions x {per_position} bytes = {needed} bytes, over "
+                f"the limit of {self.max_bytes} bytes (the worker's --max-kv-gib); the longest session sets the "
+                f"positions of every row, so fewer or shorter sessions fit")
+
     @torch.inference_mode()
-    def _grow(self, slots: Optional[int] = None, capacity: Optional[int] = None) -> None:
-        old_slots, old_capacity = self.slots, self.capacity
-        self.slots, self.capacity = slots or old_slots, capacity or old_capacity
-        for store in (self.keys, self.values):
-            for index, old in enumerate(store):
+    def _grow(self, slots: Optional[tuple[int, int]] = None, capacity: Optional[tuple[int, int]] = None) -> None:
+        """Grow to the (needed, preferred) slots or capacity: the preferred doubling where it fits
+        `max_bytes`, else just what is needed. All-or-nothing: every new tensor is allocated before any
+        replaces the old one, so running out of memory here leaves the pool (and its sessions) as it was."""
+        new_slots, new_capacity = (slots or (self.slots,) * 2)[1], (capacity or (self.capacity,) * 2)[1]
+        if not self._fits(new_slots, new_capacity):
+            new_slots, new_capacity = (slots or (self.slots,))[0], (capacity or (self.capacity,))[0]
+        self._check_budget(new_slots, new_capacity)
+        grown = [[None if old is None else
+                  torch.zeros((new_slots, old.shape[1], new_capacity, old.shape[3]), dtype=old.dtype, device=old.device)
+                  for old in store] for store in (self.keys, self.values)]
+        for store, news in zip((self.keys, self.values), grown):
+            for index, (old, new) in enumerate(zip(store, news)):
                 if old is not None:
-                    new = torch.zeros((self.slots, old.shape[1], self.capacity, old.shape[3]),
-                                      dtype=old.dtype, device=old.device)
-                    new[:old_slots, :, :old_capacity] = old
+                    new[:self.slots, :, :self.capacity] = old
                     store[index] = new
-        for slot in range(old_slots, self.slots):
+        for slot in range(self.slots, new_slots):
             heapq.heappush(self._free, slot)
+        self.slots, self.capacity = new_slots, new_capacity
 
 
 class PooledLayer(CacheLayerMixin):

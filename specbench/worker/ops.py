@@ -68,6 +68,8 @@ class Ops:
         identity = model_identity(loaded)
         old, live = self.identity, self.sessions.live()
         self.target, self.identity = LocalTarget(loaded), identity
+        if self.target.pool is not None:  # the pool's rows are as long as its longest session: bound it too
+            self.target.pool.max_bytes = self.kv_budget
         self.jobs.cancel_all(SessionEndedError(f"the worker's model changed from {old} to {identity} ({reason}) "
                                                f"while this request ran"))
         if live:
@@ -118,6 +120,7 @@ class Ops:
                 "weight_bytes": loaded.weight_bytes if loaded else None,
                 "kv_bytes_per_token": loaded.kv_bytes_per_token if loaded else None,
                 "torch": torch.__version__, "sessions": len(self.sessions),
+                "kv_pool": _pool_description(self.target),
                 "limits": {**self.limits.__dict__, "max_kv_bytes": self.kv_budget}}
 
     def hello(self, header, arrays, **_):
@@ -338,6 +341,13 @@ class Ops:
         if session is not None and self.target is not None:
             self.target.close(session.key)
         return {"session": name}, None
+
+
+def _pool_description(target: Optional[LocalTarget]) -> Optional[dict]:
+    pool = target.pool if target is not None else None
+    if pool is None:
+        return None
+    return {"slots": pool.slots, "in_use": pool.in_use, "capacity": pool.capacity, "bytes": pool.nbytes()}
 
 
 def _kv_bytes_per_token(model) -> int:
