@@ -8,8 +8,11 @@ consecutive slots attends over a view of the pool, nothing copied. Lone forwards
 row `slot`, positions `[0, length)`.
 
 Layout of row s: its `length` cached positions, then whatever earlier steps left (finite, never
-attended: a lone forward sees `[0, length)`, a batch masks it). The pool starts zeroed and grows by
-doubling (slots or capacity), keeping what it holds; a slot is released when its cache is dropped.
+attended: a lone forward sees `[0, length)`, a batch masks it). The pool starts zeroed and small and
+grows (slots or capacity) by doubling where that fits its byte limit, else by what is needed, keeping
+what it holds; a slot is released when its cache is dropped. Its cost: every row is as long as the
+longest session, so a few long sessions next to many short ones hold more memory than caches
+sized per session would.
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ class KVPool:
         self.slots, self.capacity = slots, capacity
         self.max_bytes = max_bytes  # growing past it is refused (the worker's --max-kv-gib)
         self._free = list(range(slots))
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a slot's release can run from the GC inside `_grow`
 
     def acquire(self) -> int:
         with self._lock:

@@ -247,14 +247,32 @@ def break_even_acceptance(target: LatencyProfile, draft: LatencyProfile, k: int,
 def replay_speed(records, prompt_lengths: Sequence[int], target: LatencyProfile, clients: int = 1,
                  network_s: float = 0.0) -> float:
     """Per-client tokens/s predicted for a measured run (a records frame, any number of prompts) replayed
-    on a target shared by `clients`: each step's verify priced at its own drafted count and context
-    by the profile's batch grid, the client's own time (drafting, loop) as measured, plus `network_s`
-    per step. Why: methods without a draft profile (prompt lookup) still get a concurrency forecast."""
+    on a target shared by `clients`: each step's verify priced by the profile's batch grid at its
+    context and at the width of its batch (a batch is padded to its longest row: the step's own
+    1 + drafted, or the longest of the other clients' rows, drawn from the run's own step sizes), the
+    client's own time (drafting, loop) as measured, plus `network_s` per step. Why: methods without a
+    draft profile (prompt lookup) still get a concurrency forecast, ragged rows included."""
+    sizes = (1 + records["drafted"]).astype(int)
+    others = _longest_of(sizes.value_counts(normalize=True).sort_index(), clients - 1)
     seconds, tokens = 0.0, 0
     for _, steps in records.groupby("prompt_index", sort=False):
         context = prompt_lengths[int(steps["prompt_index"].iloc[0])]
         for step in steps.sort_values("step").itertuples():
-            seconds += target.forward_s(1 + step.drafted, context, clients) + step.draft_s + step.overhead_s + network_s
+            own = 1 + int(step.drafted)
+            verify_s = sum(p * target.forward_s(max(own, width), context, clients) for width, p in others.items())
+            seconds += verify_s + step.draft_s + step.overhead_s + network_s
             context += step.emitted
             tokens += step.emitted
     return tokens / seconds if seconds else 0.0
+
+
+def _longest_of(pmf, draws: int) -> dict[int, float]:
+    """Distribution of the largest of `draws` independent draws from `pmf` ({size: probability});
+    no draws: {0: 1.0}. Example: sizes 1 and 5 at 2/3 and 1/3, two draws: {1: 4/9, 5: 5/9}."""
+    if draws <= 0:
+        return {0: 1.0}
+    below, result = 0.0, {}
+    for size, p in pmf.items():
+        result[int(size)] = (below + p) ** draws - below ** draws
+        below += p
+    return result
