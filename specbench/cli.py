@@ -44,7 +44,8 @@ def _run(args) -> int:
 
         if draft is None:
             raise SpecbenchError("--plan chooses K per step for a draft/target pair: pass --draft")
-        planner = planner_from_caches(target.label, draft.label, cs=args.cs, max_k=args.k)
+        planner = planner_from_caches(target.label, draft.label, cs=args.cs, max_k=args.k,
+                                      draft_budget_mib=args.draft_budget_mib)
     from specbench.demo import DEMO_PROMPTS
 
     records = run(target, args.prompt or DEMO_PROMPTS, method=args.method, draft=draft, k=args.k,
@@ -265,6 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     run_parser.add_argument("--plan", action="store_true",
                             help="choose K per step (up to --k) from the cached profiles and reference of the pair")
     run_parser.add_argument("--cs", type=float, default=0.0, help="cost weight for --plan: 0 fastest, 1 cheapest")
+    run_parser.add_argument("--draft-budget-mib", type=float, default=None,
+                            help="with --plan: the draft device's memory; K only where the draft's weights and "
+                                 "cache fit, plain target steps beyond")
     run_parser.set_defaults(handler=_run)
 
     worker = commands.add_parser("worker", help="serve a target model over ZeroMQ (Ctrl-C stops it)")

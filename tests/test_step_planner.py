@@ -125,3 +125,32 @@ def test_planner_drafts_less_when_the_worker_is_loaded():
         assert round(planner.clients) == batch_size
         chosen[batch_size] = planner.choose(256)
     assert chosen[8] < chosen[1], chosen
+
+
+def test_draft_memory_budget_caps_k_as_the_context_grows():
+    """Issue 14: the draft device's memory is an input to the planner. Weights 1000 B, 10 B of cache
+    per token, a 2100 B budget: K=6 fits at context 100 (1000 + 1060), K=3 at context 107 (1000 + 1100),
+    nothing at context 110, where the step is a plain target step (and the probe is skipped)."""
+    from dataclasses import replace
+
+    draft = replace(flat("d", 0.001), weight_bytes=1000, kv_bytes_per_token=10)
+    eager = AcceptanceReference("d", "t", "x", max_chain=6, chain_accepts=(6,) * 20)
+    planner = StepPlanner(flat("t", 0.100), draft, eager, prior_steps=1e6, explore_after=1, draft_budget_bytes=2100)
+    assert planner.choose(100) == 6
+    assert planner.choose(107) == 3
+    assert [row["fits"] for row in planner.scores(107)] == [True, True, True, True, False, False, False]
+    assert planner.choose(110) == 0 and planner.choose(110) == 0  # no probe: one token does not fit either
+    unlimited = StepPlanner(flat("t", 0.100), draft, eager, prior_steps=1e6)
+    assert unlimited.choose(110) == 6
+
+
+def test_draft_memory_budget_refusals_name_the_problem():
+    from dataclasses import replace
+
+    with pytest.raises(SpecbenchError, match="record it again with `specbench profile`"):
+        StepPlanner(flat("t", 0.1), flat("d", 0.01), halving_reference(), draft_budget_bytes=10**9)
+    heavy = replace(flat("d", 0.01), weight_bytes=300 * 2**20)
+    with pytest.raises(SpecbenchError, match=r"weights take 300.0 MiB, the budget is 100.0 MiB"):
+        StepPlanner(flat("t", 0.1), heavy, halving_reference(), draft_budget_bytes=100 * 2**20)
+    with pytest.raises(SpecbenchError, match="does not fit the draft memory budget"):
+        planner_from_caches("smollm2-135m", "smollm2-135m[:26]", dataset="bench", draft_budget_mib=1)

@@ -59,6 +59,9 @@ class StepPlanner:
     rtt_smoothing: float = 0.3
     explore_after: int = 8  # after this many K=0 steps in a row, draft one token to re-check acceptance
     clients: float = 1.0  # starting estimate of the worker's batch size; remote steps update it
+    # The draft device's memory: K is only chosen where the draft's weights plus its cache of the
+    # context and K drafted tokens fit (None: no limit); beyond it the step is a plain target step.
+    draft_budget_bytes: Optional[int] = None
 
     def __post_init__(self):
         check_cs(self.cs)
@@ -68,6 +71,16 @@ class StepPlanner:
             raise SpecbenchError(f"where must be 'local' or 'remote', got {self.where!r}")
         if not 0 < self.forget <= 1:
             raise SpecbenchError(f"forget must be in (0, 1], got {self.forget}")
+        if self.draft_budget_bytes is not None:
+            if not self.draft.weight_bytes:
+                raise SpecbenchError(
+                    f"a draft memory budget needs the draft's measured memory, and the profile of "
+                    f"{self.draft.model} on {self.draft.device} has none: record it again with `specbench profile`")
+            if self.draft.weight_bytes > self.draft_budget_bytes:
+                raise SpecbenchError(
+                    f"draft {self.draft.model} does not fit the draft memory budget: its weights take "
+                    f"{self.draft.weight_bytes / 2**20:.1f} MiB, the budget is {self.draft_budget_bytes / 2**20:.1f} MiB "
+                    f"(a quantized variant of the draft may fit)")
         self.cost_name = cost_column(self.cost)
         self.reset()
 
@@ -98,18 +111,25 @@ class StepPlanner:
                                    clients=max(1, round(self.clients)))
             step = step_cost(point, self.target, self.draft, self.expected_accepted(k), context, self.overhead_s,
                              draft_per_target=self.reference.draft_per_target)
-            rows.append({"k": k, **priced(step, self.prices, self.power)})
+            rows.append({"k": k, "fits": self.fits(k, context), **priced(step, self.prices, self.power)})
         base = rows[0]
         for row in rows:
             row["J"] = cost_knob(self.cs, row[self.cost_name], base[self.cost_name], row["tokens_per_s"],
                                  base["tokens_per_s"])
         return rows
 
+    def fits(self, k: int, context: int) -> bool:
+        """Whether drafting K tokens at this context fits the draft budget (K=0 drafts nothing)."""
+        if k == 0 or self.draft_budget_bytes is None:
+            return True
+        return self.draft.memory_bytes(context + k) <= self.draft_budget_bytes
+
     def choose(self, context: int) -> int:
         """K for the next step (0 = verify no draft: a plain target step)."""
-        best = min(self.scores(context), key=lambda row: (row["J"], row["k"]))["k"]
+        best = min((row for row in self.scores(context) if row["fits"]), key=lambda row: (row["J"], row["k"]))["k"]
         recent = self.history[-self.explore_after:]
-        if best == 0 and self.explore_after and len(recent) == self.explore_after and not any(recent):
+        if (best == 0 and self.explore_after and len(recent) == self.explore_after and not any(recent)
+                and self.fits(1, context)):
             best = 1  # without drafting, acceptance evidence never changes: probe now and then
         self.history.append(best)
         return best
@@ -132,8 +152,9 @@ class StepPlanner:
 
 
 def planner_from_caches(target: str, draft: str, dataset: Optional[str] = None, device: Optional[str] = None,
-                        **options) -> StepPlanner:
-    """A StepPlanner from the shipped/recorded `profiles/` and `reference/` for this pair."""
+                        draft_budget_mib: Optional[float] = None, **options) -> StepPlanner:
+    """A StepPlanner from the shipped/recorded `profiles/` and `reference/` for this pair;
+    `draft_budget_mib` bounds the draft's memory (weights + its cache), see `StepPlanner`."""
     from specbench.plan.explore import matching_pairs
     from specbench.plan.library import load_profiles, load_references
 
@@ -145,4 +166,6 @@ def planner_from_caches(target: str, draft: str, dataset: Optional[str] = None, 
                              f"record them with `specbench profile` and `specbench reference`")
     target_profile, draft_profile, reference = pairs[0]
     options.setdefault("max_k", min(6, reference.max_chain))
+    if draft_budget_mib is not None:
+        options["draft_budget_bytes"] = int(draft_budget_mib * 2**20)
     return StepPlanner(target_profile, draft_profile, reference, **options)
