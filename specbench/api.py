@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 from specbench.decode.loop import Decoding, generate
 from specbench.decode.step import ProactiveDrafting, speculative_step
 from specbench.decode.target import LocalTarget, Target
+from specbench.hardware import peak_memory_bytes, reset_peak_memory
 from specbench.methods import DraftSource, Method, TreeShape, get_method
 from specbench.models.loaded import LoadedModel
 from specbench.models.loading import as_loaded
@@ -84,6 +85,7 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
     described = getattr(target, "info", None)  # a RemoteTarget's worker description
     target_bytes = target_model.weight_bytes if target_model else (
         described.get("weight_bytes") if isinstance(described, dict) else None)
+    device = str(target.device) if target_model else None  # a remote worker's peak is its own
     for chosen in methods:
         drafter = chosen.build(source) if chosen.build else None
         memory = {"target_weight_bytes": target_bytes,  # as loaded; a remote worker reports its own
@@ -99,9 +101,11 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
         for index, ids in enumerate(prompt_ids):
             if planned is not None:
                 planned.reset()
+            reset_peak_memory(device)
             result = _generate_one(ids, index, seed * 1_000_003 + index, **one)
+            peak = {"device_peak_bytes": peak_memory_bytes(device)}
             rows += [{**asdict(record), "k": 0 if chosen.kind == "none" else k, "prompt_tokens": len(ids),
-                      "prefill_s": result.prefill_s, **memory} for record in result.records]
+                      "prefill_s": result.prefill_s, **memory, **peak} for record in result.records]
             bar.update()
     bar.close()
     return pd.DataFrame(rows)

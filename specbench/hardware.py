@@ -42,3 +42,17 @@ def measure_power(device: str = "cpu", seconds: float = 0.5, configured_watts: O
         return {"watts": (second - first) / 1e6 / seconds, "source": "rapl"}
     except (OSError, ValueError):
         return {"watts": configured_watts, "source": "configured"}
+
+
+def reset_peak_memory(device: Optional[str]) -> None:
+    """Start a new peak-memory window on `device` (CUDA only: a CPU has no per-device counter)."""
+    if device is not None and str(device).startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats(torch.device(device))
+
+
+def peak_memory_bytes(device: Optional[str]) -> Optional[int]:
+    """Most bytes allocated on `device` since the last reset, where the device reports it (CUDA);
+    None elsewhere: a process's peak RSS would mix in everything it did before."""
+    if device is not None and str(device).startswith("cuda"):
+        return int(torch.cuda.max_memory_allocated(torch.device(device)))
+    return None

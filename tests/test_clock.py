@@ -49,3 +49,29 @@ def test_verification_reads_logits_in_their_own_dtype_without_copying_them_whole
     chain = DraftTree(tokens=(int(logits[0].argmin()), 1, 2), parents=(-1, 0, 1))  # rejected at the root
     path, _ = verify(chain, logits, sampled, torch.Generator().manual_seed(1))
     assert path == () and visited == [1]  # one row of four processed
+
+
+def test_peak_device_memory_is_recorded_per_prompt_where_the_device_reports_it(tiny_target, monkeypatch):
+    """Issue 14: a run's peak memory where the device reports it. CUDA's counters (stubbed: no GPU here)
+    are reset before each prompt and read after it; on a CPU the column is empty, not a made-up figure."""
+    import specbench.api as api
+    from specbench import hardware
+    from specbench.api import run
+
+    events = []
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: events.append(("reset", device)))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 12345)
+    hardware.reset_peak_memory("cuda:1")
+    assert hardware.peak_memory_bytes("cuda:1") == 12345 and events == [("reset", torch.device("cuda", 1))]
+    assert hardware.peak_memory_bytes("cpu") is None and hardware.peak_memory_bytes(None) is None
+
+    records = run(tiny_target, [[1, 2, 3], [4, 5, 6]], method="target-only", max_new_tokens=3, progress=False,
+                  warmup=False)
+    assert records["device_peak_bytes"].isna().all()
+    windows = []  # on a device that reports it: one window per prompt, its own figure on its rows
+    monkeypatch.setattr(api, "reset_peak_memory", lambda device: windows.append(device))
+    monkeypatch.setattr(api, "peak_memory_bytes", lambda device: 1000 * len(windows))
+    records = run(tiny_target, [[1, 2, 3], [4, 5, 6]], method="target-only", max_new_tokens=3, progress=False,
+                  warmup=False)
+    assert windows == ["cpu", "cpu"]
+    assert records.groupby("prompt_index")["device_peak_bytes"].first().tolist() == [1000, 2000]
