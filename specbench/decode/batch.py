@@ -96,15 +96,12 @@ def _forward(target: LocalTarget, rows: list[_Row]) -> torch.Tensor:
     batch, longest_past, longest_input = len(rows), max(r.past for r in rows), max(len(r.inputs) for r in rows)
     minimum = torch.finfo(model.dtype).min
     mask = torch.full((batch, 1, longest_input, longest_past + longest_input), minimum, dtype=model.dtype)
-    input_ids = torch.zeros((batch, longest_input), dtype=torch.long)
-    position_ids = torch.zeros((batch, longest_input), dtype=torch.long)
     for i, row in enumerate(rows):
         n = len(row.inputs)
         mask[i, 0, :n, : row.past] = row.mask[:, : row.past]
         mask[i, 0, :n, longest_past: longest_past + n] = row.mask[:, row.past:]
         mask[i, 0, n:, longest_past + n:] = 0.0  # padding queries see only padding: no NaN, no effect
-        input_ids[i, :n] = torch.tensor(row.inputs)
-        position_ids[i, :n] = torch.tensor(row.positions)
+    input_ids, position_ids = _padded_inputs(rows, longest_input)
     cache = DynamicCache(config=model.config)
     if longest_past:  # else every session is a one-token prompt with nothing cached yet
         for layer, batched in enumerate(cache.layers):
@@ -132,15 +129,12 @@ def _forward_pooled(target: LocalTarget, rows: list[_Row]) -> torch.Tensor:
     width = max(r.past for r in rows) + longest_input
     minimum = torch.finfo(model.dtype).min
     mask = torch.full((batch, 1, longest_input, width), minimum, dtype=model.dtype)
-    input_ids = torch.zeros((batch, longest_input), dtype=torch.long)
-    position_ids = torch.zeros((batch, longest_input), dtype=torch.long)
     for i, row in enumerate(rows):
         n = len(row.inputs)
         mask[i, 0, :n, : row.past + n] = row.mask
         padding = torch.arange(n, longest_input)
         mask[i, 0, padding, row.past + padding] = 0.0
-        input_ids[i, :n] = torch.tensor(row.inputs)
-        position_ids[i, :n] = torch.tensor(row.positions)
+    input_ids, position_ids = _padded_inputs(rows, longest_input)
     cache = batch_cache(target.pool, [row.state.cache.slot for row in rows], [row.past for row in rows])
     output = model(input_ids=input_ids.to(device), past_key_values=cache, position_ids=position_ids.to(device),
                    attention_mask=mask.to(device), use_cache=True)
@@ -148,6 +142,16 @@ def _forward_pooled(target: LocalTarget, rows: list[_Row]) -> torch.Tensor:
         for layer in row.state.cache.layers:
             layer.length = row.past + len(row.inputs)
     return output.logits
+
+
+def _padded_inputs(rows: list[_Row], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's input ids and positions, zero-padded on the right to `width`."""
+    input_ids = torch.zeros((len(rows), width), dtype=torch.long)
+    position_ids = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        input_ids[i, :len(row.inputs)] = torch.tensor(row.inputs)
+        position_ids[i, :len(row.inputs)] = torch.tensor(row.positions)
+    return input_ids, position_ids
 
 
 def _padded(layers: list, length: int) -> tuple[torch.Tensor, torch.Tensor]:
