@@ -37,7 +37,11 @@ def encode_prompts(prompts: Sequence[Union[str, Sequence[int]]], tokenizer, chat
     for index, prompt in enumerate(prompts):
         if isinstance(prompt, str):
             if tokenizer is None:
-                raise SpecbenchError(f"prompt {index} is text but the target has no tokenizer; pass token ids")
+                raise SpecbenchError(
+                    f"prompt {index} is text but the target has no tokenizer (a RemoteTarget has none unless "
+                    f"given one): pass token ids, or a tokenizer, e.g. run(..., tokenizer=load_tokenizer(name)) "
+                    f"or RemoteTarget(endpoint, tokenizer=load_tokenizer(name)), with load_tokenizer from "
+                    f"specbench.models.loading and name the worker's model")
             if chat and getattr(tokenizer, "chat_template", None):
                 prompt = tokenizer.apply_chat_template(
                     [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
