@@ -2,12 +2,13 @@
 
 Same prompts, same run, per dtype: target-only (specbench and HF), HF assisted generation with
 `assistant_tokenizer` (its cross-tokenizer path) at K = 2, 4, 6 and its default schedule,
-specbench's cross-tokenizer chain (text rule) at K = 2, 4, 6, and the same-family draft's chain
-for comparison. Greedy. Reports tokens/s, tokens per target step, target tokens per draft token,
+specbench's cross-tokenizer chain (text rule) at K = 2, 4, 6 and dynamic trees of 8 and 16 nodes,
+and the same-family draft's chain for comparison. Greedy. Reports tokens/s, tokens per target step, target tokens per draft token,
 and whether each output is identical to target-only (a mismatch is checked teacher-forced and
 shown as a near-tie when the target's top-2 logits there are within NEAR_TIE_LOGITS).
 
-    python benchmarks/cross_tokenizer.py [--dtypes float32 bfloat16] [--prompts 3] [--max-new-tokens 48]
+    python benchmarks/cross_tokenizer.py [--dtypes float32 bfloat16] [--ks 2 4 6] [--tree-budgets 8 16]
+                                         [--prompts 3] [--max-new-tokens 48]
 """
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ def specbench_generate(local, drafter, ids, k, max_new_tokens):
         "draft_tokens": sum((r.draft_tokens if r.draft_tokens is not None else r.drafted) for r in drafting)}
 
 
-def bench_dtype(dtype, target_name, cross_name, family_name, prompts, max_new_tokens, ks):
+def bench_dtype(dtype, target_name, cross_name, family_name, prompts, max_new_tokens, ks, tree_budgets=()):
     target = load_model(ModelSpec(target_name, dtype=dtype))
     cross = load_model(ModelSpec(cross_name, dtype=dtype))
     family = load_model(ModelSpec(family_name, dtype=dtype)) if family_name else None
@@ -81,6 +82,9 @@ def bench_dtype(dtype, target_name, cross_name, family_name, prompts, max_new_to
     methods = [("specbench", "target-only", None, None), ("hf", "target-only", None, None)]
     methods += [("hf", f"assisted-cross K={k}", cross, k) for k in ks] + [("hf", "assisted-cross default", cross, None)]
     methods += [("specbench", f"cross-chain K={k}", cross_chain, k) for k in ks]
+    if tree_budgets:  # dynamic trees, each root-to-leaf path re-tokenized, merged into one target trie
+        cross_tree = make_drafter("tree", DraftSource(local, target, cross, dtype, cross_tokenizer="text"))
+        methods += [("specbench", f"cross-tree {budget}", cross_tree, budget) for budget in tree_budgets]
     if family_chain:
         methods += [("specbench", f"{family_name} chain K=4", family_chain, 4)]
     rows, outputs = [], {}
@@ -138,6 +142,8 @@ def main():
     parser.add_argument("--family-draft", default="qwen2.5-coder-0.5b", help="same-family draft ('' to skip)")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--ks", nargs="+", type=int, default=[2, 4, 6])
+    parser.add_argument("--tree-budgets", nargs="*", type=int, default=[8, 16],
+                        help="node budgets of cross-tokenizer dynamic trees (none: chains only)")
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--out", default=str(RESULTS / "cross_tokenizer.json"))
@@ -147,12 +153,12 @@ def main():
     report = {"settings": vars(args), "near_tie_logits": NEAR_TIE_LOGITS, "dtypes": {}}
     for dtype in args.dtypes:
         frame, checks = bench_dtype(dtype, args.target, args.draft, args.family_draft, prompts,
-                                    args.max_new_tokens, args.ks)
+                                    args.max_new_tokens, args.ks, args.tree_budgets)
         table = summarize(frame, checks)
         print(f"\n== {args.draft} drafting for {args.target} ({dtype}, greedy, {len(prompts)} prompts x "
               f"{args.max_new_tokens} tokens) ==")
         print(table.round(3).to_string(index=False))
-        ours = table[table.method.str.startswith("cross-chain")]["tokens_per_s"].max()
+        ours = table[table.method.str.startswith("cross-")]["tokens_per_s"].max()
         print(f"goals: specbench best cross / HF best cross = {ours / table[table.method.str.startswith('assisted-cross')]['tokens_per_s'].max():.2f} "
               f"(>= 1.0), / target-only = {ours / table['tokens_per_s'].iloc[0]:.2f} (>= 1.25)")
         for check in checks:

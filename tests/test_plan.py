@@ -85,10 +85,34 @@ def test_chain_prediction_replays_min_a_k():
     rows = predict([OperatingPoint("target-only"), OperatingPoint("chain", 2)], TARGET, DRAFT, reference)
     base, chain = rows
     assert base["tokens_per_s"] == pytest.approx(10.0)
-    # chain K=2: draft forwards of 2 tokens (catch-up of ~1.25 accepted + bonus) and 1 token,
-    # 0.02 + 1/3 * 0.01 + 0.02 s, then verify 3 tokens 0.14 s; 2.25 tokens per step
+    # chain K=2: the draft's first forward catches up on the bonus, plus its own last token after the
+    # half of the steps that accepted both (a >= 2): 1.5 tokens, 0.02 + 0.5 * 0.01 / 3 s; then one
+    # 1-token forward 0.02 s, and the verify of 3 tokens 0.14 s; 2.25 tokens per step
+    assert reference.full_acceptance(2) == pytest.approx(0.5)
     assert chain["tokens_per_step"] == pytest.approx(2.25)
-    assert chain["tokens_per_s"] == pytest.approx(2.25 / (0.02 + 0.01 / 3 + 0.02 + 0.14))
+    assert chain["tokens_per_s"] == pytest.approx(2.25 / (0.02 + 0.5 * 0.01 / 3 + 0.02 + 0.14))
+
+
+def test_the_draft_catches_up_as_the_cost_model_assumes(tiny_target, tiny_draft):
+    """The chain cost model prices the draft's first forward of a step at 1 token (the bonus), or 2
+    after a fully accepted chain (its own last token, never fed, and the bonus): checked against what
+    a ModelDrafter actually feeds, over a run with both outcomes."""
+    from specbench.decode.drafters import ModelDrafter
+    from specbench.decode.loop import Decoding, generate
+    from specbench.decode.target import LocalTarget
+    from specbench.types import SamplingParams
+
+    k, fed = 3, []
+    drafter = ModelDrafter(tiny_draft, tiny_target.vocab_size)
+    extend = drafter._extend
+    drafter._extend = lambda ids: (fed.append(len(ids)), extend(ids))[1]
+    result = generate(LocalTarget(tiny_target), drafter, [1, 2, 3, 4, 5, 6, 7, 8], Decoding(k, 40, SamplingParams()))
+    steps = [(record.drafted, record.accepted) for record in result.records]
+    assert len(fed) == sum(drafted for drafted, _ in steps)  # per step: a catch-up, then 1-token forwards
+    starts = [sum(drafted for drafted, _ in steps[:i]) for i in range(1, len(steps))]
+    catch_ups = [fed[start] for start in starts]  # each step's first forward (the first step's is the prompt)
+    assert catch_ups == [1 + (accepted == drafted) for drafted, accepted in steps[:-1]]
+    assert {1, 2} <= set(catch_ups)  # both outcomes occurred
 
 
 def test_break_even_acceptance():

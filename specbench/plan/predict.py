@@ -98,6 +98,10 @@ class AcceptanceReference:
     cross_tokenizer: str = ""
     draft_per_target: float = 1.0
 
+    def full_acceptance(self, k: int) -> float:
+        """Share of chain steps of length K whose every draft token was accepted."""
+        return mean(a >= k for a in self.chain_accepts) if self.chain_accepts else 0.0
+
     def accepted(self, method: str, k: int) -> float:
         """Expected accepted draft tokens per step."""
         if method == "target-only":
@@ -154,20 +158,24 @@ def predict_step(point: OperatingPoint, target: LatencyProfile, draft: Optional[
     if point.method == "tree":
         depth = float(reference.tree_depth.get(point.k) or reference.tree_depth.get(str(point.k)) or 1)
         width = int(reference.tree_width.get(point.k) or reference.tree_width.get(str(point.k)) or 1)
+    full = reference.full_acceptance(point.k) if reference and point.method == "chain" else 0.0
     return step_cost(point, target, draft, accepted, context, overhead_s, bandwidth_mbps, depth, width,
-                     reference.draft_per_target if reference else 1.0)
+                     reference.draft_per_target if reference else 1.0, full)
 
 
 def step_cost(point: OperatingPoint, target: LatencyProfile, draft: Optional[LatencyProfile], accepted: float,
               context: int = 256, overhead_s: float = 0.0, bandwidth_mbps: float = 0.0,
-              tree_depth: float = 1.0, tree_width: int = 1, draft_per_target: float = 1.0) -> StepCost:
+              tree_depth: float = 1.0, tree_width: int = 1, draft_per_target: float = 1.0,
+              full_accept: float = 0.0) -> StepCost:
     """Seconds and bytes of one step at `point` when `accepted` drafts are accepted on average: the
     cost model that replay prediction and the per-step planner share. `draft_per_target`: draft-model
-    tokens per proposed target token (1 unless the draft has another tokenizer)."""
+    tokens per proposed target token (1 unless the draft has another tokenizer); `full_accept`: the
+    share of chain steps whose every draft token is accepted."""
     if point.method == "chain":
-        # the first draft forward also catches up on last step's accepted tokens and bonus
+        # The draft's cache keeps the chain it fed (all but its last token), so its first forward
+        # catches up on the bonus alone, or on its last token and the bonus after a fully accepted chain.
         forwards = max(1.0, point.k * draft_per_target)
-        draft_s = (draft.forward_s(1 + round(accepted * draft_per_target), context)
+        draft_s = (draft.forward_s((1 + full_accept) * draft_per_target, context)
                    + (forwards - 1) * draft.forward_s(1, context))
     elif point.method == "tree":
         draft_s = draft.forward_s(1, context) + (tree_depth - 1) * draft.forward_s(tree_width, context)

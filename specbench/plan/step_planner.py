@@ -103,6 +103,13 @@ class StepPlanner:
             total += survive
         return total
 
+    def full_acceptance(self, k: int) -> float:
+        """P(all K drafted tokens accepted) = prod_{i<=K} alpha_i (1 for K=0: nothing to reject)."""
+        survive = 1.0
+        for alpha in self.rates()[:k]:
+            survive *= alpha
+        return survive
+
     def scores(self, context: int) -> list[dict]:
         """Every candidate K with its predicted speed, cost and J at this context (K=0 is the reference)."""
         rows = []
@@ -110,7 +117,7 @@ class StepPlanner:
             point = OperatingPoint("target-only" if k == 0 else "chain", k, self.where, self.rtt_ms,
                                    clients=max(1, round(self.clients)))
             step = step_cost(point, self.target, self.draft, self.expected_accepted(k), context, self.overhead_s,
-                             draft_per_target=self.reference.draft_per_target)
+                             draft_per_target=self.reference.draft_per_target, full_accept=self.full_acceptance(k))
             rows.append({"k": k, "fits": self.fits(k, context), **priced(step, self.prices, self.power)})
         base = rows[0]
         for row in rows:
