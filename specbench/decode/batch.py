@@ -139,8 +139,7 @@ def _forward_pooled(target: LocalTarget, rows: list[_Row]) -> torch.Tensor:
     output = model(input_ids=input_ids.to(device), past_key_values=cache, position_ids=position_ids.to(device),
                    attention_mask=mask.to(device), use_cache=True)
     for row in rows:
-        for layer in row.state.cache.layers:
-            layer.length = row.past + len(row.inputs)
+        row.state.cache.set_length(row.past + len(row.inputs))
     return output.logits
 
 

@@ -62,14 +62,14 @@ class KVPool:
             with self._lock:
                 self._grow(capacity=(needed, max(needed, 2 * self.capacity)))
 
-    @torch.inference_mode()  # pool tensors are inference tensors: written only in this mode
     def layer(self, index: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `index`'s keys and values, allocated (zeroed) on first use with `like`'s heads and dtype."""
         if self.keys[index] is None:
             shape = (self.slots, like.shape[1], self.capacity, like.shape[3])
             self._check_budget(self.slots, self.capacity, 2 * like.shape[1] * like.shape[3] * like.element_size())
-            self.keys[index] = torch.zeros(shape, dtype=like.dtype, device=like.device)
-            self.values[index] = torch.zeros(shape, dtype=like.dtype, device=like.device)
+            with torch.inference_mode():  # pool tensors are inference tensors: written only in this mode
+                self.keys[index] = torch.zeros(shape, dtype=like.dtype, device=like.device)
+                self.values[index] = torch.zeros(shape, dtype=like.dtype, device=like.device)
         return self.keys[index], self.values[index]
 
     def nbytes(self) -> int:
@@ -185,6 +185,11 @@ class PooledCache(Cache):
         super().__init__(layers=[PooledLayer(pool, index, self.slot) for index in range(len(pool.keys))])
         weakref.finalize(self, pool.release, self.slot)
 
+    def set_length(self, length: int) -> None:
+        """Every layer holds `length` positions: after a batched forward wrote this row's new ones."""
+        for layer in self.layers:
+            layer.length = length
+
     def keep(self, positions: Sequence[int]) -> None:
         """Keep only `positions` (ascending), in place: what stays where it is is not copied."""
         first_moved = next((i for i, p in enumerate(positions) if p != i), len(positions))
@@ -216,6 +221,7 @@ class PooledBatchLayer(CacheLayerMixin):
 
     def __init__(self, pool: KVPool, index: int, slots: Sequence[int], pasts: Sequence[int]):  # noqa: see PooledLayer
         self.pool, self.index, self.slots, self.pasts = pool, index, list(slots), list(pasts)
+        self.longest_past = max(self.pasts)
         self.consecutive = self.slots == list(range(self.slots[0], self.slots[0] + len(self.slots)))
         self.is_initialized = True
 
@@ -225,12 +231,12 @@ class PooledBatchLayer(CacheLayerMixin):
     @torch.inference_mode()
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         new = key_states.shape[-2]
-        self.pool.reserve(max(self.pasts) + new)
+        self.pool.reserve(self.longest_past + new)
         keys, values = self.pool.layer(self.index, key_states)
         for row, (slot, past) in enumerate(zip(self.slots, self.pasts)):
             keys[slot, :, past:past + new] = key_states[row]
             values[slot, :, past:past + new] = value_states[row]
-        width = max(self.pasts) + new
+        width = self.longest_past + new
         if self.consecutive:
             rows = slice(self.slots[0], self.slots[0] + len(self.slots))
             return keys[rows, :, :width], values[rows, :, :width]
@@ -238,10 +244,10 @@ class PooledBatchLayer(CacheLayerMixin):
         return keys[:, :, :width].index_select(0, index), values[:, :, :width].index_select(0, index)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return max(self.pasts) + query_length, 0
+        return self.longest_past + query_length, 0
 
     def get_seq_length(self) -> int:
-        return max(self.pasts)
+        return self.longest_past
 
     def get_max_length(self) -> int:
         return -1

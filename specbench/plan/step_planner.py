@@ -96,28 +96,28 @@ class StepPlanner:
         with no recent evidence drifts back towards a coin flip instead of keeping an old certainty."""
         return [(accepted + 0.5) / (tried + 1.0) for accepted, tried in self.counts]
 
+    def survival(self) -> list[float]:
+        """P(positions 1..i all accepted) = prod_{j<=i} alpha_j, for i = 0..max_k (1 at i = 0)."""
+        survive = [1.0]
+        for alpha in self.rates():
+            survive.append(survive[-1] * alpha)
+        return survive
+
     def expected_accepted(self, k: int) -> float:
-        total, survive = 0.0, 1.0
-        for alpha in self.rates()[:k]:
-            survive *= alpha
-            total += survive
-        return total
+        return sum(self.survival()[1:k + 1])
 
     def full_acceptance(self, k: int) -> float:
-        """P(all K drafted tokens accepted) = prod_{i<=K} alpha_i (1 for K=0: nothing to reject)."""
-        survive = 1.0
-        for alpha in self.rates()[:k]:
-            survive *= alpha
-        return survive
+        """P(all K drafted tokens accepted) (1 for K=0: nothing to reject)."""
+        return self.survival()[k]
 
     def scores(self, context: int) -> list[dict]:
         """Every candidate K with its predicted speed, cost and J at this context (K=0 is the reference)."""
-        rows = []
+        rows, survive = [], self.survival()
         for k in range(self.max_k + 1):
             point = OperatingPoint("target-only" if k == 0 else "chain", k, self.where, self.rtt_ms,
                                    clients=max(1, round(self.clients)))
-            step = step_cost(point, self.target, self.draft, self.expected_accepted(k), context, self.overhead_s,
-                             draft_per_target=self.reference.draft_per_target, full_accept=self.full_acceptance(k))
+            step = step_cost(point, self.target, self.draft, sum(survive[1:k + 1]), context, self.overhead_s,
+                             draft_per_target=self.reference.draft_per_target, full_accept=survive[k])
             rows.append({"k": k, "fits": self.fits(k, context), **priced(step, self.prices, self.power)})
         base = rows[0]
         for row in rows:

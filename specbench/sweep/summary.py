@@ -7,10 +7,8 @@ from typing import Sequence
 import pandas as pd
 
 from specbench.decode.metrics import summarize
+from specbench.sweep.cells import CELL_COLUMNS as SHOWN
 from specbench.sweep.grid import SweepCell
-
-SHOWN = ("target", "target_quantization", "draft", "draft_quantization", "self_draft_layers",
-         "substitute_quantization", "dataset", "place", "temperature", "max_new_tokens")
 
 
 def summarize_sweep(records: pd.DataFrame, cells: Sequence[SweepCell]) -> pd.DataFrame:
