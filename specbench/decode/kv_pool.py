@@ -72,6 +72,19 @@ class KVPool:
                 self.values[index] = torch.zeros(shape, dtype=like.dtype, device=like.device)
         return self.keys[index], self.values[index]
 
+    @torch.inference_mode()
+    def write(self, index: int, slots: Sequence[int], pasts: Sequence[int], key_states: torch.Tensor,
+              value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row r of `key_states`/`value_states` ([rows, heads, new, head_dim]) into slot `slots[r]` at
+        positions `pasts[r]`..; the pool grows first if needed. Returns layer `index`'s whole tensors."""
+        new = key_states.shape[-2]
+        self.reserve(max(pasts) + new)
+        keys, values = self.layer(index, key_states)
+        for row, (slot, past) in enumerate(zip(slots, pasts)):
+            keys[slot, :, past:past + new] = key_states[row]
+            values[slot, :, past:past + new] = value_states[row]
+        return keys, values
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values if t is not None)
 
@@ -114,11 +127,26 @@ class KVPool:
         self.slots, self.capacity = new_slots, new_capacity
 
 
-class PooledLayer(CacheLayerMixin):
-    """One layer of one session: a view of its pool row; `update` writes the new positions in place."""
+class _PoolLayer(CacheLayerMixin):
+    """What both layer views of a pool share: a full-attention layer whose keys sit in `pool`'s
+    layer `index`, `get_seq_length()` positions before the new ones."""
 
     is_sliding = False
     is_compileable = False
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.pool.layer(self.index, key_states)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class PooledLayer(_PoolLayer):
+    """One layer of one session: a view of its pool row; `update` writes the new positions in place."""
+
     is_croppable = True
 
     def __init__(self, pool: KVPool, index: int, slot: int):  # noqa: the mixin's __init__ would set keys
@@ -135,27 +163,13 @@ class PooledLayer(CacheLayerMixin):
         values = self.pool.values[self.index]
         return None if values is None else values[self.slot:self.slot + 1, :, :self.length]
 
-    def lazy_initialization(self, key_states, value_states) -> None:
-        self.pool.layer(self.index, key_states)
-
-    @torch.inference_mode()
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        new = key_states.shape[-2]
-        self.pool.reserve(self.length + new)
-        keys, values = self.pool.layer(self.index, key_states)
-        keys[self.slot, :, self.length:self.length + new] = key_states[0]
-        values[self.slot, :, self.length:self.length + new] = value_states[0]
-        self.length += new
+        self.pool.write(self.index, [self.slot], [self.length], key_states, value_states)
+        self.length += key_states.shape[-2]
         return self.keys, self.values
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.length + query_length, 0
 
     def get_seq_length(self) -> int:
         return self.length
-
-    def get_max_length(self) -> int:
-        return -1
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
@@ -210,14 +224,11 @@ def pool_for(model) -> Optional[KVPool]:
     return KVPool(len(layers))
 
 
-class PooledBatchLayer(CacheLayerMixin):
+class PooledBatchLayer(_PoolLayer):
     """One layer of a batched forward over pool rows: row r's new positions are written after its own
     `pasts[r]` cached ones; attention sees columns `[0, max(pasts) + new)` of every row, a view of
     the pool when the slots are consecutive (a copy otherwise), the caller's mask hiding what a row
     must not see."""
-
-    is_sliding = False
-    is_compileable = False
 
     def __init__(self, pool: KVPool, index: int, slots: Sequence[int], pasts: Sequence[int]):  # noqa: see PooledLayer
         self.pool, self.index, self.slots, self.pasts = pool, index, list(slots), list(pasts)
@@ -225,32 +236,17 @@ class PooledBatchLayer(CacheLayerMixin):
         self.consecutive = self.slots == list(range(self.slots[0], self.slots[0] + len(self.slots)))
         self.is_initialized = True
 
-    def lazy_initialization(self, key_states, value_states) -> None:
-        self.pool.layer(self.index, key_states)
-
-    @torch.inference_mode()
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        new = key_states.shape[-2]
-        self.pool.reserve(self.longest_past + new)
-        keys, values = self.pool.layer(self.index, key_states)
-        for row, (slot, past) in enumerate(zip(self.slots, self.pasts)):
-            keys[slot, :, past:past + new] = key_states[row]
-            values[slot, :, past:past + new] = value_states[row]
-        width = self.longest_past + new
+        keys, values = self.pool.write(self.index, self.slots, self.pasts, key_states, value_states)
+        width = self.longest_past + key_states.shape[-2]
         if self.consecutive:
             rows = slice(self.slots[0], self.slots[0] + len(self.slots))
             return keys[rows, :, :width], values[rows, :, :width]
         index = torch.as_tensor(self.slots, device=keys.device)
         return keys[:, :, :width].index_select(0, index), values[:, :, :width].index_select(0, index)
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.longest_past + query_length, 0
-
     def get_seq_length(self) -> int:
         return self.longest_past
-
-    def get_max_length(self) -> int:
-        return -1
 
 
 def batch_cache(pool: KVPool, slots: Sequence[int], pasts: Sequence[int]) -> Cache:
