@@ -4,6 +4,7 @@ import torch
 
 from specbench.decode.batch import VerifyRequest, verify_batch
 from specbench.decode.drafters import ModelDrafter, PromptLookupDrafter
+from specbench.decode.packed_attention import SHORT
 from specbench.decode.target import LocalTarget
 from specbench.decode.tree_drafters import TreeDrafter
 from specbench.types import DraftTree, SamplingParams
@@ -14,14 +15,19 @@ SAMPLINGS = [SamplingParams(), SamplingParams(temperature=1.0, rule="rejection")
              SamplingParams(temperature=0.8, top_k=20, rule="sample-match")]
 
 
-@pytest.mark.parametrize("kv_pool", [True, False], ids=["pool", "copied-caches"])
+@pytest.mark.parametrize("layout", ["packed", "pool-padded", "copied-caches"])
 @pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "rejection", "sample-match"])
-def test_batched_verdicts_equal_lone_verdicts(tiny_target, tiny_draft, sampling, kv_pool):
-    """Ragged contexts, chains, fixed trees, empty trees and prompt-lookup tries in one batch; batched
-    in place in the KV pool, and by copying per-session caches (models the pool does not take)."""
-    batched, alone = LocalTarget(tiny_target, kv_pool=kv_pool), LocalTarget(tiny_target, kv_pool=False)
+def test_batched_verdicts_equal_lone_verdicts(tiny_target, tiny_draft, sampling, layout):
+    """Ragged contexts, chains, fixed trees, empty trees, prompt-lookup tries and a chain longer than
+    `packed_attention.SHORT` (it attends alone) in one batch; packed in the KV pool, padded over pool
+    rows (a model whose attention takes no packed layout), and by copying per-session caches (models
+    the pool does not take)."""
+    batched = LocalTarget(tiny_target, kv_pool=layout != "copied-caches")
+    batched.packed = layout == "packed"
+    alone = LocalTarget(tiny_target, kv_pool=False)
     drafters = [ModelDrafter(tiny_draft, 96), TreeDrafter(tiny_draft, 96, widths=(3, 2, 1)),
-                PromptLookupDrafter(max_candidates=3), None, ModelDrafter(tiny_draft, 96)]
+                PromptLookupDrafter(max_candidates=3), None, ModelDrafter(tiny_draft, 96),
+                ModelDrafter(tiny_draft, 96)]
     prompts = [PROMPTS[i % len(PROMPTS)][: 3 + 2 * i] for i in range(len(drafters))]
     prompts[-1] = PROMPTS[0][:1]  # a one-token prompt: nothing cached at the first step
     for i, prompt in enumerate(prompts):
@@ -32,7 +38,7 @@ def test_batched_verdicts_equal_lone_verdicts(tiny_target, tiny_draft, sampling,
         requests = []
         for i, drafter in enumerate(drafters):
             context = batched.committed(f"s{i}")
-            k = 2 + (step + i) % 4
+            k = SHORT + 3 if i == len(drafters) - 1 else 2 + (step + i) % 4
             tree = DraftTree() if drafter is None else drafter.propose(context, k, sampling, generator)
             requests.append(VerifyRequest(f"s{i}", tree, sampling, seed=1000 * step + i))
         verdicts = verify_batch(batched, requests)

@@ -86,19 +86,27 @@ def test_slots_are_released_when_sessions_go(tiny_target):
     assert target.pool.in_use == in_use - 1
 
 
-def test_batch_of_consecutive_slots_is_a_view_of_the_pool(tiny_target):
-    """With every session in the batch holding consecutive slots, the forward's keys are the pool's."""
+def test_packed_batch_over_consecutive_slots_reads_the_pool_in_place(tiny_target):
+    """The packed forward writes each segment into its own row, and with consecutive slots the
+    attention reads a view of the pool's storage (nothing copied); scattered slots get a copy."""
+    from specbench.decode.kv_pool import packed_cache
+    from specbench.decode.packed_attention import Packing
+
     target = LocalTarget(tiny_target)
+    assert target.packed
     for i in range(3):
         target.prefill(f"s{i}", PROMPTS[i])
-    from specbench.decode.kv_pool import batch_cache
-
-    pool = target.pool
-    cache = batch_cache(pool, [0, 1, 2], [len(PROMPTS[i]) - 1 for i in range(3)])
-    layer = cache.layers[0]
-    keys, _ = layer.update(torch.zeros(3, pool.keys[0].shape[1], 2, pool.keys[0].shape[3]),
-                           torch.zeros(3, pool.values[0].shape[1], 2, pool.values[0].shape[3]))
+    pool, pasts = target.pool, [len(PROMPTS[i]) - 1 for i in range(3)]
+    heads, head_dim = pool.keys[0].shape[1], pool.keys[0].shape[3]
+    new = torch.arange(3 * heads * head_dim, dtype=torch.float32).view(1, heads, 3, head_dim)
+    keys, _ = packed_cache(pool, [0, 1, 2], pasts, [2, 0, 1]).layers[0].update(new, new)
     assert keys.data_ptr() == pool.keys[0].data_ptr()
+    torch.testing.assert_close(pool.keys[0][0, :, pasts[0]:pasts[0] + 2], new[0, :, :2])
+    torch.testing.assert_close(pool.keys[0][2, :, pasts[2]], new[0, :, 2])
+    masks = [torch.zeros(n, p + n) for p, n in zip(pasts, [2, 0, 1])]
+    rows = Packing([0, 1, 2], pasts, [2, 0, 1], masks)._rows(pool.keys[0], 4)
+    assert rows.data_ptr() == pool.keys[0].data_ptr()
+    assert Packing([0, 2], pasts[:2], [2, 1], masks[:2])._rows(pool.keys[0], 4).data_ptr() != pool.keys[0].data_ptr()
     assert isinstance(target.sessions["s0"].cache, PooledCache)
 
 

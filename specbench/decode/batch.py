@@ -2,9 +2,10 @@
 
 Why: on a 2-core CPU one forward of 8 sequences x 5 tokens costs ~2x one sequence's, so batching the
 verifies of 8 clients verifies ~4x more tokens per second. Each session keeps its own KV. Where the
-target keeps its sessions in a KV pool (`kv_pool`: most models), the forward runs on the pool's rows
-in place (`_forward_pooled`). Otherwise (sliding-window models) the sessions' caches are copied,
-left-aligned and padded, into one batch cache:
+target keeps its sessions in a KV pool and its attention takes a packed layout (most models), the
+rows' inputs are packed into one sequence, with no padding, and each row's keys and values are
+written and read in its own pool row (`_forward_packed`, `decode/packed_attention.py`). Otherwise
+(sliding-window models) the sessions' caches are copied, left-aligned and padded, into one batch cache:
 
     row i: [its P_i cached positions | padding up to P = max P_i | its n_i new inputs | padding to N]
 
@@ -25,7 +26,8 @@ import torch
 
 from specbench.decode.clock import device_time
 from specbench.decode.kv import cached_length, keep_positions, tree_attention_mask
-from specbench.decode.kv_pool import PooledCache, batch_cache
+from specbench.decode.kv_pool import PooledCache, packed_cache
+from specbench.decode.packed_attention import Packing
 from specbench.decode.target import LocalTarget, _Sequence, check_tree
 from specbench.sampling.verify import verify
 from specbench.types import DraftTree, SamplingParams, Timing, Verdict
@@ -64,14 +66,14 @@ def verify_batch(target: LocalTarget, requests: Sequence[VerifyRequest]) -> list
             results[index] = error
     if rows:
         started = device_time(target.device)
-        pooled = target.pool is not None and all(
+        packed = target.packed and all(
             isinstance(row.state.cache, PooledCache) and row.state.cache.pool is target.pool for row in rows)
-        if pooled:  # in slot order, so consecutive slots attend over a view of the pool
+        if packed:  # in slot order, so consecutive slots attend over a view of the pool
             rows.sort(key=lambda row: row.state.cache.slot)
-        logits = (_forward_pooled if pooled else _forward)(target, rows)
+        logits = (_forward_packed if packed else _forward)(target, rows)
         forward_s = device_time(target.device) - started
-        for position, row in enumerate(rows):
-            results[row.index] = _finish(target, row, logits[position], forward_s, started)
+        for row, judged in zip(rows, logits):
+            results[row.index] = _finish(target, row, judged, forward_s, started)
     return results
 
 
@@ -88,8 +90,9 @@ def _prepare(target: LocalTarget, index: int, request: VerifyRequest) -> _Row:
 
 
 @torch.inference_mode()
-def _forward(target: LocalTarget, rows: list[_Row]) -> torch.Tensor:
-    """Logits [rows, N, vocab] of one padded forward; each row's new K/V appended to its own cache."""
+def _forward(target: LocalTarget, rows: list[_Row]) -> list[torch.Tensor]:
+    """Per row, the logits verification reads ([1 + tree nodes, vocab]), from one padded forward;
+    each row's new K/V appended to its own cache."""
     from transformers import DynamicCache
 
     model, device = target.model, target.device
@@ -112,35 +115,29 @@ def _forward(target: LocalTarget, rows: list[_Row]) -> torch.Tensor:
         new = slice(longest_past, longest_past + len(row.inputs))
         for own, batched in zip(row.state.cache.layers, cache.layers):
             own.update(batched.keys[i:i + 1, :, new], batched.values[i:i + 1, :, new])
-    return output.logits
+    return [output.logits[i, len(row.state.tail) - 1:len(row.inputs)] for i, row in enumerate(rows)]
 
 
 @torch.inference_mode()
-def _forward_pooled(target: LocalTarget, rows: list[_Row]) -> torch.Tensor:
-    """`_forward` for sessions in the target's pool: row i's new positions go straight after its own
-    P_i cached ones in its pool row (no padding between), so nothing is copied in or out:
-
-        row i: [its P_i cached positions | its n_i new inputs | padding up to N | stale, masked]
-
-    Its mask allows its cached columns and what its tree allows among its new ones; a padding query
-    sees only its own column."""
+def _forward_packed(target: LocalTarget, rows: list[_Row]) -> list[torch.Tensor]:
+    """`_forward` for sessions in the target's pool, packed: the rows' inputs are one sequence of
+    sum(n_i) tokens (no padding), each row's new keys and values go straight after its own P_i cached
+    ones in its pool row, and its attention reads only that row (`Packing`), under its own tree mask.
+    The language-model head runs only on the positions verification reads."""
     model, device = target.model, target.device
-    batch, longest_input = len(rows), max(len(r.inputs) for r in rows)
-    width = max(r.past for r in rows) + longest_input
-    minimum = torch.finfo(model.dtype).min
-    mask = torch.full((batch, 1, longest_input, width), minimum, dtype=model.dtype)
-    for i, row in enumerate(rows):
-        n = len(row.inputs)
-        mask[i, 0, :n, : row.past + n] = row.mask
-        padding = torch.arange(n, longest_input)
-        mask[i, 0, padding, row.past + padding] = 0.0
-    input_ids, position_ids = _padded_inputs(rows, longest_input)
-    cache = batch_cache(target.pool, [row.state.cache.slot for row in rows], [row.past for row in rows])
-    output = model(input_ids=input_ids.to(device), past_key_values=cache, position_ids=position_ids.to(device),
-                   attention_mask=mask.to(device), use_cache=True)
+    slots, pasts = [row.state.cache.slot for row in rows], [row.past for row in rows]
+    lengths = [len(row.inputs) for row in rows]
+    packing = Packing(slots, pasts, lengths, [row.mask for row in rows])
+    input_ids = torch.tensor([[t for row in rows for t in row.inputs]], device=device)
+    position_ids = torch.tensor([[p for row in rows for p in row.positions]], device=device)
+    judged = [range(start + len(row.state.tail) - 1, start + n)
+              for row, start, n in zip(rows, packing.starts, lengths)]
+    keep = torch.tensor([i for span in judged for i in span], device=device)
+    output = model(input_ids=input_ids, past_key_values=packed_cache(target.pool, slots, pasts, lengths),
+                   position_ids=position_ids, use_cache=True, logits_to_keep=keep, packing=packing)
     for row in rows:
         row.state.cache.set_length(row.past + len(row.inputs))
-    return output.logits
+    return list(output.logits[0].split([len(span) for span in judged]))
 
 
 def _padded_inputs(rows: list[_Row], width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,15 +165,14 @@ def _padded(layers: list, length: int) -> tuple[torch.Tensor, torch.Tensor]:
     return keys, values
 
 
-def _finish(target: LocalTarget, row: _Row, logits: torch.Tensor, forward_s: float,
+def _finish(target: LocalTarget, row: _Row, logits: torch.Tensor, forward_s: float,  # [1 + tree nodes, vocab]
             started: float) -> Union[Verdict, Exception]:
     """Verification for one row, then its commit; a failure rolls back this session only."""
     request, state = row.request, row.state
     num_prefix = len(state.tail)
     try:
         generator = torch.Generator().manual_seed(request.seed)
-        rows_needed = logits[num_prefix - 1: len(row.inputs)]  # stays on the device; verify moves ids
-        path, bonus = verify(request.tree, rows_needed, request.sampling, generator)
+        path, bonus = verify(request.tree, logits, request.sampling, generator)  # stays on the device
     except Exception as error:
         keep_positions(state.cache, list(range(row.past)))
         return error

@@ -74,15 +74,19 @@ class KVPool:
 
     @torch.inference_mode()
     def write(self, index: int, slots: Sequence[int], pasts: Sequence[int], key_states: torch.Tensor,
-              value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Row r of `key_states`/`value_states` ([rows, heads, new, head_dim]) into slot `slots[r]` at
-        positions `pasts[r]`..; the pool grows first if needed. Returns layer `index`'s whole tensors."""
-        new = key_states.shape[-2]
-        self.reserve(max(pasts) + new)
+              value_states: torch.Tensor, lengths: Optional[Sequence[int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Segment r of `key_states`/`value_states` ([1, heads, sum(lengths), head_dim], packed: segment r
+        is the `lengths[r]` positions after the earlier segments; one segment of all of them when
+        `lengths` is None) into slot `slots[r]` at positions `pasts[r]`..; the pool grows first if
+        needed. Returns layer `index`'s whole tensors."""
+        lengths = [key_states.shape[-2]] if lengths is None else lengths
+        self.reserve(max(past + n for past, n in zip(pasts, lengths)))
         keys, values = self.layer(index, key_states)
-        for row, (slot, past) in enumerate(zip(slots, pasts)):
-            keys[slot, :, past:past + new] = key_states[row]
-            values[slot, :, past:past + new] = value_states[row]
+        start = 0
+        for slot, past, n in zip(slots, pasts, lengths):
+            keys[slot, :, past:past + n] = key_states[0, :, start:start + n]
+            values[slot, :, past:past + n] = value_states[0, :, start:start + n]
+            start += n
         return keys, values
 
     def nbytes(self) -> int:
@@ -224,31 +228,24 @@ def pool_for(model) -> Optional[KVPool]:
     return KVPool(len(layers))
 
 
-class PooledBatchLayer(_PoolLayer):
-    """One layer of a batched forward over pool rows: row r's new positions are written after its own
-    `pasts[r]` cached ones; attention sees columns `[0, max(pasts) + new)` of every row, a view of
-    the pool when the slots are consecutive (a copy otherwise), the caller's mask hiding what a row
-    must not see."""
+class PackedLayer(_PoolLayer):
+    """One layer of a packed forward over pool rows (`decode/packed_attention.py`): segment r's new
+    positions are written after slot `slots[r]`'s own `pasts[r]` cached ones, and the pool's whole
+    layer is returned, for the packed attention to read each segment's row from."""
 
-    def __init__(self, pool: KVPool, index: int, slots: Sequence[int], pasts: Sequence[int]):  # noqa: see PooledLayer
-        self.pool, self.index, self.slots, self.pasts = pool, index, list(slots), list(pasts)
-        self.longest_past = max(self.pasts)
-        self.consecutive = self.slots == list(range(self.slots[0], self.slots[0] + len(self.slots)))
+    def __init__(self, pool: KVPool, index: int, slots: Sequence[int], pasts: Sequence[int],  # noqa: see PooledLayer
+                 lengths: Sequence[int]):
+        self.pool, self.index = pool, index
+        self.slots, self.pasts, self.lengths = list(slots), list(pasts), list(lengths)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        keys, values = self.pool.write(self.index, self.slots, self.pasts, key_states, value_states)
-        width = self.longest_past + key_states.shape[-2]
-        if self.consecutive:
-            rows = slice(self.slots[0], self.slots[0] + len(self.slots))
-            return keys[rows, :, :width], values[rows, :, :width]
-        index = torch.as_tensor(self.slots, device=keys.device)
-        return keys[:, :, :width].index_select(0, index), values[:, :, :width].index_select(0, index)
+        return self.pool.write(self.index, self.slots, self.pasts, key_states, value_states, self.lengths)
 
     def get_seq_length(self) -> int:
-        return self.longest_past
+        return max(self.pasts)
 
 
-def batch_cache(pool: KVPool, slots: Sequence[int], pasts: Sequence[int]) -> Cache:
-    """The cache a batched forward over these pool rows runs on (see `PooledBatchLayer`)."""
-    return Cache(layers=[PooledBatchLayer(pool, index, slots, pasts) for index in range(len(pool.keys))])
+def packed_cache(pool: KVPool, slots: Sequence[int], pasts: Sequence[int], lengths: Sequence[int]) -> Cache:
+    """The cache a packed forward over these pool rows runs on (see `PackedLayer`)."""
+    return Cache(layers=[PackedLayer(pool, index, slots, pasts, lengths) for index in range(len(pool.keys))])

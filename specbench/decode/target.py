@@ -12,7 +12,7 @@ from typing import Any, Optional, Protocol, Sequence
 
 import torch
 
-from specbench.decode import clock
+from specbench.decode import clock, packed_attention
 from specbench.decode.kv import cached_length, crop_to, keep_positions, tree_attention_mask
 from specbench.decode.kv_pool import PooledCache, pool_for
 from specbench.models.loaded import LoadedModel
@@ -147,6 +147,8 @@ class LocalTarget:
         self.sessions: dict[str, _Sequence] = {}
         # None: Hugging Face's own cache per session (the model's layers need it, or the caller asked)
         self.pool = pool_for(self.model) if kv_pool else None
+        # batches of pooled sessions run packed (no padding) where the model's attention allows it
+        self.packed = self.pool is not None and packed_attention.install(self.model)
 
     def new_cache(self):
         """An empty cache for one session: a row of the shared pool where the model allows it."""
