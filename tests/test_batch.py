@@ -101,3 +101,33 @@ def test_a_row_failing_after_the_forward_rolls_back_alone(tiny_target, monkeypat
         expected = reference.verify(name, DraftTree.chain([5]), SamplingParams(), 1)
         assert (got.accepted_path, got.bonus_token) == (expected.accepted_path, expected.bonus_token)
         assert target.committed(name) == reference.committed(name)
+
+
+@pytest.mark.parametrize("chunk", [5, SHORT + 3], ids=["short-chunks", "long-chunks"])
+def test_prefill_chunks_ride_in_batched_verifies(tiny_target, tiny_draft, chunk):
+    """A long prompt fed chunk by chunk inside other sessions' batched verifies (packed): every verdict
+    is the lone one, and the prefilled session then decodes exactly as one prefilled alone."""
+    batched, alone = LocalTarget(tiny_target), LocalTarget(tiny_target, kv_pool=False)
+    assert batched.packed
+    for i in range(3):
+        batched.prefill(f"s{i}", PROMPTS[i])
+        alone.prefill(f"s{i}", PROMPTS[i])
+    long_prompt = [int(t) for t in torch.randint(3, 96, (60,), generator=torch.Generator().manual_seed(1))]
+    job = batched.prefill_job("late", long_prompt)
+    alone.prefill("late", long_prompt)
+    drafter, greedy, generator = ModelDrafter(tiny_draft, 96), SamplingParams(), torch.Generator().manual_seed(0)
+    rides = 0
+    while job.remaining:
+        requests = [VerifyRequest(f"s{i}", drafter.propose(alone.committed(f"s{i}"), 1 + i, greedy, generator),
+                                  greedy, rides) for i in range(3)]
+        for request, verdict in zip(requests, verify_batch(batched, requests, prefills=[(job, chunk)])):
+            lone = alone.verify(request.session, request.tree, greedy, rides)
+            assert (verdict.accepted_path, verdict.bonus_token) == (lone.accepted_path, lone.bonus_token)
+        rides += 1
+    assert rides == -(-(len(long_prompt) - 1) // chunk)
+    assert "late" not in batched.sessions and job.advance(chunk)  # the last chunk in: the session goes live
+    for step in range(4):
+        tree = drafter.propose(alone.committed("late"), 3, greedy, generator)
+        got, want = batched.verify("late", tree, greedy, step), alone.verify("late", tree, greedy, step)
+        assert (got.accepted_path, got.bonus_token) == (want.accepted_path, want.bonus_token)
+    assert batched.committed("late") == alone.committed("late")

@@ -78,8 +78,9 @@ def test_resent_prefill_joins_and_newer_one_supersedes():
 
 def test_eight_clients_keep_stepping_through_long_requests(tiny_target, tiny_draft):
     """Seven client processes decode while an eighth sends a 480-token prompt and a 300-token
-    server-only generate: the seven's steps keep completing during both (a slice at a time), and every
-    output, the long ones included, equals the same prompt run alone."""
+    server-only generate: the seven's steps keep completing during both (a slice at a time, prefill
+    chunks also riding in their verify batches), and every output, the long ones included, equals the
+    same prompt run alone."""
     context = multiprocessing.get_context("spawn")
     with process_worker("--prefill-chunk", "8") as worker:
         ready, go, results = [context.Event() for _ in range(7)], context.Event(), context.Queue()
@@ -104,6 +105,7 @@ def test_eight_clients_keep_stepping_through_long_requests(tiny_target, tiny_dra
         finished = [results.get(timeout=300) for _ in clients]
         for client in clients:
             client.join(30)
+        batched_prefill = remote.stats()["prefill_tokens_batched"]
 
     during_prefill = sum(prefill_window[0] < t < prefill_window[1] for *_, stamps in finished for t in stamps)
     during_generate = sum(generate_window[0] < t < generate_window[1] for *_, stamps in finished for t in stamps)
@@ -112,6 +114,7 @@ def test_eight_clients_keep_stepping_through_long_requests(tiny_target, tiny_dra
           f"during the 300-token generate ({generate_window[1] - generate_window[0]:.2f} s): {during_generate}; "
           f"longest wait between two steps of a client: {longest_gap:.2f} s")
     assert during_prefill >= 20 and during_generate >= 50, "long requests held the other clients"
+    assert batched_prefill > 0, "no prefill chunk rode in the others' verify batches"
     assert longest_gap < 10.0
     for prompt, method, output, _ in finished:
         assert output == greedy_alone(tiny_target, prompt, 400), (prompt, method)

@@ -20,7 +20,7 @@ N = 5 (tail + 4), a [2, 1, 5, 15] mask; row 1 sees columns 0..2 and 10..12.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -28,7 +28,7 @@ from specbench.decode.clock import device_time
 from specbench.decode.kv import cached_length, keep_positions, tree_attention_mask
 from specbench.decode.kv_pool import PooledCache, packed_cache
 from specbench.decode.packed_attention import Packing
-from specbench.decode.target import LocalTarget, _Sequence, check_tree
+from specbench.decode.target import LocalTarget, PrefillJob, _Sequence, check_tree
 from specbench.sampling.verify import verify
 from specbench.types import DraftTree, SamplingParams, Timing, Verdict
 
@@ -44,17 +44,22 @@ class VerifyRequest:
 @dataclass
 class _Row:
     index: int
-    request: VerifyRequest
+    request: Optional[VerifyRequest]  # None: a prefill chunk riding along (nothing to verify)
     state: _Sequence
     past: int  # cached positions of this session
     inputs: list[int]  # its tail + tree tokens
     mask: torch.Tensor  # [n, past + n] additive, as a lone verify builds it
     positions: list[int]
+    job: Optional[PrefillJob] = None  # the prefill a chunk row feeds
 
 
-def verify_batch(target: LocalTarget, requests: Sequence[VerifyRequest]) -> list[Union[Verdict, Exception]]:
+def verify_batch(target: LocalTarget, requests: Sequence[VerifyRequest],
+                 prefills: Sequence[tuple[PrefillJob, int]] = ()) -> list[Union[Verdict, Exception]]:
     """One verdict (or the error that request alone caused) per request, in order. At most one
-    request per session: a session's steps are sequential by nature."""
+    request per session: a session's steps are sequential by nature. `prefills`: (job, tokens) whose
+    next chunk of that many prompt tokens rides in the same forward (packed targets only: padded, a
+    chunk would pad every verify row to its length); the job counts them as fed and finishes at its
+    next `advance`."""
     if len({r.session for r in requests}) != len(requests):
         raise ValueError("verify_batch takes at most one request per session")
     results: list[Union[Verdict, Exception, None]] = [None] * len(requests)
@@ -64,16 +69,22 @@ def verify_batch(target: LocalTarget, requests: Sequence[VerifyRequest]) -> list
             rows.append(_prepare(target, index, request))
         except Exception as error:  # refused before any work: the session is untouched
             results[index] = error
-    if rows:
+    chunks = [_chunk_row(job, tokens) for job, tokens in prefills if job.remaining and tokens > 0]
+    if rows or chunks:
         started = device_time(target.device)
-        packed = target.packed and all(
-            isinstance(row.state.cache, PooledCache) and row.state.cache.pool is target.pool for row in rows)
+        packed = target.packed and all(isinstance(row.state.cache, PooledCache) and row.state.cache.pool is target.pool
+                                       for row in rows + chunks)
+        if chunks and not packed:
+            raise ValueError("prefill chunks ride in a batch only on a packed target")
         if packed:  # in slot order, so consecutive slots attend over a view of the pool
-            rows.sort(key=lambda row: row.state.cache.slot)
+            rows = sorted(rows + chunks, key=lambda row: row.state.cache.slot)
         logits = (_forward_packed if packed else _forward)(target, rows)
         forward_s = device_time(target.device) - started
         for row, judged in zip(rows, logits):
-            results[row.index] = _finish(target, row, judged, forward_s, started)
+            if row.request is None:
+                row.job.fed += len(row.inputs)
+            else:
+                results[row.index] = _finish(target, row, judged, forward_s, started)
     return results
 
 
@@ -87,6 +98,14 @@ def _prepare(target: LocalTarget, index: int, request: VerifyRequest) -> _Row:
     positions = list(range(past, past + num_prefix)) + [past + num_prefix - 1 + d for d in depths]
     mask = tree_attention_mask(tree.parents, num_prefix, past, target.model.dtype, "cpu")[0, 0]
     return _Row(index, request, state, past, state.tail + list(tree.tokens), mask, positions)
+
+
+def _chunk_row(job: PrefillJob, tokens: int) -> _Row:
+    """A prefill's next chunk as a batch row: causal over its own cached positions and itself."""
+    past, chunk = job.fed, job.next_chunk(tokens)
+    mask = torch.zeros(len(chunk), past + len(chunk), dtype=job.target.model.dtype)
+    mask[:, past:] = torch.full((len(chunk), len(chunk)), torch.finfo(mask.dtype).min).triu(1)
+    return _Row(-1, None, job.state, past, chunk, mask, list(range(past, past + len(chunk))), job)
 
 
 @torch.inference_mode()
@@ -123,16 +142,16 @@ def _forward_packed(target: LocalTarget, rows: list[_Row]) -> list[torch.Tensor]
     """`_forward` for sessions in the target's pool, packed: the rows' inputs are one sequence of
     sum(n_i) tokens (no padding), each row's new keys and values go straight after its own P_i cached
     ones in its pool row, and its attention reads only that row (`Packing`), under its own tree mask.
-    The language-model head runs only on the positions verification reads."""
+    The language-model head runs only on the positions verification reads (none for a prefill chunk)."""
     model, device = target.model, target.device
     slots, pasts = [row.state.cache.slot for row in rows], [row.past for row in rows]
     lengths = [len(row.inputs) for row in rows]
     packing = Packing(slots, pasts, lengths, [row.mask for row in rows])
     input_ids = torch.tensor([[t for row in rows for t in row.inputs]], device=device)
     position_ids = torch.tensor([[p for row in rows for p in row.positions]], device=device)
-    judged = [range(start + len(row.state.tail) - 1, start + n)
+    judged = [range(start + len(row.state.tail) - 1, start + n) if row.request else range(0)
               for row, start, n in zip(rows, packing.starts, lengths)]
-    keep = torch.tensor([i for span in judged for i in span], device=device)
+    keep = torch.tensor([i for span in judged for i in span], dtype=torch.long, device=device)
     output = model(input_ids=input_ids, past_key_values=packed_cache(target.pool, slots, pasts, lengths),
                    position_ids=position_ids, use_cache=True, logits_to_keep=keep, packing=packing)
     for row in rows:

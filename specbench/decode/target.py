@@ -119,14 +119,23 @@ class PrefillJob:
         self.target, self.session, self.ids, self.fed = target, session, ids, 0
         self.state = _Sequence(cache=target.new_cache(), committed=list(ids), tail=ids[-1:])
 
+    @property
+    def remaining(self) -> int:
+        """Prompt tokens still to feed (the last one is not fed: it is the session's tail)."""
+        return len(self.ids) - 1 - self.fed
+
+    def next_chunk(self, max_tokens: int) -> list[int]:
+        return self.ids[:-1][self.fed:self.fed + max_tokens]
+
     def advance(self, max_tokens: int) -> bool:
-        """Feed up to `max_tokens` more prompt tokens; True once the session is ready."""
-        chunk = self.ids[:-1][self.fed:self.fed + max_tokens]
+        """Feed up to `max_tokens` more prompt tokens; True once the session is ready. A shared target
+        may also feed chunks inside a batched verify (`decode/batch.py`), counted in `fed`."""
+        chunk = self.next_chunk(max_tokens)
         if chunk:
             self.target._forward(self.state, chunk, position_ids=None, attention_mask=None, logits_to_keep=1)
             clock.synchronize(self.target.device)  # a caller timing the prefill times the work, not its launch
             self.fed += len(chunk)
-        if self.fed < len(self.ids) - 1:
+        if self.remaining:
             return False
         self.state.check_invariant()
         self.target.sessions[self.session] = self.state

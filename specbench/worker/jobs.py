@@ -24,6 +24,7 @@ class Job:
     session_key: Optional[str] = None  # the target session it builds, if any
     key: Optional[tuple] = None  # the request key (a resend of the same request joins the job)
     principal: str = ""  # whose quota it counts against (generates and profiles)
+    prefill: Any = None  # a prefill's `PrefillJob`: its chunks may also ride in verify batches
     waiters: list = field(default_factory=list)  # the messages its reply goes to
     started: Optional[float] = None  # when its first slice ran (the end of its queueing)
     result: Any = None  # (reply, arrays) or an exception, once done
@@ -83,6 +84,10 @@ class JobQueue:
             self._next %= len(pending)
             pending[self._next].advance()
             self._next += 1
+
+    def prefills(self) -> list[Job]:
+        """Unfinished prefill jobs with prompt tokens left to feed, oldest first."""
+        return [job for job in self.jobs if job.prefill is not None and not job.done and job.prefill.remaining]
 
     def take_finished(self) -> list[Job]:
         finished = [job for job in self.jobs if job.done]

@@ -141,7 +141,8 @@ class Ops:
         s = self.stats
         return {"uptime_s": time.time() - s.started, "requests": s.requests, "errors": s.errors,
                 "bytes_in": s.bytes_in, "bytes_out": s.bytes_out, "sessions": len(self.sessions),
-                "expired": s.expired, "kv_bytes": self.kv_bytes()}, None
+                "expired": s.expired, "kv_bytes": self.kv_bytes(),
+                "prefill_tokens_batched": s.prefill_tokens_batched}, None
 
     def load(self, header, arrays, *, connection, curve_key):
         spec = protocol.spec_from_wire(get(header, "model", dict))
@@ -284,7 +285,7 @@ class Ops:
             session.replay = (key, reply, None)
             return reply, None
 
-        return Job(run(), session_key=session.key, key=key)
+        return Job(run(), session_key=session.key, key=key, prefill=job)
 
     def verify(self, header, arrays, *, connection, curve_key):
         """One verify alone (batching off, or a batch of one)."""
@@ -325,11 +326,12 @@ class Ops:
         session.replay = (prepared.key, reply, path)
         return reply, path
 
-    def verify_many(self, prepared: list["PreparedVerify"]) -> list:
-        """Each prepared verify's (reply, arrays), or the error its own row raised: one forward for all."""
+    def verify_many(self, prepared: list["PreparedVerify"], prefills=()) -> list:
+        """Each prepared verify's (reply, arrays), or the error its own row raised: one forward for all,
+        with `prefills`' (job, tokens) chunks riding along."""
         from specbench.decode.batch import verify_batch
 
-        verdicts = verify_batch(self.target, [p.request for p in prepared])
+        verdicts = verify_batch(self.target, [p.request for p in prepared], prefills)
         return [v if isinstance(v, Exception) else self.finish_verify(p, v) for p, v in zip(prepared, verdicts)]
 
     def close(self, header, arrays, *, connection, curve_key):

@@ -61,6 +61,7 @@ class Stats:
     bytes_in: int = 0
     bytes_out: int = 0
     expired: int = 0
+    prefill_tokens_batched: int = 0  # prompt tokens fed inside verify batches rather than alone
 
 
 def is_local_endpoint(endpoint: str) -> bool:
@@ -253,16 +254,41 @@ class Worker:
             return []
         started = time.perf_counter()
         prepared = [p for _, p in batch]
+        riding = self._riding_prefills()
+        fed_before = sum(job.prefill.fed for job, _ in riding)
         try:
-            results = self.ops.verify_many(prepared) if len(batch) > 1 else [self._alone(prepared[0])]
+            if len(batch) > 1 or riding:
+                results = self.ops.verify_many(prepared, [(job.prefill, tokens) for job, tokens in riding])
+            else:
+                results = [self._alone(prepared[0])]
         except Exception as error:  # the forward itself failed: every row gets the error, no session changed
             results = [error] * len(batch)
+        self.stats.prefill_tokens_batched += sum(job.prefill.fed for job, _ in riding) - fed_before
+        for job, _ in riding:
+            if not job.prefill.remaining:
+                job.advance()  # its last chunk rode here: the session goes live, the reply goes out this round
         out = []
         for message, result in zip((m for m, _ in batch), results):
             if not isinstance(result, Exception):
                 result = (dict(result[0], batch_size=len(batch), queue_s=started - message.received), result[1])
             out.append((message, self._reply(message, result)))
         return out
+
+    def _riding_prefills(self) -> list:
+        """(job, tokens): chunks of waiting prefills to run inside the next verify batch, up to
+        `--prefill-chunk` tokens in all, oldest prefill first. Only on a packed target (no padding:
+        a chunk costs the batch its own tokens, not every row padded to its length)."""
+        target = self.ops.target
+        if not self.config.batching or target is None or not getattr(target, "packed", False):
+            return []
+        riding, budget = [], self.config.prefill_chunk
+        for job in self.ops.jobs.prefills():
+            tokens = min(budget, job.prefill.remaining)
+            if tokens <= 0:
+                break
+            riding.append((job, tokens))
+            budget -= tokens
+        return riding
 
     def _alone(self, prepared):
         request = prepared.request
