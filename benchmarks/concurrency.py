@@ -105,7 +105,7 @@ def main():
                for batching, endpoint in endpoints.items()}
     try:
         with multiprocessing.get_context("spawn").Pool(max(args.clients)) as pool:
-            round_trip_s = loopback_round_trip(endpoints[True])
+            round_trip_s, packed = loopback_round_trip(endpoints[True])
             for endpoint in endpoints.values():  # warm-up, discarded: every pool process and both workers
                 measure(pool, endpoint, prompts, args.methods[0], max(args.clients), args)
             for step, clients in enumerate(args.clients):
@@ -129,18 +129,19 @@ def main():
     print(f"\n== {name} worker on loopback, fp32, {args.max_new_tokens} tokens per client, K={args.k} ==")
     print(table.round(3).to_string(index=False))
     print(f"greedy outputs differing from the same prompt alone: {len(mismatches)}", mismatches or "")
-    speedups = speedup_table(table, name, alone_records, [len(p) for p in prompts], round_trip_s, args)
+    speedups = speedup_table(table, name, alone_records, [len(p) for p in prompts], round_trip_s, packed, args)
     if speedups is not None:
         print(f"\n== SD speedup over target-only per client, batching on: predicted vs measured ==")
         print(speedups.round(3).to_string(index=False))
     write_report(args.out.replace(".json", f"-{args.pair}.json"),
                  {"target": name, "rows": table.to_dict("records"), "mismatches": mismatches,
                   "speedups": None if speedups is None else speedups.to_dict("records"),
-                  "round_trip_s": round_trip_s, "settings": vars(args)})
+                  "round_trip_s": round_trip_s, "packed_batches": packed, "settings": vars(args)})
 
 
-def loopback_round_trip(endpoint: str) -> float:
-    """Median seconds of a `health` request: the per-step network time the prediction adds."""
+def loopback_round_trip(endpoint: str) -> tuple[float, bool]:
+    """Median seconds of a `health` request (the per-step network time the prediction adds), and
+    whether the worker's batches run packed (how the prediction prices them)."""
     from specbench.worker.client import RemoteTarget
 
     remote = RemoteTarget(endpoint)
@@ -149,11 +150,12 @@ def loopback_round_trip(endpoint: str) -> float:
         started = time.perf_counter()
         remote.health()
         samples.append(time.perf_counter() - started)
+    packed = bool(remote.info.get("packed_batches"))
     remote.disconnect()
-    return float(np.median(samples))
+    return float(np.median(samples)), packed
 
 
-def speedup_table(table: pd.DataFrame, name: str, alone_records: dict, prompt_lengths, round_trip_s, args):
+def speedup_table(table: pd.DataFrame, name: str, alone_records: dict, prompt_lengths, round_trip_s, packed, args):
     """Per client count: each SD method's predicted and measured per-client speedup over target-only."""
     profiles = [p for p in load_profiles() if p.model == name and p.device == device_name("cpu")
                 and len(p.batches) > 1]
@@ -167,7 +169,7 @@ def speedup_table(table: pd.DataFrame, name: str, alone_records: dict, prompt_le
         def predicted(method):
             records = alone_records[method]
             return replay_speed(records[records["prompt_index"] < clients], prompt_lengths, profile, clients,
-                                round_trip_s)
+                                round_trip_s, packed)
 
         base_measured = on.loc[(clients, "target-only"), "aggregate_tokens_per_s"]
         for method in (m for m in args.methods if m != "target-only"):

@@ -165,7 +165,8 @@ def test_profile_grid_measures_batches(tiny_target):
     assert all(r["median_s"] > 0 for r in rows)
 
 
-def test_replay_speed_prices_each_measured_step_at_the_batch_size_and_width():
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_replay_speed_prices_each_measured_step_at_the_batch_size_and_width(packed):
     import pandas as pd
 
     from specbench.plan.predict import replay_speed
@@ -177,13 +178,20 @@ def test_replay_speed_prices_each_measured_step_at_the_batch_size_and_width():
         {"prompt_index": 0, "step": 1, "drafted": 0, "emitted": 1, "draft_s": 0.0, "overhead_s": 0.01},
         {"prompt_index": 1, "step": 0, "drafted": 0, "emitted": 1, "draft_s": 0.0, "overhead_s": 0.01}])
     # Alone, each step is priced at its own width: 5 tokens -> 0.15 s, 1 token -> 0.10 s.
-    assert replay_speed(records, [10, 20], SHARED, clients=1) == pytest.approx(6 / (0.15 + 2 * 0.10 + 3 * 0.01))
+    alone = 6 / (0.15 + 2 * 0.10 + 3 * 0.01)
+    assert replay_speed(records, [10, 20], SHARED, clients=1, packed=packed) == pytest.approx(alone)
+    if packed:
+        # At 4 clients the others' rows are 7/3 tokens on average: the 5-token step's batch is
+        # (5 + 3 * 7/3) / 4 = 3 tokens a row -> 0.25 s; a 1-token step's (1 + 7) / 4 = 2 -> 0.225 s.
+        expected_4 = 6 / (0.25 + 2 * 0.225 + 3 * (0.01 + 0.002))
+        assert replay_speed(records, [10, 20], SHARED, clients=4, network_s=0.002) == pytest.approx(expected_4)
+        return
     # At 4 clients: 5 tokens -> 0.30 s, 1 token -> 0.20 s; a 1-token step shares its batch with 3 other
     # rows, each 5 wide with probability 1/3, so it is padded to 5 with probability 1 - (2/3)^3 = 19/27.
     one_wide = 19 / 27 * 0.30 + 8 / 27 * 0.20
     expected_4 = 6 / (0.30 + 2 * one_wide + 3 * (0.01 + 0.002))
-    assert replay_speed(records, [10, 20], SHARED, clients=4, network_s=0.002) == pytest.approx(expected_4)
+    assert replay_speed(records, [10, 20], SHARED, clients=4, network_s=0.002, packed=False) == pytest.approx(expected_4)
     at_2 = (0.10 + (0.20 - 0.10) / 3, 0.15 + (0.30 - 0.15) / 3)  # (1 token, 5 tokens), linear in batch 1..4
     one_wide_2 = 1 / 3 * at_2[1] + 2 / 3 * at_2[0]
     expected_2 = 6 / (at_2[1] + 2 * one_wide_2 + 3 * 0.01)
-    assert replay_speed(records, [10, 20], SHARED, clients=2) == pytest.approx(expected_2)
+    assert replay_speed(records, [10, 20], SHARED, clients=2, packed=False) == pytest.approx(expected_2)

@@ -70,11 +70,6 @@ class Packing:
         self.slot_index = torch.tensor(self.slots, dtype=torch.long)
         self._device_state = None
 
-    @property
-    def width(self) -> int:
-        """Pool positions any segment's attention reads (the cache must hold this many)."""
-        return max(p + n for p, n in zip(self.pasts, self.lengths))
-
     def _prepare(self, dtype, device) -> None:
         """The short segments' padded mask and token placement, once per forward."""
         rows, longest = len(self.slots), max((self.lengths[r] for r in self.short), default=0)

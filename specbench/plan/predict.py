@@ -253,21 +253,27 @@ def break_even_acceptance(target: LatencyProfile, draft: LatencyProfile, k: int,
 
 
 def replay_speed(records, prompt_lengths: Sequence[int], target: LatencyProfile, clients: int = 1,
-                 network_s: float = 0.0) -> float:
+                 network_s: float = 0.0, packed: bool = True) -> float:
     """Per-client tokens/s predicted for a measured run (a records frame, any number of prompts) replayed
     on a target shared by `clients`: each step's verify priced by the profile's batch grid at its
-    context and at the width of its batch (a batch is padded to its longest row: the step's own
-    1 + drafted, or the longest of the other clients' rows, drawn from the run's own step sizes), the
-    client's own time (drafting, loop) as measured, plus `network_s` per step. Why: methods without a
-    draft profile (prompt lookup) still get a concurrency forecast, ragged rows included."""
+    context and at its batch's width, the client's own time (drafting, loop) as measured, plus
+    `network_s` per step. The width: for a packed batch (`LocalTarget.packed`, most models) the mean
+    row, since its linears see the rows' tokens and nothing else: (the step's own 1 + drafted + the
+    other clients' mean row, from the run's own step sizes) / clients; for a padded one its longest
+    row (the step's own, or the longest of the other clients' rows). Why: methods without a draft
+    profile (prompt lookup) still get a concurrency forecast, ragged rows included."""
     sizes = (1 + records["drafted"]).astype(int)
-    others = _longest_of(sizes.value_counts(normalize=True).sort_index(), clients - 1)
+    if packed:
+        others_mean = float(sizes.mean())
+        widths = lambda own: [((own + (clients - 1) * others_mean) / clients, 1.0)]  # noqa: E731
+    else:
+        longest = _longest_of(sizes.value_counts(normalize=True).sort_index(), clients - 1)
+        widths = lambda own: [(max(own, width), p) for width, p in longest.items()]  # noqa: E731
     seconds, tokens = 0.0, 0
     for _, steps in records.groupby("prompt_index", sort=False):
         context = prompt_lengths[int(steps["prompt_index"].iloc[0])]
         for step in steps.sort_values("step").itertuples():
-            own = 1 + int(step.drafted)
-            verify_s = sum(p * target.forward_s(max(own, width), context, clients) for width, p in others.items())
+            verify_s = sum(p * target.forward_s(width, context, clients) for width, p in widths(1 + int(step.drafted)))
             seconds += verify_s + step.draft_s + step.overhead_s + network_s
             context += step.emitted
             tokens += step.emitted

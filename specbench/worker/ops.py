@@ -121,6 +121,8 @@ class Ops:
                 "kv_bytes_per_token": loaded.kv_bytes_per_token if loaded else None,
                 "torch": torch.__version__, "sessions": len(self.sessions),
                 "kv_pool": _pool_description(self.target),
+                # batches run packed (no padding) or padded: what `replay_speed` needs to price them
+                "packed_batches": bool(self.target and self.target.packed),
                 "limits": {**self.limits.__dict__, "max_kv_bytes": self.kv_budget}}
 
     def hello(self, header, arrays, **_):
