@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from specbench.models.spec import QUANTIZATIONS
+from specbench.models.spec import KERNELS, QUANTIZATIONS
 from specbench.methods import CROSS_TOKENIZER
 from specbench.types import VERIFY_RULES, SamplingParams, SpecbenchError
 
@@ -35,8 +35,9 @@ def _run(args) -> int:
     from specbench.decode.metrics import summarize
     from specbench.models.spec import ModelSpec
 
-    target = ModelSpec(args.target, dtype=args.dtype, quantization=args.quant)
-    draft = ModelSpec(args.draft, dtype=args.dtype, quantization=args.draft_quant) if args.draft else None
+    target = ModelSpec(args.target, dtype=args.dtype, quantization=args.quant, kernels=args.kernels)
+    draft = (ModelSpec(args.draft, dtype=args.dtype, quantization=args.draft_quant, kernels=args.kernels)
+             if args.draft else None)
     sampling = SamplingParams(temperature=args.temperature, rule=args.rule)
     planner = None
     if args.plan:
@@ -78,7 +79,8 @@ def _profile(args) -> int:
         from specbench.models.loading import as_loaded
         from specbench.models.spec import ModelSpec
 
-        loaded = as_loaded(ModelSpec(args.model, dtype=args.dtype, quantization=args.quant), args.dtype)
+        loaded = as_loaded(ModelSpec(args.model, dtype=args.dtype, quantization=args.quant, kernels=args.kernels),
+                           args.dtype)
         if args.self_draft_layers:
             from specbench.models.self_draft import truncated_view
 
@@ -177,7 +179,8 @@ def _worker(args) -> int:
         print(f"{datetime.now().isoformat(timespec='seconds')} {line}", flush=True)
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    spec = lambda name: ModelSpec(name, dtype=args.dtype, device=args.device, quantization=args.quant) if name else None
+    spec = lambda name: ModelSpec(name, dtype=args.dtype, device=args.device, quantization=args.quant,  # noqa: E731
+                                  kernels=args.kernels) if name else None
     limits = WorkerLimits(
         max_sessions=args.max_sessions, max_sessions_per_client=args.max_sessions_per_client,
         max_prompt_tokens=args.max_prompt_tokens, max_tree_nodes=args.max_tree_nodes,
@@ -256,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     run_parser.add_argument("--rule", default=SamplingParams().rule, choices=list(VERIFY_RULES))
     run_parser.add_argument("--dtype", default="float32")
     run_parser.add_argument("--quant", default="none", choices=list(QUANTIZATIONS), help="target quantization")
+    run_parser.add_argument("--kernels", default="default", choices=list(KERNELS), help="oneDNN kernels for large linear layers (CPU, float32): faster at the few rows SD verifies")
     run_parser.add_argument("--draft-quant", default="none", choices=list(QUANTIZATIONS), help="draft quantization")
     run_parser.add_argument("--substitute-quant", default="8bit", choices=list(QUANTIZATIONS)[1:],
                             help="the substitute method's draft: the target itself, quantized (default %(default)s)")
@@ -276,6 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--model", help="catalog name, Hugging Face id or path")
     worker.add_argument("--draft", help="draft model for the server-only baseline")
     worker.add_argument("--quant", default="none", choices=list(QUANTIZATIONS))
+    worker.add_argument("--kernels", default="default", choices=list(KERNELS), help="oneDNN kernels for large linear layers (CPU, float32): faster at the few rows SD verifies")
     worker.add_argument("--dtype", default="float32")
     worker.add_argument("--device", default="cpu")
     worker.add_argument("--lazy", action="store_true", help="load the model on first use, not at start")
@@ -307,6 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--worker", help="endpoint of a worker to measure its loaded target on its hardware")
     profile.add_argument("--dtype", default="float32")
     profile.add_argument("--quant", default="none", choices=list(QUANTIZATIONS))
+    profile.add_argument("--kernels", default="default", choices=list(KERNELS), help="oneDNN kernels for large linear layers (CPU, float32): faster at the few rows SD verifies")
     profile.add_argument("--self-draft-layers", type=int, help="profile the first N layers of --model")
     profile.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 24, 32, 48, 64])
     profile.add_argument("--contexts", type=int, nargs="+", default=[128, 512])

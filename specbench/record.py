@@ -7,6 +7,7 @@ import torch
 
 from specbench.api import ModelLike, TreeShape, run
 from specbench.models.loading import as_loaded
+from specbench.models.spec import acceptance_label
 from specbench.decode.profile import forward_latency_points
 from specbench.hardware import device_name, measure_power
 from specbench.plan.predict import AcceptanceReference, LatencyProfile
@@ -68,7 +69,8 @@ def record_reference(target: ModelLike, draft: ModelLike, prompts, dataset: str,
                         if cross and drafting["drafted"].sum() else 1.0)
     return AcceptanceReference(
         cross_tokenizer=",".join(cross), draft_per_target=draft_per_target,
-        draft=draft_name or draft_loaded.spec.label, target=target_name or target_loaded.spec.label,
+        draft=draft_name or acceptance_label(draft_loaded.spec.label),
+        target=target_name or acceptance_label(target_loaded.spec.label),
         dataset=dataset, rule=sampling.effective_rule, temperature=sampling.temperature, max_chain=max_chain,
         chain_accepts=tuple(int(a) for a in full["accepted"]), tree_accepts=tree_accepts,
         tree_depth=tree_depth, tree_width=tree_width)

@@ -120,6 +120,10 @@ def load_model(spec: ModelSpec) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     _check_dynamic_int8(spec)
+    if spec.kernels == "onednn":
+        from specbench.models.cpu_kernels import check_onednn
+
+        check_onednn(spec.device, spec.dtype, spec.quantization)
     if spec.model.startswith("tiny-random"):
         from specbench.models.tiny import tiny_from_name
 
@@ -128,7 +132,7 @@ def load_model(spec: ModelSpec) -> LoadedModel:
         if spec.quantization == "int8-dynamic":
             loaded.model = _quantize_dynamic_int8(loaded.model)
         loaded.spec = spec
-        return loaded
+        return _with_kernels(loaded)
     source, extra = _resolve_source(spec)
     quantization = _quantization_config(spec)
     needed, available = _estimated_bytes(source, spec), available_bytes(spec.device)
@@ -153,7 +157,15 @@ def load_model(spec: ModelSpec) -> LoadedModel:
         model = _quantize_dynamic_int8(model)
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(source, **extra)
-    return LoadedModel(spec=spec, model=model, tokenizer=tokenizer)
+    return _with_kernels(LoadedModel(spec=spec, model=model, tokenizer=tokenizer))
+
+
+def _with_kernels(loaded: LoadedModel) -> LoadedModel:
+    if loaded.spec.kernels == "onednn":
+        from specbench.models.cpu_kernels import use_onednn
+
+        use_onednn(loaded.model)
+    return loaded
 
 
 def load_tokenizer(model: Union[str, ModelSpec]):

@@ -23,7 +23,10 @@ def _tensor_bytes(value, seen: set) -> int:
     if type(value) not in (torch.Tensor, torch.nn.Parameter) and hasattr(value, "__tensor_flatten__"):
         names, _ = value.__tensor_flatten__()  # tensor subclasses (torchao) hold their data inside
         return sum(_tensor_bytes(getattr(value, name), seen) for name in names)
-    if value.is_quantized:
+    if value.is_mkldnn:  # oneDNN layers (`cpu_kernels`): an opaque tensor of its own
+        key = ("mkldnn", id(value))
+        size = value.numel() * value.element_size()
+    elif value.is_quantized:
         key = ("quantized", value.data_ptr())
         size = value.numel() * value.element_size()
     else:

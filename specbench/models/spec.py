@@ -8,6 +8,7 @@ from specbench.types import SpecbenchError
 
 QUANTIZATIONS = ("none", "8bit", "4bit", "int8-dynamic")  # bitsandbytes 8bit/4bit, PyTorch int8-dynamic (CPU)
 DTYPES = ("float32", "bfloat16", "float16")
+KERNELS = ("default", "onednn")  # "onednn": large linear layers on oneDNN (`models/cpu_kernels.py`)
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,7 @@ class ModelSpec:
     dtype: str = "float32"
     device: str = "cpu"
     quantization: str = "none"
+    kernels: str = "default"
 
     def __post_init__(self):
         if not self.model:
@@ -32,6 +34,8 @@ class ModelSpec:
                 f"unknown quantization {self.quantization!r}; choose one of {QUANTIZATIONS}")
         if self.dtype not in DTYPES:
             raise SpecbenchError(f"unknown dtype {self.dtype!r}; choose one of {DTYPES}")
+        if self.kernels not in KERNELS:
+            raise SpecbenchError(f"unknown kernels {self.kernels!r}; choose one of {KERNELS}")
 
     def with_(self, **changes) -> "ModelSpec":
         fields = {**self.__dict__, **changes}
@@ -40,4 +44,13 @@ class ModelSpec:
     @property
     def label(self) -> str:
         quant = "" if self.quantization == "none" else f"@{self.quantization}"
-        return f"{self.model}{quant}"
+        kernels = "" if self.kernels == "default" else f"+{self.kernels}"
+        return f"{self.model}{quant}{kernels}"
+
+
+def acceptance_label(label: str) -> str:
+    """The label a model's acceptance is recorded under: kernels change speed, not which tokens win,
+    so "qwen2.5-coder-1.5b+onednn" accepts what "qwen2.5-coder-1.5b" does."""
+    for kernels in KERNELS:
+        label = label.removesuffix(f"+{kernels}")
+    return label

@@ -9,6 +9,7 @@ from typing import Optional, Sequence
 
 import pandas as pd
 
+from specbench.models.spec import acceptance_label
 from specbench.plan.costs import Power, Prices, StepCost
 from specbench.plan.predict import (AcceptanceReference, LatencyProfile, OperatingPoint, break_even_acceptance,
                                     choose, pareto_front, predict, priced)
@@ -119,7 +120,7 @@ def check_pairing(target: LatencyProfile, draft: Optional[LatencyProfile],
         return
     wanted = {"target": (reference.target, target.model), "draft": (reference.draft, draft.model if draft else None)}
     for role, (measured, profiled) in wanted.items():
-        if profiled is not None and measured != profiled:
+        if profiled is not None and measured != acceptance_label(profiled):
             raise SpecbenchError(
                 f"the reference measured {role} {measured!r} but the {role} profile is of {profiled!r}: pick the "
                 f"profile of {measured!r} (its quantization included), or record a reference for {profiled!r} "
@@ -196,10 +197,14 @@ def matching_pairs(profiles: Sequence[LatencyProfile], references: Sequence[Acce
     for reference in references:
         if target and reference.target != target:
             continue
-        for target_profile in (p for p in profiles if p.model == reference.target):
-            draft = next((p for p in profiles if p.model == reference.draft and p.device == target_profile.device), None)
-            if draft is not None:
-                pairs.append((target_profile, draft, reference))
+        for target_profile in (p for p in profiles if acceptance_label(p.model) == reference.target):
+            drafts = [p for p in profiles if acceptance_label(p.model) == reference.draft
+                      and p.device == target_profile.device]
+            # the draft's kernels as the target's where profiled (both on one box), else any
+            same = [p for p in drafts if p.model.removeprefix(reference.draft) ==
+                    target_profile.model.removeprefix(reference.target)]
+            if drafts:
+                pairs.append((target_profile, (same or drafts)[0], reference))
     return pairs
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from specbench.models.spec import acceptance_label
 from specbench.plan.costs import Power, Prices, check_cs, cost_knob
 from specbench.plan.explore import cost_column
 from specbench.plan.predict import AcceptanceReference, LatencyProfile, OperatingPoint, priced, step_cost
@@ -165,8 +166,10 @@ def planner_from_caches(target: str, draft: str, dataset: Optional[str] = None, 
     from specbench.plan.explore import matching_pairs
     from specbench.plan.library import load_profiles, load_references
 
-    references = [r for r in load_references(target=target, draft=draft) if dataset in (None, r.dataset)]
-    pairs = [p for p in matching_pairs(load_profiles(), references) if device in (None, p[0].device)]
+    references = [r for r in load_references(target=acceptance_label(target), draft=acceptance_label(draft))
+                  if dataset in (None, r.dataset)]
+    pairs = [p for p in matching_pairs(load_profiles(), references)
+             if device in (None, p[0].device) and (p[0].model, p[1].model) == (target, draft)]
     if not pairs:
         raise SpecbenchError(f"no cached profiles + reference for draft {draft!r} -> target {target!r}"
                              f"{f' on {dataset!r}' if dataset else ''}{f' on device {device!r}' if device else ''}; "

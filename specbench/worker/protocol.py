@@ -158,7 +158,7 @@ def spec_to_wire(spec: ModelSpec) -> dict:
 def spec_from_wire(data: Any) -> ModelSpec:
     if not isinstance(data, dict):
         raise ProtocolError("field 'model' must be a map of model spec fields")
-    allowed = {"model", "gguf_file", "dtype", "device", "quantization"}
+    allowed = {"model", "gguf_file", "dtype", "device", "quantization", "kernels"}
     unknown = set(data) - allowed
     if unknown:
         raise ProtocolError(f"unknown model spec fields {sorted(map(str, unknown))}")

@@ -1,0 +1,101 @@
+"""Default vs oneDNN linear kernels (`kernels="onednn"`): whole target forwards at SD's shapes, side by side.
+
+For each model, both variants are loaded and timed alternately (repeat by repeat, so drift on a
+shared box hits both alike) on forwards of `batch` sequences x `tokens` new tokens over a cached
+context: (1, 1) a target-only step, (1, 5) a K=4 chain verify, (8, 1) and (8, 5) the same for 8
+clients batched on a worker. Besides the speed-up per shape it prints the two ratios that decide SD
+and batching on a CPU: what a 5-token verify costs against a 1-token step, and what a batch of 8 costs
+against one sequence. Prints a table and writes results/cpu_kernels.json.
+
+    python benchmarks/cpu_kernels.py [--models smollm2-135m qwen2.5-coder-0.5b qwen2.5-coder-1.5b]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from specbench.hardware import device_name
+from specbench.models.loading import load_model
+from specbench.models.spec import ModelSpec
+
+from common import write_report
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = [(1, 1), (1, 5), (8, 1), (8, 5)]
+
+
+@torch.inference_mode()
+def timed_forward(model, cache, new: torch.Tensor) -> float:
+    """Milliseconds of one forward of `new` ids over `cache`, which is then cropped back."""
+    started = time.perf_counter()
+    model(input_ids=new, past_key_values=cache, use_cache=True)
+    elapsed = 1000 * (time.perf_counter() - started)
+    cache.crop(-new.shape[1])
+    return elapsed
+
+
+def random_cache(model, batch: int, context: int):
+    """A cache of `context` random positions per sequence: a forward's time depends on shapes only,
+    and prefilling 8 x 256 tokens of a 1.5B model on 2 cores would take a minute per shape."""
+    from transformers import DynamicCache
+
+    config = model.config
+    heads = config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    cache = DynamicCache(config=config)
+    for layer in range(config.num_hidden_layers):
+        cache.update(torch.randn(batch, heads, context, head_dim), torch.randn(batch, heads, context, head_dim), layer)
+    return cache
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=5, help="timed forwards per shape and variant")
+    parser.add_argument("--out", default=str(ROOT / "results" / "cpu_kernels.json"))
+    args = parser.parse_args()
+    rows = []
+    for name in args.models:
+        variants = {kernels: load_model(ModelSpec(name, kernels=kernels)) for kernels in ("default", "onednn")}
+        for batch, tokens in SHAPES:
+            new = torch.randint(100, 5000, (batch, tokens), generator=torch.Generator().manual_seed(batch + tokens))
+            caches = {kernels: random_cache(loaded.model, batch, args.context) for kernels, loaded in variants.items()}
+            samples = {kernels: [] for kernels in variants}
+            for attempt in range(args.repeats + 1):  # alternating, one forward each per round; the first a warm-up
+                for kernels, loaded in variants.items():
+                    elapsed = timed_forward(loaded.model, caches[kernels], new)
+                    if attempt:
+                        samples[kernels].append(elapsed)
+            default_ms, onednn_ms = (statistics.median(samples[k]) for k in ("default", "onednn"))
+            rows.append({"model": name, "batch": batch, "tokens": tokens, "default_ms": default_ms,
+                         "onednn_ms": onednn_ms, "speedup": default_ms / onednn_ms,
+                         "weight_mb_default": variants["default"].weight_bytes / 1e6,
+                         "weight_mb_onednn": variants["onednn"].weight_bytes / 1e6})
+            print(rows[-1], flush=True)
+        del variants
+        gc.collect()
+    table = pd.DataFrame(rows)
+    print(f"\n== forward ms, default vs oneDNN linears, fp32, context {args.context}, "
+          f"{device_name('cpu')}, {torch.get_num_threads()} threads, median of {args.repeats} ==")
+    print(table.round(2).to_string(index=False))
+    at = table.set_index(["model", "batch", "tokens"])
+    ratios = pd.DataFrame([{
+        "model": name, **{f"verify5_over_step1_{k}": at.loc[(name, 1, 5), f"{k}_ms"] / at.loc[(name, 1, 1), f"{k}_ms"]
+                          for k in ("default", "onednn")},
+        **{f"batch8_over_one_{k}": at.loc[(name, 8, 1), f"{k}_ms"] / at.loc[(name, 1, 1), f"{k}_ms"]
+           for k in ("default", "onednn")}} for name in args.models])
+    print("\n== what SD and batching pay: a 5-token verify / a 1-token step; 8 sequences / one ==")
+    print(ratios.round(2).to_string(index=False))
+    write_report(args.out, {"rows": rows, "ratios": ratios.to_dict("records"), "settings": vars(args),
+                            "device": device_name("cpu")})
+
+
+if __name__ == "__main__":
+    main()
