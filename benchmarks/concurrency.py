@@ -12,6 +12,7 @@ batch grid of the target, plus the loopback round trip) and printed beside the m
 the error. Prints tables and writes results/concurrency-<pair>.json.
 
     python benchmarks/concurrency.py [--pair smollm2|qwen] [--clients 1 2 4 8] [--max-new-tokens 24]
+                                     [--kernels default|onednn]
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from specbench.hardware import device_name
 from specbench.plan.library import load_profiles
 from specbench.plan.predict import replay_speed
 from specbench.models.loading import load_model
-from specbench.models.spec import ModelSpec
+from specbench.models.spec import ModelSpec, acceptance_label
 from specbench.worker.launch import free_port, spawn_worker
 
 from common import write_report
@@ -72,7 +73,7 @@ def measure(pool, endpoint: str, prompts, method: str, clients: int, args) -> di
 
 def near_tie(name: str, prompt: list[int], got: list[int], alone: list[int]) -> dict:
     """Where two greedy outputs part, the target's top-2 logit gap after their common prefix."""
-    loaded = load_model(ModelSpec(name))
+    loaded = load_model(ModelSpec(name, kernels=args.kernels))
     position = next(i for i, (a, b) in enumerate(zip(got, alone)) if a != b)
     with torch.inference_mode():
         logits = loaded.model(input_ids=torch.tensor([prompt + alone[:position]])).logits[0, -1]
@@ -88,10 +89,13 @@ def main():
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--dataset", default="mt-bench", help="one prompt per client from this prompt set")
     parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--kernels", default="default", choices=["default", "onednn"],
+                        help="the target's linear kernels, in the worker and in the alone runs compared with")
     parser.add_argument("--out", default=str(ROOT / "results" / "concurrency.json"))
     args = parser.parse_args()
     name = TARGETS[args.pair]
-    loaded = load_model(ModelSpec(name))
+    loaded_spec = ModelSpec(name, kernels=args.kernels)
+    loaded = load_model(ModelSpec(name, kernels=args.kernels))
     texts = [row["prompt"] for row in load_prompts(args.dataset, limit=max(args.clients))]
     prompts = encode_prompts(texts, loaded.tokenizer)
     alone_records = {method: run(loaded, prompts, method=method, k=args.k, max_new_tokens=args.max_new_tokens,
@@ -101,7 +105,8 @@ def main():
     gc.collect()
     rows, mismatches = [], []
     endpoints = {batching: f"tcp://127.0.0.1:{free_port()}" for batching in (True, False)}
-    workers = {batching: spawn_worker(endpoint, "--model", name, *([] if batching else ["--no-batching"]))
+    workers = {batching: spawn_worker(endpoint, "--model", name, "--kernels", args.kernels,
+                                      *([] if batching else ["--no-batching"]))
                for batching, endpoint in endpoints.items()}
     try:
         with multiprocessing.get_context("spawn").Pool(max(args.clients)) as pool:
@@ -116,7 +121,7 @@ def main():
                         for index, output in enumerate(row.pop("outputs")):
                             if output != alone[method][(method, index)]:
                                 mismatches.append({"batching": batching, "clients": clients, "method": method,
-                                                   "prompt": index, **near_tie(name, prompts[index], output,
+                                                   "prompt": index, **near_tie(loaded_spec, prompts[index], output,
                                                                                alone[method][(method, index)])})
                         rows.append({"batching": batching, **row})
                         print(rows[-1], flush=True)
@@ -126,14 +131,15 @@ def main():
     table = pd.DataFrame(rows).sort_values(["batching", "clients", "method"], ascending=[False, True, False])
     off = table[~table["batching"]].set_index(["clients", "method"])["aggregate_tokens_per_s"]
     table["vs_unbatched"] = [row.aggregate_tokens_per_s / off[(row.clients, row.method)] for row in table.itertuples()]
-    print(f"\n== {name} worker on loopback, fp32, {args.max_new_tokens} tokens per client, K={args.k} ==")
+    print(f"\n== {loaded_spec.label} worker on loopback, fp32, {args.max_new_tokens} tokens per client, K={args.k} ==")
     print(table.round(3).to_string(index=False))
     print(f"greedy outputs differing from the same prompt alone: {len(mismatches)}", mismatches or "")
-    speedups = speedup_table(table, name, alone_records, [len(p) for p in prompts], round_trip_s, packed, args)
+    speedups = speedup_table(table, loaded_spec.label, alone_records, [len(p) for p in prompts], round_trip_s, packed, args)
     if speedups is not None:
         print(f"\n== SD speedup over target-only per client, batching on: predicted vs measured ==")
         print(speedups.round(3).to_string(index=False))
-    write_report(args.out.replace(".json", f"-{args.pair}.json"),
+    suffix = "" if args.kernels == "default" else f"-{args.kernels}"
+    write_report(args.out.replace(".json", f"-{args.pair}{suffix}.json"),
                  {"target": name, "rows": table.to_dict("records"), "mismatches": mismatches,
                   "speedups": None if speedups is None else speedups.to_dict("records"),
                   "round_trip_s": round_trip_s, "packed_batches": packed, "settings": vars(args)})
@@ -161,7 +167,8 @@ def speedup_table(table: pd.DataFrame, name: str, alone_records: dict, prompt_le
                 and len(p.batches) > 1]
     if not profiles or "target-only" not in args.methods:
         print(f"(no speedup prediction: needs target-only among the methods and a profile of {name} over batch "
-              f"sizes; record one with `specbench profile --model {name} --batches 1 2 4 8`)")
+              f"sizes; record one with `specbench profile --model {acceptance_label(name)} --batches 1 2 4 8`"
+              f"{' --kernels onednn' if name.endswith('+onednn') else ''})")
         return None
     profile, on = profiles[0], table[table["batching"]].set_index(["clients", "method"])
     rows = []

@@ -8,7 +8,7 @@ and whether each output is identical to target-only (a mismatch is checked teach
 shown as a near-tie when the target's top-2 logits there are within NEAR_TIE_LOGITS).
 
     python benchmarks/cross_tokenizer.py [--dtypes float32 bfloat16] [--ks 2 4 6] [--tree-budgets 8 16]
-                                         [--prompts 3] [--max-new-tokens 48]
+                                         [--prompts 3] [--max-new-tokens 48] [--kernels default|onednn]
 """
 from __future__ import annotations
 
@@ -70,10 +70,12 @@ def specbench_generate(local, drafter, ids, k, max_new_tokens):
         "draft_tokens": sum((r.draft_tokens if r.draft_tokens is not None else r.drafted) for r in drafting)}
 
 
-def bench_dtype(dtype, target_name, cross_name, family_name, prompts, max_new_tokens, ks, tree_budgets=()):
-    target = load_model(ModelSpec(target_name, dtype=dtype))
-    cross = load_model(ModelSpec(cross_name, dtype=dtype))
-    family = load_model(ModelSpec(family_name, dtype=dtype)) if family_name else None
+def bench_dtype(dtype, target_name, cross_name, family_name, prompts, max_new_tokens, ks, tree_budgets=(),
+                kernels="default"):
+    kernels = kernels if dtype == "float32" else "default"  # oneDNN layers are float32 only
+    target = load_model(ModelSpec(target_name, dtype=dtype, kernels=kernels))
+    cross = load_model(ModelSpec(cross_name, dtype=dtype, kernels=kernels))
+    family = load_model(ModelSpec(family_name, dtype=dtype, kernels=kernels)) if family_name else None
     local = LocalTarget(target)
     encoded = encode_prompts(prompts, target.tokenizer)
     timer = ForwardTimer(target.model)
@@ -146,6 +148,8 @@ def main():
                         help="node budgets of cross-tokenizer dynamic trees (none: chains only)")
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--kernels", default="default", choices=["default", "onednn"],
+                        help="linear kernels of every model (float32 runs; HF's generate uses the same models)")
     parser.add_argument("--out", default=str(RESULTS / "cross_tokenizer.json"))
     args = parser.parse_args()
     prompts = bench_prompts(args.prompts)
@@ -153,9 +157,9 @@ def main():
     report = {"settings": vars(args), "near_tie_logits": NEAR_TIE_LOGITS, "dtypes": {}}
     for dtype in args.dtypes:
         frame, checks = bench_dtype(dtype, args.target, args.draft, args.family_draft, prompts,
-                                    args.max_new_tokens, args.ks, args.tree_budgets)
+                                    args.max_new_tokens, args.ks, args.tree_budgets, args.kernels)
         table = summarize(frame, checks)
-        print(f"\n== {args.draft} drafting for {args.target} ({dtype}, greedy, {len(prompts)} prompts x "
+        print(f"\n== {args.draft} drafting for {args.target} ({dtype}, kernels {args.kernels}, greedy, {len(prompts)} prompts x "
               f"{args.max_new_tokens} tokens) ==")
         print(table.round(3).to_string(index=False))
         ours = table[table.method.str.startswith("cross-")]["tokens_per_s"].max()
