@@ -41,6 +41,7 @@ def test_concurrent_clients_get_what_they_get_alone(tiny_target, tiny_draft, sam
     methods = ["target-only", "chain", "fixed-tree"] if sampling.greedy else ["target-only", "chain"]
     with process_worker(*([] if batching else ["--no-batching"])) as worker:
         results = clients_in_parallel(worker.endpoint, tiny_draft, sampling, methods)
+        assert RemoteTarget(worker.endpoint).info["packed_batches"]  # what `replay_speed` prices them as
     sizes = []
     for index, records in results.items():
         alone = run(tiny_target, [PROMPT_SET[index]], method=methods, draft=tiny_draft, k=3, max_new_tokens=20,
