@@ -81,12 +81,13 @@ def test_onednn_where_it_cannot_run_is_refused_by_name(changes, words):
 
 
 def test_kernels_change_speed_not_acceptance():
-    """A "+onednn" profile pairs with the reference of the plain model (acceptance is the same), and a
-    draft profiled with the same kernels is preferred."""
-    from specbench.plan.explore import matching_pairs
+    """A "+onednn" profile pairs with the reference of the plain model (acceptance is the same), a draft
+    profiled with the same kernels is preferred, and both kernels of a target sit in one family."""
+    from specbench.plan.explore import base_name, matching_pairs
     from specbench.plan.predict import AcceptanceReference, LatencyProfile
 
     assert acceptance_label("qwen2.5-coder-1.5b@8bit+onednn") == "qwen2.5-coder-1.5b@8bit"
+    assert base_name("qwen2.5-coder-1.5b@8bit+onednn") == "qwen2.5-coder-1.5b"  # one family in notebook 03
     row = ((1, 128, 0.1),)
     profiles = [LatencyProfile(name, "cpu", rows=row) for name in ("t", "t+onednn", "d", "d+onednn")]
     reference = AcceptanceReference(draft="d", target="t", dataset="x", rule="greedy", temperature=0.0,

@@ -56,8 +56,8 @@ def prediction_frame(target: LatencyProfile, draft: Optional[LatencyProfile],
 
 
 def base_name(label: str) -> str:
-    """A model label without its quantization: `smollm2-135m@8bit` -> `smollm2-135m`."""
-    return label.split("@", 1)[0]
+    """A model label without its quantization or kernels: `smollm2-135m@8bit+onednn` -> `smollm2-135m`."""
+    return acceptance_label(label).split("@", 1)[0]
 
 
 def target_groups(combos: Sequence[tuple]) -> dict[str, list[tuple]]:
