@@ -8,6 +8,7 @@ from specbench.models.spec import KERNELS, QUANTIZATIONS
 from specbench.methods import CROSS_TOKENIZER
 from specbench.types import VERIFY_RULES, SamplingParams, SpecbenchError
 
+KERNELS_HELP = "oneDNN kernels for large linear layers (CPU, float32): faster at the few rows SD verifies"
 
 
 def _models(args) -> int:
@@ -259,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     run_parser.add_argument("--rule", default=SamplingParams().rule, choices=list(VERIFY_RULES))
     run_parser.add_argument("--dtype", default="float32")
     run_parser.add_argument("--quant", default="none", choices=list(QUANTIZATIONS), help="target quantization")
-    run_parser.add_argument("--kernels", default="default", choices=list(KERNELS), help="oneDNN kernels for large linear layers (CPU, float32): faster at the few rows SD verifies")
+    run_parser.add_argument("--kernels", default="default", choices=list(KERNELS), help=KERNELS_HELP)
     run_parser.add_argument("--draft-quant", default="none", choices=list(QUANTIZATIONS), help="draft quantization")
     run_parser.add_argument("--substitute-quant", default="8bit", choices=list(QUANTIZATIONS)[1:],
                             help="the substitute method's draft: the target itself, quantized (default %(default)s)")
@@ -280,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--model", help="catalog name, Hugging Face id or path")
     worker.add_argument("--draft", help="draft model for the server-only baseline")
     worker.add_argument("--quant", default="none", choices=list(QUANTIZATIONS))
-    worker.add_argument("--kernels", default="default", choices=list(KERNELS), help="oneDNN kernels for large linear layers (CPU, float32): faster at the few rows SD verifies")
+    worker.add_argument("--kernels", default="default", choices=list(KERNELS), help=KERNELS_HELP)
     worker.add_argument("--dtype", default="float32")
     worker.add_argument("--device", default="cpu")
     worker.add_argument("--lazy", action="store_true", help="load the model on first use, not at start")
@@ -312,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--worker", help="endpoint of a worker to measure its loaded target on its hardware")
     profile.add_argument("--dtype", default="float32")
     profile.add_argument("--quant", default="none", choices=list(QUANTIZATIONS))
-    profile.add_argument("--kernels", default="default", choices=list(KERNELS), help="oneDNN kernels for large linear layers (CPU, float32): faster at the few rows SD verifies")
+    profile.add_argument("--kernels", default="default", choices=list(KERNELS), help=KERNELS_HELP)
     profile.add_argument("--self-draft-layers", type=int, help="profile the first N layers of --model")
     profile.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 24, 32, 48, 64])
     profile.add_argument("--contexts", type=int, nargs="+", default=[128, 512])

@@ -56,7 +56,6 @@ def use_onednn(model: nn.Module, min_weights: int = MIN_WEIGHTS) -> int:
         for name, child in list(parent.named_children()):
             if (type(child) is nn.Linear and child.weight.dtype == torch.float32
                     and child.in_features * child.out_features >= min_weights):
-                with torch.no_grad():
-                    setattr(parent, name, OneDNNLinear(child))
+                setattr(parent, name, OneDNNLinear(child))
                 replaced += 1
     return replaced

@@ -104,13 +104,6 @@ class StepPlanner:
             survive.append(survive[-1] * alpha)
         return survive
 
-    def expected_accepted(self, k: int) -> float:
-        return sum(self.survival()[1:k + 1])
-
-    def full_acceptance(self, k: int) -> float:
-        """P(all K drafted tokens accepted) (1 for K=0: nothing to reject)."""
-        return self.survival()[k]
-
     def scores(self, context: int) -> list[dict]:
         """Every candidate K with its predicted speed, cost and J at this context (K=0 is the reference)."""
         rows, survive = [], self.survival()

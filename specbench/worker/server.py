@@ -279,7 +279,7 @@ class Worker:
         `--prefill-chunk` tokens in all, oldest prefill first. Only on a packed target (no padding:
         a chunk costs the batch its own tokens, not every row padded to its length)."""
         target = self.ops.target
-        if not self.config.batching or target is None or not getattr(target, "packed", False):
+        if not self.config.batching or target is None or not target.packed:
             return []
         riding, budget = [], self.config.prefill_chunk
         for job in self.ops.jobs.prefills():
