@@ -7,9 +7,10 @@ SD (drafting costs the clients nothing, so the worker is what is measured). Ever
 compared with the same prompt decoded alone in this process (fp32); a difference is shown with the
 target's top-2 logit gap at the first differing token (a near-tie means batched shapes changed
 the rounding). With batching on, SD's speedup over target-only per client count is also predicted
-(`plan.predict.replay_speed`: each client's steps of the alone run replayed on the shipped profile's
-batch grid of the target, plus the loopback round trip) and printed beside the measured one, with
-the error. Prints tables and writes results/concurrency-<pair>.json.
+from the alone run's steps, priced on the shipped profile's batch grid of the target plus the
+loopback round trip, two ways, each printed with its error against the measured one: this run
+(`plan.predict.replay_together`: the clients start together and the ones that accept more finish
+first, leaving part-full batches) and steady state (`plan.predict.replay_speed`: every batch full). Prints tables and writes results/concurrency-<pair>.json.
 
     python benchmarks/concurrency.py [--pair smollm2|qwen] [--clients 1 2 4 8] [--max-new-tokens 24]
                                      [--kernels default|onednn]
@@ -30,7 +31,7 @@ from specbench.api import encode_prompts, outputs, run
 from specbench.datasets import load_prompts
 from specbench.hardware import device_name
 from specbench.plan.library import load_profiles
-from specbench.plan.predict import replay_speed
+from specbench.plan.predict import replay_speed, replay_together
 from specbench.models.loading import load_model
 from specbench.models.spec import ModelSpec, acceptance_label
 from specbench.worker.launch import free_port, spawn_worker
@@ -173,18 +174,25 @@ def speedup_table(table: pd.DataFrame, name: str, alone_records: dict, prompt_le
     profile, on = profiles[0], table[table["batching"]].set_index(["clients", "method"])
     rows = []
     for clients in args.clients:
-        def predicted(method):
+        def predicted(method):  # steady state: every client always has a step in the batch
             records = alone_records[method]
             return replay_speed(records[records["prompt_index"] < clients], prompt_lengths, profile, clients,
                                 round_trip_s, packed)
 
+        def predicted_run(method):  # this run: the clients start together and end at their own last step
+            records = alone_records[method]
+            return replay_together(records[records["prompt_index"] < clients], prompt_lengths, profile,
+                                   round_trip_s, packed)
+
         base_measured = on.loc[(clients, "target-only"), "aggregate_tokens_per_s"]
         for method in (m for m in args.methods if m != "target-only"):
             measured = on.loc[(clients, method), "aggregate_tokens_per_s"] / base_measured
-            forecast = predicted(method) / predicted("target-only")
-            rows.append({"clients": clients, "method": method, "predicted_speedup": forecast,
-                         "measured_speedup": measured, "error": forecast / measured - 1,
-                         "predicted_target_only_tok_s": clients * predicted("target-only"),
+            steady = predicted(method) / predicted("target-only")
+            together = predicted_run(method) / predicted_run("target-only")
+            rows.append({"clients": clients, "method": method, "measured_speedup": measured,
+                         "predicted_run": together, "error_run": together / measured - 1,
+                         "predicted_steady": steady, "error_steady": steady / measured - 1,
+                         "predicted_target_only_tok_s": predicted_run("target-only"),
                          "measured_target_only_tok_s": base_measured})
     return pd.DataFrame(rows)
 

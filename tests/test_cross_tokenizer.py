@@ -269,3 +269,29 @@ def test_reference_of_a_cross_pair_round_trips_and_prices_the_drafts_forwards(ti
     point = OperatingPoint("chain", 4)
     one, more = (predict_step(point, profile, profile, replace(loaded, draft_per_target=r)) for r in (1.0, 1.5))
     assert more.draft_s > one.draft_s
+
+
+def test_server_only_drafts_across_tokenizers_on_the_worker(tiny_pair, tmp_path):
+    """The worker's own draft may have another tokenizer: `server-only` translates through text
+    there, and its output is the target's alone. Both models are loaded from local folders."""
+    from specbench.models.spec import ModelSpec
+    from specbench.worker.client import RemoteTarget
+    from worker_helpers import ThreadWorker
+
+    target, draft = tiny_pair
+    for loaded, folder in ((target, tmp_path / "target"), (draft, tmp_path / "draft")):
+        loaded.model.save_pretrained(folder)
+        loaded.tokenizer.save_pretrained(folder)
+    running = ThreadWorker(model=ModelSpec(str(tmp_path / "target")), draft=ModelSpec(str(tmp_path / "draft")))
+    try:
+        prompts = [target.tokenizer(text)["input_ids"] for text in TINY_PROMPTS]
+        frame = run(RemoteTarget(running.endpoint), prompts, method="server-only", k=6, max_new_tokens=24,
+                    progress=False)
+        local = run(target, prompts, method="target-only", max_new_tokens=24, progress=False)
+        for index in range(len(prompts)):
+            assert outputs(frame)[("server-only", index)] == outputs(local)[("target-only", index)]
+        drafting = frame[frame["drafted"] > 0]
+        assert len(drafting) and set(drafting["cross_tokenizer"]) == {"text"}
+        assert drafting["accepted"].mean() >= 1.0  # the twin reads the same text: translation must be accepted
+    finally:
+        running.stop()

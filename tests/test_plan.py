@@ -195,3 +195,27 @@ def test_replay_speed_prices_each_measured_step_at_the_batch_size_and_width(pack
     one_wide_2 = 1 / 3 * at_2[1] + 2 / 3 * at_2[0]
     expected_2 = 6 / (at_2[1] + 2 * one_wide_2 + 3 * 0.01)
     assert replay_speed(records, [10, 20], SHARED, clients=2, packed=False) == pytest.approx(expected_2)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_replay_together_runs_rounds_until_the_last_client_ends(packed):
+    import pandas as pd
+
+    from specbench.plan.predict import replay_speed, replay_together
+
+    # The records of the test above: prompt 0 takes two steps (a 5-token row, then a 1-token one),
+    # prompt 1 one step (a 1-token row); every step spends 0.01 s on the client.
+    records = pd.DataFrame([
+        {"prompt_index": 0, "step": 0, "drafted": 4, "emitted": 4, "draft_s": 0.008, "overhead_s": 0.002},
+        {"prompt_index": 0, "step": 1, "drafted": 0, "emitted": 1, "draft_s": 0.0, "overhead_s": 0.01},
+        {"prompt_index": 1, "step": 0, "drafted": 0, "emitted": 1, "draft_s": 0.0, "overhead_s": 0.01}])
+    # Round 0: both clients, rows of 5 and 1 tokens, batch 2. Packed: 3 tokens a row, 0.125 s at batch 1
+    # and 0.25 s at batch 4 -> 0.1667 s at batch 2; padded: 5 tokens a row, 0.15 / 0.30 -> 0.20 s.
+    # Round 1: prompt 0 alone (a part-full batch), 1 token at batch 1: 0.10 s.
+    first = 0.125 + (0.25 - 0.125) / 3 if packed else 0.20
+    expected = 6 / (first + 0.10 + 2 * (0.01 + 0.002))
+    assert replay_together(records, [10, 20], SHARED, network_s=0.002, packed=packed) == pytest.approx(expected)
+    # One client together is that client alone.
+    one = records[records["prompt_index"] == 0]
+    assert replay_together(one, [10, 20], SHARED, packed=packed) == pytest.approx(
+        replay_speed(one, [10, 20], SHARED, clients=1, packed=packed))

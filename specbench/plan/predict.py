@@ -280,6 +280,38 @@ def replay_speed(records, prompt_lengths: Sequence[int], target: LatencyProfile,
     return tokens / seconds if seconds else 0.0
 
 
+def replay_together(records, prompt_lengths: Sequence[int], target: LatencyProfile, network_s: float = 0.0,
+                    packed: bool = True) -> float:
+    """Aggregate tokens/s predicted for the records' prompts decoded at once by as many clients on one
+    shared target, each client replaying its own prompt's measured steps: in rounds, every client
+    still decoding sends its next step, one forward verifies them all (priced like `replay_speed`'s
+    batches: the rows' mean width when packed, the longest when padded, at the rows' mean context),
+    and a round lasts the slowest client's own time + `network_s` + that forward. Why next to
+    `replay_speed`'s steady state: a run that starts clients together ends with a tail where the
+    clients that accept more have finished, so its last batches are part-full. The prompts'
+    prefills (`prefill_s` as measured, where recorded) are added one after another: compute-bound,
+    they gain little from sharing a forward, and they weigh more in a run that decodes faster."""
+    steps = {index: list(group.sort_values("step").itertuples())
+             for index, group in records.groupby("prompt_index", sort=False)}
+    context = {index: prompt_lengths[int(index)] for index in steps}
+    seconds = sum(float(queue[0].prefill_s) for queue in steps.values()) if "prefill_s" in records else 0.0
+    tokens, round_index = 0, 0
+    while True:
+        rows = [(index, queue[round_index]) for index, queue in steps.items() if round_index < len(queue)]
+        if not rows:
+            break
+        sizes = [1 + int(step.drafted) for _, step in rows]
+        width = sum(sizes) / len(sizes) if packed else max(sizes)
+        mean_context = round(mean(context[index] for index, _ in rows))
+        seconds += (max(step.draft_s + step.overhead_s for _, step in rows) + network_s
+                    + target.forward_s(width, mean_context, len(rows)))
+        for index, step in rows:
+            context[index] += step.emitted
+            tokens += step.emitted
+        round_index += 1
+    return tokens / seconds if seconds else 0.0
+
+
 def _longest_of(pmf, draws: int) -> dict[int, float]:
     """Distribution of the largest of `draws` independent draws from `pmf` ({size: probability});
     no draws: {0: 1.0}. Example: sizes 1 and 5 at 2/3 and 1/3, two draws: {1: 4/9, 5: 5/9}."""
