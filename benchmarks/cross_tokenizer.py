@@ -3,12 +3,20 @@
 Same prompts, same run, per dtype: target-only (specbench and HF), HF assisted generation with
 `assistant_tokenizer` (its cross-tokenizer path) at K = 2, 4, 6 and its default schedule,
 specbench's cross-tokenizer chain (text rule) at K = 2, 4, 6 and dynamic trees of 8 and 16 nodes,
-and the same-family draft's chain for comparison. Greedy. Reports tokens/s, tokens per target step, target tokens per draft token,
-and whether each output is identical to target-only (a mismatch is checked teacher-forced and
-shown as a near-tie when the target's top-2 logits there are within NEAR_TIE_LOGITS).
+and the same-family draft's chain for comparison. Greedy. Reports tokens/s, tokens per target
+step, target tokens per draft token, and whether each output is identical to target-only (a
+mismatch is checked teacher-forced and shown as a near-tie when the target's top-2 logits there
+are within NEAR_TIE_LOGITS). Several drafts of other families (`--draft smollm2-135m gemma3-270m`)
+run in the same table, each compared with HF's best setting for that draft.
 
-    python benchmarks/cross_tokenizer.py [--dtypes float32 bfloat16] [--ks 2 4 6] [--tree-budgets 8 16]
-                                         [--prompts 3] [--max-new-tokens 48] [--kernels default|onednn]
+With `--sampled`, sampled rows too (temperature 1, no top-k/top-p, seeded per prompt): target-only,
+HF's assisted generation with `do_sample` (its Universal Speculative Decoding path) and specbench's
+chain under the shared-vocabulary rejection rule; samples are not compared token for token (the
+distribution is tested in tests/test_cross_tokenizer.py).
+
+    python benchmarks/cross_tokenizer.py [--draft smollm2-135m ...] [--dtypes float32 bfloat16] [--ks 2 4 6]
+                                         [--tree-budgets 8 16] [--prompts 3] [--max-new-tokens 48]
+                                         [--kernels default|onednn] [--sampled]
 """
 from __future__ import annotations
 
@@ -31,13 +39,18 @@ from common import RESULTS, bench_prompts, write_report
 from local_sd import NEAR_TIE_LOGITS, ForwardTimer, divergence_check
 
 GREEDY = SamplingParams()
+SAMPLED = SamplingParams(temperature=1.0, rule="rejection")  # the model's own distribution, no top-k/top-p
 
 
-def hf_generate(target, ids, max_new_tokens, assistant=None, k=None):
-    """HF generate, greedy; with an assistant of another tokenizer, its cross-tokenizer path."""
+def hf_generate(target, ids, max_new_tokens, assistant=None, k=None, sampled=False, seed=0):
+    """HF generate; with an assistant of another tokenizer, its cross-tokenizer path: text re-tokenized
+    and exact match when greedy, Universal Speculative Decoding (shared vocabulary) when sampled."""
     eos = list(target.eos_token_ids)
-    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
+    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=sampled, eos_token_id=eos,
                   pad_token_id=target.tokenizer.pad_token_id or eos[0])
+    if sampled:
+        kwargs.update(temperature=1.0, top_k=0, top_p=1.0)
+        torch.manual_seed(seed)
     if assistant is not None:
         config = assistant.model.generation_config
         if k is None:  # HF's defaults (read from a fresh GenerationConfig)
@@ -59,9 +72,9 @@ def hf_generate(target, ids, max_new_tokens, assistant=None, k=None):
     return out[0, len(ids):].tolist(), time.perf_counter() - started
 
 
-def specbench_generate(local, drafter, ids, k, max_new_tokens):
+def specbench_generate(local, drafter, ids, k, max_new_tokens, sampling=GREEDY, seed=0):
     started = time.perf_counter()
-    result = generate(local, drafter, ids, Decoding(k, max_new_tokens, GREEDY))
+    result = generate(local, drafter, ids, Decoding(k, max_new_tokens, sampling), seed=seed)
     wall = time.perf_counter() - started
     drafting = [r for r in result.records if r.drafted]
     return result.output_ids, wall, {
@@ -70,77 +83,102 @@ def specbench_generate(local, drafter, ids, k, max_new_tokens):
         "draft_tokens": sum((r.draft_tokens if r.draft_tokens is not None else r.drafted) for r in drafting)}
 
 
-def bench_dtype(dtype, target_name, cross_name, family_name, prompts, max_new_tokens, ks, tree_budgets=(),
-                kernels="default"):
+def bench_dtype(dtype, target_name, cross_names, family_name, prompts, max_new_tokens, ks, tree_budgets=(),
+                kernels="default", sampled=False):
     kernels = kernels if dtype == "float32" else "default"  # oneDNN layers are float32 only
     target = load_model(ModelSpec(target_name, dtype=dtype, kernels=kernels))
-    cross = load_model(ModelSpec(cross_name, dtype=dtype, kernels=kernels))
     family = load_model(ModelSpec(family_name, dtype=dtype, kernels=kernels)) if family_name else None
     local = LocalTarget(target)
     encoded = encode_prompts(prompts, target.tokenizer)
     timer = ForwardTimer(target.model)
-    cross_chain = make_drafter("chain", DraftSource(local, target, cross, dtype, cross_tokenizer="text"))
     family_chain = make_drafter("chain", DraftSource(local, target, family, dtype)) if family else None
-    methods = [("specbench", "target-only", None, None), ("hf", "target-only", None, None)]
-    methods += [("hf", f"assisted-cross K={k}", cross, k) for k in ks] + [("hf", "assisted-cross default", cross, None)]
-    methods += [("specbench", f"cross-chain K={k}", cross_chain, k) for k in ks]
-    if tree_budgets:  # dynamic trees, each root-to-leaf path re-tokenized, merged into one target trie
-        cross_tree = make_drafter("tree", DraftSource(local, target, cross, dtype, cross_tokenizer="text"))
-        methods += [("specbench", f"cross-tree {budget}", cross_tree, budget) for budget in tree_budgets]
+    methods = [("specbench", "target-only", None, None, None, False), ("hf", "target-only", None, None, None, False)]
+    if sampled:
+        methods += [("specbench", "target-only sampled", None, None, None, True),
+                    ("hf", "target-only sampled", None, None, None, True)]
+    for cross_name in cross_names:  # each draft of another family: HF's cross path and ours, same K
+        cross = load_model(ModelSpec(cross_name, dtype=dtype, kernels=kernels))
+        cross_chain = make_drafter("chain", DraftSource(local, target, cross, dtype, cross_tokenizer="text"))
+        methods += [("hf", f"assisted-cross K={k}", cross_name, cross, k, False) for k in ks]
+        methods += [("hf", "assisted-cross default", cross_name, cross, None, False)]
+        methods += [("specbench", f"cross-chain K={k}", cross_name, cross_chain, k, False) for k in ks]
+        if tree_budgets:  # dynamic trees, each root-to-leaf path re-tokenized, merged into one target trie
+            cross_tree = make_drafter("tree", DraftSource(local, target, cross, dtype, cross_tokenizer="text"))
+            methods += [("specbench", f"cross-tree {budget}", cross_name, cross_tree, budget, False)
+                        for budget in tree_budgets]
+        if sampled:  # rejection sampling over the shared vocabulary, both engines
+            shared = make_drafter("chain", DraftSource(local, target, cross, dtype, cross_tokenizer="shared-vocab"))
+            # HF's USD prunes its assistant's LM head in place: it gets its own copy
+            pruned = load_model(ModelSpec(cross_name, dtype=dtype, kernels=kernels))
+            methods += [("hf", f"assisted-cross sampled K={k}", cross_name, pruned, k, True) for k in ks]
+            methods += [("specbench", f"cross-chain sampled K={k}", cross_name, shared, k, True) for k in ks]
     if family_chain:
-        methods += [("specbench", f"{family_name} chain K=4", family_chain, 4)]
+        methods += [("specbench", "chain K=4", family_name, family_chain, 4, False)]
     rows, outputs = [], {}
     bar = tqdm(total=len(methods) * len(encoded), desc=f"cross-tokenizer {dtype}")
-    for engine, method, helper, k in methods:
-        call = ((lambda ids, n: hf_generate(target, ids, n, helper, k)) if engine == "hf" else
-                (lambda ids, n: specbench_generate(local, helper, ids, k or 1, n)[:2]))
-        call(encoded[0], 8)  # warm-up, discarded
+    for engine, method, draft_name, helper, k, sampling in methods:
+        sampling = SAMPLED if sampling else GREEDY
+        call = ((lambda ids, n, seed: hf_generate(target, ids, n, helper, k, sampling is SAMPLED, seed))
+                if engine == "hf" else
+                (lambda ids, n, seed: specbench_generate(local, helper, ids, k or 1, n, sampling, seed)[:2]))
+        call(encoded[0], 8, 0)  # warm-up, discarded
         for index, ids in enumerate(encoded):
             timer.reset()
             if engine == "hf":
-                out, wall = hf_generate(target, ids, max_new_tokens, helper, k)
+                out, wall = call(ids, max_new_tokens, index)
                 stats = {"steps": timer.calls, "accepted": len(out) - timer.calls, "drafted": None, "draft_tokens": None}
             else:
-                out, wall, stats = specbench_generate(local, helper, ids, k or 1, max_new_tokens)
-            outputs[(engine, method, index)] = out
-            rows.append({"dtype": dtype, "engine": engine, "method": method, "prompt": index, "tokens": len(out),
-                         "wall_s": wall, **stats})
+                out, wall, stats = specbench_generate(local, helper, ids, k or 1, max_new_tokens, sampling, index)
+            outputs[(engine, method, draft_name, index)] = out
+            rows.append({"dtype": dtype, "engine": engine, "method": method, "draft": draft_name, "prompt": index,
+                         "sampled": sampling is SAMPLED, "tokens": len(out), "wall_s": wall, **stats})
             bar.update()
     bar.close()
     timer.remove()
     checks = []
-    for (engine, method, index), out in outputs.items():
-        reference = outputs[("specbench", "target-only", index)]
+    for (engine, method, draft_name, index), out in outputs.items():
+        if "sampled" in method:  # a sample: no single right output (the distribution is tested in tests/)
+            continue
+        reference = outputs[("specbench", "target-only", None, index)]
         same = out == reference
-        checks.append({"dtype": dtype, "engine": engine, "method": method, "prompt": index, "identical": same,
+        checks.append({"dtype": dtype, "engine": engine, "method": method, "draft": draft_name, "prompt": index,
+                       "identical": same,
                        "check": None if same else divergence_check(target.model, encoded[index], reference, out)})
     return pd.DataFrame(rows), checks
 
 
 def summarize(frame: pd.DataFrame, checks) -> pd.DataFrame:
     rows = []
-    for (engine, method), group in frame.groupby(["engine", "method"], sort=False):
-        mine = [c for c in checks if c["engine"] == engine and c["method"] == method]
+    for (engine, method, draft), group in frame.groupby(["engine", "method", "draft"], sort=False, dropna=False):
+        draft = None if pd.isna(draft) else draft
+        mine = [c for c in checks if (c["engine"], c["method"], c["draft"]) == (engine, method, draft)]
         drafted = group["drafted"].sum() if group["drafted"].notna().all() else None
-        rows.append({"engine": engine, "method": method, "tokens_per_s": group["tokens"].sum() / group["wall_s"].sum(),
+        rows.append({"engine": engine, "method": method, "draft": draft,
+                     "tokens_per_s": group["tokens"].sum() / group["wall_s"].sum(),
                      "tokens_per_step": group["tokens"].sum() / group["steps"].sum(),
                      "acceptance_rate": group["accepted"].sum() / drafted if drafted else None,
                      "target_per_draft_token": drafted / group["draft_tokens"].sum() if drafted else None,
-                     "identical": sum(c["identical"] for c in mine),
-                     "near_ties": sum(bool(c["check"] and c["check"]["near_tie"]) for c in mine),
-                     "prompts": len(mine)})
+                     "identical": sum(c["identical"] for c in mine) if mine else None,  # none for samples
+                     "near_ties": sum(bool(c["check"] and c["check"]["near_tie"]) for c in mine) if mine else None,
+                     "prompts": len(group)})
     table = pd.DataFrame(rows)
-    base = table[(table.engine == "specbench") & (table.method == "target-only")]["tokens_per_s"].iloc[0]
-    hf_cross = table[table.method.str.startswith("assisted-cross")]["tokens_per_s"].max()
-    table["vs_target_only"] = table["tokens_per_s"] / base
-    table["vs_hf_cross_best"] = table["tokens_per_s"] / hf_cross
+    # each row against its own kind: greedy rows against greedy target-only and HF's best greedy cross
+    # setting with the same draft, sampled rows against their sampled counterparts
+    table["sampled"] = table.method.str.contains("sampled")
+    base = {sampled: table[(table.engine == "specbench") & table.method.str.startswith("target-only")
+                           & (table.sampled == sampled)]["tokens_per_s"] for sampled in (False, True)}
+    hf = table[table.method.str.startswith("assisted-cross")]
+    hf_cross = hf.groupby(["draft", "sampled"])["tokens_per_s"].max()
+    table["vs_target_only"] = [row.tokens_per_s / base[row.sampled].iloc[0] for row in table.itertuples()]
+    table["vs_hf_cross_best"] = [row.tokens_per_s / hf_cross[(row.draft, row.sampled)]
+                                 if (row.draft, row.sampled) in hf_cross else None for row in table.itertuples()]
     return table
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="qwen2.5-coder-1.5b")
-    parser.add_argument("--draft", default="smollm2-135m", help="a draft with another tokenizer")
+    parser.add_argument("--draft", nargs="+", default=["smollm2-135m"], help="drafts with another tokenizer")
     parser.add_argument("--family-draft", default="qwen2.5-coder-0.5b", help="same-family draft ('' to skip)")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--ks", nargs="+", type=int, default=[2, 4, 6])
@@ -150,6 +188,8 @@ def main():
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--kernels", default="default", choices=["default", "onednn"],
                         help="linear kernels of every model (float32 runs; HF's generate uses the same models)")
+    parser.add_argument("--sampled", action="store_true",
+                        help="also sampled rows (temperature 1): target-only, HF's USD, specbench's shared-vocab chain")
     parser.add_argument("--out", default=str(RESULTS / "cross_tokenizer.json"))
     args = parser.parse_args()
     prompts = bench_prompts(args.prompts)
@@ -157,17 +197,20 @@ def main():
     report = {"settings": vars(args), "near_tie_logits": NEAR_TIE_LOGITS, "dtypes": {}}
     for dtype in args.dtypes:
         frame, checks = bench_dtype(dtype, args.target, args.draft, args.family_draft, prompts,
-                                    args.max_new_tokens, args.ks, args.tree_budgets, args.kernels)
+                                    args.max_new_tokens, args.ks, args.tree_budgets, args.kernels, args.sampled)
         table = summarize(frame, checks)
-        print(f"\n== {args.draft} drafting for {args.target} ({dtype}, kernels {args.kernels}, greedy, {len(prompts)} prompts x "
-              f"{args.max_new_tokens} tokens) ==")
+        print(f"\n== {', '.join(args.draft)} drafting for {args.target} ({dtype}, kernels {args.kernels}, "
+              f"{len(prompts)} prompts x {args.max_new_tokens} tokens) ==")
         print(table.round(3).to_string(index=False))
-        ours = table[table.method.str.startswith("cross-")]["tokens_per_s"].max()
-        print(f"goals: specbench best cross / HF best cross = {ours / table[table.method.str.startswith('assisted-cross')]['tokens_per_s'].max():.2f} "
-              f"(>= 1.0), / target-only = {ours / table['tokens_per_s'].iloc[0]:.2f} (>= 1.25)")
+        for draft in args.draft:
+            for sampled in (False, True) if args.sampled else (False,):
+                mine = table[(table.draft == draft) & (table.sampled == sampled)]
+                best = mine[mine.method.str.startswith("cross-")].sort_values("tokens_per_s").iloc[-1]
+                print(f"goals, {draft}{' sampled' if sampled else ''}: specbench best cross ({best.method}) / HF best "
+                      f"cross = {best.vs_hf_cross_best:.2f} (>= 1.0), / target-only = {best.vs_target_only:.2f} (>= 1.25)")
         for check in checks:
             if not check["identical"]:
-                print(f"  mismatch {check['engine']}/{check['method']} prompt {check['prompt']}: {check['check']}")
+                print(f"  mismatch {check['engine']}/{check['method']}/{check['draft']} prompt {check['prompt']}: {check['check']}")
         report["dtypes"][dtype] = {"summary": table.to_dict("records"), "checks": checks,
                                    "per_prompt": frame.to_dict("records")}
         write_report(args.out, report)  # after each dtype, so a cut-short run keeps what it measured

@@ -165,18 +165,22 @@ def test_profile_grid_measures_batches(tiny_target):
     assert all(r["median_s"] > 0 for r in rows)
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
-def test_replay_speed_prices_each_measured_step_at_the_batch_size_and_width(packed):
+def two_prompts():
+    """Measured steps of two prompts: prompt 0 (context 10) a 4-token draft, 3 accepted (4 emitted),
+    then a plain step (1 emitted); prompt 1 (context 20) one 0-draft step. 0.01 s per step on the client."""
     import pandas as pd
 
-    from specbench.plan.predict import replay_speed
-
-    # prompt 0 (context 10): a 4-token draft, 3 accepted (4 emitted), then a plain step (1 emitted);
-    # prompt 1: one 0-draft step. Client-side time 0.01 s per step, 0.002 s network.
-    records = pd.DataFrame([
+    return pd.DataFrame([
         {"prompt_index": 0, "step": 0, "drafted": 4, "emitted": 4, "draft_s": 0.008, "overhead_s": 0.002},
         {"prompt_index": 0, "step": 1, "drafted": 0, "emitted": 1, "draft_s": 0.0, "overhead_s": 0.01},
         {"prompt_index": 1, "step": 0, "drafted": 0, "emitted": 1, "draft_s": 0.0, "overhead_s": 0.01}])
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_replay_speed_prices_each_measured_step_at_the_batch_size_and_width(packed):
+    from specbench.plan.predict import replay_speed
+
+    records = two_prompts()
     # Alone, each step is priced at its own width: 5 tokens -> 0.15 s, 1 token -> 0.10 s.
     alone = 6 / (0.15 + 2 * 0.10 + 3 * 0.01)
     assert replay_speed(records, [10, 20], SHARED, clients=1, packed=packed) == pytest.approx(alone)
@@ -199,16 +203,9 @@ def test_replay_speed_prices_each_measured_step_at_the_batch_size_and_width(pack
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 def test_replay_together_runs_rounds_until_the_last_client_ends(packed):
-    import pandas as pd
-
     from specbench.plan.predict import replay_speed, replay_together
 
-    # The records of the test above: prompt 0 takes two steps (a 5-token row, then a 1-token one),
-    # prompt 1 one step (a 1-token row); every step spends 0.01 s on the client.
-    records = pd.DataFrame([
-        {"prompt_index": 0, "step": 0, "drafted": 4, "emitted": 4, "draft_s": 0.008, "overhead_s": 0.002},
-        {"prompt_index": 0, "step": 1, "drafted": 0, "emitted": 1, "draft_s": 0.0, "overhead_s": 0.01},
-        {"prompt_index": 1, "step": 0, "drafted": 0, "emitted": 1, "draft_s": 0.0, "overhead_s": 0.01}])
+    records = two_prompts()
     # Round 0: both clients, rows of 5 and 1 tokens, batch 2. Packed: 3 tokens a row, 0.125 s at batch 1
     # and 0.25 s at batch 4 -> 0.1667 s at batch 2; padded: 5 tokens a row, 0.15 / 0.30 -> 0.20 s.
     # Round 1: prompt 0 alone (a part-full batch), 1 token at batch 1: 0.10 s.

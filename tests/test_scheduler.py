@@ -136,3 +136,29 @@ def test_a_clients_long_requests_count_against_its_quota():
         assert [r["ok"] for r in replies[:2]] == [True, True], replies
         assert replies[2]["code"] == "limit" and "--max-sessions-per-client" in replies[2]["error"], replies[2]
         assert other.request(dict(generate, max_new_tokens=4), prompt, timeout_s=60)[0]["ok"]  # its own quota
+
+
+def test_queue_time_counts_the_wait_behind_a_running_request():
+    """A request that arrives while the worker computes is read and time-stamped on arrival (by the
+    worker's I/O thread), so its wait shows in the reply's `queue_s` and in `worker_s`, not in what
+    the client would book as network time. Before, it waited unread and its queue_s was ~0."""
+    busy_request = {"op": "profile", "tokens": [64], "contexts": [448], "batches": [64], "repeats": 20}
+    with process_worker() as worker:
+        busy, client = RawClient(worker.endpoint), RawClient(worker.endpoint)
+        prefill = {"op": "prefill", "session": "s", "epoch": 1}
+        assert client.request(prefill, {"tokens": np.asarray(PROMPTS[0], np.int32)})[0]["ok"]
+        started = time.perf_counter()
+        assert busy.request(busy_request, timeout_s=60)[0]["ok"]
+        alone = time.perf_counter() - started  # one profile point: the worker computes without a break
+        assert alone > 0.5, f"the busy request took {alone:.2f} s: too short to measure a wait behind it"
+        busy.send(busy_request)
+        time.sleep(0.1)  # the worker is computing now
+        verify = {"op": "verify", "session": "s", "epoch": 1, "committed": len(PROMPTS[0]), "seed": 0,
+                  "sampling": {"temperature": 0.0}}
+        sent = time.perf_counter()
+        reply, _ = client.request(verify, protocol.tree_to_arrays(DraftTree()), timeout_s=60)
+        round_trip = time.perf_counter() - sent
+        assert reply["ok"], reply
+        assert reply["queue_s"] > 0.4 * (alone - 0.1), (reply["queue_s"], alone)
+        assert round_trip - reply["worker_s"] < 0.2 * alone, (round_trip, reply["worker_s"], alone)
+        assert busy.receive(60)[0]["ok"]

@@ -21,6 +21,7 @@ import zmq
 from specbench.decode.target import UnknownSessionError as TargetUnknownSessionError
 from specbench.types import SpecbenchError
 from specbench.worker import protocol
+from specbench.worker.inbox import Inbox, Message
 from specbench.worker.jobs import CancelledError, Job
 from specbench.worker.limits import WorkerLimits
 from specbench.worker.model_policy import LoadRefusedError
@@ -109,26 +110,27 @@ class Worker:
                                                        "nothing else")
         self.log(f"limits: {self.ops.describe()['limits']}; clients may also load: {allowed}")
         jobs = self.ops.jobs
+        inbox = Inbox(socket, limits.inbound_queue, curve=authenticator is not None)
         try:
             while not (stop and stop()):
-                if socket.poll(0 if len(jobs) else 200):
+                if inbox.poll(0 if len(jobs) else 200):
                     round_started = time.perf_counter()
-                    for message, reply in self.handle_many(self._drain(socket, authenticator is not None)):
-                        socket.send_multipart([message.identity, *message.envelope, *reply])
+                    for message, reply in self.handle_many(self._drain(inbox)):
+                        inbox.send([message.identity, *message.envelope, *reply])
                     self._round_s = time.perf_counter() - round_started
                 # Long requests: a slice between rounds, and more while no client is waiting; a job
                 # cancelled in the round (its session closed) is answered here too.
                 while True:
                     for message, reply in self._finished_jobs():
-                        socket.send_multipart([message.identity, *message.envelope, *reply])
-                    if not len(jobs) or socket.poll(0):
+                        inbox.send([message.identity, *message.envelope, *reply])
+                    if not len(jobs) or inbox.poll(0):
                         break
                     jobs.advance_one()
                 self.ops.expire_idle()
         except KeyboardInterrupt:
             self.log("interrupted: stopping")
         finally:
-            socket.close(0)
+            inbox.close()  # sends what is queued, closes the socket
             if authenticator:
                 authenticator.stop()
             self.log(f"worker stopped after {self.stats.requests} requests")
@@ -146,7 +148,7 @@ class Worker:
         return authenticator
 
     # -- dispatch --------------------------------------------------------------------------------
-    def _drain(self, socket, curve: bool) -> list["Message"]:
+    def _drain(self, inbox: Inbox) -> list[Message]:
         """Every message waiting now (continuous batching: what arrived while the last batch ran), then
         more until every recently active session has one in hand or the batch window closes, up to the
         largest batch. Waiting for the active sessions matters: clients answer a batch's replies a few
@@ -158,16 +160,12 @@ class Worker:
         active = self.ops.sessions.active(within_s=max(2.0, 3 * self._round_s),
                                           excluding=self.ops.jobs.sessions()) if config.batching else 1
         while len(messages) < limit:
-            if len(messages) >= max(active, 1) and not socket.poll(0):
+            if len(messages) >= max(active, 1) and not inbox.poll(0):
                 break
             wait_ms = max(0, int((deadline - time.perf_counter()) * 1000)) if messages else 0
-            if messages and not socket.poll(wait_ms):
+            if messages and not inbox.poll(wait_ms):
                 break
-            frames = socket.recv_multipart(copy=False)
-            identity, body = frames[0].bytes, frames[1:]
-            envelope = [b""] if body and body[0].bytes == b"" else []
-            key = (body[-1].get("User-Id") or "") if curve and body else ""
-            messages.append(Message(identity, envelope, [f.bytes for f in body[len(envelope):]], key))
+            messages.append(inbox.take())
         return messages
 
     def handle(self, frames: list[bytes], connection: bytes = b"", curve_key: str = "") -> list[bytes]:
@@ -179,7 +177,7 @@ class Worker:
             replies = [r for r in self._finished_jobs() if r[0] is message]
         return replies[0][1]
 
-    def handle_many(self, messages: list["Message"]) -> list[tuple["Message", list[bytes]]]:
+    def handle_many(self, messages: list[Message]) -> list[tuple[Message, list[bytes]]]:
         """A reply for every message, in order of completion; never raises. Verifies of different
         sessions wait in one batch (one target forward); anything else runs alone, after the batch
         gathered so far, so every session still sees its requests in the order they came."""
@@ -211,7 +209,7 @@ class Worker:
             out.append((message, self._reply(message, result)))
         return out + self._run_batch(batch)
 
-    def _start(self, job: Job, message: "Message") -> list[tuple["Message", list[bytes]]]:
+    def _start(self, job: Job, message: Message) -> list[tuple[Message, list[bytes]]]:
         """Attach `message` to `job`; a new job runs its first slice now (a short prefill ends in it),
         the rest between rounds. With batching off it runs to its end here, as requests did before."""
         job.waiters.append(message)
@@ -222,7 +220,7 @@ class Worker:
             pass
         return self._finished_jobs() if job.done else []
 
-    def _finished_jobs(self) -> list[tuple["Message", list[bytes]]]:
+    def _finished_jobs(self) -> list[tuple[Message, list[bytes]]]:
         out = []
         for job in self.ops.jobs.take_finished():
             for message in job.waiters:
@@ -232,7 +230,7 @@ class Worker:
                 out.append((message, self._reply(message, result)))
         return out
 
-    def _parse(self, message: "Message") -> tuple[dict, dict, str]:
+    def _parse(self, message: Message) -> tuple[dict, dict, str]:
         size = sum(len(f) for f in message.frames)
         self.stats.bytes_in += size
         if size > self.config.limits.max_request_bytes:
@@ -249,7 +247,7 @@ class Worker:
             raise ProtocolError(f"unknown op {op!r}; known ops: {sorted(self.ops.handlers)}")
         return header, arrays, op
 
-    def _run_batch(self, batch: list) -> list[tuple["Message", list[bytes]]]:
+    def _run_batch(self, batch: list) -> list[tuple[Message, list[bytes]]]:
         if not batch:
             return []
         started = time.perf_counter()
@@ -298,7 +296,7 @@ class Worker:
         except Exception as error:
             return error
 
-    def _reply(self, message: "Message", result) -> list[bytes]:
+    def _reply(self, message: Message, result) -> list[bytes]:
         if isinstance(result, Exception):
             self.stats.errors += 1
             code = next((code for kind, code in ERROR_CODES if isinstance(result, kind)), "internal")
@@ -314,12 +312,3 @@ class Worker:
         self.stats.bytes_out += sum(len(f) for f in out)
         return out
 
-
-@dataclass
-class Message:
-    identity: bytes  # the connection (ROUTER routing id)
-    envelope: list
-    frames: list[bytes]
-    curve_key: str = ""
-    received: float = field(default_factory=time.perf_counter)
-    request_id: Optional[int] = None
