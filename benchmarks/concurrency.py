@@ -3,7 +3,9 @@
 1, 2, 4, 8 client processes (each its own prompt) decode at once against a `specbench worker` on
 loopback (one mt-bench prompt each), against a worker with batched verification and one with
 `--no-batching`, measured back to back per setting (order alternating) after a discarded warm-up; target-only and prompt-lookup
-SD (drafting costs the clients nothing, so the worker is what is measured). Every greedy output is
+SD (drafting costs the clients nothing, so the worker is what is measured); with `--draft`,
+`--methods target-only chain` runs a draft model in every client process (on this box the clients'
+drafts and the worker share the same cores, which the measurement then includes). Every greedy output is
 compared with the same prompt decoded alone in this process (fp32); a difference is shown with the
 target's top-2 logit gap at the first differing token (a near-tie means batched shapes changed
 the rounding). With batching on, SD's speedup over target-only per client count is also predicted
@@ -13,7 +15,7 @@ loopback round trip, two ways, each printed with its error against the measured 
 first, leaving part-full batches) and steady state (`plan.predict.replay_speed`: every batch full). Prints tables and writes results/concurrency-<pair>.json.
 
     python benchmarks/concurrency.py [--pair smollm2|qwen] [--clients 1 2 4 8] [--max-new-tokens 24]
-                                     [--kernels default|onednn]
+                                     [--kernels default|onednn] [--methods target-only chain --draft M]
 """
 from __future__ import annotations
 
@@ -51,7 +53,7 @@ def client_job(job: dict) -> dict:
     time.sleep(max(0.0, job["go"] - time.perf_counter()))
     started = time.perf_counter()
     records = run(remote, [job["prompt"]], method=job["method"], k=job["k"], max_new_tokens=job["max_new_tokens"],
-                  progress=False, warmup=False)
+                  draft=job["draft"], progress=False, warmup=False)
     return {"started": started, "ended": time.perf_counter(), "tokens": int(records["emitted"].sum()),
             "output": outputs(records)[(job["method"], 0)], "step_s": records["step_s"].tolist(),
             "queue_s": records["queue_s"].tolist(), "batch_size": records["batch_size"].tolist()}
@@ -59,7 +61,7 @@ def client_job(job: dict) -> dict:
 
 def measure(pool, endpoint: str, prompts, method: str, clients: int, args) -> dict:
     go = time.perf_counter() + 3.0  # every client connected and waiting before any starts
-    jobs = [{"endpoint": endpoint, "prompt": prompts[i], "method": method, "k": args.k,
+    jobs = [{"endpoint": endpoint, "prompt": prompts[i], "method": method, "k": args.k, "draft": draft_spec(args),
              "max_new_tokens": args.max_new_tokens, "go": go} for i in range(clients)]
     results = pool.map(client_job, jobs, chunksize=1)
     wall = max(r["ended"] for r in results) - min(r["started"] for r in results)
@@ -70,6 +72,11 @@ def measure(pool, endpoint: str, prompts, method: str, clients: int, args) -> di
             "queue_ms_p50": float(np.percentile(queue, 50)), "queue_ms_p99": float(np.percentile(queue, 99)),
             "mean_batch": float(np.mean([b for r in results for b in r["batch_size"]])),
             "outputs": [r["output"] for r in results]}
+
+
+def draft_spec(args):
+    """Each client's own draft model for `chain` (each client process loads one), or None."""
+    return ModelSpec(args.draft, quantization=args.draft_quant) if args.draft else None
 
 
 def near_tie(name: str, prompt: list[int], got: list[int], alone: list[int]) -> dict:
@@ -88,6 +95,8 @@ def main():
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--methods", nargs="+", default=["target-only", "prompt-lookup"])
     parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--draft", default=None, help="a draft model for `chain` (run by every client process)")
+    parser.add_argument("--draft-quant", default="none", help="its quantization, e.g. int8-dynamic")
     parser.add_argument("--dataset", default="mt-bench", help="one prompt per client from this prompt set")
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--kernels", default="default", choices=["default", "onednn"],
@@ -100,7 +109,7 @@ def main():
     texts = [row["prompt"] for row in load_prompts(args.dataset, limit=max(args.clients))]
     prompts = encode_prompts(texts, loaded.tokenizer)
     alone_records = {method: run(loaded, prompts, method=method, k=args.k, max_new_tokens=args.max_new_tokens,
-                                 progress=False) for method in args.methods}
+                                 draft=draft_spec(args), progress=False) for method in args.methods}
     alone = {method: outputs(records) for method, records in alone_records.items()}
     del loaded  # the worker loads its own copy: two 1.5B fp32 models and eight clients crowd 24 GiB
     gc.collect()
@@ -139,7 +148,7 @@ def main():
     if speedups is not None:
         print(f"\n== SD speedup over target-only per client, batching on: predicted vs measured ==")
         print(speedups.round(3).to_string(index=False))
-    suffix = "" if args.kernels == "default" else f"-{args.kernels}"
+    suffix = ("" if args.kernels == "default" else f"-{args.kernels}") + (f"-{draft_spec(args).label}" if args.draft else "")
     write_report(args.out.replace(".json", f"-{args.pair}{suffix}.json"),
                  {"target": name, "rows": table.to_dict("records"), "mismatches": mismatches,
                   "speedups": None if speedups is None else speedups.to_dict("records"),
