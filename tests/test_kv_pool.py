@@ -2,6 +2,7 @@
 compacting tree paths in place and batching over consecutive or scattered slots."""
 import gc
 
+import pytest
 import torch
 
 from specbench.decode.batch import VerifyRequest, verify_batch
@@ -170,3 +171,55 @@ def test_a_pool_over_its_byte_limit_refuses_to_grow_and_keeps_serving(tiny_targe
     assert target.committed("s") == committed
     verdict = target.verify("s", DraftTree.chain([3]), SamplingParams(), 0)  # fits in the 8 positions held
     assert target.committed("s") == committed + [3][:len(verdict.accepted_path)] + [verdict.bonus_token]
+
+
+def tiny_gemma(seed: int, noise: float = 0.0):
+    """A tiny Gemma 3 whose sliding-window layers (window 4) drop old positions after a few tokens;
+    with `noise`, seed 0's weights plus Gaussian noise (a draft that agrees only sometimes)."""
+    import torch
+    from transformers import Gemma3TextConfig, Gemma3ForCausalLM
+
+    from specbench.models.loaded import LoadedModel
+    from specbench.models.spec import ModelSpec
+
+    config = Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=4,
+                              layer_types=["sliding_attention", "full_attention"], initializer_range=0.5,
+                              tie_word_embeddings=False)
+    torch.manual_seed(0 if noise else seed)
+    model = Gemma3ForCausalLM(config).eval()
+    if noise:
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(noise * torch.randn(parameter.shape, generator=generator))
+    return LoadedModel(spec=ModelSpec(f"tiny-gemma-{seed}-{noise}"), model=model, tokenizer=None)
+
+
+def test_sliding_window_caches_roll_back_past_their_window():
+    """Rejected drafts are cropped long after the window filled (the target's cache by the rejected
+    tail, the draft's back to the common prefix, re-fed when its window no longer holds it): with a
+    draft that is mostly rejected, greedy output equals target-only, token for token. Trees, which
+    need a custom mask, are refused with a reason."""
+    from specbench.api import outputs, run
+    from specbench.types import SpecbenchError
+
+    target, draft = tiny_gemma(0), tiny_gemma(1, noise=0.3)
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [11, 12, 13]]
+    frame = run(target, prompts, method=["target-only", "chain"], draft=draft, k=4, max_new_tokens=40,
+                progress=False, chat=False)
+    got = outputs(frame)
+    for index in range(len(prompts)):
+        assert len(got[("target-only", index)]) == 40 and len(set(got[("target-only", index)])) > 3
+        assert got[("chain", index)] == got[("target-only", index)]
+    steps = frame[frame["method"] == "chain"]
+    assert (steps["drafted"] > steps["accepted"]).sum() > 10  # rolled back again and again
+    with pytest.raises(SpecbenchError, match="sliding-window layers"):
+        run(target, prompts, method="tree", draft=draft, k=4, max_new_tokens=8, progress=False, chat=False)
+
+
+def test_profile_measures_contexts_longer_than_a_sliding_window():
+    from specbench.decode.profile import forward_latency_grid
+
+    rows = forward_latency_grid(tiny_gemma(0).model, tokens=[1, 3], contexts=[16], repeats=2, warmup=1)
+    assert [r["tokens"] for r in rows] == [1, 3] and all(r["median_s"] > 0 for r in rows)

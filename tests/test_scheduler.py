@@ -138,12 +138,14 @@ def test_a_clients_long_requests_count_against_its_quota():
         assert other.request(dict(generate, max_new_tokens=4), prompt, timeout_s=60)[0]["ok"]  # its own quota
 
 
-def test_queue_time_counts_the_wait_behind_a_running_request():
+@pytest.mark.parametrize("batching", [True, False], ids=["batching", "no-batching"])
+def test_queue_time_counts_the_wait_behind_a_running_request(batching):
     """A request that arrives while the worker computes is read and time-stamped on arrival (by the
     worker's I/O thread), so its wait shows in the reply's `queue_s` and in `worker_s`, not in what
-    the client would book as network time. Before, it waited unread and its queue_s was ~0."""
+    the client would book as network time. Before, it waited unread and its queue_s was ~0 (and
+    replies of a `--no-batching` worker carried none)."""
     busy_request = {"op": "profile", "tokens": [64], "contexts": [448], "batches": [64], "repeats": 20}
-    with process_worker() as worker:
+    with process_worker(*([] if batching else ["--no-batching"])) as worker:
         busy, client = RawClient(worker.endpoint), RawClient(worker.endpoint)
         prefill = {"op": "prefill", "session": "s", "epoch": 1}
         assert client.request(prefill, {"tokens": np.asarray(PROMPTS[0], np.int32)})[0]["ok"]

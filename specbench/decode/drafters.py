@@ -5,7 +5,7 @@ from typing import Optional, Protocol, Sequence
 
 import torch
 
-from specbench.decode.kv import cached_length, crop_to
+from specbench.decode.kv import cached_length, can_crop_to, crop_to, new_cache
 from specbench.models.loaded import LoadedModel
 from specbench.sampling.probs import draft_distribution, sample_sparse
 from specbench.sampling.streams import DraftDraws, draft_draws
@@ -63,16 +63,16 @@ class ModelDrafter:
 
     def _sync(self, context: list[int]) -> torch.Tensor:
         """Crop the cache to the common prefix (leaving at least the last token to feed); feed the rest."""
-        from transformers import DynamicCache
-
         if self.cache is None:
-            self.cache = DynamicCache(config=self.model.config)
+            self.cache = new_cache(self.model.config)
         common = 0
         for cached, token in zip(self.cached_ids, context):
             if cached != token:
                 break
             common += 1
         common = min(common, len(context) - 1, cached_length(self.cache))
+        if not can_crop_to(self.cache, common):  # sliding-window layers dropped what this rollback needs
+            self.cache, self.cached_ids, common = new_cache(self.model.config), [], 0
         crop_to(self.cache, common)
         self.cached_ids = self.cached_ids[:common]
         return self._extend(context[common:])

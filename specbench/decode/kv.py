@@ -9,18 +9,59 @@ from typing import Sequence
 
 import torch
 
+from specbench.types import SpecbenchError
+
 
 def cached_length(cache) -> int:
     return 0 if cache is None else int(cache.get_seq_length())
 
 
+def new_cache(config):
+    """An empty `DynamicCache` that can be rolled back. Sliding-window layers (Gemma 3) otherwise drop
+    positions past their window as they go, and a rejected draft beyond the window could not be
+    cropped; recording keeps them until the next `crop_to` trims the layer back to its window."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=config)
+    for layer in cache.layers:
+        if hasattr(layer, "activate_past_recording"):
+            layer.activate_past_recording()
+    return cache
+
+
+def check_full_attention(model, what: str) -> None:
+    """Token trees attend through a custom mask, which sliding-window layers (Gemma 3) do not take:
+    refuse them there, naming what works instead."""
+    if "sliding_attention" in (getattr(model.config, "layer_types", None) or ()):
+        raise SpecbenchError(f"{what}: token trees need full-attention layers, and this model has "
+                             f"sliding-window layers (e.g. Gemma 3); use a chain method instead")
+
+
+def can_crop_to(cache, length: int) -> bool:
+    """Whether every sliding-window layer still holds the window that ends at `length` (it holds the
+    positions since its last crop plus a window before them; a deeper rollback needs a re-feed)."""
+    for layer in getattr(cache, "layers", ()):
+        if getattr(layer, "record_past", False) and layer.keys is not None:
+            held_from = layer.cumulative_length - layer.keys.shape[2]
+            if max(0, length - layer.sliding_window + 1) < held_from:
+                return False
+    return True
+
+
 def crop_to(cache, length: int) -> None:
-    """Keep the first `length` positions of every layer."""
+    """Keep the first `length` positions of every layer (a sliding-window layer: of those, its window)."""
     excess = cached_length(cache) - length
     if excess < 0:
         raise ValueError(f"cannot crop a cache of {cached_length(cache)} positions up to {length}")
-    if excess:
-        cache.crop(-excess)
+    if not can_crop_to(cache, length):
+        raise ValueError(f"cannot crop a cache of {cached_length(cache)} positions back to {length}: its "
+                         f"sliding-window layers no longer hold the positions before the last step")
+    if excess or (length and _sliding(cache)):
+        cache.crop(-excess)  # crop(0) trims a recording sliding-window layer back to its window
+
+
+def _sliding(cache) -> bool:
+    return any(getattr(layer, "record_past", False) for layer in getattr(cache, "layers", ()))
 
 
 def keep_positions(cache, positions: Sequence[int]) -> None:
@@ -35,9 +76,17 @@ def keep_positions(cache, positions: Sequence[int]) -> None:
     for layer in cache.layers:
         if getattr(layer, "keys", None) is None or not layer.keys.numel():
             continue
-        device_index = index.to(layer.keys.device)
+        if hasattr(layer, "cumulative_length"):  # sliding window: it holds only the last positions
+            first = layer.cumulative_length - layer.keys.shape[2]
+            local = torch.as_tensor([p - first for p in positions if p >= first], dtype=torch.long)
+            device_index = local.to(layer.keys.device)
+            layer.cumulative_length = len(positions)
+        else:
+            device_index = index.to(layer.keys.device)
         layer.keys = layer.keys.index_select(2, device_index)
         layer.values = layer.values.index_select(2, device_index)
+    if _sliding(cache):
+        cache.crop(0)  # back to the window
 
 
 def tree_attention_mask(parents: Sequence[int], num_prefix: int, past: int,

@@ -12,7 +12,7 @@ from typing import Iterator, Sequence
 import torch
 
 from specbench.decode.clock import device_time
-from specbench.decode.kv import crop_to
+from specbench.decode.kv import crop_to, new_cache
 
 
 def forward_latency_grid(model, tokens: Sequence[int], contexts: Sequence[int], repeats: int = 5,
@@ -25,15 +25,13 @@ def forward_latency_grid(model, tokens: Sequence[int], contexts: Sequence[int], 
 def forward_latency_points(model, tokens: Sequence[int], contexts: Sequence[int], repeats: int = 5,
                            warmup: int = 2, batches: Sequence[int] = (1,)) -> Iterator[dict]:
     """The grid's rows one at a time, so a shared worker can serve other clients between points."""
-    from transformers import DynamicCache
-
     if repeats < 1 or any(n < 1 for n in tokens) or any(c < 1 for c in contexts) or any(b < 1 for b in batches):
         raise ValueError("repeats, tokens, contexts and batches must all be >= 1")
     device = model.get_input_embeddings().weight.device
     vocab = model.get_input_embeddings().weight.shape[0]
     generator = torch.Generator().manual_seed(0)
     for batch, context in ((b, c) for b in batches for c in contexts):
-        cache = DynamicCache(config=model.config)
+        cache = new_cache(model.config)
         prefix = torch.randint(0, vocab, (batch, context), generator=generator).to(device)
         with torch.inference_mode():
             model(input_ids=prefix, past_key_values=cache, use_cache=True, logits_to_keep=1)

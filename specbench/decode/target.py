@@ -13,7 +13,8 @@ from typing import Any, Optional, Protocol, Sequence
 import torch
 
 from specbench.decode import clock, packed_attention
-from specbench.decode.kv import cached_length, crop_to, keep_positions, tree_attention_mask
+from specbench.decode.kv import (cached_length, check_full_attention, crop_to, keep_positions, new_cache,
+                                  tree_attention_mask)
 from specbench.decode.kv_pool import PooledCache, pool_for
 from specbench.models.loaded import LoadedModel
 from specbench.sampling.verify import verify
@@ -162,9 +163,7 @@ class LocalTarget:
     def new_cache(self):
         """An empty cache for one session: a row of the shared pool where the model allows it."""
         if self.pool is None:
-            from transformers import DynamicCache
-
-            return DynamicCache(config=self.model.config)
+            return new_cache(self.model.config)
         return PooledCache(self.pool)
 
     @property
@@ -198,6 +197,7 @@ class LocalTarget:
         if tree.is_chain:
             position_ids, attention_mask = None, None
         else:
+            check_full_attention(self.model, "verifying a tree")
             depths = tree.depths()
             positions = list(range(past, past + num_prefix)) + [past + num_prefix - 1 + d for d in depths]
             position_ids = torch.tensor([positions], device=self.device)

@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 import torch
 
 from specbench.decode.drafters import ModelDrafter
-from specbench.decode.kv import crop_to
+from specbench.decode.kv import check_full_attention, crop_to
 from specbench.models.loaded import LoadedModel
 from specbench.sampling.probs import draft_distribution, sample_sparse
 from specbench.sampling.streams import DraftDraws, draft_draws
@@ -50,6 +50,7 @@ class TreeDrafter(ModelDrafter):
     def __init__(self, draft: LoadedModel, target_vocab_size: int, widths: Optional[Sequence[int]] = None,
                  max_depth: int = 6, beam: int = 4, branch: int = 4, name: str = "tree", prune: bool = True):
         super().__init__(draft, target_vocab_size, name=name)
+        check_full_attention(draft.model, f"drafting a tree with {draft.spec.label}")
         if widths is not None and (not widths or any(w < 1 for w in widths)):
             raise SpecbenchError(f"tree widths must be positive per depth, got {widths}")
         if max_depth < 1 or beam < 1 or branch < 1:

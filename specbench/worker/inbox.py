@@ -28,7 +28,8 @@ class Message:
     envelope: list
     frames: list[bytes]
     curve_key: str = ""
-    received: float = field(default_factory=time.perf_counter)
+    received: float = field(default_factory=time.perf_counter)  # when it arrived (read off the socket)
+    started: Optional[float] = None  # when the worker took it up
     request_id: Optional[int] = None
 
 

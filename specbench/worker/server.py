@@ -184,6 +184,7 @@ class Worker:
         out, batch = [], []
         for message in messages:
             self.stats.requests += 1
+            message.started = time.perf_counter()  # a reply run now waited this long (batches and jobs: later)
             try:
                 header, arrays, op = self._parse(message)
                 if op == "verify" and self.config.batching:
@@ -306,6 +307,7 @@ class Worker:
             reply, arrays = {"ok": False, "code": code, "error": text}, None
         else:
             reply, arrays = dict(result[0], ok=True), result[1]
+            reply.setdefault("queue_s", max(0.0, (message.started or message.received) - message.received))
         reply["id"] = message.request_id
         reply["worker_s"] = time.perf_counter() - message.received
         out = protocol.encode(reply, arrays)
