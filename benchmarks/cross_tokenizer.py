@@ -84,7 +84,7 @@ def specbench_generate(local, drafter, ids, k, max_new_tokens, sampling=GREEDY, 
 
 
 def bench_dtype(dtype, target_name, cross_names, family_name, prompts, max_new_tokens, ks, tree_budgets=(),
-                kernels="default", sampled=False):
+                kernels="default", sampled=False, partial=None):
     kernels = kernels if dtype == "float32" else "default"  # oneDNN layers are float32 only
     target = load_model(ModelSpec(target_name, dtype=dtype, kernels=kernels))
     family = load_model(ModelSpec(family_name, dtype=dtype, kernels=kernels)) if family_name else None
@@ -108,8 +108,9 @@ def bench_dtype(dtype, target_name, cross_names, family_name, prompts, max_new_t
                         for budget in tree_budgets]
         if sampled:  # rejection sampling over the shared vocabulary, both engines
             shared = make_drafter("chain", DraftSource(local, target, cross, dtype, cross_tokenizer="shared-vocab"))
-            # HF's USD prunes its assistant's LM head in place: it gets its own copy
-            pruned = load_model(ModelSpec(cross_name, dtype=dtype, kernels=kernels))
+            # HF's USD prunes its assistant's LM head in place (index_select, which oneDNN weights lack):
+            # it gets its own copy, on the default kernels
+            pruned = load_model(ModelSpec(cross_name, dtype=dtype))
             methods += [("hf", f"assisted-cross sampled K={k}", cross_name, pruned, k, True) for k in ks]
             methods += [("specbench", f"cross-chain sampled K={k}", cross_name, shared, k, True) for k in ks]
     if family_chain:
@@ -133,6 +134,8 @@ def bench_dtype(dtype, target_name, cross_names, family_name, prompts, max_new_t
             rows.append({"dtype": dtype, "engine": engine, "method": method, "draft": draft_name, "prompt": index,
                          "sampled": sampling is SAMPLED, "tokens": len(out), "wall_s": wall, **stats})
             bar.update()
+        if partial:
+            partial(rows)  # after each method: a run cut short keeps what it measured
     bar.close()
     timer.remove()
     checks = []
@@ -197,7 +200,8 @@ def main():
     report = {"settings": vars(args), "near_tie_logits": NEAR_TIE_LOGITS, "dtypes": {}}
     for dtype in args.dtypes:
         frame, checks = bench_dtype(dtype, args.target, args.draft, args.family_draft, prompts,
-                                    args.max_new_tokens, args.ks, args.tree_budgets, args.kernels, args.sampled)
+                                    args.max_new_tokens, args.ks, args.tree_budgets, args.kernels, args.sampled,
+                                    partial=lambda rows: write_report(args.out, dict(report, partial=rows)))
         table = summarize(frame, checks)
         print(f"\n== {', '.join(args.draft)} drafting for {args.target} ({dtype}, kernels {args.kernels}, "
               f"{len(prompts)} prompts x {args.max_new_tokens} tokens) ==")
