@@ -21,11 +21,13 @@ ModelLike = Union[str, ModelSpec, LoadedModel]
 __all__ = ["run", "outputs", "encode_prompts", "as_target", "TreeShape", "ModelLike"]
 
 
-def as_target(target: Union[ModelLike, Target], dtype: str = "float32") -> tuple[Target, Optional[LoadedModel]]:
-    """Any target the user may pass, as a Target plus its weights when they live in this process."""
+def as_target(target: Union[ModelLike, Target], dtype: str = "float32",
+              fast: bool | str = False) -> tuple[Target, Optional[LoadedModel]]:
+    """Any target the user may pass, as a Target plus its weights when they live in this process
+    (`fast` applies to one built here; a LocalTarget passed in keeps its own)."""
     if isinstance(target, (str, ModelSpec, LoadedModel)):
         loaded = as_loaded(target, dtype)
-        return LocalTarget(loaded), loaded
+        return LocalTarget(loaded, fast=fast), loaded
     if isinstance(target, LocalTarget):
         return target, target.loaded
     return target, None
@@ -62,7 +64,7 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
         self_draft_layers: Optional[int] = None, substitute_quantization: str = "8bit",
         dtype: str = "float32", chat: bool = True, warmup: bool = True, progress: bool = True,
         tokenizer=None, tree: TreeShape = TreeShape(), proactive: bool = False, planner=None,
-        cross_tokenizer: str = "auto") -> pd.DataFrame:
+        cross_tokenizer: str = "auto", fast: bool | str = False) -> pd.DataFrame:
     """Run each method over each prompt and return one row per speculative step.
 
     `target` is a catalog name, Hugging Face id, path, ModelSpec, LoadedModel, LocalTarget or
@@ -75,15 +77,17 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
     those runs are labelled "<method>+planner" and have `planned` set. A draft whose tokenizer is not
     the target's is translated through text (`cross_tokenizer`: auto, text, shared-vocab; 'off'
     refuses it); its rows say which rule ran (`cross_tokenizer`) and how many draft tokens it took.
+    `fast` (True, or a backend: compile, cudagraph, static) runs the target and a chain draft model in
+    fixed-shape steps over static caches (`decode/fast_forward.py`): the same tokens, less overhead.
     """
     sampling = sampling or SamplingParams()
     methods = [get_method(name) for name in ([method] if isinstance(method, str) else method)]
-    target, target_model = as_target(target, dtype)
+    target, target_model = as_target(target, dtype, fast)
     for chosen in methods:
         _check(chosen, target, planner)
     prompt_ids = encode_prompts(prompts, tokenizer or target.tokenizer, chat)
     source = DraftSource(target, target_model, draft, dtype, self_draft_layers, substitute_quantization, tree,
-                         cross_tokenizer)
+                         cross_tokenizer, fast)
     rows = []
     bar = tqdm(total=len(methods) * len(prompt_ids), desc="specbench run", disable=not progress)
     described = getattr(target, "info", None)  # a RemoteTarget's worker description

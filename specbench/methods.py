@@ -43,6 +43,7 @@ class DraftSource:
     substitute_quantization: str = "8bit"
     tree: TreeShape = TreeShape()
     cross_tokenizer: str = "auto"  # a draft with another tokenizer: auto | text | shared-vocab | off (refuse it)
+    fast: bool | str = False  # a same-vocabulary chain draft runs fixed-shape steps (decode/fast_forward.py)
 
     def __post_init__(self):
         if self.cross_tokenizer not in CROSS_TOKENIZER:
@@ -81,7 +82,16 @@ class DraftSource:
                                          tree=tree, name=f"{name}~cross")
         if tree is not None:
             return TreeDrafter(draft, self.target.vocab_size, name=name, **tree)
-        return ModelDrafter(draft, self.target.vocab_size, name=name)
+        return ModelDrafter(draft, self.target.vocab_size, name=name, fast=self._fast_forward(draft))
+
+    def _fast_forward(self, draft):
+        """The draft's fixed-shape forward when `fast` asks for one, as long as the target's context."""
+        if not self.fast:
+            return None
+        from specbench.decode.fast_forward import FastForward, fast_capacity
+
+        context = getattr(self.target, "max_context", None) or getattr(draft.model.config, "max_position_embeddings", None)
+        return FastForward(draft.model, fast_capacity(context, None), None if self.fast is True else self.fast)
 
     def own_weights(self, method: str):
         if self.target_model is None:

@@ -5,7 +5,9 @@ verifies of 8 clients verifies ~4x more tokens per second. Each session keeps it
 target keeps its sessions in a KV pool and its attention takes a packed layout (most models), the
 rows' inputs are packed into one sequence, with no padding, and each row's keys and values are
 written and read in its own pool row (`_forward_packed`, `decode/packed_attention.py`). Otherwise
-(sliding-window models) the sessions' caches are copied, left-aligned and padded, into one batch cache:
+(a model whose attention takes no packed layout, or a target without a pool) the sessions' caches are
+copied, left-aligned and padded, into one batch cache; sliding-window models (their layers hold only
+a window) and fast targets (one static cache per forward) verify their sessions one after another:
 
     row i: [its P_i cached positions | padding up to P = max P_i | its n_i new inputs | padding to N]
 
@@ -62,6 +64,10 @@ def verify_batch(target: LocalTarget, requests: Sequence[VerifyRequest],
     next `advance`."""
     if len({r.session for r in requests}) != len(requests):
         raise ValueError("verify_batch takes at most one request per session")
+    if not target.packed and (target.fast is not None or not target.plain):
+        if any(job.remaining and tokens > 0 for job, tokens in prefills):
+            raise ValueError("prefill chunks ride in a batch only on a packed target")
+        return [_alone(target, request) for request in requests]
     results: list[Union[Verdict, Exception, None]] = [None] * len(requests)
     rows = []
     for index, request in enumerate(requests):
@@ -86,6 +92,15 @@ def verify_batch(target: LocalTarget, requests: Sequence[VerifyRequest],
             else:
                 results[row.index] = _finish(target, row, judged, forward_s, started)
     return results
+
+
+def _alone(target: LocalTarget, request: VerifyRequest) -> Union[Verdict, Exception]:
+    """A lone verify, for sessions a padded batch cannot hold: static caches (the fast path runs one
+    session per forward) and sliding-window layers, which keep only their window's positions."""
+    try:
+        return target.verify(request.session, request.tree, request.sampling, request.seed)
+    except Exception as error:
+        return error
 
 
 def _prepare(target: LocalTarget, index: int, request: VerifyRequest) -> _Row:

@@ -34,10 +34,11 @@ class ModelDrafter:
     common prefix, so it needs no notice of which tokens the target accepted.
     """
 
-    def __init__(self, draft: LoadedModel, target_vocab_size: int, name: str = "draft"):
+    def __init__(self, draft: LoadedModel, target_vocab_size: int, name: str = "draft", fast=None):
         self.draft = draft
         self.model = draft.model
         self.name = name
+        self.fast = fast  # a FastForward over the draft model: fixed-shape steps on a static cache
         # Padded vocabularies: ids at or past the target's size never get proposed.
         self.vocab_limit = min(draft.vocab_size, target_vocab_size)
         self.cache = None
@@ -64,7 +65,7 @@ class ModelDrafter:
     def _sync(self, context: list[int]) -> torch.Tensor:
         """Crop the cache to the common prefix (leaving at least the last token to feed); feed the rest."""
         if self.cache is None:
-            self.cache = new_cache(self.model.config)
+            self.cache = self.fast.new_cache() if self.fast else new_cache(self.model.config)
         common = 0
         for cached, token in zip(self.cached_ids, context):
             if cached != token:
@@ -79,6 +80,10 @@ class ModelDrafter:
 
     @torch.inference_mode()
     def _extend(self, token_ids: list[int]) -> torch.Tensor:
+        if self.fast is not None:
+            logits = self.fast(self.cache, token_ids, logits_to_keep=1)
+            self.cached_ids += token_ids
+            return logits[-1].float().cpu()
         device = self.model.get_input_embeddings().weight.device
         output = self.model(input_ids=torch.tensor([token_ids], device=device),
                             past_key_values=self.cache, use_cache=True, logits_to_keep=1)

@@ -16,6 +16,17 @@ def cached_length(cache) -> int:
     return 0 if cache is None else int(cache.get_seq_length())
 
 
+def plain_layers(config) -> bool:
+    """Whether every layer of `config`'s default cache is a plain growing one (full attention): what
+    a pool row, a static cache or a copied batch cache can stand in for. Not so with a sliding window
+    (Gemma 3) or linear attention."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    layers = DynamicCache(config=config).layers
+    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+
+
 def new_cache(config):
     """An empty `DynamicCache` that can be rolled back. Sliding-window layers (Gemma 3) otherwise drop
     positions past their window as they go, and a rejected draft beyond the window could not be

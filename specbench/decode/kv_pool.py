@@ -219,13 +219,11 @@ class PooledCache(Cache):
 def pool_for(model) -> Optional[KVPool]:
     """A pool for `model` when every layer of its default cache is a plain growing one (no sliding
     window, no linear attention), else None: those models keep Hugging Face's own caches."""
-    from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer
+    from specbench.decode.kv import plain_layers
 
-    layers = DynamicCache(config=model.config).layers
-    if not layers or any(type(layer) is not DynamicLayer for layer in layers):
+    if not plain_layers(model.config):
         return None
-    return KVPool(len(layers))
+    return KVPool(model.config.get_text_config().num_hidden_layers)
 
 
 class PackedLayer(_PoolLayer):

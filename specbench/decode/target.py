@@ -12,9 +12,9 @@ from typing import Any, Optional, Protocol, Sequence
 
 import torch
 
-from specbench.decode import clock, packed_attention
+from specbench.decode import clock, fast_forward, packed_attention
 from specbench.decode.kv import (cached_length, check_full_attention, crop_to, keep_positions, new_cache,
-                                  tree_attention_mask)
+                                  plain_layers, tree_attention_mask)
 from specbench.decode.kv_pool import PooledCache, pool_for
 from specbench.models.loaded import LoadedModel
 from specbench.sampling.verify import verify
@@ -147,7 +147,8 @@ class LocalTarget:
     """The target model in this process; sessions are independent sequences with their own caches."""
 
     def __init__(self, loaded: LoadedModel, max_context: int | None = None,
-                 eos_token_ids: Optional[Sequence[int]] = None, kv_pool: bool = True):
+                 eos_token_ids: Optional[Sequence[int]] = None, kv_pool: bool = True,
+                 fast: bool | str = False, fast_capacity: int | None = None):
         self.loaded = loaded
         self.model = loaded.model
         self.vocab_size = loaded.vocab_size
@@ -155,13 +156,25 @@ class LocalTarget:
         self.tokenizer = loaded.tokenizer
         self.max_context = max_context or getattr(self.model.config, "max_position_embeddings", None)
         self.sessions: dict[str, _Sequence] = {}
+        self.plain = plain_layers(self.model.config)  # full attention only (no sliding window)
+        # fast: fixed-shape compiled / graph-captured forwards over a static cache per session
+        # (`decode/fast_forward.py`); True picks the device's backend, a string names one
+        self.fast = None
+        if fast:
+            capacity = fast_forward.fast_capacity(self.max_context, fast_capacity)
+            self.fast = fast_forward.FastForward(self.model, capacity, None if fast is True else fast)
+            self.max_context = min(self.max_context or capacity, capacity)
+            kv_pool = False
         # None: Hugging Face's own cache per session (the model's layers need it, or the caller asked)
         self.pool = pool_for(self.model) if kv_pool else None
         # batches of pooled sessions run packed (no padding) where the model's attention allows it
         self.packed = self.pool is not None and packed_attention.install(self.model)
 
     def new_cache(self):
-        """An empty cache for one session: a row of the shared pool where the model allows it."""
+        """An empty cache for one session: a static one on the fast path, else a row of the shared pool
+        where the model allows it."""
+        if self.fast is not None:
+            return self.fast.new_cache()
         if self.pool is None:
             return new_cache(self.model.config)
         return PooledCache(self.pool)
@@ -222,7 +235,9 @@ class LocalTarget:
         return Finished(self.verify(session, tree, sampling, seed))
 
     def close(self, session: str) -> None:
-        self.sessions.pop(session, None)
+        state = self.sessions.pop(session, None)
+        if state is not None and self.fast is not None:
+            self.fast.forget(state.cache)
 
     def committed(self, session: str) -> list[int]:
         return list(self._session(session).committed)
@@ -243,6 +258,8 @@ class LocalTarget:
                  logits_to_keep: int = 0) -> torch.Tensor:
         """Logits [len(inputs), vocab_size] (or the last `logits_to_keep` rows) for `inputs` appended
         to the session's cache; prefill keeps one row, since a vocab-wide row per prompt token is waste."""
+        if self.fast is not None:
+            return self.fast(state.cache, inputs, position_ids, attention_mask, logits_to_keep)
         input_ids = torch.tensor([inputs], device=self.device)
         output = self.model(input_ids=input_ids, past_key_values=state.cache, position_ids=position_ids,
                             attention_mask=attention_mask, use_cache=True, logits_to_keep=logits_to_keep)

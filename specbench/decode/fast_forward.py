@@ -1,0 +1,173 @@
+"""SD's small forwards at fixed shapes: compiled on a CPU, graph-captured on CUDA.
+
+Why: a draft step feeds 1 token and a verify 1..K+1 (or a tree's budget); Hugging Face's eager forward
+pays Python and kernel-launch overhead per layer whatever the size, which on a GPU is most of the step
+(measured on an H100: ~26 ms for a 1.5B forward of 1 or 64 tokens, ~1.2 ms of memory traffic). Fixed
+shapes remove it: every step is padded to a bucket of `BUCKETS` tokens and attends over a width that is
+a multiple of `static_kv.WIDTH_STEP`, so a few compiled graphs (or captured CUDA graphs) cover a whole
+generation. Longer inputs (a prompt) run eagerly on the same cache.
+
+Padding: a bucket's extra inputs are written into the cache past the step's real positions and see
+only column 0; their logits are dropped and their keys lie beyond `length`, which no later mask
+attends (the next step overwrites them). The real rows get exactly the mask an eager forward would
+get, cut to the attended width, so outputs equal the eager forward up to float rounding of the shapes.
+
+Backends: "compile" (`torch.compile`, CPU or GPU), "cudagraph" (one `torch.cuda.CUDAGraph` per cache x
+bucket x width: the graph replays at the cache's fixed addresses), "static" (the same fixed shapes run
+eagerly: what the other two must reproduce, and a fallback where compiling is not possible).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from specbench.decode.kv import plain_layers
+from specbench.decode.static_kv import StaticKV, WIDTH_STEP, width_for
+from specbench.types import SpecbenchError
+
+BUCKETS = (1, 2, 4, 8, 16, 32)  # step sizes with their own graph; longer inputs run eagerly
+BACKENDS = ("compile", "cudagraph", "static")
+
+
+def check_fast_model(model) -> None:
+    """Refuse, with the reason, models whose layers a static full-attention cache cannot stand in for."""
+    if not plain_layers(model.config):
+        raise SpecbenchError("fast forward: this model has layers other than full attention (a sliding window, "
+                             "as in Gemma 3, or linear attention), which a static cache does not model; "
+                             "run with fast=False")
+
+
+class FastForward:
+    """Forwards of one model over `StaticKV` caches; `__call__` mirrors an eager cached forward."""
+
+    def __init__(self, model, capacity: int, backend: Optional[str] = None):
+        check_fast_model(model)
+        self.model = model
+        self.capacity = capacity
+        device = model.get_input_embeddings().weight.device
+        self.device, self.dtype = device, model.dtype
+        backend = backend or ("cudagraph" if device.type == "cuda" else "compile")
+        if backend not in BACKENDS:
+            raise SpecbenchError(f"fast backend must be one of {BACKENDS}, got {backend!r}")
+        if backend == "cudagraph" and device.type != "cuda":
+            raise SpecbenchError(f"the cudagraph backend needs a CUDA model; this one is on {device}")
+        self.backend = backend
+        self._compiled = None
+        if backend == "compile":
+            import torch._dynamo
+
+            # one graph per model x bucket x width: more than dynamo's default of 8 per function
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+            self._compiled = torch.compile(self._step, dynamic=False)
+        self._graphs: dict[tuple, tuple] = {}  # cudagraph: (id(cache), bucket, width) -> (graph, buffers, out)
+        self.stats = {"bucketed": 0, "eager": 0}
+        self.shapes: set[tuple[int, int]] = set()  # (bucket, width) run: a graph each
+
+    def new_cache(self) -> StaticKV:
+        return StaticKV(self.model.config, self.capacity, self.dtype, self.device)
+
+    def forget(self, cache: StaticKV) -> None:
+        """Drop what was captured for `cache` (a closed session)."""
+        for key in [key for key in self._graphs if key[0] == id(cache)]:
+            del self._graphs[key]
+
+    @torch.inference_mode()
+    def __call__(self, cache: StaticKV, inputs: Sequence[int], position_ids: Optional[torch.Tensor] = None,
+                 attention_mask: Optional[torch.Tensor] = None, logits_to_keep: int = 0) -> torch.Tensor:
+        """Logits [len(inputs), vocab] (or the last `logits_to_keep` rows) for `inputs` appended to
+        `cache`'s `length` positions; then `length` counts them. `position_ids` [1, n] and
+        `attention_mask` [1, 1, n, length + n] (additive) as an eager forward takes them; None: causal."""
+        n, past = len(inputs), cache.length
+        bucket = next((b for b in BUCKETS if b >= n), None)
+        if bucket is None or past + bucket > cache.capacity:
+            logits = self._eager(cache, inputs, position_ids, attention_mask, logits_to_keep)
+        else:
+            logits = self._bucketed(cache, inputs, bucket, position_ids, attention_mask)
+            logits = logits[n - logits_to_keep:n] if logits_to_keep else logits[:n]
+        cache.length = past + n
+        return logits
+
+    def _eager(self, cache, inputs, position_ids, attention_mask, logits_to_keep):
+        """An input longer than every bucket: one eager forward of exactly its tokens."""
+        self.stats["eager"] += 1
+        n, past = len(inputs), cache.length
+        cache.prepare(torch.arange(past, past + n, device=self.device), past + n)
+        mask = self._mask(attention_mask, n, n, past, cache.width)
+        positions = self._positions(position_ids, n, n, past)
+        input_ids = torch.tensor([list(inputs)], device=self.device)
+        output = self.model(input_ids=input_ids, position_ids=positions, attention_mask=mask,
+                            past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep)
+        return output.logits[0]
+
+    def _bucketed(self, cache, inputs, bucket, position_ids, attention_mask):
+        self.stats["bucketed"] += 1
+        n, past = len(inputs), cache.length
+        width = width_for(past + bucket, cache.capacity)
+        self.shapes.add((bucket, width))
+        input_ids = torch.zeros((1, bucket), dtype=torch.long)
+        input_ids[0, :n] = torch.as_tensor(list(inputs), dtype=torch.long)
+        positions = self._positions(position_ids, n, bucket, past)
+        mask = self._mask(attention_mask, n, bucket, past, width)
+        write_index = torch.arange(past, past + bucket)
+        if self.backend == "cudagraph":
+            return self._replay(cache, bucket, width, input_ids, positions, mask, write_index)
+        cache.prepare(write_index.to(self.device), past + bucket)
+        step = self._compiled or self._step
+        return step(cache, input_ids.to(self.device), positions, mask)[0]
+
+    def _step(self, cache, input_ids, position_ids, mask):
+        output = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                            past_key_values=cache, use_cache=True)
+        return output.logits
+
+    def _replay(self, cache, bucket, width, input_ids, positions, mask, write_index):
+        """CUDA: copy the step's inputs into the buffers a graph was captured with and replay it."""
+        key = (id(cache), bucket, width)
+        if key not in self._graphs:
+            buffers = (input_ids.to(self.device), positions.clone(), mask.clone(), write_index.to(self.device))
+            cache.prepare(buffers[3], width)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm up off the capture (allocator, lazy inits)
+                self._step(cache, *buffers[:3])
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = self._step(cache, *buffers[:3])
+            self._graphs[key] = (graph, buffers, out)
+        graph, buffers, out = self._graphs[key]
+        for buffer, value in zip(buffers, (input_ids, positions, mask, write_index)):
+            buffer.copy_(value, non_blocking=True)
+        cache.prepare(buffers[3], width)
+        graph.replay()
+        return out[0]
+
+    def _positions(self, position_ids, n: int, bucket: int, past: int) -> torch.Tensor:
+        """[1, bucket] positions: the given (or sequential) ones, then the padding's, counting on."""
+        real = (torch.arange(past, past + n) if position_ids is None
+                else position_ids.reshape(-1).to("cpu", torch.long))
+        last = int(real[-1]) if n else past - 1
+        padding = torch.arange(last + 1, last + 1 + bucket - n)
+        return torch.cat([real, padding]).view(1, bucket).to(self.device)
+
+    def _mask(self, attention_mask, n: int, bucket: int, past: int, width: int) -> torch.Tensor:
+        """[1, 1, bucket, width] additive: the real rows' mask (causal when None), padding sees column 0."""
+        minimum = torch.finfo(self.dtype).min
+        mask = torch.full((bucket, width), minimum, dtype=self.dtype)
+        if attention_mask is None:
+            allowed = torch.ones(n, past + n, dtype=torch.bool)
+            allowed[:, past:] = torch.tril(torch.ones(n, n, dtype=torch.bool))
+            mask[:n, :past + n].masked_fill_(allowed, 0.0)
+        else:
+            given = attention_mask.reshape(n, past + n).to("cpu", self.dtype)
+            mask[:n, :past + n] = given
+        mask[n:, 0] = 0.0
+        return mask.view(1, 1, bucket, width).to(self.device)
+
+
+def fast_capacity(max_context: Optional[int], wanted: Optional[int]) -> int:
+    """Positions each static cache holds: what the caller asked for, else the model's context capped
+    at 4096 (a 1.5B model's fp32 cache is ~57 KB per position), in whole `WIDTH_STEP`s."""
+    capacity = wanted or min(max_context or 4096, 4096)
+    return -(-capacity // WIDTH_STEP) * WIDTH_STEP

@@ -1,0 +1,108 @@
+"""The fast path (fixed-shape steps over static caches) gives the tokens the eager path gives."""
+import pytest
+import torch
+
+from specbench.api import outputs, run
+from specbench.decode.batch import VerifyRequest, verify_batch
+from specbench.decode.drafters import ModelDrafter
+from specbench.decode.fast_forward import BUCKETS, FastForward
+from specbench.decode.static_kv import WIDTH_STEP
+from specbench.decode.target import LocalTarget
+from specbench.types import DraftTree, SamplingParams, SpecbenchError
+
+from conftest import PROMPTS
+
+# Long enough to cross an attended width: prompt + 40 new tokens > WIDTH_STEP positions.
+LONG = [(PROMPTS[0] * 20)[:WIDTH_STEP - 20], PROMPTS[1]]
+METHODS = ["target-only", "chain", "tree", "prompt-lookup", "prompt-lookup-tree"]
+
+
+def _eager_reference(model, prompts, max_new_tokens, sampling=None):
+    frame = run(LocalTarget(model, kv_pool=False), prompts, method="target-only", max_new_tokens=max_new_tokens,
+                sampling=sampling, progress=False)
+    return outputs(frame)
+
+
+def test_static_shapes_equal_eager_for_every_method_across_widths(tiny_target, tiny_draft):
+    """The fixed shapes themselves (padding to a bucket, a width-cut mask, trees compacted in place,
+    rollback as bookkeeping), run uncompiled: token for token what eager target-only gives."""
+    reference = _eager_reference(tiny_target, LONG, 40)
+    fast = LocalTarget(tiny_target, fast="static")
+    frame = run(fast, LONG, method=METHODS, draft=tiny_draft, k=5, max_new_tokens=40, progress=False, fast="static")
+    got = outputs(frame)
+    for method in METHODS:
+        for index in range(len(LONG)):
+            assert got[(method, index)] == reference[("target-only", index)], (method, index)
+    chain = frame[frame.method == "chain"]
+    assert 0 < chain["accepted"].sum() < chain["drafted"].sum()  # rollbacks happened
+    widths = {width for _, width in fast.fast.shapes}
+    assert widths == {WIDTH_STEP, 2 * WIDTH_STEP}  # the long prompt crossed a width
+    assert fast.fast.stats["eager"] > 0  # its prefill ran eagerly, longer than every bucket
+
+
+def test_compiled_steps_equal_eager_greedy(tiny_target, tiny_draft):
+    """The golden fp32 greedy test through torch.compile (target and draft compiled): a few graphs, one
+    per bucket x width, and the same tokens as eager target-only."""
+    prompts = PROMPTS[:2]
+    reference = _eager_reference(tiny_target, prompts, 24)
+    fast = LocalTarget(tiny_target, fast="compile")
+    frame = run(fast, prompts, method=["target-only", "chain"], draft=tiny_draft, k=3, max_new_tokens=24,
+                progress=False, fast="compile")
+    got = outputs(frame)
+    for method in ("target-only", "chain"):
+        for index in range(len(prompts)):
+            assert got[(method, index)] == reference[("target-only", index)], (method, index)
+    assert fast.fast.backend == "compile" and fast.fast._compiled is not None
+    assert fast.fast.shapes <= {(b, WIDTH_STEP) for b in BUCKETS} and len(fast.fast.shapes) >= 2
+
+
+def test_sampled_rules_equal_eager_with_the_same_seed(tiny_target, tiny_draft):
+    """Verification is unchanged by the fast path: sampled runs with the same seed give the same tokens."""
+    sampling = SamplingParams(temperature=1.0, rule="rejection")
+    eager = outputs(run(LocalTarget(tiny_target, kv_pool=False), PROMPTS[:2], method="chain", draft=tiny_draft,
+                        k=4, max_new_tokens=30, sampling=sampling, progress=False, seed=3))
+    fast = outputs(run(LocalTarget(tiny_target, fast="static"), PROMPTS[:2], method="chain", draft=tiny_draft,
+                       k=4, max_new_tokens=30, sampling=sampling, progress=False, seed=3, fast="static"))
+    assert fast == eager
+
+
+def test_a_fast_target_verifies_a_batch_one_session_at_a_time(tiny_target, tiny_draft):
+    batched, alone = LocalTarget(tiny_target, fast="static"), LocalTarget(tiny_target, kv_pool=False)
+    drafters = [ModelDrafter(tiny_draft, 96), None, ModelDrafter(tiny_draft, 96)]
+    for i, _ in enumerate(drafters):
+        batched.prefill(f"s{i}", PROMPTS[i])
+        alone.prefill(f"s{i}", PROMPTS[i])
+    generator = torch.Generator().manual_seed(0)
+    for step in range(6):
+        requests = [VerifyRequest(f"s{i}", DraftTree() if d is None else
+                                  d.propose(batched.committed(f"s{i}"), 3, SamplingParams(), generator),
+                                  SamplingParams(), step) for i, d in enumerate(drafters)]
+        for request, verdict in zip(requests, verify_batch(batched, requests)):
+            lone = alone.verify(request.session, request.tree, request.sampling, request.seed)
+            assert (verdict.accepted_path, verdict.bonus_token) == (lone.accepted_path, lone.bonus_token)
+    bad = [VerifyRequest("s0", DraftTree.chain([10_000]), SamplingParams(), 0)]
+    assert isinstance(verify_batch(batched, bad)[0], SpecbenchError)  # an error per request, not a crash
+
+
+def test_static_cache_bookkeeping_and_refusals(tiny_target):
+    target = LocalTarget(tiny_target, fast="static", fast_capacity=WIDTH_STEP)
+    assert target.max_context == WIDTH_STEP
+    target.prefill("s", PROMPTS[0])
+    committed = target.committed("s")
+    target.verify("s", DraftTree(tokens=(3, 4, 5), parents=(-1, -1, 0)), SamplingParams(), 0)  # a tree
+    cache = target.sessions["s"].cache
+    assert cache.length == len(target.committed("s")) - 1 and target.committed("s")[:len(committed)] == committed
+    with pytest.raises(SpecbenchError, match="exceeds the target's context"):
+        target.verify("s", DraftTree.chain([1] * WIDTH_STEP), SamplingParams(), 0)
+    assert cache.length == len(target.committed("s")) - 1  # the refused step left the session as it was
+    with pytest.raises(SpecbenchError, match="cudagraph backend needs a CUDA model"):
+        FastForward(tiny_target.model, WIDTH_STEP, "cudagraph")
+    with pytest.raises(SpecbenchError, match="fast backend must be one of"):
+        FastForward(tiny_target.model, WIDTH_STEP, "turbo")
+
+
+def test_sliding_window_models_are_refused_on_the_fast_path():
+    from test_kv_pool import tiny_gemma
+
+    with pytest.raises(SpecbenchError, match="sliding window"):
+        LocalTarget(tiny_gemma(0), fast=True)
