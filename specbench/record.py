@@ -20,19 +20,20 @@ DEFAULT_CONTEXTS = (128, 512)
 def profile_model(model: ModelLike, tokens: Sequence[int] = DEFAULT_TOKENS,
                   contexts: Sequence[int] = DEFAULT_CONTEXTS, repeats: int = 5,
                   dtype: str = "float32", batches: Sequence[int] = (1,),
-                  progress: bool = False) -> tuple[LatencyProfile, dict]:
+                  progress: bool = False, fast: bool | str = False) -> tuple[LatencyProfile, dict]:
     """Forward latency of `model` on its device over the grid (per batch size, for a target shared
-    by that many clients), plus metadata (power, device, settings)."""
+    by that many clients), plus metadata (power, device, settings). `fast` (True or a backend):
+    profile the fast path instead (batch 1)."""
     from tqdm.auto import tqdm
 
     loaded = as_loaded(model, dtype)
     device = str(loaded.model.get_input_embeddings().weight.device)
-    points = forward_latency_points(loaded.model, tokens, contexts, repeats, batches=batches)
+    points = forward_latency_points(loaded.model, tokens, contexts, repeats, batches=batches, fast=fast)
     rows = list(tqdm(points, total=len(tokens) * len(contexts) * len(batches), desc=f"profile {loaded.spec.label}",
                      unit="point", disable=not progress))
     profile = LatencyProfile(model=loaded.spec.label, device=device_name(device), dtype=str(loaded.model.dtype)[6:],
                              quantization=loaded.spec.quantization, weight_bytes=loaded.weight_bytes,
-                             kv_bytes_per_token=loaded.kv_bytes_per_token,
+                             kv_bytes_per_token=loaded.kv_bytes_per_token, forward=rows[0].get("forward", "eager"),
                              rows=tuple((r["tokens"], r["context"], r["median_s"], r["batch"]) for r in rows))
     power = measure_power(device)
     return profile, {"power_watts": power["watts"], "power_source": power["source"], "repeats": repeats,
@@ -88,6 +89,7 @@ def profile_worker(endpoint: str, tokens: Sequence[int] = DEFAULT_TOKENS, contex
                              dtype=reply.get("dtype") or "float32", quantization=reply.get("quantization") or "none",
                              weight_bytes=reply.get("weight_bytes") or 0,
                              kv_bytes_per_token=reply.get("kv_bytes_per_token") or 0,
+                             forward=(reply["rows"] or [{}])[0].get("forward", "eager"),
                              rows=tuple((r["tokens"], r["context"], r["median_s"], r.get("batch", 1))
                                         for r in reply["rows"]))
     return profile, {"repeats": repeats, "worker": endpoint, "batches": list(batches), "power_source": "configured", "power_watts": None}

@@ -106,3 +106,39 @@ def test_sliding_window_models_are_refused_on_the_fast_path():
 
     with pytest.raises(SpecbenchError, match="sliding window"):
         LocalTarget(tiny_gemma(0), fast=True)
+
+
+def test_profiles_of_the_fast_path_say_so_and_survive_a_round_trip(tiny_target, tmp_path):
+    from specbench.decode.profile import forward_latency_grid
+    from specbench.plan.library import load_profiles, save_profile
+    from specbench.record import profile_model
+
+    rows = forward_latency_grid(tiny_target.model, tokens=[1, 3], contexts=[20], repeats=2, fast="static")
+    assert [r["tokens"] for r in rows] == [1, 3] and all(r["forward"] == "fast-static" for r in rows)
+    with pytest.raises(SpecbenchError, match="one sequence per forward"):
+        forward_latency_grid(tiny_target.model, tokens=[1], contexts=[20], batches=[2], fast="static")
+    profile, extra = profile_model(tiny_target, tokens=[1, 2], contexts=[16], repeats=2, fast="static")
+    assert profile.forward == "fast-static"
+    save_profile(profile, extra, folder=tmp_path)
+    assert [p.forward for p in load_profiles(folder=tmp_path)] == ["fast-static"]
+
+
+def test_the_gpu_benchmark_script_runs_on_a_cpu(tmp_path):
+    """benchmarks/gpu.py waits for a GPU; its code path is checked here on tiny architectures."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "gpu.json"
+    subprocess.run([sys.executable, "gpu.py", "--device", "cpu", "--archs", "tiny", "tiny-draft", "--dtype", "float32",
+                    "--backend", "static", "--tokens", "1", "4", "--contexts", "40", "--repeats", "2", "--steps", "6",
+                    "--bandwidth-mib", "8", "--out", str(out)], cwd=root / "benchmarks", check=True,
+                   capture_output=True, timeout=300)
+    report = json.loads(out.read_text())
+    assert {(r["arch"], r["tokens"]) for r in report["forwards"]} == {(a, n) for a in ("tiny", "tiny-draft")
+                                                                      for n in (1, 4)}
+    assert all(r["fast_ms"] > 0 and r["floor_ms"] > 0 for r in report["forwards"])
+    assert [r["forward"] for r in report["pairs"]] == ["eager", "fast"]
+    assert all(r["sd_ms_per_token"] > 0 and r["mean_accepted"] >= 0 for r in report["pairs"])

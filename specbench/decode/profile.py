@@ -16,17 +16,23 @@ from specbench.decode.kv import crop_to, new_cache
 
 
 def forward_latency_grid(model, tokens: Sequence[int], contexts: Sequence[int], repeats: int = 5,
-                         warmup: int = 2, batches: Sequence[int] = (1,)) -> list[dict]:
+                         warmup: int = 2, batches: Sequence[int] = (1,), fast: bool | str | None = None) -> list[dict]:
     """Median (and spread) seconds of one forward of `n` new tokens on a cache of `c` positions, for
-    `b` sequences at once (each with its own cache rows, as a shared worker's batched verify)."""
-    return list(forward_latency_points(model, tokens, contexts, repeats, warmup, batches))
+    `b` sequences at once (each with its own cache rows, as a shared worker's batched verify).
+    `fast`: True or a backend of `decode/fast_forward.py` (static cache, fixed shapes; one sequence), timed
+    after its warm-up calls have compiled or captured the shape."""
+    return list(forward_latency_points(model, tokens, contexts, repeats, warmup, batches, fast))
 
 
 def forward_latency_points(model, tokens: Sequence[int], contexts: Sequence[int], repeats: int = 5,
-                           warmup: int = 2, batches: Sequence[int] = (1,)) -> Iterator[dict]:
+                           warmup: int = 2, batches: Sequence[int] = (1,),
+                           fast: bool | str | None = None) -> Iterator[dict]:
     """The grid's rows one at a time, so a shared worker can serve other clients between points."""
     if repeats < 1 or any(n < 1 for n in tokens) or any(c < 1 for c in contexts) or any(b < 1 for b in batches):
         raise ValueError("repeats, tokens, contexts and batches must all be >= 1")
+    if fast:
+        yield from _fast_points(model, tokens, contexts, repeats, warmup, batches, fast)
+        return
     device = model.get_input_embeddings().weight.device
     vocab = model.get_input_embeddings().weight.shape[0]
     generator = torch.Generator().manual_seed(0)
@@ -48,3 +54,30 @@ def forward_latency_points(model, tokens: Sequence[int], contexts: Sequence[int]
             samples.sort()
             yield {"tokens": count, "context": context, "batch": batch, "median_s": statistics.median(samples),
                    "min_s": samples[0], "max_s": samples[-1], "repeats": repeats}
+
+
+def _fast_points(model, tokens, contexts, repeats, warmup, batches, backend) -> Iterator[dict]:
+    """The grid through the fast path: one static cache, rolled back to `context` after each forward."""
+    from specbench.decode.fast_forward import FastForward
+    from specbench.types import SpecbenchError
+
+    if list(batches) != [1]:
+        raise SpecbenchError("the fast path runs one sequence per forward: profile it at batch 1")
+    forward = FastForward(model, max(contexts) + max(tokens), None if backend is True else backend)
+    device, vocab = forward.device, model.get_input_embeddings().weight.shape[0]
+    generator = torch.Generator().manual_seed(0)
+    for context in contexts:
+        cache = forward.new_cache()
+        forward(cache, torch.randint(0, vocab, (context,), generator=generator).tolist(), logits_to_keep=1)
+        for count in tokens:
+            new = torch.randint(0, vocab, (count,), generator=generator).tolist()
+            samples = []
+            for attempt in range(max(warmup, 1) + repeats):  # the first call compiles or captures
+                start = device_time(device)
+                forward(cache, new)
+                if attempt >= max(warmup, 1):
+                    samples.append(device_time(device) - start)
+                cache.set_length(context)
+            samples.sort()
+            yield {"tokens": count, "context": context, "batch": 1, "median_s": statistics.median(samples),
+                   "min_s": samples[0], "max_s": samples[-1], "repeats": repeats, "forward": f"fast-{forward.backend}"}

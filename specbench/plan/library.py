@@ -29,17 +29,19 @@ def library_versions() -> dict:
 def save_profile(profile: LatencyProfile, extra: Optional[dict] = None, folder: Path = PROFILES) -> Path:
     metadata = {"model": profile.model, "device": profile.device, "dtype": profile.dtype,
                 "quantization": profile.quantization, "weight_bytes": profile.weight_bytes,
-                "kv_bytes_per_token": profile.kv_bytes_per_token, "host": platform.node(),
+                "kv_bytes_per_token": profile.kv_bytes_per_token, "forward": profile.forward, "host": platform.node(),
                 "versions": library_versions(), **(extra or {})}
     metadata.setdefault("date", datetime.now(timezone.utc).date().isoformat())
     payload = {"rows": [list(row) for row in profile.rows]}
-    return write_record(folder, "profile", metadata, payload, label=f"{profile.model}-{profile.dtype}-{profile.device}")
+    fast = "" if profile.forward == "eager" else f"-{profile.forward}"
+    return write_record(folder, "profile", metadata, payload,
+                        label=f"{profile.model}-{profile.dtype}{fast}-{profile.device}")
 
 
 def load_profiles(folder: Path = PROFILES, **match) -> list[LatencyProfile]:
     return [LatencyProfile(model=m["model"], device=m["device"], dtype=m["dtype"], quantization=m["quantization"],
                            rows=tuple(tuple(row) for row in p["rows"]), weight_bytes=m.get("weight_bytes") or 0,
-                           kv_bytes_per_token=m.get("kv_bytes_per_token") or 0)
+                           kv_bytes_per_token=m.get("kv_bytes_per_token") or 0, forward=m.get("forward", "eager"))
             for _, m, p in find_records(folder, "profile", **match)]
 
 

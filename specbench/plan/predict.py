@@ -36,6 +36,7 @@ class LatencyProfile:
     rows: tuple[tuple, ...] = ()  # (tokens, context, median_s[, batch])
     weight_bytes: int = 0  # as loaded for the profile; 0 in profiles recorded before it was measured
     kv_bytes_per_token: int = 0
+    forward: str = "eager"  # or fast-<backend>: fixed-shape steps (decode/fast_forward.py)
 
     def memory_bytes(self, context: int, batch: int = 1) -> int:
         """Weights plus `batch` caches of `context` tokens: what the model needs on its device."""

@@ -67,7 +67,7 @@ class Ops:
         loaded = load_model(spec)
         identity = model_identity(loaded)
         old, live = self.identity, self.sessions.live()
-        self.target, self.identity = LocalTarget(loaded), identity
+        self.target, self.identity = LocalTarget(loaded, fast=self.config.fast), identity
         if self.target.pool is not None:  # the pool's rows are as long as its longest session: bound it too
             self.target.pool.max_bytes = self.kv_budget
         self.jobs.cancel_all(SessionEndedError(f"the worker's model changed from {old} to {identity} ({reason}) "
@@ -186,7 +186,8 @@ class Ops:
         if target.max_context:
             check(max(tokens, default=0) + max(contexts, default=0), target.max_context,
                   "profile context + tokens", "the model's context length")
-        points = forward_latency_points(target.model, tokens, contexts, repeats, batches=batches)
+        points = forward_latency_points(target.model, tokens, contexts, repeats, batches=batches,
+                                        fast=target.fast.backend if target.fast else None)
 
         def run():
             rows = []

@@ -50,6 +50,7 @@ class WorkerConfig:
     batch_window_ms: float = 20.0  # after the first waiting message, how long at most to wait for the others
     max_batch: int = 16  # messages taken in one round
     prefill_chunk: int = 256  # prompt tokens per slice of a prefill, between other sessions' batches
+    fast: bool | str = False  # the target's fixed-shape steps (`--fast`; decode/fast_forward.py)
     curve_keys: Optional[str] = None
     insecure: bool = False
 
