@@ -6,9 +6,10 @@ import sys
 
 from specbench.models.spec import KERNELS, QUANTIZATIONS
 from specbench.methods import CROSS_TOKENIZER
-from specbench.types import VERIFY_RULES, SamplingParams, SpecbenchError
+from specbench.types import FAST_BACKENDS, VERIFY_RULES, SamplingParams, SpecbenchError
 
 KERNELS_HELP = "oneDNN kernels for large linear layers (CPU, float32): faster at the few rows SD verifies"
+FAST_HELP = "static KV caches and compiled fixed-shape steps (CUDA graphs on a GPU); no batched verify on a worker"
 
 
 def _models(args) -> int:
@@ -29,16 +30,6 @@ def _models(args) -> int:
             catalog.verify_gguf(name)
             print(f"{name}: sha256 ok")
     return 0
-
-
-FAST_CHOICES = ("auto", "compile", "cudagraph", "static")
-FAST_HELP = ("fixed-shape steps over static KV caches (compiled on a CPU, graph-captured on CUDA; auto picks "
-             "by device): the same tokens, less per-forward overhead")
-
-
-def _fast(choice):
-    """--fast's value as `fast=` takes it: off, True (the device's backend) or a backend's name."""
-    return False if choice is None else (True if choice == "auto" else choice)
 
 
 def _run(args) -> int:
@@ -63,7 +54,7 @@ def _run(args) -> int:
     records = run(target, args.prompt or DEMO_PROMPTS, method=args.method, draft=draft, k=args.k,
                   max_new_tokens=args.max_new_tokens, sampling=sampling, dtype=args.dtype, planner=planner,
                   substitute_quantization=args.substitute_quant, cross_tokenizer=args.cross_tokenizer,
-                  fast=_fast(args.fast))
+                  fast=args.fast)
     print(summarize(records).round(3).to_string(index=False))
     if args.out:
         records.to_csv(args.out, index=False)
@@ -97,7 +88,7 @@ def _profile(args) -> int:
             from specbench.models.self_draft import truncated_view
 
             loaded = truncated_view(loaded, args.self_draft_layers)
-        profile, extra = profile_model(loaded, **grid, progress=True, fast=_fast(args.fast))
+        profile, extra = profile_model(loaded, **grid, progress=True, fast=args.fast)
     path = save_profile(profile, extra, folder=args.out_dir or PROFILES)
     print(f"{profile.model} on {profile.device} ({profile.dtype}): {len(profile.rows)} grid points -> {path}")
     return 0
@@ -206,7 +197,7 @@ def _worker(args) -> int:
                           idle_timeout_s=args.idle_timeout, limits=limits, curve_keys=args.curve_keys,
                           insecure=args.insecure, batching=not args.no_batching,
                           batch_window_ms=args.batch_window_ms, max_batch=args.max_batch,
-                          prefill_chunk=args.prefill_chunk, fast=_fast(args.fast))
+                          prefill_chunk=args.prefill_chunk, fast=args.fast)
     Worker(config, log=log).serve()
     return 0
 
@@ -278,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     run_parser.add_argument("--cross-tokenizer", default="auto", choices=list(CROSS_TOKENIZER),
                             help="a draft with another tokenizer: auto (text, or shared-vocab for rejection), "
                                  "text, shared-vocab, or off (refuse it)")
-    run_parser.add_argument("--fast", nargs="?", const="auto", choices=FAST_CHOICES, help=FAST_HELP)
+    run_parser.add_argument("--fast", nargs="?", const="auto", choices=("auto",) + FAST_BACKENDS, help=FAST_HELP)
     run_parser.add_argument("--out", help="write the per-step records as CSV")
     run_parser.add_argument("--plan", action="store_true",
                             help="choose K per step (up to --k) from the cached profiles and reference of the pair")
@@ -315,8 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
             worker.add_argument(flag, type=float, help=f"{what}, GiB (default: half the memory free at start)")
         else:
             worker.add_argument(flag, type=int, default=getattr(defaults, name), help=f"{what} (default %(default)s)")
-    worker.add_argument("--fast", nargs="?", const="auto", choices=FAST_CHOICES,
-                        help=FAST_HELP + "; sessions then verify one at a time (no batched forward)")
+    worker.add_argument("--fast", nargs="?", const="auto", choices=("auto",) + FAST_BACKENDS, help=FAST_HELP)
     worker.add_argument("--curve-keys", help="folder made by `specbench keys`: CURVE encryption and client auth")
     worker.add_argument("--insecure", action="store_true", help="allow a non-loopback bind without CURVE keys")
     worker.set_defaults(handler=_worker)
@@ -334,8 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--repeats", type=int, default=5)
     profile.add_argument("--batches", type=int, nargs="+", default=[1],
                          help="batch sizes: a target shared by that many clients (default: 1)")
-    profile.add_argument("--fast", nargs="?", const="auto", choices=FAST_CHOICES,
-                         help="profile the fast path (batch 1): " + FAST_HELP)
+    profile.add_argument("--fast", nargs="?", const="auto", choices=("auto",) + FAST_BACKENDS, help=FAST_HELP)
     profile.add_argument("--out-dir", help="default: the repository's profiles/")
     profile.set_defaults(handler=_profile)
 

@@ -91,7 +91,7 @@ class DraftSource:
         from specbench.decode.fast_forward import FastForward, fast_capacity
 
         context = getattr(self.target, "max_context", None) or getattr(draft.model.config, "max_position_embeddings", None)
-        return FastForward(draft.model, fast_capacity(context, None), None if self.fast is True else self.fast)
+        return FastForward(draft.model, fast_capacity(context, None), self.fast)
 
     def own_weights(self, method: str):
         if self.target_model is None:

@@ -223,3 +223,26 @@ def test_profile_measures_contexts_longer_than_a_sliding_window():
 
     rows = forward_latency_grid(tiny_gemma(0).model, tokens=[1, 3], contexts=[16], repeats=2, warmup=1)
     assert [r["tokens"] for r in rows] == [1, 3] and all(r["median_s"] > 0 for r in rows)
+
+
+def test_a_shared_sliding_window_target_verifies_each_session_as_alone():
+    """A Gemma 3 target verifying several sessions past its window: its layers hold only the window,
+    so a padded batch cannot be built from them (it crashed before); each session is verified alone
+    and gets exactly what a lone target gives it."""
+    target, draft = tiny_gemma(0), tiny_gemma(1, noise=0.3)
+    batched, alone = LocalTarget(target), LocalTarget(target)
+    prompts = [list(range(1, 11)), [11, 12, 13], [20]]
+    for i, prompt in enumerate(prompts):
+        batched.prefill(f"s{i}", prompt)
+        alone.prefill(f"s{i}", prompt)
+    drafters = [ModelDrafter(draft, 64), ModelDrafter(draft, 64), None]
+    generator = torch.Generator().manual_seed(0)
+    for step in range(12):
+        requests = [VerifyRequest(f"s{i}", DraftTree() if d is None else
+                                  d.propose(batched.committed(f"s{i}"), 3, SamplingParams(), generator),
+                                  SamplingParams(), step) for i, d in enumerate(drafters)]
+        for request, verdict in zip(requests, verify_batch(batched, requests)):
+            lone = alone.verify(request.session, request.tree, request.sampling, request.seed)
+            assert (verdict.accepted_path, verdict.bonus_token) == (lone.accepted_path, lone.bonus_token)
+            assert batched.committed(request.session) == alone.committed(request.session)
+    assert len(batched.committed("s0")) > 10 + 12  # well past the window of 4

@@ -24,12 +24,11 @@ import torch
 
 from specbench.decode.kv import plain_layers
 from specbench.decode.static_kv import StaticKV, WIDTH_STEP, width_for
-from specbench.types import SpecbenchError
+from specbench.types import FAST_BACKENDS, SpecbenchError
 
 # Step sizes with their own graph (made on first use); longer inputs run eagerly. Every size up to 8,
 # since a CPU pays for padded tokens (a K=4 verify is 5 tokens); a GPU barely does.
 BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32)
-BACKENDS = ("compile", "cudagraph", "static")
 
 
 def check_fast_model(model) -> None:
@@ -43,15 +42,17 @@ def check_fast_model(model) -> None:
 class FastForward:
     """Forwards of one model over `StaticKV` caches; `__call__` mirrors an eager cached forward."""
 
-    def __init__(self, model, capacity: int, backend: Optional[str] = None):
+    def __init__(self, model, capacity: int, backend: bool | str | None = None):
+        """`backend`: one of FAST_BACKENDS, or None / True / "auto" for the device's (cudagraph on CUDA)."""
         check_fast_model(model)
         self.model = model
         self.capacity = capacity
         device = model.get_input_embeddings().weight.device
         self.device, self.dtype = device, model.dtype
-        backend = backend or ("cudagraph" if device.type == "cuda" else "compile")
-        if backend not in BACKENDS:
-            raise SpecbenchError(f"fast backend must be one of {BACKENDS}, got {backend!r}")
+        if backend in (None, True, "auto"):
+            backend = "cudagraph" if device.type == "cuda" else "compile"
+        if backend not in FAST_BACKENDS:
+            raise SpecbenchError(f"fast backend must be one of {FAST_BACKENDS}, got {backend!r}")
         if backend == "cudagraph" and device.type != "cuda":
             raise SpecbenchError(f"the cudagraph backend needs a CUDA model; this one is on {device}")
         self.backend = backend

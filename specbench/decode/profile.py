@@ -63,7 +63,7 @@ def _fast_points(model, tokens, contexts, repeats, warmup, batches, backend) -> 
 
     if list(batches) != [1]:
         raise SpecbenchError("the fast path runs one sequence per forward: profile it at batch 1")
-    forward = FastForward(model, max(contexts) + max(tokens), None if backend is True else backend)
+    forward = FastForward(model, max(contexts) + max(tokens), backend)
     device, vocab = forward.device, model.get_input_embeddings().weight.shape[0]
     generator = torch.Generator().manual_seed(0)
     for context in contexts:

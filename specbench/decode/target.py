@@ -162,7 +162,7 @@ class LocalTarget:
         self.fast = None
         if fast:
             capacity = fast_forward.fast_capacity(self.max_context, fast_capacity)
-            self.fast = fast_forward.FastForward(self.model, capacity, None if fast is True else fast)
+            self.fast = fast_forward.FastForward(self.model, capacity, fast)
             self.max_context = min(self.max_context or capacity, capacity)
             kv_pool = False
         # None: Hugging Face's own cache per session (the model's layers need it, or the caller asked)
