@@ -28,3 +28,25 @@ def smollm2():
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 9, 10, 11], [40, 41, 42, 43, 44, 40, 41, 42],
            [5, 80, 3, 17, 23, 5, 80]]
+
+
+def assert_batches_match_lone_verifies(batched, alone, prompts, drafters, steps: int, k: int = 3) -> None:
+    """Sessions verified through `verify_batch` on `batched` get, step by step, exactly the verdicts and
+    committed tokens a lone verify on `alone` gives them (a None drafter sends empty trees)."""
+    import torch
+
+    from specbench.decode.batch import VerifyRequest, verify_batch
+    from specbench.types import DraftTree, SamplingParams
+
+    for i, prompt in enumerate(prompts):
+        batched.prefill(f"s{i}", prompt)
+        alone.prefill(f"s{i}", prompt)
+    generator = torch.Generator().manual_seed(0)
+    for step in range(steps):
+        requests = [VerifyRequest(f"s{i}", DraftTree() if d is None else
+                                  d.propose(batched.committed(f"s{i}"), k, SamplingParams(), generator),
+                                  SamplingParams(), step) for i, d in enumerate(drafters)]
+        for request, verdict in zip(requests, verify_batch(batched, requests)):
+            lone = alone.verify(request.session, request.tree, request.sampling, request.seed)
+            assert (verdict.accepted_path, verdict.bonus_token) == (lone.accepted_path, lone.bonus_token)
+            assert batched.committed(request.session) == alone.committed(request.session)

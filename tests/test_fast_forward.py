@@ -1,6 +1,5 @@
 """The fast path (fixed-shape steps over static caches) gives the tokens the eager path gives."""
 import pytest
-import torch
 
 from specbench.api import outputs, run
 from specbench.decode.batch import VerifyRequest, verify_batch
@@ -10,7 +9,7 @@ from specbench.decode.static_kv import WIDTH_STEP
 from specbench.decode.target import LocalTarget
 from specbench.types import DraftTree, SamplingParams, SpecbenchError
 
-from conftest import PROMPTS
+from conftest import PROMPTS, assert_batches_match_lone_verifies
 
 # Long enough to cross an attended width: prompt + 40 new tokens > WIDTH_STEP positions.
 LONG = [(PROMPTS[0] * 20)[:WIDTH_STEP - 20], PROMPTS[1]]
@@ -69,17 +68,7 @@ def test_sampled_rules_equal_eager_with_the_same_seed(tiny_target, tiny_draft):
 def test_a_fast_target_verifies_a_batch_one_session_at_a_time(tiny_target, tiny_draft):
     batched, alone = LocalTarget(tiny_target, fast="static"), LocalTarget(tiny_target, kv_pool=False)
     drafters = [ModelDrafter(tiny_draft, 96), None, ModelDrafter(tiny_draft, 96)]
-    for i, _ in enumerate(drafters):
-        batched.prefill(f"s{i}", PROMPTS[i])
-        alone.prefill(f"s{i}", PROMPTS[i])
-    generator = torch.Generator().manual_seed(0)
-    for step in range(6):
-        requests = [VerifyRequest(f"s{i}", DraftTree() if d is None else
-                                  d.propose(batched.committed(f"s{i}"), 3, SamplingParams(), generator),
-                                  SamplingParams(), step) for i, d in enumerate(drafters)]
-        for request, verdict in zip(requests, verify_batch(batched, requests)):
-            lone = alone.verify(request.session, request.tree, request.sampling, request.seed)
-            assert (verdict.accepted_path, verdict.bonus_token) == (lone.accepted_path, lone.bonus_token)
+    assert_batches_match_lone_verifies(batched, alone, PROMPTS[:3], drafters, steps=6)
     bad = [VerifyRequest("s0", DraftTree.chain([10_000]), SamplingParams(), 0)]
     assert isinstance(verify_batch(batched, bad)[0], SpecbenchError)  # an error per request, not a crash
 

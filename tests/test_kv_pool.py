@@ -12,7 +12,7 @@ from specbench.decode.target import LocalTarget
 from specbench.decode.tree_drafters import TreeDrafter
 from specbench.types import DraftTree, SamplingParams
 
-from conftest import PROMPTS
+from conftest import PROMPTS, assert_batches_match_lone_verifies
 
 
 def _tiny_pool(target: LocalTarget) -> LocalTarget:
@@ -231,18 +231,6 @@ def test_a_shared_sliding_window_target_verifies_each_session_as_alone():
     and gets exactly what a lone target gives it."""
     target, draft = tiny_gemma(0), tiny_gemma(1, noise=0.3)
     batched, alone = LocalTarget(target), LocalTarget(target)
-    prompts = [list(range(1, 11)), [11, 12, 13], [20]]
-    for i, prompt in enumerate(prompts):
-        batched.prefill(f"s{i}", prompt)
-        alone.prefill(f"s{i}", prompt)
     drafters = [ModelDrafter(draft, 64), ModelDrafter(draft, 64), None]
-    generator = torch.Generator().manual_seed(0)
-    for step in range(12):
-        requests = [VerifyRequest(f"s{i}", DraftTree() if d is None else
-                                  d.propose(batched.committed(f"s{i}"), 3, SamplingParams(), generator),
-                                  SamplingParams(), step) for i, d in enumerate(drafters)]
-        for request, verdict in zip(requests, verify_batch(batched, requests)):
-            lone = alone.verify(request.session, request.tree, request.sampling, request.seed)
-            assert (verdict.accepted_path, verdict.bonus_token) == (lone.accepted_path, lone.bonus_token)
-            assert batched.committed(request.session) == alone.committed(request.session)
+    assert_batches_match_lone_verifies(batched, alone, [list(range(1, 11)), [11, 12, 13], [20]], drafters, steps=12)
     assert len(batched.committed("s0")) > 10 + 12  # well past the window of 4
