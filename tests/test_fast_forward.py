@@ -131,3 +131,18 @@ def test_the_gpu_benchmark_script_runs_on_a_cpu(tmp_path):
     assert all(r["fast_ms"] > 0 and r["floor_ms"] > 0 for r in report["forwards"])
     assert [r["forward"] for r in report["pairs"]] == ["eager", "fast"]
     assert all(r["sd_ms_per_token"] > 0 and r["mean_accepted"] >= 0 for r in report["pairs"])
+
+
+def test_static_caches_are_bounded_and_freed_with_their_sessions(tiny_target):
+    """A worker's --max-kv-gib bounds a fast target's caches (each holds its full capacity): one session
+    too many is refused by name, the others keep serving, and closing one makes room."""
+    target = LocalTarget(tiny_target, fast="static", fast_capacity=WIDTH_STEP)
+    target.prefill("a", PROMPTS[0])
+    one = target.sessions["a"].cache.nbytes()
+    target.fast.max_bytes = int(1.5 * one)
+    with pytest.raises(SpecbenchError, match="--max-kv-gib"):
+        target.prefill("b", PROMPTS[1])
+    target.verify("a", DraftTree.chain([3, 4]), SamplingParams(), 0)  # still serving
+    target.close("a")
+    target.prefill("b", PROMPTS[1])
+    assert target.committed("b") == PROMPTS[1]

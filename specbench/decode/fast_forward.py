@@ -18,12 +18,14 @@ eagerly: what the other two must reproduce, and a fallback where compiling is no
 """
 from __future__ import annotations
 
+import gc
+import weakref
 from typing import Optional, Sequence
 
 import torch
 
 from specbench.decode.kv import plain_layers
-from specbench.decode.static_kv import StaticKV, WIDTH_STEP, width_for
+from specbench.decode.static_kv import StaticKV, WIDTH_STEP, kv_shape, width_for
 from specbench.types import FAST_BACKENDS, SpecbenchError
 
 # Step sizes with their own graph (made on first use); longer inputs run eagerly. Every size up to 8,
@@ -64,11 +66,28 @@ class FastForward:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
             self._compiled = torch.compile(self._step, dynamic=False)
         self._graphs: dict[tuple, tuple] = {}  # cudagraph: (id(cache), bucket, width) -> (graph, buffers, out)
+        self.max_bytes: Optional[int] = None  # every live static cache together (the worker's --max-kv-gib)
+        self._live: "weakref.WeakSet[StaticKV]" = weakref.WeakSet()  # a cache leaves when its session does
         self.stats = {"bucketed": 0, "eager": 0}
         self.shapes: set[tuple[int, int]] = set()  # (bucket, width) run: a graph each
 
     def new_cache(self) -> StaticKV:
-        return StaticKV(self.model.config, self.capacity, self.dtype, self.device)
+        """A session's static cache, refused (naming the numbers) if all live ones would pass `max_bytes`."""
+        layers, kv_heads, head_dim = kv_shape(self.model.config)
+        capacity = -(-self.capacity // WIDTH_STEP) * WIDTH_STEP
+        needed = 2 * layers * kv_heads * head_dim * capacity * torch.empty((), dtype=self.dtype).element_size()
+        held = sum(cache.nbytes() for cache in self._live)
+        if self.max_bytes and held + needed > self.max_bytes:
+            gc.collect()  # a closed session's cache is a reference cycle (cache <-> its layers) until collected
+            held = sum(cache.nbytes() for cache in self._live)
+        if self.max_bytes and held + needed > self.max_bytes:
+            raise SpecbenchError(
+                f"static KV caches: {len(self._live)} sessions hold {held} bytes and one more needs {needed} "
+                f"({capacity} positions), over the limit of {self.max_bytes} bytes (the worker's --max-kv-gib); "
+                f"close sessions or lower fast_capacity")
+        cache = StaticKV(self.model.config, self.capacity, self.dtype, self.device)
+        self._live.add(cache)
+        return cache
 
     def forget(self, cache: StaticKV) -> None:
         """Drop what was captured for `cache` (a closed session)."""

@@ -139,7 +139,10 @@ class PrefillJob:
         if self.remaining:
             return False
         self.state.check_invariant()
+        replaced = self.target.sessions.get(self.session)
         self.target.sessions[self.session] = self.state
+        if replaced is not None and self.target.fast is not None:
+            self.target.fast.forget(replaced.cache)
         return True
 
 

@@ -70,6 +70,8 @@ class Ops:
         self.target, self.identity = LocalTarget(loaded, fast=self.config.fast), identity
         if self.target.pool is not None:  # the pool's rows are as long as its longest session: bound it too
             self.target.pool.max_bytes = self.kv_budget
+        if self.target.fast is not None:  # a fast target's static caches hold their full capacity each
+            self.target.fast.max_bytes = self.kv_budget
         self.jobs.cancel_all(SessionEndedError(f"the worker's model changed from {old} to {identity} ({reason}) "
                                                f"while this request ran"))
         if live:
