@@ -79,6 +79,20 @@ def draft_spec(args):
     return ModelSpec(args.draft, quantization=args.draft_quant) if args.draft else None
 
 
+def check_memory(target_bytes: int, clients: int, args) -> None:
+    """Refuse, naming the numbers, a run whose two workers and `clients` drafts would not fit in memory:
+    a 1.5B fp32 target twice and eight fp32 0.5B drafts (one per client process) got a worker OOM-killed."""
+    from specbench.models.loading import available_bytes
+
+    draft_bytes = load_model(draft_spec(args)).weight_bytes if args.draft else 0
+    # resident memory runs above the weights (a 1.5B fp32 worker: 7.2 GiB resident for 5.75 GiB of weights)
+    needed, free = 1.4 * (2 * target_bytes + clients * draft_bytes), available_bytes("cpu")
+    if free and needed > 0.9 * free:
+        raise SystemExit(f"1.4 x (two workers x {target_bytes / 2**30:.1f} GiB + {clients} client drafts x "
+                         f"{draft_bytes / 2**30:.1f} GiB) = {needed / 2**30:.1f} GiB, more than the {free / 2**30:.1f} "
+                         f"GiB free here: fewer --clients, or --draft-quant int8-dynamic")
+
+
 def near_tie(name: str, prompt: list[int], got: list[int], alone: list[int]) -> dict:
     """Where two greedy outputs part, the target's top-2 logit gap after their common prefix."""
     loaded = load_model(ModelSpec(name, kernels=args.kernels))
@@ -111,6 +125,7 @@ def main():
     alone_records = {method: run(loaded, prompts, method=method, k=args.k, max_new_tokens=args.max_new_tokens,
                                  draft=draft_spec(args), progress=False) for method in args.methods}
     alone = {method: outputs(records) for method, records in alone_records.items()}
+    check_memory(loaded.weight_bytes, max(args.clients), args)
     del loaded  # the worker loads its own copy: two 1.5B fp32 models and eight clients crowd 24 GiB
     gc.collect()
     rows, mismatches = [], []
