@@ -81,16 +81,19 @@ def draft_spec(args):
 
 def check_memory(target_bytes: int, clients: int, args) -> None:
     """Refuse, naming the numbers, a run whose two workers and `clients` drafts would not fit in memory:
-    a 1.5B fp32 target twice and eight fp32 0.5B drafts (one per client process) got a worker OOM-killed."""
+    two 1.5B fp32 workers and an fp32 0.5B draft in each of 2 client processes got a worker OOM-killed.
+    Resident memory runs ~1.1x the weights (a 1.5B fp32 worker: 7.2 GiB for 6.6 GiB of weights), plus
+    ~0.5 GiB of runtime per client process (this process is already out of what is free)."""
     from specbench.models.loading import available_bytes
 
     draft_bytes = load_model(draft_spec(args)).weight_bytes if args.draft else 0
-    # resident memory runs above the weights (a 1.5B fp32 worker: 7.2 GiB resident for 5.75 GiB of weights)
-    needed, free = 1.4 * (2 * target_bytes + clients * draft_bytes), available_bytes("cpu")
+    gc.collect()
+    needed = 1.15 * (2 * target_bytes + clients * draft_bytes) + 0.5 * 2**30 * clients
+    free = available_bytes("cpu")
     if free and needed > 0.9 * free:
-        raise SystemExit(f"1.4 x (two workers x {target_bytes / 2**30:.1f} GiB + {clients} client drafts x "
-                         f"{draft_bytes / 2**30:.1f} GiB) = {needed / 2**30:.1f} GiB, more than the {free / 2**30:.1f} "
-                         f"GiB free here: fewer --clients, or --draft-quant int8-dynamic")
+        raise SystemExit(f"two workers x {target_bytes / 2**30:.1f} GiB + {clients} client drafts x "
+                         f"{draft_bytes / 2**30:.1f} GiB need ~{needed / 2**30:.1f} GiB resident, more than 90% of "
+                         f"the {free / 2**30:.1f} GiB free here: fewer --clients, or a quantized --draft-quant")
 
 
 def near_tie(name: str, prompt: list[int], got: list[int], alone: list[int]) -> dict:
@@ -125,9 +128,10 @@ def main():
     alone_records = {method: run(loaded, prompts, method=method, k=args.k, max_new_tokens=args.max_new_tokens,
                                  draft=draft_spec(args), progress=False) for method in args.methods}
     alone = {method: outputs(records) for method, records in alone_records.items()}
-    check_memory(loaded.weight_bytes, max(args.clients), args)
+    target_bytes = loaded.weight_bytes
     del loaded  # the worker loads its own copy: two 1.5B fp32 models and eight clients crowd 24 GiB
     gc.collect()
+    check_memory(target_bytes, max(args.clients), args)
     rows, mismatches = [], []
     endpoints = {batching: f"tcp://127.0.0.1:{free_port()}" for batching in (True, False)}
     workers = {batching: spawn_worker(endpoint, "--model", name, "--kernels", args.kernels,
