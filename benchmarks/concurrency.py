@@ -79,7 +79,33 @@ def draft_spec(args):
     return ModelSpec(args.draft, quantization=args.draft_quant) if args.draft else None
 
 
-def check_memory(target_bytes: int, clients: int, args) -> None:
+class Workers:
+    """The batching and the non-batching worker. With `one_at_a_time` only the one in use is alive (started
+    afresh, and warmed up, at each switch), which leaves a target's memory to the clients' drafts."""
+
+    def __init__(self, name: str, kernels: str, one_at_a_time: bool):
+        self.name, self.kernels, self.one_at_a_time = name, kernels, one_at_a_time
+        self.live = {}  # batching -> (endpoint, process)
+
+    def endpoint(self, batching: bool, warm) -> str:
+        if batching not in self.live:
+            if self.one_at_a_time:
+                self.stop()
+            endpoint = f"tcp://127.0.0.1:{free_port()}"
+            self.live[batching] = (endpoint, spawn_worker(endpoint, "--model", self.name, "--kernels", self.kernels,
+                                                          *([] if batching else ["--no-batching"])))
+            if self.one_at_a_time:
+                warm(endpoint, 1)
+        return self.live[batching][0]
+
+    def stop(self) -> None:
+        for _, process in self.live.values():
+            process.terminate()
+            process.wait()
+        self.live.clear()
+
+
+def check_memory(target_bytes: int, workers: int, clients: int, args) -> None:
     """Refuse, naming the numbers, a run whose two workers and `clients` drafts would not fit in memory:
     two 1.5B fp32 workers and an fp32 0.5B draft in each of 2 client processes got a worker OOM-killed.
     Resident memory runs ~1.1x the weights (a 1.5B fp32 worker: 7.2 GiB for 6.6 GiB of weights), plus
@@ -88,12 +114,12 @@ def check_memory(target_bytes: int, clients: int, args) -> None:
 
     draft_bytes = load_model(draft_spec(args)).weight_bytes if args.draft else 0
     gc.collect()
-    needed = 1.15 * (2 * target_bytes + clients * draft_bytes) + 0.5 * 2**30 * clients
+    needed = 1.15 * (workers * target_bytes + clients * draft_bytes) + 0.5 * 2**30 * clients
     free = available_bytes("cpu")
     if free and needed > 0.9 * free:
-        raise SystemExit(f"two workers x {target_bytes / 2**30:.1f} GiB + {clients} client drafts x "
+        raise SystemExit(f"{workers} workers x {target_bytes / 2**30:.1f} GiB + {clients} client drafts x "
                          f"{draft_bytes / 2**30:.1f} GiB need ~{needed / 2**30:.1f} GiB resident, more than 90% of "
-                         f"the {free / 2**30:.1f} GiB free here: fewer --clients, or a quantized --draft-quant")
+                         f"the {free / 2**30:.1f} GiB free here: --one-worker, fewer --clients, or a quantized --draft-quant")
 
 
 def near_tie(name: str, prompt: list[int], got: list[int], alone: list[int]) -> dict:
@@ -118,6 +144,8 @@ def main():
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--kernels", default="default", choices=["default", "onednn"],
                         help="the target's linear kernels, in the worker and in the alone runs compared with")
+    parser.add_argument("--one-worker", action="store_true",
+                        help="keep one worker alive at a time (restarted at each switch): room for client drafts")
     parser.add_argument("--out", default=str(ROOT / "results" / "concurrency.json"))
     args = parser.parse_args()
     name = TARGETS[args.pair]
@@ -131,22 +159,20 @@ def main():
     target_bytes = loaded.weight_bytes
     del loaded  # the worker loads its own copy: two 1.5B fp32 models and eight clients crowd 24 GiB
     gc.collect()
-    check_memory(target_bytes, max(args.clients), args)
+    check_memory(target_bytes, 1 if args.one_worker else 2, max(args.clients), args)
     rows, mismatches = [], []
-    endpoints = {batching: f"tcp://127.0.0.1:{free_port()}" for batching in (True, False)}
-    workers = {batching: spawn_worker(endpoint, "--model", name, "--kernels", args.kernels,
-                                      *([] if batching else ["--no-batching"]))
-               for batching, endpoint in endpoints.items()}
+    workers = Workers(name, args.kernels, args.one_worker)
     try:
         with multiprocessing.get_context("spawn").Pool(max(args.clients)) as pool:
-            round_trip_s, packed = loopback_round_trip(endpoints[True])
-            for endpoint in endpoints.values():  # warm-up, discarded: every pool process and both workers
-                measure(pool, endpoint, prompts, args.methods[0], max(args.clients), args)
+            warm = lambda endpoint, clients: measure(pool, endpoint, prompts, args.methods[0], clients, args)  # noqa: E731
+            round_trip_s, packed = loopback_round_trip(workers.endpoint(True, warm))
+            for batching in (True, False):  # warm-up, discarded: every pool process and both workers
+                warm(workers.endpoint(batching, warm), max(args.clients))
             for step, clients in enumerate(args.clients):
                 for method in args.methods:
                     # batching on and off back to back, the order alternating, so drift hits both alike
                     for batching in ((True, False) if step % 2 == 0 else (False, True)):
-                        row = measure(pool, endpoints[batching], prompts, method, clients, args)
+                        row = measure(pool, workers.endpoint(batching, warm), prompts, method, clients, args)
                         for index, output in enumerate(row.pop("outputs")):
                             if output != alone[method][(method, index)]:
                                 mismatches.append({"batching": batching, "clients": clients, "method": method,
@@ -155,8 +181,7 @@ def main():
                         rows.append({"batching": batching, **row})
                         print(rows[-1], flush=True)
     finally:
-        for worker in workers.values():
-            worker.terminate()
+        workers.stop()
     table = pd.DataFrame(rows).sort_values(["batching", "clients", "method"], ascending=[False, True, False])
     off = table[~table["batching"]].set_index(["clients", "method"])["aggregate_tokens_per_s"]
     table["vs_unbatched"] = [row.aggregate_tokens_per_s / off[(row.clients, row.method)] for row in table.itertuples()]
