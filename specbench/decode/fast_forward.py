@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 import torch
 
 from specbench.decode.kv import plain_layers
-from specbench.decode.static_kv import StaticKV, WIDTH_STEP, kv_shape, width_for
+from specbench.decode.static_kv import StaticKV, kv_shape, rounded, width_for
 from specbench.types import FAST_BACKENDS, SpecbenchError
 
 # Step sizes with their own graph (made on first use); longer inputs run eagerly. Every size up to 8,
@@ -74,7 +74,7 @@ class FastForward:
     def new_cache(self) -> StaticKV:
         """A session's static cache, refused (naming the numbers) if all live ones would pass `max_bytes`."""
         layers, kv_heads, head_dim = kv_shape(self.model.config)
-        capacity = -(-self.capacity // WIDTH_STEP) * WIDTH_STEP
+        capacity = rounded(self.capacity)
         needed = 2 * layers * kv_heads * head_dim * capacity * torch.empty((), dtype=self.dtype).element_size()
         held = sum(cache.nbytes() for cache in self._live)
         if self.max_bytes and held + needed > self.max_bytes:
@@ -192,4 +192,4 @@ def fast_capacity(max_context: Optional[int], wanted: Optional[int]) -> int:
     """Positions each static cache holds: what the caller asked for, else the model's context capped
     at 4096 (a 1.5B model's fp32 cache is ~57 KB per position), in whole `WIDTH_STEP`s."""
     capacity = wanted or min(max_context or 4096, 4096)
-    return -(-capacity // WIDTH_STEP) * WIDTH_STEP
+    return rounded(capacity)

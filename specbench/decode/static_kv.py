@@ -22,6 +22,11 @@ from specbench.types import SpecbenchError
 WIDTH_STEP = 128  # positions; attention reads the cache up to a multiple of it
 
 
+def rounded(positions: int) -> int:
+    """`positions` rounded up to whole `WIDTH_STEP`s: a static cache's capacity."""
+    return -(-positions // WIDTH_STEP) * WIDTH_STEP
+
+
 def kv_shape(config) -> tuple[int, int, int]:
     """(layers, kv heads, head dim) of a decoder config, or a clear refusal where it cannot say."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -42,7 +47,7 @@ class StaticKV(Cache):
         layers, kv_heads, head_dim = kv_shape(config)
         if capacity < 1:
             raise SpecbenchError(f"static cache capacity must be >= 1 position, got {capacity}")
-        self.capacity = -(-capacity // WIDTH_STEP) * WIDTH_STEP
+        self.capacity = rounded(capacity)
         shape = (1, kv_heads, self.capacity, head_dim)
         with torch.inference_mode():
             self.key_store = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
