@@ -33,6 +33,7 @@ from specbench.decode.target import LocalTarget
 from specbench.methods import DraftSource, make_drafter
 from specbench.models.loading import load_model
 from specbench.models.spec import ModelSpec
+from specbench.models.vocab_bridge import TextBridge
 from specbench.types import SamplingParams
 
 from common import RESULTS, bench_prompts, write_report
@@ -72,6 +73,40 @@ def hf_generate(target, ids, max_new_tokens, assistant=None, k=None, sampled=Fal
     return out[0, len(ids):].tolist(), time.perf_counter() - started
 
 
+def hf_usd_q_check(target, draft, encoded) -> dict:
+    """How far the q that HF's sampled cross-tokenizer path tests each draft token against is from the q
+    the token was drawn from, at the first new position of each prompt.
+
+    When sampling across tokenizers, generate prunes the assistant's LM head to the shared tokens, its
+    rows in the order of the translator's target->assistant dict (the assistant vocabulary dict's
+    order), and writes the pruned logits into target ids in assistant-id order. Where the two orders
+    differ, acceptance reads p(x) / q(y) for another token y, so the verdicts are not those of
+    rejection sampling and the output is not the target's distribution. Nothing is run through
+    generate here: the same two orders are applied to one full forward of the unpruned draft.
+    """
+    from transformers.generation.candidate_generator import AssistantToTargetTranslator
+
+    vocab = target.model.config.get_text_config().vocab_size  # what generate passes
+    translator = AssistantToTargetTranslator(target.tokenizer, draft.tokenizer, vocab)  # no model: no pruning
+    pruned_rows = torch.tensor(list(translator.target_to_assistant_input_ids.values()))
+    mapped = translator._assistant_to_target_input_ids
+    shared = mapped != translator.SUPPRESS_TOKEN_ID
+    columns, shared_rows = mapped[shared], torch.nonzero(shared).flatten()
+    bridge = TextBridge(draft.tokenizer, target.tokenizer)
+    distances = []
+    for ids in encoded:
+        with torch.inference_mode():
+            logits = draft.model(torch.tensor([bridge.to_draft(ids)])).logits[0, -1].float()
+        drawn_from, tested_against = (torch.full((vocab,), float("-inf")) for _ in range(2))
+        drawn_from[columns] = logits[shared_rows]  # what the pruned head's sample means in target ids
+        tested_against[columns] = logits[pruned_rows]  # what the acceptance test reads as q
+        distances.append(0.5 * (drawn_from.softmax(-1) - tested_against.softmax(-1)).abs().sum().item())
+    import transformers
+    return {"transformers": transformers.__version__, "shared_tokens": int(shared.sum()),
+            "misplaced_columns": int((pruned_rows != shared_rows).sum()),
+            "total_variation_per_prompt": distances}
+
+
 def specbench_generate(local, drafter, ids, k, max_new_tokens, sampling=GREEDY, seed=0):
     started = time.perf_counter()
     result = generate(local, drafter, ids, Decoding(k, max_new_tokens, sampling), seed=seed)
@@ -93,6 +128,7 @@ def bench_dtype(dtype, target_name, cross_names, family_name, prompts, max_new_t
     timer = ForwardTimer(target.model)
     family_chain = make_drafter("chain", DraftSource(local, target, family, dtype)) if family else None
     methods = [("specbench", "target-only", None, None, None, False), ("hf", "target-only", None, None, None, False)]
+    usd_checks = {}
     if sampled:
         methods += [("specbench", "target-only sampled", None, None, None, True),
                     ("hf", "target-only sampled", None, None, None, True)]
@@ -111,6 +147,7 @@ def bench_dtype(dtype, target_name, cross_names, family_name, prompts, max_new_t
             # HF's USD prunes its assistant's LM head in place (index_select, which oneDNN weights lack):
             # it gets its own copy, on the default kernels
             pruned = load_model(ModelSpec(cross_name, dtype=dtype))
+            usd_checks[cross_name] = hf_usd_q_check(target, cross, encoded)
             methods += [("hf", f"assisted-cross sampled K={k}", cross_name, pruned, k, True) for k in ks]
             methods += [("specbench", f"cross-chain sampled K={k}", cross_name, shared, k, True) for k in ks]
     if family_chain:
@@ -147,7 +184,7 @@ def bench_dtype(dtype, target_name, cross_names, family_name, prompts, max_new_t
         checks.append({"dtype": dtype, "engine": engine, "method": method, "draft": draft_name, "prompt": index,
                        "identical": same,
                        "check": None if same else divergence_check(target.model, encoded[index], reference, out)})
-    return pd.DataFrame(rows), checks
+    return pd.DataFrame(rows), checks, usd_checks
 
 
 def summarize(frame: pd.DataFrame, checks) -> pd.DataFrame:
@@ -199,7 +236,7 @@ def main():
     pd.set_option("display.width", 200)
     report = {"settings": vars(args), "near_tie_logits": NEAR_TIE_LOGITS, "dtypes": {}}
     for dtype in args.dtypes:
-        frame, checks = bench_dtype(dtype, args.target, args.draft, args.family_draft, prompts,
+        frame, checks, usd_checks = bench_dtype(dtype, args.target, args.draft, args.family_draft, prompts,
                                     args.max_new_tokens, args.ks, args.tree_budgets, args.kernels, args.sampled,
                                     partial=lambda rows: write_report(args.out, dict(report, partial=rows)))
         table = summarize(frame, checks)
@@ -215,7 +252,14 @@ def main():
         for check in checks:
             if not check["identical"]:
                 print(f"  mismatch {check['engine']}/{check['method']}/{check['draft']} prompt {check['prompt']}: {check['check']}")
-        report["dtypes"][dtype] = {"summary": table.to_dict("records"), "checks": checks,
+        for draft, usd in usd_checks.items():
+            tv = usd["total_variation_per_prompt"]
+            print(f"HF's sampled cross-tokenizer path with {draft} (transformers {usd['transformers']}): "
+                  f"{usd['misplaced_columns']} of {usd['shared_tokens']} pruned-head columns land on another token's "
+                  f"id; total variation between the q it tests against and the q it draws from: "
+                  f"{min(tv):.2f}-{max(tv):.2f} over {len(tv)} prompts (0 = lossless). Its sampled rows are "
+                  f"{'not ' if usd['misplaced_columns'] else ''}a lossless baseline.")
+        report["dtypes"][dtype] = {"summary": table.to_dict("records"), "checks": checks, "hf_usd_check": usd_checks,
                                    "per_prompt": frame.to_dict("records")}
         write_report(args.out, report)  # after each dtype, so a cut-short run keeps what it measured
 
