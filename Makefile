@@ -25,6 +25,7 @@ demo: setup
 
 test: setup
 	$(PY) -m specbench.cli models fetch smollm2-135m
+	$(PY) -m specbench.cli models fetch qwen2.5-coder-0.5b  # notebook 05: a target of another family (0.5 GB once)
 	CI=1 $(PY) -m pytest -q -p no:cacheprovider --nbmake tests notebooks
 
 bench: setup

@@ -80,6 +80,16 @@ def test_onednn_where_it_cannot_run_is_refused_by_name(changes, words):
         load_model(ModelSpec("tiny-random:seed=0,vocab=96,hidden=64,layers=3", **{"kernels": "onednn", **changes}))
 
 
+def test_onednn_usable_agrees_with_the_refusals():
+    """The demo asks before it loads: a load `onednn_usable` accepts is one `check_onednn` does not refuse."""
+    from specbench.models.cpu_kernels import onednn_usable
+
+    assert onednn_usable("cpu", "float32", "none") == torch.backends.mkldnn.is_available()
+    assert not onednn_usable("cpu", "bfloat16", "none")
+    assert not onednn_usable("cuda", "float32", "none")
+    assert not onednn_usable("cpu", "float32", "int8-dynamic")
+
+
 def test_kernels_change_speed_not_acceptance():
     """A "+onednn" profile pairs with the reference of the plain model (acceptance is the same), a draft
     profiled with the same kernels is preferred, and both kernels of a target sit in one family."""

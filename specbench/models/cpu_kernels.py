@@ -48,6 +48,15 @@ def check_onednn(device: str, dtype: str, quantization: str) -> None:
                              f"own kernels: use kernels='default' with quantization={quantization!r}")
 
 
+def onednn_usable(device: str, dtype: str, quantization: str) -> bool:
+    """Whether `kernels='onednn'` can run for such a load (`check_onednn` says why not)."""
+    try:
+        check_onednn(device, dtype, quantization)
+    except SpecbenchError:
+        return False
+    return True
+
+
 def use_onednn(model: nn.Module, min_weights: int = MIN_WEIGHTS) -> int:
     """Replace, in place, every plain float32 `nn.Linear` of at least `min_weights` weights by a
     `OneDNNLinear`; returns how many were replaced."""
