@@ -16,7 +16,7 @@ distribution is tested in tests/test_cross_tokenizer.py).
 
     python benchmarks/cross_tokenizer.py [--draft smollm2-135m ...] [--dtypes float32 bfloat16] [--ks 2 4 6]
                                          [--tree-budgets 8 16] [--prompts 3] [--max-new-tokens 48]
-                                         [--kernels default|onednn] [--sampled]
+                                         [--kernels default|onednn] [--sampled] [--rounds 1]
 """
 from __future__ import annotations
 
@@ -119,7 +119,7 @@ def specbench_generate(local, drafter, ids, k, max_new_tokens, sampling=GREEDY, 
 
 
 def bench_dtype(dtype, target_name, cross_names, family_name, prompts, max_new_tokens, ks, tree_budgets=(),
-                kernels="default", sampled=False, partial=None):
+                kernels="default", sampled=False, partial=None, rounds=1):
     kernels = kernels if dtype == "float32" else "default"  # oneDNN layers are float32 only
     target = load_model(ModelSpec(target_name, dtype=dtype, kernels=kernels))
     family = load_model(ModelSpec(family_name, dtype=dtype, kernels=kernels)) if family_name else None
@@ -153,26 +153,33 @@ def bench_dtype(dtype, target_name, cross_names, family_name, prompts, max_new_t
     if family_chain:
         methods += [("specbench", "chain K=4", family_name, family_chain, 4, False)]
     rows, outputs = [], {}
-    bar = tqdm(total=len(methods) * len(encoded), desc=f"cross-tokenizer {dtype}")
-    for engine, method, draft_name, helper, k, sampling in methods:
-        sampling = SAMPLED if sampling else GREEDY
-        call = ((lambda ids, n, seed: hf_generate(target, ids, n, helper, k, sampling is SAMPLED, seed))
-                if engine == "hf" else
-                (lambda ids, n, seed: specbench_generate(local, helper, ids, k or 1, n, sampling, seed)[:2]))
-        call(encoded[0], 8, 0)  # warm-up, discarded
-        for index, ids in enumerate(encoded):
+
+    def one(engine, helper, k, sampling, ids, max_new, seed):
+        if engine == "hf":
             timer.reset()
-            if engine == "hf":
-                out, wall = call(ids, max_new_tokens, index)
-                stats = {"steps": timer.calls, "accepted": len(out) - timer.calls, "drafted": None, "draft_tokens": None}
-            else:
-                out, wall, stats = specbench_generate(local, helper, ids, k or 1, max_new_tokens, sampling, index)
-            outputs[(engine, method, draft_name, index)] = out
-            rows.append({"dtype": dtype, "engine": engine, "method": method, "draft": draft_name, "prompt": index,
-                         "sampled": sampling is SAMPLED, "tokens": len(out), "wall_s": wall, **stats})
-            bar.update()
-        if partial:
-            partial(rows)  # after each method: a run cut short keeps what it measured
+            out, wall = hf_generate(target, ids, max_new, helper, k, sampling is SAMPLED, seed)
+            return out, wall, {"steps": timer.calls, "accepted": len(out) - timer.calls, "drafted": None,
+                               "draft_tokens": None}
+        return specbench_generate(local, helper, ids, k or 1, max_new, sampling, seed)
+
+    methods = [(engine, method, draft, helper, k, SAMPLED if sampled else GREEDY)
+               for engine, method, draft, helper, k, sampled in methods]
+    for engine, _, _, helper, k, sampling in tqdm(methods, desc="warm-up"):
+        one(engine, helper, k, sampling, encoded[0], 8, 0)  # discarded
+    # prompt-major: every method runs on a prompt before the next prompt, so the VM's drift over minutes
+    # falls on all methods alike; each round repeats the whole pass
+    bar = tqdm(total=rounds * len(methods) * len(encoded), desc=f"cross-tokenizer {dtype}")
+    for round_ in range(rounds):
+        for index, ids in enumerate(encoded):
+            for engine, method, draft_name, helper, k, sampling in methods:
+                out, wall, stats = one(engine, helper, k, sampling, ids, max_new_tokens, index)
+                outputs[(engine, method, draft_name, index)] = out
+                rows.append({"dtype": dtype, "engine": engine, "method": method, "draft": draft_name,
+                             "prompt": index, "round": round_, "sampled": sampling is SAMPLED, "tokens": len(out),
+                             "wall_s": wall, **stats})
+                bar.update()
+            if partial:
+                partial(rows)  # after each prompt: a run cut short keeps what it measured
     bar.close()
     timer.remove()
     checks = []
@@ -200,7 +207,9 @@ def summarize(frame: pd.DataFrame, checks) -> pd.DataFrame:
                      "target_per_draft_token": drafted / group["draft_tokens"].sum() if drafted else None,
                      "identical": sum(c["identical"] for c in mine) if mine else None,  # none for samples
                      "near_ties": sum(bool(c["check"] and c["check"]["near_tie"]) for c in mine) if mine else None,
-                     "prompts": len(group)})
+                     "prompts": group["prompt"].nunique(),
+                     "tokens_per_s_by_round": [round(r.tokens.sum() / r.wall_s.sum(), 3)
+                                               for _, r in group.groupby("round")]})
     table = pd.DataFrame(rows)
     # each row against its own kind: greedy rows against greedy target-only and HF's best greedy cross
     # setting with the same draft, sampled rows against their sampled counterparts
@@ -230,6 +239,7 @@ def main():
                         help="linear kernels of every model (float32 runs; HF's generate uses the same models)")
     parser.add_argument("--sampled", action="store_true",
                         help="also sampled rows (temperature 1): target-only, HF's USD, specbench's shared-vocab chain")
+    parser.add_argument("--rounds", type=int, default=1, help="passes over the prompts (every method per prompt)")
     parser.add_argument("--out", default=str(RESULTS / "cross_tokenizer.json"))
     args = parser.parse_args()
     prompts = bench_prompts(args.prompts)
@@ -238,7 +248,8 @@ def main():
     for dtype in args.dtypes:
         frame, checks, usd_checks = bench_dtype(dtype, args.target, args.draft, args.family_draft, prompts,
                                     args.max_new_tokens, args.ks, args.tree_budgets, args.kernels, args.sampled,
-                                    partial=lambda rows: write_report(args.out, dict(report, partial=rows)))
+                                    partial=lambda rows: write_report(args.out, dict(report, partial=rows)),
+                                    rounds=args.rounds)
         table = summarize(frame, checks)
         print(f"\n== {', '.join(args.draft)} drafting for {args.target} ({dtype}, kernels {args.kernels}, "
               f"{len(prompts)} prompts x {args.max_new_tokens} tokens) ==")

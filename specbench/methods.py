@@ -43,7 +43,7 @@ class DraftSource:
     substitute_quantization: str = "8bit"
     tree: TreeShape = TreeShape()
     cross_tokenizer: str = "auto"  # a draft with another tokenizer: auto | text | shared-vocab | off (refuse it)
-    fast: bool | str = False  # a same-vocabulary chain draft runs fixed-shape steps (decode/fast_forward.py)
+    fast: bool | str = False  # a chain draft (either vocabulary) runs fixed-shape steps (decode/fast_forward.py)
 
     def __post_init__(self):
         if self.cross_tokenizer not in CROSS_TOKENIZER:
@@ -78,19 +78,24 @@ class DraftSource:
                                             else "")) from None
             from specbench.decode.cross_drafters import CrossTokenizerDrafter
 
+            # its own ids run ~1.1-1.2 per target token, so its static cache is as long as its own context
+            own_context = getattr(draft.model.config, "max_position_embeddings", None)
             return CrossTokenizerDrafter(draft, target_tokenizer, self.target.vocab_size, rule=self.cross_tokenizer,
-                                         tree=tree, name=f"{name}~cross")
+                                         tree=tree, name=f"{name}~cross",
+                                         fast=None if tree else self._fast_forward(draft, own_context))
         if tree is not None:
             return TreeDrafter(draft, self.target.vocab_size, name=name, **tree)
         return ModelDrafter(draft, self.target.vocab_size, name=name, fast=self._fast_forward(draft))
 
-    def _fast_forward(self, draft):
-        """The draft's fixed-shape forward when `fast` asks for one, as long as the target's context."""
+    def _fast_forward(self, draft, context: Optional[int] = None):
+        """The draft's fixed-shape forward when `fast` asks for one, as long as `context` (default: the
+        target's, since a same-vocabulary draft follows the target's tokens)."""
         if not self.fast:
             return None
         from specbench.decode.fast_forward import FastForward, fast_capacity
 
-        context = getattr(self.target, "max_context", None) or getattr(draft.model.config, "max_position_embeddings", None)
+        context = (context or getattr(self.target, "max_context", None)
+                   or getattr(draft.model.config, "max_position_embeddings", None))
         return FastForward(draft.model, fast_capacity(context, None), self.fast)
 
     def own_weights(self, method: str):

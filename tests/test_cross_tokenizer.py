@@ -8,6 +8,7 @@ from specbench.api import outputs, run
 from specbench.decode.cross_drafters import CrossTokenizerDrafter
 from specbench.decode.loop import Decoding, generate
 from specbench.decode.target import LocalTarget
+from specbench.methods import DraftSource, make_drafter
 from specbench.models.loading import VocabMismatchError
 from specbench.models.tiny import tiny_model
 from specbench.models.vocab_bridge import SharedVocab, TextBridge, token_keys
@@ -155,6 +156,22 @@ def test_greedy_output_is_target_only_token_for_token(tiny_pair, method, rule):
     # the twin reads the same text, so translation through text must be accepted often
     steps = drafted[drafted["drafted"] > 0]
     assert steps["accepted"].mean() >= 1.0, steps["accepted"].tolist()
+
+
+@pytest.mark.parametrize("rule", ["text", "shared-vocab"])
+def test_a_cross_chain_draft_runs_the_fast_path(tiny_pair, rule):
+    """With `fast`, the draft of another tokenizer steps through fixed shapes on a static cache of its own
+    ids (its re-synced context included) and the output is still target-only's, token for token."""
+    target, draft = tiny_pair
+    frame = run(target, TINY_PROMPTS, method=["target-only", "chain"], draft=draft, k=6, max_new_tokens=24,
+                progress=False, chat=False, cross_tokenizer=rule, fast="static")
+    got = outputs(frame)
+    for index in range(len(TINY_PROMPTS)):
+        assert got[("chain", index)] == got[("target-only", index)]
+    drafter = make_drafter("chain", DraftSource(LocalTarget(target), target, draft, cross_tokenizer=rule, fast="static"))
+    assert drafter.model_drafter.fast is not None and drafter.model_drafter.fast.backend == "static"
+    drafter.propose(target.tokenizer.encode(TINY_PROMPTS[0]), 4, SamplingParams(), torch.Generator().manual_seed(0))
+    assert drafter.model_drafter.fast.shapes  # the draft's steps went through the static shapes
 
 
 def test_unrelated_draft_with_another_tokenizer_is_still_lossless(ascii_level, sentencepiece):

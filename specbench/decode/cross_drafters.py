@@ -44,7 +44,7 @@ class CrossTokenizerDrafter:
     """
 
     def __init__(self, draft: LoadedModel, target_tokenizer, target_vocab_size: int, rule: str = "auto",
-                 tree: Optional[dict] = None, name: str = "cross", slack: int = 2):
+                 tree: Optional[dict] = None, name: str = "cross", slack: int = 2, fast=None):
         if rule not in CROSS_TOKENIZER_RULES:
             raise SpecbenchError(f"unknown cross-tokenizer rule {rule!r}; choose one of {CROSS_TOKENIZER_RULES}")
         if draft.tokenizer is None or target_tokenizer is None:
@@ -54,7 +54,7 @@ class CrossTokenizerDrafter:
         self.target_vocab_size = target_vocab_size
         self.bridge = TextBridge(draft.tokenizer, target_tokenizer)
         self.model_drafter = (TreeDrafter(draft, draft.vocab_size, name=name, **tree) if tree is not None
-                              else ModelDrafter(draft, draft.vocab_size, name=name))
+                              else ModelDrafter(draft, draft.vocab_size, name=name, fast=fast))
         self.is_tree = tree is not None
         # ids past the tokenizer's own (padding rows of the output layer) spell nothing
         self.draft_vocab = min(draft.vocab_size, len(draft.tokenizer))
