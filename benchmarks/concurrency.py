@@ -6,7 +6,7 @@ loopback (one mt-bench prompt each), against a worker with batched verification 
 SD (drafting costs the clients nothing, so the worker is what is measured); with `--draft`,
 `--methods target-only chain` runs a draft model in every client process (on this box the clients'
 drafts and the worker share the same cores, which the measurement then includes). Every greedy output is
-compared with the same prompt decoded alone in this process (fp32); a difference is shown with the
+compared with the same prompt decoded alone in this process (fp32 by default, `--dtype`); a difference is shown with the
 target's top-2 logit gap at the first differing token (a near-tie means batched shapes changed
 the rounding). With batching on, SD's speedup over target-only per client count is also predicted
 from the alone run's steps, priced on the shipped profile's batch grid of the target plus the
@@ -20,6 +20,7 @@ first, leaving part-full batches) and steady state (`plan.predict.replay_speed`:
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import multiprocessing
 import time
@@ -83,8 +84,8 @@ class Workers:
     """The batching and the non-batching worker. With `one_at_a_time` only the one in use is alive (started
     afresh, and warmed up, at each switch), which leaves a target's memory to the clients' drafts."""
 
-    def __init__(self, name: str, kernels: str, one_at_a_time: bool):
-        self.name, self.kernels, self.one_at_a_time = name, kernels, one_at_a_time
+    def __init__(self, spec: ModelSpec, one_at_a_time: bool):
+        self.spec, self.one_at_a_time = spec, one_at_a_time
         self.live = {}  # batching -> (endpoint, process)
 
     def endpoint(self, batching: bool, warm) -> str:
@@ -92,7 +93,8 @@ class Workers:
             if self.one_at_a_time:
                 self.stop()
             endpoint = f"tcp://127.0.0.1:{free_port()}"
-            self.live[batching] = (endpoint, spawn_worker(endpoint, "--model", self.name, "--kernels", self.kernels,
+            self.live[batching] = (endpoint, spawn_worker(endpoint, "--model", self.spec.model, "--dtype",
+                                                          self.spec.dtype, "--kernels", self.spec.kernels,
                                                           *([] if batching else ["--no-batching"])))
             if self.one_at_a_time:
                 warm(endpoint, 1)
@@ -122,9 +124,14 @@ def check_memory(target_bytes: int, workers: int, clients: int, args) -> None:
                          f"the {free / 2**30:.1f} GiB free here: --one-worker, fewer --clients, or a quantized --draft-quant")
 
 
-def near_tie(name: str, prompt: list[int], got: list[int], alone: list[int]) -> dict:
+@functools.lru_cache(maxsize=1)
+def _reference_model(spec: ModelSpec):
+    return load_model(spec)
+
+
+def near_tie(spec: ModelSpec, prompt: list[int], got: list[int], alone: list[int]) -> dict:
     """Where two greedy outputs part, the target's top-2 logit gap after their common prefix."""
-    loaded = load_model(ModelSpec(name, kernels=args.kernels))
+    loaded = _reference_model(spec)
     position = next(i for i, (a, b) in enumerate(zip(got, alone)) if a != b)
     with torch.inference_mode():
         logits = loaded.model(input_ids=torch.tensor([prompt + alone[:position]])).logits[0, -1]
@@ -144,13 +151,15 @@ def main():
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--kernels", default="default", choices=["default", "onednn"],
                         help="the target's linear kernels, in the worker and in the alone runs compared with")
+    parser.add_argument("--dtype", default="float32",
+                        help="the target's dtype, worker and alone runs (bfloat16 pays on CPUs with avx512_bf16)")
     parser.add_argument("--one-worker", action="store_true",
                         help="keep one worker alive at a time (restarted at each switch): room for client drafts")
     parser.add_argument("--out", default=str(ROOT / "results" / "concurrency.json"))
     args = parser.parse_args()
     name = TARGETS[args.pair]
-    loaded_spec = ModelSpec(name, kernels=args.kernels)
-    loaded = load_model(ModelSpec(name, kernels=args.kernels))
+    loaded_spec = ModelSpec(name, dtype=args.dtype, kernels=args.kernels)
+    loaded = load_model(loaded_spec)
     texts = [row["prompt"] for row in load_prompts(args.dataset, limit=max(args.clients))]
     prompts = encode_prompts(texts, loaded.tokenizer)
     alone_records = {method: run(loaded, prompts, method=method, k=args.k, max_new_tokens=args.max_new_tokens,
@@ -161,7 +170,7 @@ def main():
     gc.collect()
     check_memory(target_bytes, 1 if args.one_worker else 2, max(args.clients), args)
     rows, mismatches = [], []
-    workers = Workers(name, args.kernels, args.one_worker)
+    workers = Workers(loaded_spec, args.one_worker)
     try:
         with multiprocessing.get_context("spawn").Pool(max(args.clients)) as pool:
             warm = lambda endpoint, clients: measure(pool, endpoint, prompts, args.methods[0], clients, args)  # noqa: E731
@@ -185,14 +194,15 @@ def main():
     table = pd.DataFrame(rows).sort_values(["batching", "clients", "method"], ascending=[False, True, False])
     off = table[~table["batching"]].set_index(["clients", "method"])["aggregate_tokens_per_s"]
     table["vs_unbatched"] = [row.aggregate_tokens_per_s / off[(row.clients, row.method)] for row in table.itertuples()]
-    print(f"\n== {loaded_spec.label} worker on loopback, fp32, {args.max_new_tokens} tokens per client, K={args.k} ==")
+    print(f"\n== {loaded_spec.label} worker on loopback, {args.dtype}, {args.max_new_tokens} tokens per client, K={args.k} ==")
     print(table.round(3).to_string(index=False))
     print(f"greedy outputs differing from the same prompt alone: {len(mismatches)}", mismatches or "")
     speedups = speedup_table(table, loaded_spec.label, alone_records, [len(p) for p in prompts], round_trip_s, packed, args)
     if speedups is not None:
         print(f"\n== SD speedup over target-only per client, batching on: predicted vs measured ==")
         print(speedups.round(3).to_string(index=False))
-    suffix = ("" if args.kernels == "default" else f"-{args.kernels}") + (f"-{draft_spec(args).label}" if args.draft else "")
+    suffix = (("" if args.dtype == "float32" else f"-{args.dtype}") + ("" if args.kernels == "default" else f"-{args.kernels}")
+              + (f"-{draft_spec(args).label}" if args.draft else ""))
     write_report(args.out.replace(".json", f"-{args.pair}{suffix}.json"),
                  {"target": name, "rows": table.to_dict("records"), "mismatches": mismatches,
                   "speedups": None if speedups is None else speedups.to_dict("records"),
@@ -218,10 +228,11 @@ def loopback_round_trip(endpoint: str) -> tuple[float, bool]:
 def speedup_table(table: pd.DataFrame, name: str, alone_records: dict, prompt_lengths, round_trip_s, packed, args):
     """Per client count: each SD method's predicted and measured per-client speedup over target-only."""
     profiles = [p for p in load_profiles() if p.model == name and p.device == device_name("cpu")
-                and len(p.batches) > 1]
+                and p.dtype == args.dtype and len(p.batches) > 1]
     if not profiles or "target-only" not in args.methods:
         print(f"(no speedup prediction: needs target-only among the methods and a profile of {name} over batch "
-              f"sizes; record one with `specbench profile --model {acceptance_label(name)} --batches 1 2 4 8`"
+              f"sizes in {args.dtype}; record one with `specbench profile --model {acceptance_label(name)} "
+              f"--dtype {args.dtype} --batches 1 2 4 8`"
               f"{' --kernels onednn' if name.endswith('+onednn') else ''})")
         return None
     profile, on = profiles[0], table[table["batching"]].set_index(["clients", "method"])

@@ -27,6 +27,7 @@ from specbench.decode.fast_forward import FastForward
 from specbench.decode.kv import crop_to, new_cache
 from specbench.decode.profile import forward_latency_grid
 from specbench.hardware import device_name
+from specbench.models.memory import kv_bytes_per_token, weight_bytes
 
 from common import RESULTS, write_report
 
@@ -74,12 +75,7 @@ def bandwidth(device: str, megabytes: int) -> float:
 
 def floor_s(model, tokens: int, context: int, bytes_per_s: float) -> float:
     """The least time a forward can take: every weight and the context's keys and values read once."""
-    config = model.config
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())  # tied embeddings counted once
-    head_dim = config.hidden_size // config.num_attention_heads
-    element = next(model.parameters()).element_size()
-    kv = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * (context + tokens) * element
-    return (weights + kv) / bytes_per_s
+    return (weight_bytes(model) + kv_bytes_per_token(model) * (context + tokens)) / bytes_per_s
 
 
 class Stepper:
@@ -244,13 +240,9 @@ def save(profiles, models, args, fast: str) -> None:
 
     for arch, variant, rows in profiles:
         model = models[arch]
-        config = model.config
-        head_dim = config.hidden_size // config.num_attention_heads
-        element = next(model.parameters()).element_size()
         profile = LatencyProfile(
             model=PROFILE_LABELS.get(arch, arch), device=device_name(args.device), dtype=args.dtype,
-            weight_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
-            kv_bytes_per_token=2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * element,
+            weight_bytes=weight_bytes(model), kv_bytes_per_token=kv_bytes_per_token(model),
             forward="eager" if variant == "eager" else f"fast-{fast}",
             rows=tuple((r["tokens"], r["context"], r["median_s"], 1) for r in rows))
         path = save_profile(profile, {"weights": f"random {arch} architecture (latency depends on shapes)",
