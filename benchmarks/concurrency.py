@@ -201,7 +201,8 @@ def main():
     if speedups is not None:
         print(f"\n== SD speedup over target-only per client, batching on: predicted vs measured ==")
         print(speedups.round(3).to_string(index=False))
-    suffix = (("" if args.dtype == "float32" else f"-{args.dtype}") + ("" if args.kernels == "default" else f"-{args.kernels}")
+    suffix = (("" if args.dtype == "float32" else f"-{args.dtype}")
+              + ("" if args.kernels == "default" else f"-{args.kernels}")
               + (f"-{draft_spec(args).label}" if args.draft else ""))
     write_report(args.out.replace(".json", f"-{args.pair}{suffix}.json"),
                  {"target": name, "rows": table.to_dict("records"), "mismatches": mismatches,

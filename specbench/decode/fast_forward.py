@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 import torch
 
 from specbench.decode.kv import plain_layers
-from specbench.decode.static_kv import StaticKV, kv_shape, rounded, width_for
+from specbench.decode.static_kv import StaticKV, rounded, static_bytes, width_for
 from specbench.types import FAST_BACKENDS, SpecbenchError
 
 # Step sizes with their own graph (made on first use); longer inputs run eagerly. Every size up to 8,
@@ -73,9 +73,7 @@ class FastForward:
 
     def new_cache(self) -> StaticKV:
         """A session's static cache, refused (naming the numbers) if all live ones would pass `max_bytes`."""
-        layers, kv_heads, head_dim = kv_shape(self.model.config)
-        capacity = rounded(self.capacity)
-        needed = 2 * layers * kv_heads * head_dim * capacity * torch.empty((), dtype=self.dtype).element_size()
+        needed = static_bytes(self.model.config, self.capacity, self.dtype)
         held = sum(cache.nbytes() for cache in self._live)
         if self.max_bytes and held + needed > self.max_bytes:
             gc.collect()  # a closed session's cache is a reference cycle (cache <-> its layers) until collected
@@ -83,7 +81,8 @@ class FastForward:
         if self.max_bytes and held + needed > self.max_bytes:
             raise SpecbenchError(
                 f"static KV caches: {len(self._live)} sessions hold {held} bytes and one more needs {needed} "
-                f"({capacity} positions), over the limit of {self.max_bytes} bytes (the worker's --max-kv-gib); "
+                f"({rounded(self.capacity)} positions), over the limit of {self.max_bytes} bytes "
+                f"(the worker's --max-kv-gib); "
                 f"close sessions or lower fast_capacity")
         cache = StaticKV(self.model.config, self.capacity, self.dtype, self.device)
         self._live.add(cache)

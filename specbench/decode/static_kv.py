@@ -27,6 +27,12 @@ def rounded(positions: int) -> int:
     return -(-positions // WIDTH_STEP) * WIDTH_STEP
 
 
+def static_bytes(config, capacity: int, dtype: torch.dtype) -> int:
+    """Bytes a static cache of `capacity` positions holds (keys and values, every layer), before it exists."""
+    layers, kv_heads, head_dim = kv_shape(config)
+    return 2 * layers * kv_heads * head_dim * rounded(capacity) * torch.empty((), dtype=dtype).element_size()
+
+
 def kv_shape(config) -> tuple[int, int, int]:
     """(layers, kv heads, head dim) of a decoder config, or a clear refusal where it cannot say."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
