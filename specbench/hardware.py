@@ -10,17 +10,29 @@ import torch
 
 
 def device_name(device: str = "cpu") -> str:
+    """The name profiles are filed under. CPUs: threads, model name, and the vector extensions that change
+    matmul speed by 2-5x (two VMs both called "AMD EPYC" differ by AVX-512 and native bf16)."""
     if device.startswith("cuda") and torch.cuda.is_available():
         return torch.cuda.get_device_name(torch.device(device)).replace(" ", "-")
     try:
         with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    name = line.split(":", 1)[1].strip()
-                    return f"cpu-{torch.get_num_threads()}t-" + "-".join(name.split())[:40]
+            return cpu_name(info.read(), torch.get_num_threads())
     except OSError:
         pass
     return f"cpu-{torch.get_num_threads()}t-{platform.machine()}"
+
+
+def cpu_name(cpuinfo: str, threads: int) -> str:
+    """`cpu-<threads>t-<model name>`, then `-avx512` or `-avx512bf16` where the first CPU has them (no
+    suffix without AVX-512, so names recorded before the suffix existed still match such machines)."""
+    name, flags = None, set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("model name") and name is None:
+            name = "-".join(line.split(":", 1)[1].split())[:40]
+        elif line.startswith("flags") and not flags:
+            flags = set(line.split(":", 1)[1].split())
+    suffix = "-avx512bf16" if "avx512_bf16" in flags else "-avx512" if "avx512f" in flags else ""
+    return f"cpu-{threads}t-{name or platform.machine()}{suffix}"
 
 
 def measure_power(device: str = "cpu", seconds: float = 0.5, configured_watts: Optional[float] = None) -> dict:

@@ -75,3 +75,15 @@ def test_peak_device_memory_is_recorded_per_prompt_where_the_device_reports_it(t
                   warmup=False)
     assert windows == ["cpu", "cpu"]
     assert records.groupby("prompt_index")["device_peak_bytes"].first().tolist() == [1000, 2000]
+
+
+def test_cpu_names_carry_the_vector_extensions():
+    """Two VMs with one model name but different matmul speed get different profile names; a CPU without
+    AVX-512 keeps the name profiles were recorded under before the suffix existed."""
+    from specbench.hardware import cpu_name
+
+    info = "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 {}\n\nprocessor\t: 1\nmodel name\t: AMD EPYC\nflags\t: fpu\n"
+    assert cpu_name(info.format(""), 2) == "cpu-2t-AMD-EPYC"
+    assert cpu_name(info.format("avx512f avx512bw"), 2) == "cpu-2t-AMD-EPYC-avx512"
+    assert cpu_name(info.format("avx512f avx512_bf16"), 2) == "cpu-2t-AMD-EPYC-avx512bf16"
+    assert cpu_name("", 4).startswith("cpu-4t-")
