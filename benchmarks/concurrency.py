@@ -84,8 +84,8 @@ class Workers:
     """The batching and the non-batching worker. With `one_at_a_time` only the one in use is alive (started
     afresh, and warmed up, at each switch), which leaves a target's memory to the clients' drafts."""
 
-    def __init__(self, spec: ModelSpec, one_at_a_time: bool):
-        self.spec, self.one_at_a_time = spec, one_at_a_time
+    def __init__(self, spec: ModelSpec, one_at_a_time: bool, batch_window_ms: float):
+        self.spec, self.one_at_a_time, self.batch_window_ms = spec, one_at_a_time, batch_window_ms
         self.live = {}  # batching -> (endpoint, process)
 
     def endpoint(self, batching: bool, warm) -> str:
@@ -95,7 +95,8 @@ class Workers:
             endpoint = f"tcp://127.0.0.1:{free_port()}"
             self.live[batching] = (endpoint, spawn_worker(endpoint, "--model", self.spec.model, "--dtype",
                                                           self.spec.dtype, "--kernels", self.spec.kernels,
-                                                          *([] if batching else ["--no-batching"])))
+                                                          *(["--batch-window-ms", str(self.batch_window_ms)]
+                                                            if batching else ["--no-batching"])))
             if self.one_at_a_time:
                 warm(endpoint, 1)
         return self.live[batching][0]
@@ -153,6 +154,8 @@ def main():
                         help="the target's linear kernels, in the worker and in the alone runs compared with")
     parser.add_argument("--dtype", default="float32",
                         help="the target's dtype, worker and alone runs (bfloat16 pays on CPUs with avx512_bf16)")
+    parser.add_argument("--batch-window-ms", type=float, default=20.0,
+                        help="the batching worker's wait for the other active sessions' steps (its default: 20)")
     parser.add_argument("--one-worker", action="store_true",
                         help="keep one worker alive at a time (restarted at each switch): room for client drafts")
     parser.add_argument("--out", default=str(ROOT / "results" / "concurrency.json"))
@@ -170,7 +173,7 @@ def main():
     gc.collect()
     check_memory(target_bytes, 1 if args.one_worker else 2, max(args.clients), args)
     rows, mismatches = [], []
-    workers = Workers(loaded_spec, args.one_worker)
+    workers = Workers(loaded_spec, args.one_worker, args.batch_window_ms)
     try:
         with multiprocessing.get_context("spawn").Pool(max(args.clients)) as pool:
             warm = lambda endpoint, clients: measure(pool, endpoint, prompts, args.methods[0], clients, args)  # noqa: E731
