@@ -25,6 +25,7 @@ import gc
 import multiprocessing
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import pandas as pd
@@ -84,7 +85,7 @@ class Workers:
     """The batching and the non-batching worker. With `one_at_a_time` only the one in use is alive (started
     afresh, and warmed up, at each switch), which leaves a target's memory to the clients' drafts."""
 
-    def __init__(self, spec: ModelSpec, one_at_a_time: bool, batch_window_ms: float):
+    def __init__(self, spec: ModelSpec, one_at_a_time: bool, batch_window_ms: Optional[float] = None):
         self.spec, self.one_at_a_time, self.batch_window_ms = spec, one_at_a_time, batch_window_ms
         self.live = {}  # batching -> (endpoint, process)
 
@@ -95,11 +96,15 @@ class Workers:
             endpoint = f"tcp://127.0.0.1:{free_port()}"
             self.live[batching] = (endpoint, spawn_worker(endpoint, "--model", self.spec.model, "--dtype",
                                                           self.spec.dtype, "--kernels", self.spec.kernels,
-                                                          *(["--batch-window-ms", str(self.batch_window_ms)]
-                                                            if batching else ["--no-batching"])))
+                                                          *self._batching_flags(batching)))
             if self.one_at_a_time:
                 warm(endpoint, 1)
         return self.live[batching][0]
+
+    def _batching_flags(self, batching: bool) -> list[str]:
+        if not batching:
+            return ["--no-batching"]
+        return [] if self.batch_window_ms is None else ["--batch-window-ms", str(self.batch_window_ms)]
 
     def stop(self) -> None:
         for _, process in self.live.values():
@@ -154,8 +159,8 @@ def main():
                         help="the target's linear kernels, in the worker and in the alone runs compared with")
     parser.add_argument("--dtype", default="float32",
                         help="the target's dtype, worker and alone runs (bfloat16 pays on CPUs with avx512_bf16)")
-    parser.add_argument("--batch-window-ms", type=float, default=20.0,
-                        help="the batching worker's wait for the other active sessions' steps (its default: 20)")
+    parser.add_argument("--batch-window-ms", type=float, default=None,
+                        help="the batching worker's wait for the other active sessions' steps (default: the worker's)")
     parser.add_argument("--one-worker", action="store_true",
                         help="keep one worker alive at a time (restarted at each switch): room for client drafts")
     parser.add_argument("--out", default=str(ROOT / "results" / "concurrency.json"))
