@@ -3,7 +3,9 @@
 1, 2, 4, 8 client processes (each its own prompt) decode at once against a `specbench worker` on
 loopback (one mt-bench prompt each), against a worker with batched verification and one with
 `--no-batching`, measured back to back per setting (order alternating) after a discarded warm-up; target-only and prompt-lookup
-SD (drafting costs the clients nothing, so the worker is what is measured); with `--draft`,
+SD (drafting costs the clients nothing, so the worker is what is measured); "prompt-lookup+planner"
+lets the step planner choose K per step from this machine's batch-grid profile of the target and the
+prompt-lookup reference, following the batch size the worker reports (shorter lookups under load); with `--draft`,
 `--methods target-only chain` runs a draft model in every client process (on this box the clients'
 drafts and the worker share the same cores, which the measurement then includes). Every greedy output is
 compared with the same prompt decoded alone in this process (fp32 by default, `--dtype`); a difference is shown with the
@@ -15,6 +17,7 @@ loopback round trip, two ways, each printed with its error against the measured 
 first, leaving part-full batches) and steady state (`plan.predict.replay_speed`: every batch full). Prints tables and writes results/concurrency-<pair>.json.
 
     python benchmarks/concurrency.py [--pair smollm2|qwen] [--clients 1 2 4 8] [--max-new-tokens 24]
+                                     [--methods target-only prompt-lookup prompt-lookup+planner]
                                      [--kernels default|onednn] [--methods target-only chain --draft M]
 """
 from __future__ import annotations
@@ -54,8 +57,9 @@ def client_job(job: dict) -> dict:
     remote = RemoteTarget(job["endpoint"], timeout_s=900)
     time.sleep(max(0.0, job["go"] - time.perf_counter()))
     started = time.perf_counter()
-    records = run(remote, [job["prompt"]], method=job["method"], k=job["k"], max_new_tokens=job["max_new_tokens"],
-                  draft=job["draft"], progress=False, warmup=False)
+    records = run(remote, [job["prompt"]], method=job["method"].removesuffix("+planner"), k=job["k"],
+                  max_new_tokens=job["max_new_tokens"], draft=job["draft"], planner=job["planner"], progress=False,
+                  warmup=False)
     return {"started": started, "ended": time.perf_counter(), "tokens": int(records["emitted"].sum()),
             "output": outputs(records)[(job["method"], 0)], "step_s": records["step_s"].tolist(),
             "queue_s": records["queue_s"].tolist(), "batch_size": records["batch_size"].tolist()}
@@ -64,7 +68,8 @@ def client_job(job: dict) -> dict:
 def measure(pool, endpoint: str, prompts, method: str, clients: int, args) -> dict:
     go = time.perf_counter() + 3.0  # every client connected and waiting before any starts
     jobs = [{"endpoint": endpoint, "prompt": prompts[i], "method": method, "k": args.k, "draft": draft_spec(args),
-             "max_new_tokens": args.max_new_tokens, "go": go} for i in range(clients)]
+             "max_new_tokens": args.max_new_tokens, "go": go, "planner": planner_for(method, args, "remote")}
+            for i in range(clients)]
     results = pool.map(client_job, jobs, chunksize=1)
     wall = max(r["ended"] for r in results) - min(r["started"] for r in results)
     steps = np.array([s for r in results for s in r["step_s"]]) * 1000
@@ -74,6 +79,22 @@ def measure(pool, endpoint: str, prompts, method: str, clients: int, args) -> di
             "queue_ms_p50": float(np.percentile(queue, 50)), "queue_ms_p99": float(np.percentile(queue, 99)),
             "mean_batch": float(np.mean([b for r in results for b in r["batch_size"]])),
             "outputs": [r["output"] for r in results]}
+
+
+def planner_for(method: str, args, where: str):
+    """A step planner for "<method>+planner" (K per step from this machine's profile of the target and the
+    pair's reference; remote, it follows the worker's batch size: shorter drafts under load), else None."""
+    if not method.endswith("+planner"):
+        return None
+    from specbench.plan.step_planner import planner_from_caches
+
+    return planner_from_caches(target_spec(args).label, draft_spec(args).label if args.draft else "prompt-lookup",
+                               dataset=args.dataset, device=device_name("cpu"), dtype=args.dtype, where=where,
+                               max_k=args.k)
+
+
+def target_spec(args) -> ModelSpec:
+    return ModelSpec(TARGETS[args.pair], dtype=args.dtype, kernels=args.kernels)
 
 
 def draft_spec(args):
@@ -166,12 +187,13 @@ def main():
     parser.add_argument("--out", default=str(ROOT / "results" / "concurrency.json"))
     args = parser.parse_args()
     name = TARGETS[args.pair]
-    loaded_spec = ModelSpec(name, dtype=args.dtype, kernels=args.kernels)
+    loaded_spec = target_spec(args)
     loaded = load_model(loaded_spec)
     texts = [row["prompt"] for row in load_prompts(args.dataset, limit=max(args.clients))]
     prompts = encode_prompts(texts, loaded.tokenizer)
-    alone_records = {method: run(loaded, prompts, method=method, k=args.k, max_new_tokens=args.max_new_tokens,
-                                 draft=draft_spec(args), progress=False) for method in args.methods}
+    alone_records = {method: run(loaded, prompts, method=method.removesuffix("+planner"), k=args.k,
+                                 max_new_tokens=args.max_new_tokens, draft=draft_spec(args), progress=False,
+                                 planner=planner_for(method, args, "local")) for method in args.methods}
     alone = {method: outputs(records) for method, records in alone_records.items()}
     target_bytes = loaded.weight_bytes
     del loaded  # the worker loads its own copy: two 1.5B fp32 models and eight clients crowd 24 GiB
@@ -258,7 +280,8 @@ def speedup_table(table: pd.DataFrame, name: str, alone_records: dict, prompt_le
                                    round_trip_s, packed)
 
         base_measured = on.loc[(clients, "target-only"), "aggregate_tokens_per_s"]
-        for method in (m for m in args.methods if m != "target-only"):
+        # a planned run chooses its K from the load it meets, which the alone run's steps cannot replay
+        for method in (m for m in args.methods if m != "target-only" and not m.endswith("+planner")):
             measured = on.loc[(clients, method), "aggregate_tokens_per_s"] / base_measured
             steady = predicted(method) / predicted("target-only")
             together = predicted_run(method) / predicted_run("target-only")

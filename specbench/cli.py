@@ -45,10 +45,10 @@ def _run(args) -> int:
     if args.plan:
         from specbench.plan.step_planner import planner_from_caches
 
-        if draft is None:
-            raise SpecbenchError("--plan chooses K per step for a draft/target pair: pass --draft")
-        planner = planner_from_caches(target.label, draft.label, cs=args.cs, max_k=args.k,
-                                      draft_budget_mib=args.draft_budget_mib)
+        if draft is None and "prompt-lookup" not in args.method:  # no draft: prompt lookup's planner (drafting free)
+            raise SpecbenchError("--plan chooses K per step for a draft/target pair or prompt lookup: pass --draft")
+        planner = planner_from_caches(target.label, draft.label if draft else "prompt-lookup", cs=args.cs,
+                                      max_k=args.k, draft_budget_mib=args.draft_budget_mib, dtype=args.dtype)
     from specbench.demo import DEMO_PROMPTS
 
     records = run(target, args.prompt or DEMO_PROMPTS, method=args.method, draft=draft, k=args.k,
@@ -100,6 +100,7 @@ def _reference(args) -> int:
     from specbench.datasets import load_prompts
     from specbench.models.spec import ModelSpec
     from specbench.plan.library import REFERENCES, save_reference
+    from specbench.plan.predict import LOOKUP_DRAFT
     from specbench.record import record_reference
 
     target = as_loaded(ModelSpec(args.target, dtype=args.dtype, quantization=args.target_quant), args.dtype)
@@ -107,16 +108,16 @@ def _reference(args) -> int:
         from specbench.models.self_draft import truncated_view
 
         draft = truncated_view(target, args.self_draft_layers)
-    elif args.draft:
-        draft = as_loaded(ModelSpec(args.draft, dtype=args.dtype, quantization=args.draft_quant), args.dtype)
+    elif args.draft:  # a model, or prompt lookup's chains
+        draft = LOOKUP_DRAFT if args.draft == LOOKUP_DRAFT else as_loaded(
+            ModelSpec(args.draft, dtype=args.dtype, quantization=args.draft_quant), args.dtype)
     else:
         raise SpecbenchError("give --draft MODEL or --self-draft-layers N")
     prompts = [row["prompt"] for row in load_prompts(args.dataset, limit=args.prompts)]
     sampling = SamplingParams(temperature=args.temperature, rule=args.rule)
     reference = record_reference(target, draft, prompts, dataset=args.dataset_label or args.dataset,
                                  max_chain=args.max_chain, tree_budgets=args.tree_budgets,
-                                 max_new_tokens=args.max_new_tokens, sampling=sampling,
-                                 cross_tokenizer=args.cross_tokenizer)
+                                 max_new_tokens=args.max_new_tokens, sampling=sampling, cross_tokenizer=args.cross_tokenizer)
     path = save_reference(reference, {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens},
                           folder=args.out_dir or REFERENCES)
     print(f"{reference.draft} -> {reference.target} on {reference.dataset}: {len(reference.chain_accepts)} chain "
@@ -131,8 +132,7 @@ def _pareto(args) -> int:
     from specbench.plan.library import PROFILES, REFERENCES, load_profiles, load_references
     from specbench.viz.report import write_pareto_report
 
-    prices = Prices(target_usd_per_hour=args.usd_per_hour, draft_usd_per_kwh=args.usd_per_kwh,
-                    usd_per_gb_down=args.usd_per_gb)
+    prices = Prices(target_usd_per_hour=args.usd_per_hour, draft_usd_per_kwh=args.usd_per_kwh, usd_per_gb_down=args.usd_per_gb)
     power = Power(draft_watts=args.draft_watts, target_watts=args.target_watts)
     sections = pair_predictions(load_profiles(args.profiles or PROFILES), load_references(args.references or REFERENCES),
                                 rtts_ms=args.rtt, target=args.target, prices=prices, power=power, context=args.context,
@@ -330,7 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     reference = commands.add_parser("reference", help="record per-step acceptance of a pair on a prompt set")
     reference.add_argument("--target", required=True)
-    reference.add_argument("--draft")
+    reference.add_argument("--draft", help="a draft model, or prompt-lookup (its chains, no model)")
     reference.add_argument("--draft-quant", default="none", choices=list(QUANTIZATIONS))
     reference.add_argument("--target-quant", default="none", choices=list(QUANTIZATIONS))
     reference.add_argument("--self-draft-layers", type=int)

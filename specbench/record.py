@@ -10,7 +10,7 @@ from specbench.models.loading import as_loaded
 from specbench.models.spec import acceptance_label
 from specbench.decode.profile import forward_latency_points
 from specbench.hardware import device_name, measure_power
-from specbench.plan.predict import AcceptanceReference, LatencyProfile
+from specbench.plan.predict import LOOKUP_DRAFT, AcceptanceReference, LatencyProfile
 from specbench.types import SamplingParams
 
 DEFAULT_TOKENS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 24, 32, 48, 64, 96, 128)
@@ -47,20 +47,28 @@ def record_reference(target: ModelLike, draft: ModelLike, prompts, dataset: str,
                      dtype: str = "float32", cross_tokenizer: str = "auto") -> AcceptanceReference:
     """Run the pair with a long chain (and trees at each budget) and keep per-step acceptance
     (counted in target tokens; a draft with another tokenizer also records its draft tokens per
-    target token, which prices its drafting)."""
+    target token, which prices its drafting; `draft` "prompt-lookup": prompt lookup's own chains and trees)."""
     sampling = sampling or SamplingParams()
-    target_loaded, draft_loaded = as_loaded(target, dtype), as_loaded(draft, dtype)
-    chain = run(target_loaded, prompts, method="chain", draft=draft_loaded, k=max_chain,
+    target_loaded = as_loaded(target, dtype)
+    lookup = draft == LOOKUP_DRAFT  # prompt lookup's chains and trees, copied from the context: no draft model
+    draft_loaded = None if lookup else as_loaded(draft, dtype)
+    chain_method, tree_method = ("prompt-lookup", "prompt-lookup-tree") if lookup else ("chain", "tree")
+    chain = run(target_loaded, prompts, method=chain_method, draft=draft_loaded, k=max_chain,
                 max_new_tokens=max_new_tokens, sampling=sampling, progress=False, cross_tokenizer=cross_tokenizer)
-    full = chain[chain["drafted"] == max_chain]  # end-of-budget steps draft fewer and would bias min(a, K)
+    # End-of-budget steps draft fewer and would bias min(a, K). Prompt lookup keeps only its steps that
+    # found a full chain: without a match it verifies one token whatever K is, so its planner's choice
+    # of K matters only where a match is, and that is the acceptance the planner needs.
+    full = chain[chain["drafted"] == max_chain]
     tree_accepts, tree_depth, tree_width = {}, {}, {}
     for budget in tree_budgets:
-        records = run(target_loaded, prompts, method="tree", draft=draft_loaded, k=budget, tree=tree,
+        records = run(target_loaded, prompts, method=tree_method, draft=draft_loaded, k=budget, tree=tree,
                       max_new_tokens=max_new_tokens, sampling=SamplingParams(
                           temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                           rule="greedy" if sampling.greedy else "sample-match"), progress=False,
                       cross_tokenizer="text" if cross_tokenizer == "shared-vocab" else cross_tokenizer)
         steps = records[records["drafted"] == budget]
+        if steps.empty:  # e.g. prompt lookup never found that many candidates: nothing measured at this budget
+            continue
         tree_accepts[budget] = tuple(int(a) for a in steps["accepted"])
         tree_depth[budget] = float(steps["tree_depth"].mean())
         tree_width[budget] = min(tree.beam, budget)
@@ -70,7 +78,7 @@ def record_reference(target: ModelLike, draft: ModelLike, prompts, dataset: str,
                         if cross and drafting["drafted"].sum() else 1.0)
     return AcceptanceReference(
         cross_tokenizer=",".join(cross), draft_per_target=draft_per_target,
-        draft=draft_name or acceptance_label(draft_loaded.spec.label),
+        draft=draft_name or (LOOKUP_DRAFT if lookup else acceptance_label(draft_loaded.spec.label)),
         target=target_name or acceptance_label(target_loaded.spec.label),
         dataset=dataset, rule=sampling.effective_rule, temperature=sampling.temperature, max_chain=max_chain,
         chain_accepts=tuple(int(a) for a in full["accepted"]), tree_accepts=tree_accepts,

@@ -154,3 +154,53 @@ def test_draft_memory_budget_refusals_name_the_problem():
         StepPlanner(flat("t", 0.1), heavy, halving_reference(), draft_budget_bytes=100 * 2**20)
     with pytest.raises(SpecbenchError, match="does not fit the draft memory budget"):
         planner_from_caches("smollm2-135m", "smollm2-135m[:26]", dataset="bench", draft_budget_mib=1)
+
+
+def lookup_reference(accepts=(8, 6, 8, 5, 7, 8, 4, 8)) -> AcceptanceReference:
+    return AcceptanceReference("prompt-lookup", "t", "x", max_chain=8, chain_accepts=tuple(accepts))
+
+
+def test_prompt_lookup_planner_prices_only_the_verify():
+    # Drafting is free, so with a flat verify every extra token is a free lottery ticket: the longest K.
+    assert StepPlanner(flat("t", 0.100), None, lookup_reference(), max_k=8, prior_steps=1e6).choose(100) == 8
+    # Alone each verified token adds 20 ms: K=6 (1 + 5.625) / 0.22 = 30.1 tok/s against 10 at K=0. Loaded
+    # (batch 8) it adds 200 ms: K=1 gives 2 / 0.3 = 6.7 tok/s per client, K=0 10: plain target steps.
+    steep = LatencyProfile("t", "cpu", rows=((1, 256, 0.100, 1), (9, 256, 0.260, 1),
+                                             (1, 256, 0.100, 8), (9, 256, 1.700, 8)))
+    chosen = {}
+    for batch_size in (1, 8):
+        planner = StepPlanner(steep, None, lookup_reference(), max_k=8, where="remote", prior_steps=1e6)
+        for _ in range(30):
+            planner.observe(drafted=8, accepted=8, network_s=0.0, batch_size=batch_size)
+        assert all(row["draft_energy_j_per_mtok"] == 0.0 for row in planner.scores(256))  # lookup costs nothing
+        chosen[batch_size] = planner.choose(256)
+    assert chosen[1] >= 6 and chosen[8] == 0, chosen
+
+
+def test_prompt_lookup_planner_runs_lossless_and_refuses_model_drafts(tiny_target, tiny_draft):
+    planner = StepPlanner(flat("t", 0.100), None, lookup_reference((2, 0, 1, 3, 0, 8, 1, 0)), max_k=4,
+                          prior_steps=2, forget=0.7)
+    records = run(tiny_target, PROMPTS, method=["target-only", "prompt-lookup"], k=4, max_new_tokens=30,
+                  progress=False, planner=planner)
+    produced = outputs(records)
+    for index in range(len(PROMPTS)):
+        assert produced[("prompt-lookup+planner", index)] == produced[("target-only", index)]
+    planned = records[records.method == "prompt-lookup+planner"]
+    assert (planned["drafted"] <= planned["step_k"]).all()
+    with pytest.raises(SpecbenchError, match="built for 'prompt-lookup'"):
+        run(tiny_target, PROMPTS, method="chain", draft=tiny_draft, planner=planner, progress=False)
+    with pytest.raises(SpecbenchError, match="plans prompt lookup"):
+        StepPlanner(flat("t", 0.1), None, halving_reference())
+    with pytest.raises(SpecbenchError, match="prompt lookup holds none"):
+        StepPlanner(flat("t", 0.1), None, lookup_reference(), draft_budget_bytes=2**20)
+
+
+def test_prompt_lookup_reference_and_the_shipped_one(tiny_target):
+    from specbench.record import record_reference
+
+    reference = record_reference(tiny_target, "prompt-lookup", PROMPTS, dataset="tiny", max_chain=4,
+                                 max_new_tokens=24, target_name="tiny")
+    assert reference.draft == "prompt-lookup" and reference.max_chain == 4
+    assert all(0 <= a <= 4 for a in reference.chain_accepts)
+    planner = planner_from_caches("smollm2-135m", "prompt-lookup", dataset="mt-bench", where="remote")
+    assert planner.draft is None and 0 <= planner.choose(200) <= planner.max_k

@@ -76,6 +76,9 @@ def _linear(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
     return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
 
 
+LOOKUP_DRAFT = "prompt-lookup"  # a reference's draft when prompt lookup drafted: no model, so no draft profile
+
+
 @dataclass(frozen=True)
 class AcceptanceReference:
     """Per-step acceptance traces of a draft/target pair on a dataset.
@@ -171,8 +174,9 @@ def step_cost(point: OperatingPoint, target: LatencyProfile, draft: Optional[Lat
     """Seconds and bytes of one step at `point` when `accepted` drafts are accepted on average: the
     cost model that replay prediction and the per-step planner share. `draft_per_target`: draft-model
     tokens per proposed target token (1 unless the draft has another tokenizer); `full_accept`: the
-    share of chain steps whose every draft token is accepted."""
-    if point.method == "chain":
+    share of chain steps whose every draft token is accepted. No `draft` profile for a chain: drafting
+    costs the step nothing (prompt lookup copies tokens from the context)."""
+    if point.method == "chain" and draft is not None:
         # The draft's cache keeps the chain it fed (all but its last token), so its first forward
         # catches up on the bonus alone, or on its last token and the bonus after a fully accepted chain.
         forwards = max(1.0, point.k * draft_per_target)

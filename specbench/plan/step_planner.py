@@ -22,7 +22,7 @@ from typing import Optional
 from specbench.models.spec import acceptance_label
 from specbench.plan.costs import Power, Prices, check_cs, cost_knob
 from specbench.plan.explore import cost_column
-from specbench.plan.predict import AcceptanceReference, LatencyProfile, OperatingPoint, priced, step_cost
+from specbench.plan.predict import LOOKUP_DRAFT, AcceptanceReference, LatencyProfile, OperatingPoint, priced, step_cost
 from specbench.types import SpecbenchError
 
 
@@ -45,7 +45,7 @@ class StepPlanner:
     """Chooses K per step for one draft/target pair from latency profiles, live acceptance and live RTT."""
 
     target: LatencyProfile
-    draft: LatencyProfile
+    draft: Optional[LatencyProfile]  # None: drafting is free (prompt lookup), only verify width is priced
     reference: AcceptanceReference
     cs: float = 0.0
     max_k: int = 6
@@ -72,7 +72,12 @@ class StepPlanner:
             raise SpecbenchError(f"where must be 'local' or 'remote', got {self.where!r}")
         if not 0 < self.forget <= 1:
             raise SpecbenchError(f"forget must be in (0, 1], got {self.forget}")
+        if self.draft is None and self.reference.draft != LOOKUP_DRAFT:
+            raise SpecbenchError(f"a planner without a draft profile plans prompt lookup; the reference is of "
+                                 f"draft {self.reference.draft!r}: pass that draft's profile")
         if self.draft_budget_bytes is not None:
+            if self.draft is None:
+                raise SpecbenchError("a draft memory budget bounds a draft model; prompt lookup holds none")
             if not self.draft.weight_bytes:
                 raise SpecbenchError(
                     f"a draft memory budget needs the draft's measured memory, and the profile of "
@@ -153,20 +158,29 @@ class StepPlanner:
 
 
 def planner_from_caches(target: str, draft: str, dataset: Optional[str] = None, device: Optional[str] = None,
-                        draft_budget_mib: Optional[float] = None, **options) -> StepPlanner:
+                        draft_budget_mib: Optional[float] = None, dtype: Optional[str] = None,
+                        **options) -> StepPlanner:
     """A StepPlanner from the shipped/recorded `profiles/` and `reference/` for this pair;
-    `draft_budget_mib` bounds the draft's memory (weights + its cache), see `StepPlanner`."""
+    `draft_budget_mib` bounds the draft's memory (weights + its cache), see `StepPlanner`. `draft`
+    "prompt-lookup" plans prompt lookup: only the target's profile is needed, and under a shared
+    worker's load it is what shortens the lookups (every drafted token widens the batched verify)."""
     from specbench.plan.explore import matching_pairs
     from specbench.plan.library import load_profiles, load_references
 
     references = [r for r in load_references(target=acceptance_label(target), draft=acceptance_label(draft))
                   if dataset in (None, r.dataset)]
-    pairs = [p for p in matching_pairs(load_profiles(), references)
-             if device in (None, p[0].device) and (p[0].model, p[1].model) == (target, draft)]
+    profiles = [p for p in load_profiles() if device in (None, p.device) and dtype in (None, p.dtype)]
+    if draft == LOOKUP_DRAFT:
+        pairs = [(p, None, r) for r in references for p in profiles
+                 if p.model == target and acceptance_label(p.model) == r.target]
+        pairs.sort(key=lambda pair: -len(pair[0].batches))  # a batch grid prices a shared worker's load
+    else:
+        pairs = [p for p in matching_pairs(profiles, references) if (p[0].model, p[1].model) == (target, draft)]
     if not pairs:
         raise SpecbenchError(f"no cached profiles + reference for draft {draft!r} -> target {target!r}"
-                             f"{f' on {dataset!r}' if dataset else ''}{f' on device {device!r}' if device else ''}; "
-                             f"record them with `specbench profile` and `specbench reference`")
+                             f"{f' on {dataset!r}' if dataset else ''}{f' on device {device!r}' if device else ''}"
+                             f"{f' in {dtype}' if dtype else ''}; record them with `specbench profile` and "
+                             f"`specbench reference`")
     target_profile, draft_profile, reference = pairs[0]
     options.setdefault("max_k", min(6, reference.max_chain))
     if draft_budget_mib is not None:
