@@ -57,17 +57,21 @@ def client_job(job: dict) -> dict:
     remote = RemoteTarget(job["endpoint"], timeout_s=900)
     time.sleep(max(0.0, job["go"] - time.perf_counter()))
     started = time.perf_counter()
-    records = run(remote, [job["prompt"]], method=job["method"].removesuffix("+planner"), k=job["k"],
+    records = run(remote, job["prompts"], method=job["method"].removesuffix("+planner"), k=job["k"],
                   max_new_tokens=job["max_new_tokens"], draft=job["draft"], planner=job["planner"], progress=False,
                   warmup=False)
+    produced = outputs(records)
     return {"started": started, "ended": time.perf_counter(), "tokens": int(records["emitted"].sum()),
-            "output": outputs(records)[(job["method"], 0)], "step_s": records["step_s"].tolist(),
+            "outputs": [produced[(job["method"], i)] for i in range(len(job["prompts"]))],
+            "step_s": records["step_s"].tolist(),
             "queue_s": records["queue_s"].tolist(), "batch_size": records["batch_size"].tolist()}
 
 
 def measure(pool, endpoint: str, prompts, method: str, clients: int, args) -> dict:
     go = time.perf_counter() + 3.0  # every client connected and waiting before any starts
-    jobs = [{"endpoint": endpoint, "prompt": prompts[i], "method": method, "k": args.k, "draft": draft_spec(args),
+    rounds = args.rounds
+    jobs = [{"endpoint": endpoint, "prompts": prompts[i * rounds:(i + 1) * rounds], "method": method, "k": args.k,
+             "draft": draft_spec(args),
              "max_new_tokens": args.max_new_tokens, "go": go, "planner": planner_for(method, args, "remote")}
             for i in range(clients)]
     results = pool.map(client_job, jobs, chunksize=1)
@@ -78,7 +82,7 @@ def measure(pool, endpoint: str, prompts, method: str, clients: int, args) -> di
             "step_ms_p50": float(np.percentile(steps, 50)), "step_ms_p99": float(np.percentile(steps, 99)),
             "queue_ms_p50": float(np.percentile(queue, 50)), "queue_ms_p99": float(np.percentile(queue, 99)),
             "mean_batch": float(np.mean([b for r in results for b in r["batch_size"]])),
-            "outputs": [r["output"] for r in results]}
+            "outputs": [o for r in results for o in r["outputs"]]}  # prompt i * rounds + r, in order
 
 
 def planner_for(method: str, args, where: str):
@@ -176,6 +180,10 @@ def main():
     parser.add_argument("--draft-quant", default="none", help="its quantization, e.g. int8-dynamic")
     parser.add_argument("--dataset", default="mt-bench", help="one prompt per client from this prompt set")
     parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="prompts each client decodes back to back (its own, distinct ones): with more, a "
+                             "client that finishes early starts its next prompt, so batches stay fuller, as "
+                             "under steady load, and only the last round leaves a part-full tail")
     parser.add_argument("--kernels", default="default", choices=["default", "onednn"],
                         help="the target's linear kernels, in the worker and in the alone runs compared with")
     parser.add_argument("--dtype", default="float32",
@@ -189,7 +197,7 @@ def main():
     name = TARGETS[args.pair]
     loaded_spec = target_spec(args)
     loaded = load_model(loaded_spec)
-    texts = [row["prompt"] for row in load_prompts(args.dataset, limit=max(args.clients))]
+    texts = [row["prompt"] for row in load_prompts(args.dataset, limit=max(args.clients) * args.rounds)]
     prompts = encode_prompts(texts, loaded.tokenizer)
     alone_records = {method: run(loaded, prompts, method=method.removesuffix("+planner"), k=args.k,
                                  max_new_tokens=args.max_new_tokens, draft=draft_spec(args), progress=False,
@@ -231,7 +239,7 @@ def main():
     if speedups is not None:
         print(f"\n== SD speedup over target-only per client, batching on: predicted vs measured ==")
         print(speedups.round(3).to_string(index=False))
-    suffix = (("" if args.dtype == "float32" else f"-{args.dtype}")
+    suffix = (("" if args.dtype == "float32" else f"-{args.dtype}") + ("" if args.rounds == 1 else f"-r{args.rounds}")
               + ("" if args.kernels == "default" else f"-{args.kernels}")
               + (f"-{draft_spec(args).label}" if args.draft else ""))
     write_report(args.out.replace(".json", f"-{args.pair}{suffix}.json"),
@@ -260,6 +268,9 @@ def speedup_table(table: pd.DataFrame, name: str, alone_records: dict, prompt_le
     """Per client count: each SD method's predicted and measured per-client speedup over target-only."""
     profiles = [p for p in load_profiles() if p.model == name and p.device == device_name("cpu")
                 and p.dtype == args.dtype and len(p.batches) > 1]
+    if args.rounds > 1:
+        print("(no speedup prediction with --rounds: the replay starts every prompt as its own client at once)")
+        return None
     if not profiles or "target-only" not in args.methods:
         print(f"(no speedup prediction: needs target-only among the methods and a profile of {name} over batch "
               f"sizes in {args.dtype}; record one with `specbench profile --model {acceptance_label(name)} "

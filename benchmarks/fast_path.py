@@ -7,7 +7,7 @@ reported apart. Part 2, runs: `run()` of target-only and the pair's SD method, e
 same prompts: tokens/s, the fast/eager ratio, and whether every output is identical. Each fast run is
 done once untimed first, so every shape it meets is compiled before the timed passes.
 
-    python benchmarks/fast_path.py [--pairs smollm2 qwen] [--backend compile] [--prompts 3]
+    python benchmarks/fast_path.py [--pairs smollm2 qwen] [--backend compile] [--prompts 3] [--methods M ...]
 """
 from __future__ import annotations
 
@@ -61,11 +61,12 @@ def forwards(loaded, backend: str, context: int, repeats: int) -> list[dict]:
     return rows
 
 
-def runs(pair: str, backend: str, prompts: list[str], max_new_tokens: int, repeats: int) -> list[dict]:
+def runs(pair: str, backend: str, prompts: list[str], max_new_tokens: int, repeats: int,
+         sd_methods: list[str] | None = None) -> list[dict]:
     target_name, draft_name, method = PAIRS[pair]
     loaded = as_loaded(target_name, "float32")
     draft = as_loaded(draft_name, "float32") if draft_name else None
-    methods = ["target-only", method]
+    methods = ["target-only", *(sd_methods or [method])]
     kwargs = dict(draft=draft, k=4, max_new_tokens=max_new_tokens, progress=False)
     fast_target = LocalTarget(loaded, fast=backend)
     started = time.perf_counter()
@@ -104,6 +105,8 @@ def main() -> None:
     parser.add_argument("--run-repeats", type=int, default=2, help="timed runs per variant")
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--methods", nargs="+", help="SD methods beside target-only (default: the pair's), e.g. "
+                                                     "chain tree for qwen, prompt-lookup self-draft for smollm2")
     parser.add_argument("--out", default=str(RESULTS / "fast_path.json"))
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -115,7 +118,7 @@ def main() -> None:
         for name in filter(None, (target_name, draft_name)):
             forward_rows += forwards(as_loaded(name, "float32"), args.backend, args.context, args.repeats)
         print(f"{pair}: runs", flush=True)
-        run_rows += runs(pair, args.backend, prompts, args.max_new_tokens, args.run_repeats)
+        run_rows += runs(pair, args.backend, prompts, args.max_new_tokens, args.run_repeats, args.methods)
         report = {"backend": args.backend, "forwards": forward_rows, "runs": run_rows, "args": vars(args)}
         write_report(args.out, report)  # after each pair: a long run that dies keeps what it measured
     pd.set_option("display.width", 200)

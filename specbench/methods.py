@@ -43,7 +43,7 @@ class DraftSource:
     substitute_quantization: str = "8bit"
     tree: TreeShape = TreeShape()
     cross_tokenizer: str = "auto"  # a draft with another tokenizer: auto | text | shared-vocab | off (refuse it)
-    fast: bool | str = False  # a chain draft (either vocabulary) runs fixed-shape steps (decode/fast_forward.py)
+    fast: bool | str = False  # model drafts (chains, trees, self-draft views) run fixed-shape steps (decode/fast_forward.py)
 
     def __post_init__(self):
         if self.cross_tokenizer not in CROSS_TOKENIZER:
@@ -82,12 +82,12 @@ class DraftSource:
             own_context = getattr(draft.model.config, "max_position_embeddings", None)
             return CrossTokenizerDrafter(draft, target_tokenizer, self.target.vocab_size, rule=self.cross_tokenizer,
                                          tree=tree, name=f"{name}~cross",
-                                         fast=None if tree else self._fast_forward(draft, own_context))
+                                         fast=None if tree else self.fast_forward(draft, own_context))
         if tree is not None:
-            return TreeDrafter(draft, self.target.vocab_size, name=name, **tree)
-        return ModelDrafter(draft, self.target.vocab_size, name=name, fast=self._fast_forward(draft))
+            return TreeDrafter(draft, self.target.vocab_size, name=name, fast=self.fast_forward(draft), **tree)
+        return ModelDrafter(draft, self.target.vocab_size, name=name, fast=self.fast_forward(draft))
 
-    def _fast_forward(self, draft, context: Optional[int] = None):
+    def fast_forward(self, draft, context: Optional[int] = None):
         """The draft's fixed-shape forward when `fast` asks for one, as long as `context` (default: the
         target's, since a same-vocabulary draft follows the target's tokens)."""
         if not self.fast:
@@ -166,7 +166,8 @@ def _self_draft(source: DraftSource):
 
     target = source.own_weights("self-draft")
     layers = source.self_draft_layers or max(1, target.model.config.num_hidden_layers // 4)
-    return ModelDrafter(truncated_view(target, layers), source.target.vocab_size, name=f"self-draft:{layers}")
+    view = truncated_view(target, layers)  # its own static cache when fast: the view's layers only
+    return ModelDrafter(view, source.target.vocab_size, name=f"self-draft:{layers}", fast=source.fast_forward(view))
 
 
 def _substitute(source: DraftSource):

@@ -13,7 +13,7 @@ from conftest import PROMPTS, assert_batches_match_lone_verifies
 
 # Long enough to cross an attended width: prompt + 40 new tokens > WIDTH_STEP positions.
 LONG = [(PROMPTS[0] * 20)[:WIDTH_STEP - 20], PROMPTS[1]]
-METHODS = ["target-only", "chain", "tree", "prompt-lookup", "prompt-lookup-tree"]
+METHODS = ["target-only", "chain", "tree", "fixed-tree", "self-draft", "prompt-lookup", "prompt-lookup-tree"]
 
 
 def _eager_reference(model, prompts, max_new_tokens, sampling=None):
@@ -37,6 +37,30 @@ def test_static_shapes_equal_eager_for_every_method_across_widths(tiny_target, t
     widths = {width for _, width in fast.fast.shapes}
     assert widths == {WIDTH_STEP, 2 * WIDTH_STEP}  # the long prompt crossed a width
     assert fast.fast.stats["eager"] > 0  # its prefill ran eagerly, longer than every bucket
+
+
+def test_tree_drafts_and_self_draft_views_take_the_fast_path(tiny_target, tiny_draft):
+    """A tree drafter's level forwards (tree masks, positions by depth) through fixed shapes propose the
+    very trees eager drafting does, and `fast` gives tree and self-draft methods their FastForward."""
+    import torch
+
+    from specbench.decode.tree_drafters import TreeDrafter
+    from specbench.methods import DraftSource, make_drafter
+
+    shape = dict(beam=3, branch=2, max_depth=4)
+    eager = TreeDrafter(tiny_draft, tiny_target.vocab_size, **shape)
+    fast = TreeDrafter(tiny_draft, tiny_target.vocab_size, fast=FastForward(tiny_draft.model, 256, "static"), **shape)
+    context = list(LONG[0][:40])
+    for step in range(6):
+        trees = [drafter.propose(context, 10, SamplingParams(), torch.Generator().manual_seed(step))
+                 for drafter in (eager, fast)]
+        assert (trees[0].tokens, trees[0].parents) == (trees[1].tokens, trees[1].parents), step
+        proposed_at = len(context)
+        context += [trees[0].tokens[0], 7]  # the context moves on: both caches roll back and catch up
+    assert fast.fast.stats["bucketed"] >= 6 and fast.cache.length == proposed_at  # tree tokens cropped off
+    source = DraftSource(LocalTarget(tiny_target), tiny_target, tiny_draft, fast="static")
+    for method in ("tree", "fixed-tree", "self-draft", "chain"):
+        assert make_drafter(method, source).fast is not None, method
 
 
 def test_compiled_steps_equal_eager_greedy(tiny_target, tiny_draft):

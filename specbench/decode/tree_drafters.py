@@ -48,8 +48,9 @@ class TreeDrafter(ModelDrafter):
     """
 
     def __init__(self, draft: LoadedModel, target_vocab_size: int, widths: Optional[Sequence[int]] = None,
-                 max_depth: int = 6, beam: int = 4, branch: int = 4, name: str = "tree", prune: bool = True):
-        super().__init__(draft, target_vocab_size, name=name)
+                 max_depth: int = 6, beam: int = 4, branch: int = 4, name: str = "tree", prune: bool = True,
+                 fast=None):
+        super().__init__(draft, target_vocab_size, name=name, fast=fast)
         check_full_attention(draft.model, f"drafting a tree with {draft.spec.label}")
         if widths is not None and (not widths or any(w < 1 for w in widths)):
             raise SpecbenchError(f"tree widths must be positive per depth, got {widths}")
@@ -128,9 +129,11 @@ class TreeDrafter(ModelDrafter):
                 ancestor = nodes[ancestor].parent
         device = self.model.get_input_embeddings().weight.device
         positions = torch.tensor([[len(context) - 1 + nodes[n].depth for n in expand]], device=device)
-        output = self.model(input_ids=torch.tensor([[nodes[n].token for n in expand]], device=device),
-                            past_key_values=self.cache, position_ids=positions,
-                            attention_mask=mask.view(1, 1, len(expand), total).to(device), use_cache=True)
+        tokens, mask = [nodes[n].token for n in expand], mask.view(1, 1, len(expand), total).to(device)
+        if self.fast is not None:  # a level is a few nodes: a fixed-shape step like a verify's
+            return list(self.fast(self.cache, tokens, positions, mask).float().cpu())
+        output = self.model(input_ids=torch.tensor([tokens], device=device), past_key_values=self.cache,
+                            position_ids=positions, attention_mask=mask, use_cache=True)
         return list(output.logits[0].float().cpu())
 
     def _worth_expanding(self, nodes, created, budget) -> list[int]:
