@@ -161,9 +161,11 @@ def planner_from_caches(target: str, draft: str, dataset: Optional[str] = None, 
                         draft_budget_mib: Optional[float] = None, dtype: Optional[str] = None,
                         **options) -> StepPlanner:
     """A StepPlanner from the shipped/recorded `profiles/` and `reference/` for this pair;
-    `draft_budget_mib` bounds the draft's memory (weights + its cache), see `StepPlanner`. `draft`
+    `draft_budget_mib` bounds the draft's memory (weights + its cache), see `StepPlanner`. Without a
+    `device`, this machine's profiles are preferred where they exist. `draft`
     "prompt-lookup" plans prompt lookup: only the target's profile is needed, and under a shared
     worker's load it is what shortens the lookups (every drafted token widens the batched verify)."""
+    from specbench.hardware import device_name
     from specbench.plan.explore import matching_pairs
     from specbench.plan.library import load_profiles, load_references
 
@@ -173,9 +175,11 @@ def planner_from_caches(target: str, draft: str, dataset: Optional[str] = None, 
     if draft == LOOKUP_DRAFT:
         pairs = [(p, None, r) for r in references for p in profiles
                  if p.model == target and acceptance_label(p.model) == r.target]
-        pairs.sort(key=lambda pair: -len(pair[0].batches))  # a batch grid prices a shared worker's load
     else:
         pairs = [p for p in matching_pairs(profiles, references) if (p[0].model, p[1].model) == (target, draft)]
+    # with no device asked for, this machine's own profiles first; then a batch grid (prices a worker's load)
+    here = device_name("cpu")
+    pairs.sort(key=lambda pair: (pair[0].device != here, -len(pair[0].batches)))
     if not pairs:
         raise SpecbenchError(f"no cached profiles + reference for draft {draft!r} -> target {target!r}"
                              f"{f' on {dataset!r}' if dataset else ''}{f' on device {device!r}' if device else ''}"
