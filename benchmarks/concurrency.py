@@ -64,7 +64,8 @@ def client_job(job: dict) -> dict:
     return {"started": started, "ended": time.perf_counter(), "tokens": int(records["emitted"].sum()),
             "outputs": [produced[(job["method"], i)] for i in range(len(job["prompts"]))],
             "step_s": records["step_s"].tolist(),
-            "queue_s": records["queue_s"].tolist(), "batch_size": records["batch_size"].tolist()}
+            "queue_s": records["queue_s"].tolist(), "batch_size": records["batch_size"].tolist(),
+            "step_k": records["step_k"].tolist(), "drafted": records["drafted"].tolist()}
 
 
 def measure(pool, endpoint: str, prompts, method: str, clients: int, args) -> dict:
@@ -82,6 +83,9 @@ def measure(pool, endpoint: str, prompts, method: str, clients: int, args) -> di
             "step_ms_p50": float(np.percentile(steps, 50)), "step_ms_p99": float(np.percentile(steps, 99)),
             "queue_ms_p50": float(np.percentile(queue, 50)), "queue_ms_p99": float(np.percentile(queue, 99)),
             "mean_batch": float(np.mean([b for r in results for b in r["batch_size"]])),
+            # K asked for per step (a planner's choice; else the run's K) and tokens actually drafted
+            "mean_k": float(np.mean([k for r in results for k in r["step_k"]])),
+            "mean_drafted": float(np.mean([d for r in results for d in r["drafted"]])),
             "outputs": [o for r in results for o in r["outputs"]]}  # prompt i * rounds + r, in order
 
 
