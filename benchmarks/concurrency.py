@@ -70,10 +70,9 @@ def client_job(job: dict) -> dict:
 
 def measure(pool, endpoint: str, prompts, method: str, clients: int, args) -> dict:
     go = time.perf_counter() + 3.0  # every client connected and waiting before any starts
-    rounds = args.rounds
+    rounds, planner = args.rounds, planner_for(method, args, "remote")  # each job pickles its own copy
     jobs = [{"endpoint": endpoint, "prompts": prompts[i * rounds:(i + 1) * rounds], "method": method, "k": args.k,
-             "draft": draft_spec(args),
-             "max_new_tokens": args.max_new_tokens, "go": go, "planner": planner_for(method, args, "remote")}
+             "draft": draft_spec(args), "max_new_tokens": args.max_new_tokens, "go": go, "planner": planner}
             for i in range(clients)]
     results = pool.map(client_job, jobs, chunksize=1)
     wall = max(r["ended"] for r in results) - min(r["started"] for r in results)
@@ -270,11 +269,11 @@ def loopback_round_trip(endpoint: str) -> tuple[float, bool]:
 
 def speedup_table(table: pd.DataFrame, name: str, alone_records: dict, prompt_lengths, round_trip_s, packed, args):
     """Per client count: each SD method's predicted and measured per-client speedup over target-only."""
-    profiles = [p for p in load_profiles() if p.model == name and p.device == device_name("cpu")
-                and p.dtype == args.dtype and len(p.batches) > 1]
     if args.rounds > 1:
         print("(no speedup prediction with --rounds: the replay starts every prompt as its own client at once)")
         return None
+    profiles = [p for p in load_profiles() if p.model == name and p.device == device_name("cpu")
+                and p.dtype == args.dtype and len(p.batches) > 1]
     if not profiles or "target-only" not in args.methods:
         print(f"(no speedup prediction: needs target-only among the methods and a profile of {name} over batch "
               f"sizes in {args.dtype}; record one with `specbench profile --model {acceptance_label(name)} "
