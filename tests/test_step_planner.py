@@ -189,6 +189,9 @@ def test_prompt_lookup_planner_runs_lossless_and_refuses_model_drafts(tiny_targe
     assert (planned["drafted"] <= planned["step_k"]).all()
     with pytest.raises(SpecbenchError, match="built for 'prompt-lookup'"):
         run(tiny_target, PROMPTS, method="chain", draft=tiny_draft, planner=planner, progress=False)
+    with pytest.raises(SpecbenchError, match="built for 'd'"):  # and a model draft's planner for prompt lookup
+        run(tiny_target, PROMPTS, method="prompt-lookup", progress=False,
+            planner=StepPlanner(flat("t", 0.1), flat("d", 0.03), halving_reference()))
     with pytest.raises(SpecbenchError, match="plans prompt lookup"):
         StepPlanner(flat("t", 0.1), None, halving_reference())
     with pytest.raises(SpecbenchError, match="prompt lookup holds none"):
