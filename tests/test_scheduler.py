@@ -164,3 +164,55 @@ def test_queue_time_counts_the_wait_behind_a_running_request(batching):
         assert reply["queue_s"] > 0.4 * (alone - 0.1), (reply["queue_s"], alone)
         assert round_trip - reply["worker_s"] < 0.2 * alone, (round_trip, reply["worker_s"], alone)
         assert busy.receive(60)[0]["ok"]
+
+
+def test_opening_and_closing_other_sessions_do_not_split_a_batch():
+    """Under steady load clients close a finished prompt's session and open the next one every few
+    steps; those requests, arriving among other sessions' verifies, are handled beside the batch
+    (one forward for all the verifies, the new prompt's prefill riding in it on a packed target),
+    while a close of a session with a step in the batch still waits for that step. Before, each split
+    the batch in two forwards."""
+    from specbench.models.spec import ModelSpec
+    from specbench.worker.inbox import Message
+    from specbench.worker.server import Worker, WorkerConfig
+
+    worker = Worker(WorkerConfig(model=ModelSpec("tiny-random:seed=0")), log=lambda line: None)
+    lone = LocalTarget(worker.ops.target.loaded, kv_pool=False)
+
+    def message(header, arrays=None):
+        return Message(b"c", [], protocol.encode(dict({"client": "a-client-of-the-test"}, **header), arrays))
+
+    def prefill(name, prompt):
+        return message({"op": "prefill", "session": name, "epoch": 1}, {"tokens": np.asarray(prompt, np.int32)})
+
+    def verify(name, committed):
+        return message({"op": "verify", "session": name, "epoch": 1, "committed": committed, "seed": 0,
+                        "sampling": {"temperature": 0.0}}, protocol.tree_to_arrays(DraftTree()))
+
+    for name, prompt in (("a", PROMPTS[0]), ("b", PROMPTS[1]), ("done", PROMPTS[2])):
+        assert protocol.decode(worker.handle(prefill(name, prompt).frames))[0]["ok"]
+        lone.prefill(name, prompt)
+    messages = [verify("a", len(PROMPTS[0])), message({"op": "close", "session": "done"}),
+                prefill("next", PROMPTS[3]), message({"op": "health"}), verify("b", len(PROMPTS[1]))]
+    replies = {id(m): protocol.decode(frames)[0] for m, frames in worker.handle_many(messages)}
+    batched = [replies[id(messages[i])] for i in (0, 4)]
+    assert [r["batch_size"] for r in batched] == [2, 2], batched
+    for reply, name in zip(batched, "ab"):
+        assert reply["bonus"] == lone.verify(name, DraftTree(), SamplingParams(), 0).bonus_token
+    assert replies[id(messages[1])]["ok"] and replies[id(messages[3])]["ok"]
+    if id(messages[2]) not in replies:  # the new prompt's prefill rode in the batch: its reply goes out next
+        finished = worker._finished_jobs()
+        assert [m for m, _ in finished] == [messages[2]], finished
+        replies[id(messages[2])] = protocol.decode(finished[0][1])[0]
+    assert replies[id(messages[2])]["committed"] == len(PROMPTS[3])
+    assert worker.stats.prefill_tokens_batched == len(PROMPTS[3]) - 1 or not worker.ops.target.packed
+    lone.prefill("next", PROMPTS[3])
+    assert (protocol.decode(worker.handle(verify("next", len(PROMPTS[3])).frames))[0]["bonus"]
+            == lone.verify("next", DraftTree(), SamplingParams(), 0).bonus_token)
+
+    # a close of a session whose step is in the batch runs after that step: two batches of one
+    messages = [verify("a", len(PROMPTS[0]) + 1), message({"op": "close", "session": "a"}),
+                verify("b", len(PROMPTS[1]) + 1)]
+    replies = [protocol.decode(frames)[0] for _, frames in worker.handle_many(messages)]
+    assert [r.get("batch_size") for r in replies] == [1, None, 1], replies
+    assert all(r["ok"] for r in replies), replies

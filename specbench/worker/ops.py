@@ -306,6 +306,11 @@ class Ops:
         owner, _ = self._owner(header, curve_key)
         return self.sessions.find(owner, protocol.name_field(header, "session"))
 
+    def named_session(self, header, curve_key) -> Optional[Session]:
+        """The caller's session a request names, if it is open (the scheduler's ordering check)."""
+        owner, _ = self._owner(header, curve_key)
+        return self.sessions.sessions.get((owner, protocol.name_field(header, "session")))
+
     def prepare_verify(self, header, arrays, session: Session):
         """A stored reply (a repeated step) as (reply, arrays), or the validated request to run."""
         epoch = protocol.integer(header, "epoch", 1, MAX_SEED)

@@ -199,25 +199,44 @@ class Worker:
                         continue
                     result = prepared  # a repeated step: its stored reply
                 else:
-                    out += self._run_batch(batch)
-                    batch = []
+                    if not self._beside(op, header, message, batch):
+                        out += self._run_batch(batch)
+                        batch = []
                     result = self.ops.handlers[op](header, arrays, connection=message.identity,
                                                    curve_key=message.curve_key)
                     if isinstance(result, Job):
-                        out += self._start(result, message)
+                        out += self._start(result, message, now=not batch)
                         continue
             except Exception as error:  # every failure becomes an error reply; the worker keeps serving
                 result = error
             out.append((message, self._reply(message, result)))
         return out + self._run_batch(batch)
 
-    def _start(self, job: Job, message: Message) -> list[tuple[Message, list[bytes]]]:
+    def _beside(self, op: str, header: dict, message: Message, batch: list) -> bool:
+        """Whether a request other than a verify may be handled while the batch gathered so far waits:
+        one that reads no session, or closes or opens a session with no step in the batch. Without
+        this, a client closing its finished session or opening its next prompt's split every batch it
+        arrived in (under steady load, clients do that every few steps)."""
+        if not batch or op in ("info", "health", "stats"):
+            return True
+        if op not in ("close", "prefill"):
+            return False  # loads, generates, profiles: after the batch, as they came
+        try:
+            named = self.ops.named_session(header, message.curve_key)
+        except Exception:
+            return False  # the handler names what is wrong, after the batch
+        return all(prepared.session is not named for _, prepared in batch)
+
+    def _start(self, job: Job, message: Message, now: bool = True) -> list[tuple[Message, list[bytes]]]:
         """Attach `message` to `job`; a new job runs its first slice now (a short prefill ends in it),
-        the rest between rounds. With batching off it runs to its end here, as requests did before."""
+        the rest between rounds; started beside a waiting batch (`now` false), a prefill's first
+        chunk rides in that batch's forward instead. With batching off it runs to its end here."""
         job.waiters.append(message)
         if job in self.ops.jobs.jobs:  # a resend joining the job under way
             return []
         self.ops.jobs.add(job)
+        if not now:
+            return []
         while not job.advance() and not self.config.batching:
             pass
         return self._finished_jobs() if job.done else []
