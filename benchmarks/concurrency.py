@@ -14,9 +14,15 @@ the rounding). With batching on, SD's speedup over target-only per client count 
 from the alone run's steps, priced on the shipped profile's batch grid of the target plus the
 loopback round trip, two ways, each printed with its error against the measured one: this run
 (`plan.predict.replay_together`: the clients start together and the ones that accept more finish
-first, leaving part-full batches) and steady state (`plan.predict.replay_speed`: every batch full). Prints tables and writes results/concurrency-<pair>.json.
+first, leaving part-full batches) and steady state (`plan.predict.replay_speed`: every batch full).
 
-    python benchmarks/concurrency.py [--pair smollm2|qwen] [--clients 1 2 4 8] [--max-new-tokens 24]
+By default each client decodes a fixed number of prompts (`--rounds`), so a run ends with a tail in which
+the clients that accepted more have finished and batches are part-full (prompt lookup's clients need 8
+to 24 steps for 24 tokens). `--duration S` measures steady load instead: every client decodes prompt
+after prompt (its own share of the prompt set) for S seconds, and only the steps that ended inside the
+window count, with all clients decoding throughout. Prints tables and writes results/concurrency-<pair>.json.
+
+    python benchmarks/concurrency.py [--pair smollm2|qwen] [--clients 1 2 4 8] [--max-new-tokens 24] [--duration S]
                                      [--methods target-only prompt-lookup prompt-lookup+planner]
                                      [--kernels default|onednn] [--methods target-only chain --draft M]
 """
@@ -49,43 +55,71 @@ ROOT = Path(__file__).resolve().parents[1]
 TARGETS = {"smollm2": "smollm2-135m", "qwen": "qwen2.5-coder-1.5b"}
 
 
-def client_job(job: dict) -> dict:
-    """One client process's decode, started at the shared `go` time."""
+def client_job(job: dict) -> list[dict]:
+    """One client process's decodes, started at the shared `go` time: its prompts once each, or with a
+    `deadline`, round and round until it passes (the prompt under way then runs to its end, so every
+    client is still decoding when the measured window closes). One dict per prompt decoded."""
     from specbench.worker.client import RemoteTarget
 
     torch.set_num_threads(1)
     remote = RemoteTarget(job["endpoint"], timeout_s=900)
     time.sleep(max(0.0, job["go"] - time.perf_counter()))
-    started = time.perf_counter()
-    records = run(remote, job["prompts"], method=job["method"].removesuffix("+planner"), k=job["k"],
-                  max_new_tokens=job["max_new_tokens"], draft=job["draft"], planner=job["planner"], progress=False,
-                  warmup=False)
-    produced = outputs(records)
-    return {"started": started, "ended": time.perf_counter(), "tokens": int(records["emitted"].sum()),
-            "outputs": [produced[(job["method"], i)] for i in range(len(job["prompts"]))],
-            "step_s": records["step_s"].tolist(),
-            "queue_s": records["queue_s"].tolist(), "batch_size": records["batch_size"].tolist(),
-            "step_k": records["step_k"].tolist(), "drafted": records["drafted"].tolist()}
+    decoded, started = [], time.perf_counter()
+    for turn in range(10**6):
+        if turn == len(job["prompts"]) and job["deadline"] is None or \
+                job["deadline"] is not None and started >= job["deadline"]:
+            break
+        index, prompt = job["prompts"][turn % len(job["prompts"])]
+        records = run(remote, [prompt], method=job["method"].removesuffix("+planner"), k=job["k"],
+                      max_new_tokens=job["max_new_tokens"], draft=job["draft"], planner=job["planner"],
+                      progress=False, warmup=False)
+        ended = time.perf_counter()
+        decoded.append({"prompt": index, "started": started, "ended": ended,
+                        "output": outputs(records)[(job["method"], 0)],
+                        **{column: records[column].tolist() for column in STEP_COLUMNS}})
+        started = ended
+    return decoded
 
 
-def measure(pool, endpoint: str, prompts, method: str, clients: int, args) -> dict:
+STEP_COLUMNS = ("step_s", "emitted", "queue_s", "batch_size", "step_k", "drafted")
+
+
+def step_ends(decoded: dict) -> np.ndarray:
+    """When each step of a prompt's decode ended, counted back from the decode's end (a step's records
+    carry its duration, not its time)."""
+    step_s = np.asarray(decoded["step_s"])
+    return decoded["ended"] - (np.cumsum(step_s[::-1])[::-1] - step_s)
+
+
+def measure(pool, endpoint: str, prompts, method: str, clients: int, args, steady: bool = True) -> dict:
+    """A row of the table. Fixed work (default): each client decodes its `--rounds` prompts, aggregate =
+    every token / the run's wall time, including the tail where the clients that accepted more have
+    finished. `--duration S`: every client decodes for S seconds; aggregate = tokens of the steps that
+    ended inside the window / S, with all `clients` decoding throughout (steady load)."""
     go = time.perf_counter() + 3.0  # every client connected and waiting before any starts
-    rounds, planner = args.rounds, planner_for(method, args, "remote")  # each job pickles its own copy
-    jobs = [{"endpoint": endpoint, "prompts": prompts[i * rounds:(i + 1) * rounds], "method": method, "k": args.k,
-             "draft": draft_spec(args), "max_new_tokens": args.max_new_tokens, "go": go, "planner": planner}
+    planner = planner_for(method, args, "remote")  # each job pickles its own copy
+    deadline = go + args.duration if args.duration and steady else None
+    per_client = len(prompts) // max(args.clients) if args.duration else args.rounds
+    jobs = [{"endpoint": endpoint, "method": method, "k": args.k, "draft": draft_spec(args),
+             "prompts": [(j, prompts[j]) for j in range(i * per_client, (i + 1) * per_client)],
+             "max_new_tokens": args.max_new_tokens, "go": go, "deadline": deadline, "planner": planner}
             for i in range(clients)]
-    results = pool.map(client_job, jobs, chunksize=1)
-    wall = max(r["ended"] for r in results) - min(r["started"] for r in results)
-    steps = np.array([s for r in results for s in r["step_s"]]) * 1000
-    queue = np.array([q for r in results for q in r["queue_s"]]) * 1000
-    return {"clients": clients, "method": method, "aggregate_tokens_per_s": sum(r["tokens"] for r in results) / wall,
-            "step_ms_p50": float(np.percentile(steps, 50)), "step_ms_p99": float(np.percentile(steps, 99)),
-            "queue_ms_p50": float(np.percentile(queue, 50)), "queue_ms_p99": float(np.percentile(queue, 99)),
-            "mean_batch": float(np.mean([b for r in results for b in r["batch_size"]])),
+    decoded = [d for client in pool.map(client_job, jobs, chunksize=1) for d in client]
+    if deadline is None:
+        window, inside = (max(d["ended"] for d in decoded) - go), lambda d: np.ones(len(d["step_s"]), bool)
+    else:
+        window, inside = args.duration, lambda d: (step_ends(d) >= go) & (step_ends(d) < deadline)
+    steps = {column: np.concatenate([np.asarray(d[column])[inside(d)] for d in decoded]) for column in STEP_COLUMNS}
+    return {"clients": clients, "method": method, "aggregate_tokens_per_s": steps["emitted"].sum() / window,
+            "step_ms_p50": float(np.percentile(steps["step_s"], 50) * 1000),
+            "step_ms_p99": float(np.percentile(steps["step_s"], 99) * 1000),
+            "queue_ms_p50": float(np.percentile(steps["queue_s"], 50) * 1000),
+            "queue_ms_p99": float(np.percentile(steps["queue_s"], 99) * 1000),
+            "mean_batch": float(np.mean(steps["batch_size"])),
             # K asked for per step (a planner's choice; else the run's K) and tokens actually drafted
-            "mean_k": float(np.mean([k for r in results for k in r["step_k"]])),
-            "mean_drafted": float(np.mean([d for r in results for d in r["drafted"]])),
-            "outputs": [o for r in results for o in r["outputs"]]}  # prompt i * rounds + r, in order
+            "mean_k": float(np.mean(steps["step_k"])), "mean_drafted": float(np.mean(steps["drafted"])),
+            "prompts_decoded": len(decoded),
+            "outputs": [(d["prompt"], d["output"]) for d in decoded]}
 
 
 def planner_for(method: str, args, where: str):
@@ -158,6 +192,11 @@ def check_memory(target_bytes: int, workers: int, clients: int, args) -> None:
                          f"the {free / 2**30:.1f} GiB free here: --one-worker, fewer --clients, or a quantized --draft-quant")
 
 
+def decode_alone(loaded, prompts, method: str, args):
+    return run(loaded, prompts, method=method.removesuffix("+planner"), k=args.k, max_new_tokens=args.max_new_tokens,
+               draft=draft_spec(args), progress=False, planner=planner_for(method, args, "local"))
+
+
 @functools.lru_cache(maxsize=1)
 def _reference_model(spec: ModelSpec):
     return load_model(spec)
@@ -187,6 +226,10 @@ def main():
                         help="prompts each client decodes back to back (its own, distinct ones): with more, a "
                              "client that finishes early starts its next prompt, so batches stay fuller, as "
                              "under steady load, and only the last round leaves a part-full tail")
+    parser.add_argument("--duration", type=float, default=None,
+                        help="seconds of steady load: every client decodes prompt after prompt for this long and "
+                             "the aggregate counts the tokens of the steps inside the window (all clients busy "
+                             "throughout), instead of a fixed number of prompts per client and its tail")
     parser.add_argument("--kernels", default="default", choices=["default", "onednn"],
                         help="the target's linear kernels, in the worker and in the alone runs compared with")
     parser.add_argument("--dtype", default="float32",
@@ -200,21 +243,27 @@ def main():
     name = TARGETS[args.pair]
     loaded_spec = target_spec(args)
     loaded = load_model(loaded_spec)
-    texts = [row["prompt"] for row in load_prompts(args.dataset, limit=max(args.clients) * args.rounds)]
+    texts = [row["prompt"] for row in load_prompts(args.dataset, limit=None if args.duration else
+                                                   max(args.clients) * args.rounds)]
     prompts = encode_prompts(texts, loaded.tokenizer)
-    alone_records = {method: run(loaded, prompts, method=method.removesuffix("+planner"), k=args.k,
-                                 max_new_tokens=args.max_new_tokens, draft=draft_spec(args), progress=False,
-                                 planner=planner_for(method, args, "local")) for method in args.methods}
-    alone = {method: outputs(records) for method, records in alone_records.items()}
+    # alone, in this process: every client's first prompt (the prediction replays these); the other
+    # prompts a run decodes are run alone after it, to compare outputs
+    per_client = len(prompts) // max(args.clients) if args.duration else args.rounds
+    firsts = [i * per_client for i in range(max(args.clients))]
+    alone_records = {method: decode_alone(loaded, [prompts[i] for i in firsts], method, args)
+                     for method in args.methods}
+    alone = {(method, index): outputs(records)[(method, i)] for method, records in alone_records.items()
+             for i, index in enumerate(firsts)}
     target_bytes = loaded.weight_bytes
     del loaded  # the worker loads its own copy: two 1.5B fp32 models and eight clients crowd 24 GiB
     gc.collect()
     check_memory(target_bytes, 1 if args.one_worker else 2, max(args.clients), args)
-    rows, mismatches = [], []
+    rows, mismatches, decoded = [], [], []
     workers = Workers(loaded_spec, args.one_worker, args.batch_window_ms)
     try:
         with multiprocessing.get_context("spawn").Pool(max(args.clients)) as pool:
-            warm = lambda endpoint, clients: measure(pool, endpoint, prompts, args.methods[0], clients, args)  # noqa: E731
+            warm = lambda endpoint, clients: measure(pool, endpoint, prompts, args.methods[0], clients, args,  # noqa: E731
+                                                     steady=False)
             round_trip_s, packed = loopback_round_trip(workers.endpoint(True, warm))
             for batching in (True, False):  # warm-up, discarded: every pool process and both workers
                 warm(workers.endpoint(batching, warm), max(args.clients))
@@ -223,26 +272,34 @@ def main():
                     # batching on and off back to back, the order alternating, so drift hits both alike
                     for batching in ((True, False) if step % 2 == 0 else (False, True)):
                         row = measure(pool, workers.endpoint(batching, warm), prompts, method, clients, args)
-                        for index, output in enumerate(row.pop("outputs")):
-                            if output != alone[method][(method, index)]:
-                                mismatches.append({"batching": batching, "clients": clients, "method": method,
-                                                   "prompt": index, **near_tie(loaded_spec, prompts[index], output,
-                                                                               alone[method][(method, index)])})
+                        decoded.append((batching, clients, method, row.pop("outputs")))
                         rows.append({"batching": batching, **row})
                         print(rows[-1], flush=True)
     finally:
         workers.stop()
+    for batching, clients, method, produced in decoded:  # every greedy output against the prompt alone
+        for index, output in produced:
+            if (method, index) not in alone:
+                alone[(method, index)] = outputs(decode_alone(_reference_model(loaded_spec), [prompts[index]],
+                                                              method, args))[(method, 0)]
+            if output != alone[(method, index)]:
+                mismatches.append({"batching": batching, "clients": clients, "method": method, "prompt": index,
+                                   **near_tie(loaded_spec, prompts[index], output, alone[(method, index)])})
     table = pd.DataFrame(rows).sort_values(["batching", "clients", "method"], ascending=[False, True, False])
     off = table[~table["batching"]].set_index(["clients", "method"])["aggregate_tokens_per_s"]
     table["vs_unbatched"] = [row.aggregate_tokens_per_s / off[(row.clients, row.method)] for row in table.itertuples()]
-    print(f"\n== {loaded_spec.label} worker on loopback, {args.dtype}, {args.max_new_tokens} tokens per client, K={args.k} ==")
+    load = f"steady load for {args.duration:g} s" if args.duration else f"{args.rounds} prompt(s) per client"
+    print(f"\n== {loaded_spec.label} worker on loopback, {args.dtype}, {args.max_new_tokens} tokens per prompt, {load}, "
+          f"K={args.k} ==")
     print(table.round(3).to_string(index=False))
     print(f"greedy outputs differing from the same prompt alone: {len(mismatches)}", mismatches or "")
-    speedups = speedup_table(table, loaded_spec.label, alone_records, [len(p) for p in prompts], round_trip_s, packed, args)
+    speedups = speedup_table(table, loaded_spec.label, alone_records, [len(prompts[i]) for i in firsts],
+                             round_trip_s, packed, args)
     if speedups is not None:
         print(f"\n== SD speedup over target-only per client, batching on: predicted vs measured ==")
         print(speedups.round(3).to_string(index=False))
     suffix = (("" if args.dtype == "float32" else f"-{args.dtype}") + ("" if args.rounds == 1 else f"-r{args.rounds}")
+              + (f"-steady{args.duration:g}s" if args.duration else "")
               + ("" if args.kernels == "default" else f"-{args.kernels}")
               + (f"-{draft_spec(args).label}" if args.draft else ""))
     write_report(args.out.replace(".json", f"-{args.pair}{suffix}.json"),
