@@ -99,9 +99,10 @@ def measure(pool, endpoint: str, prompts, method: str, clients: int, args, stead
     go = time.perf_counter() + 3.0  # every client connected and waiting before any starts
     planner = planner_for(method, args, "remote")  # each job pickles its own copy
     deadline = go + args.duration if args.duration and steady else None
-    per_client = len(prompts) // max(args.clients) if args.duration else args.rounds
+    share = len(prompts) // max(args.clients) if args.duration else args.rounds  # each client's prompts
+    count = share if deadline else args.rounds  # (a warm-up decodes `rounds` of them)
     jobs = [{"endpoint": endpoint, "method": method, "k": args.k, "draft": draft_spec(args),
-             "prompts": [(j, prompts[j]) for j in range(i * per_client, (i + 1) * per_client)],
+             "prompts": [(j, prompts[j]) for j in range(i * share, i * share + count)],
              "max_new_tokens": args.max_new_tokens, "go": go, "deadline": deadline, "planner": planner}
             for i in range(clients)]
     decoded = [d for client in pool.map(client_job, jobs, chunksize=1) for d in client]

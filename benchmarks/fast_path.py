@@ -8,6 +8,7 @@ same prompts: tokens/s, the fast/eager ratio, and whether every output is identi
 done once untimed first, so every shape it meets is compiled before the timed passes.
 
     python benchmarks/fast_path.py [--pairs smollm2 qwen] [--backend compile] [--prompts 3] [--methods M ...]
+                                   [--dtype bfloat16] [--no-forwards]
 """
 from __future__ import annotations
 
@@ -62,10 +63,10 @@ def forwards(loaded, backend: str, context: int, repeats: int) -> list[dict]:
 
 
 def runs(pair: str, backend: str, prompts: list[str], max_new_tokens: int, repeats: int,
-         sd_methods: list[str] | None = None) -> list[dict]:
+         sd_methods: list[str] | None = None, dtype: str = "float32") -> list[dict]:
     target_name, draft_name, method = PAIRS[pair]
-    loaded = as_loaded(target_name, "float32")
-    draft = as_loaded(draft_name, "float32") if draft_name else None
+    loaded = as_loaded(target_name, dtype)
+    draft = as_loaded(draft_name, dtype) if draft_name else None
     methods = ["target-only", *(sd_methods or [method])]
     kwargs = dict(draft=draft, k=4, max_new_tokens=max_new_tokens, progress=False)
     fast_target = LocalTarget(loaded, fast=backend)
@@ -88,7 +89,7 @@ def runs(pair: str, backend: str, prompts: list[str], max_new_tokens: int, repea
             rate[variant] = statistics.median(tokens_per_s)
         got_eager, got_fast = outputs(frames["eager"][0]), outputs(frames["fast"][0])
         identical = sum(got_fast[(name, i)] == got_eager[(name, i)] for i in range(len(prompts)))
-        rows.append({"pair": pair, "method": name, "eager_tok_s": rate["eager"], "fast_tok_s": rate["fast"],
+        rows.append({"pair": pair, "dtype": dtype, "method": name, "eager_tok_s": rate["eager"], "fast_tok_s": rate["fast"],
                      "fast_over_eager": rate["fast"] / rate["eager"], "identical": f"{identical}/{len(prompts)}",
                      "first_fast_pass_s": compile_s})
         print(f"  {pair} {name}: eager {rate['eager']:.2f} tok/s, fast {rate['fast']:.2f} tok/s "
@@ -101,6 +102,8 @@ def main() -> None:
     parser.add_argument("--pairs", nargs="+", default=list(PAIRS), choices=list(PAIRS))
     parser.add_argument("--backend", default="compile", choices=["compile", "static", "cudagraph"])
     parser.add_argument("--context", type=int, default=200)
+    parser.add_argument("--dtype", default="float32", help="target and draft (bfloat16 pays on CPUs with avx512_bf16)")
+    parser.add_argument("--no-forwards", action="store_true", help="only part 2 (the runs)")
     parser.add_argument("--repeats", type=int, default=5, help="forward timings per shape and variant")
     parser.add_argument("--run-repeats", type=int, default=2, help="timed runs per variant")
     parser.add_argument("--prompts", type=int, default=3)
@@ -114,15 +117,16 @@ def main() -> None:
     forward_rows, run_rows = [], []
     for pair in args.pairs:
         target_name, draft_name, _ = PAIRS[pair]
-        print(f"{pair}: forwards", flush=True)
-        for name in filter(None, (target_name, draft_name)):
-            forward_rows += forwards(as_loaded(name, "float32"), args.backend, args.context, args.repeats)
-        print(f"{pair}: runs", flush=True)
-        run_rows += runs(pair, args.backend, prompts, args.max_new_tokens, args.run_repeats, args.methods)
+        for name in filter(None, (target_name, draft_name)) if not args.no_forwards else ():
+            print(f"{pair}: forwards of {name}", flush=True)
+            forward_rows += forwards(as_loaded(name, args.dtype), args.backend, args.context, args.repeats)
+        print(f"{pair}: runs ({args.dtype})", flush=True)
+        run_rows += runs(pair, args.backend, prompts, args.max_new_tokens, args.run_repeats, args.methods, args.dtype)
         report = {"backend": args.backend, "forwards": forward_rows, "runs": run_rows, "args": vars(args)}
         write_report(args.out, report)  # after each pair: a long run that dies keeps what it measured
     pd.set_option("display.width", 200)
-    print(pd.DataFrame(forward_rows).round(3).to_string(index=False))
+    if forward_rows:
+        print(pd.DataFrame(forward_rows).round(3).to_string(index=False))
     print(pd.DataFrame(run_rows).round(3).to_string(index=False))
 
 
