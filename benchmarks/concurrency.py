@@ -55,6 +55,15 @@ ROOT = Path(__file__).resolve().parents[1]
 TARGETS = {"smollm2": "smollm2-135m", "qwen": "qwen2.5-coder-1.5b"}
 
 
+_client_draft = None  # each client process's draft model, loaded once when the pool starts
+
+
+def load_client_draft(spec) -> None:
+    global _client_draft
+    torch.set_num_threads(1)
+    _client_draft = load_model(spec) if spec is not None else None
+
+
 def client_job(job: dict) -> list[dict]:
     """One client process's decodes, started at the shared `go` time: its prompts once each, or with a
     `deadline`, round and round until it passes (the prompt under way then runs to its end, so every
@@ -71,7 +80,7 @@ def client_job(job: dict) -> list[dict]:
             break
         index, prompt = job["prompts"][turn % len(job["prompts"])]
         records = run(remote, [prompt], method=job["method"].removesuffix("+planner"), k=job["k"],
-                      max_new_tokens=job["max_new_tokens"], draft=job["draft"], planner=job["planner"],
+                      max_new_tokens=job["max_new_tokens"], draft=_client_draft, planner=job["planner"],
                       progress=False, warmup=False)
         ended = time.perf_counter()
         decoded.append({"prompt": index, "started": started, "ended": ended,
@@ -101,7 +110,7 @@ def measure(pool, endpoint: str, prompts, method: str, clients: int, args, stead
     deadline = go + args.duration if args.duration and steady else None
     share = len(prompts) // max(args.clients) if args.duration else args.rounds  # each client's prompts
     count = share if deadline else args.rounds  # (a warm-up decodes `rounds` of them)
-    jobs = [{"endpoint": endpoint, "method": method, "k": args.k, "draft": draft_spec(args),
+    jobs = [{"endpoint": endpoint, "method": method, "k": args.k,
              "prompts": [(j, prompts[j]) for j in range(i * share, i * share + count)],
              "max_new_tokens": args.max_new_tokens, "go": go, "deadline": deadline, "planner": planner}
             for i in range(clients)]
@@ -180,10 +189,13 @@ def check_memory(target_bytes: int, workers: int, clients: int, args) -> None:
     """Refuse, naming the numbers, a run whose two workers and `clients` drafts would not fit in memory:
     two 1.5B fp32 workers and an fp32 0.5B draft in each of 2 client processes got a worker OOM-killed.
     Resident memory runs ~1.1x the weights (a 1.5B fp32 worker: 7.2 GiB for 6.6 GiB of weights), plus
-    ~0.5 GiB of runtime per client process (this process is already out of what is free)."""
+    ~0.5 GiB of runtime per client process (this process is already out of what is free). An int8-dynamic
+    draft is counted at its fp32 size: it is quantized after an fp32 load and its process keeps that peak
+    (Qwen2.5-Coder-0.5B: 2.9 GB resident per client process for 1.0 GiB of int8 weights)."""
     from specbench.models.loading import available_bytes
 
-    draft_bytes = load_model(draft_spec(args)).weight_bytes if args.draft else 0
+    loaded_as = ModelSpec(args.draft) if args.draft_quant == "int8-dynamic" else draft_spec(args)
+    draft_bytes = load_model(loaded_as).weight_bytes if args.draft else 0
     gc.collect()
     needed = 1.15 * (workers * target_bytes + clients * draft_bytes) + 0.5 * 2**30 * clients
     free = available_bytes("cpu")
@@ -194,11 +206,12 @@ def check_memory(target_bytes: int, workers: int, clients: int, args) -> None:
 
 
 def decode_alone(loaded, prompts, method: str, args):
+    draft = _reference_model(draft_spec(args)) if args.draft else None
     return run(loaded, prompts, method=method.removesuffix("+planner"), k=args.k, max_new_tokens=args.max_new_tokens,
-               draft=draft_spec(args), progress=False, planner=planner_for(method, args, "local"))
+               draft=draft, progress=False, planner=planner_for(method, args, "local"))
 
 
-@functools.lru_cache(maxsize=1)
+@functools.lru_cache(maxsize=2)
 def _reference_model(spec: ModelSpec):
     return load_model(spec)
 
@@ -257,12 +270,14 @@ def main():
              for i, index in enumerate(firsts)}
     target_bytes = loaded.weight_bytes
     del loaded  # the worker loads its own copy: two 1.5B fp32 models and eight clients crowd 24 GiB
+    _reference_model.cache_clear()  # (the alone runs' draft too: reloaded after, if needed)
     gc.collect()
     check_memory(target_bytes, 1 if args.one_worker else 2, max(args.clients), args)
     rows, mismatches, decoded = [], [], []
     workers = Workers(loaded_spec, args.one_worker, args.batch_window_ms)
     try:
-        with multiprocessing.get_context("spawn").Pool(max(args.clients)) as pool:
+        with multiprocessing.get_context("spawn").Pool(max(args.clients), initializer=load_client_draft,
+                                                       initargs=(draft_spec(args),)) as pool:
             warm = lambda endpoint, clients: measure(pool, endpoint, prompts, args.methods[0], clients, args,  # noqa: E731
                                                      steady=False)
             round_trip_s, packed = loopback_round_trip(workers.endpoint(True, warm))
