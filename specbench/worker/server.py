@@ -205,7 +205,7 @@ class Worker:
                     result = self.ops.handlers[op](header, arrays, connection=message.identity,
                                                    curve_key=message.curve_key)
                     if isinstance(result, Job):
-                        out += self._start(result, message, now=not batch)
+                        out += self._start(result, message)
                         continue
             except Exception as error:  # every failure becomes an error reply; the worker keeps serving
                 result = error
@@ -227,16 +227,14 @@ class Worker:
             return False  # the handler names what is wrong, after the batch
         return all(prepared.session is not named for _, prepared in batch)
 
-    def _start(self, job: Job, message: Message, now: bool = True) -> list[tuple[Message, list[bytes]]]:
-        """Attach `message` to `job`; a new job runs its first slice now (a short prefill ends in it),
-        the rest between rounds; started beside a waiting batch (`now` false), a prefill's first
-        chunk rides in that batch's forward instead. With batching off it runs to its end here."""
+    def _start(self, job: Job, message: Message) -> list[tuple[Message, list[bytes]]]:
+        """Attach `message` to `job`; a new job runs its first slice now (a short prefill ends in it,
+        so a verify sent right behind it, even in the same round, finds the session live), the rest
+        between rounds. With batching off it runs to its end here, as requests did before."""
         job.waiters.append(message)
         if job in self.ops.jobs.jobs:  # a resend joining the job under way
             return []
         self.ops.jobs.add(job)
-        if not now:
-            return []
         while not job.advance() and not self.config.batching:
             pass
         return self._finished_jobs() if job.done else []
