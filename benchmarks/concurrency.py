@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import itertools
 import multiprocessing
 import time
 from pathlib import Path
@@ -74,11 +75,9 @@ def client_job(job: dict) -> list[dict]:
     remote = RemoteTarget(job["endpoint"], timeout_s=900)
     time.sleep(max(0.0, job["go"] - time.perf_counter()))
     decoded, started = [], time.perf_counter()
-    for turn in range(10**6):
-        if turn == len(job["prompts"]) and job["deadline"] is None or \
-                job["deadline"] is not None and started >= job["deadline"]:
+    for index, prompt in itertools.cycle(job["prompts"]) if job["deadline"] else job["prompts"]:
+        if job["deadline"] and started >= job["deadline"]:
             break
-        index, prompt = job["prompts"][turn % len(job["prompts"])]
         records = run(remote, [prompt], method=job["method"].removesuffix("+planner"), k=job["k"],
                       max_new_tokens=job["max_new_tokens"], draft=_client_draft, planner=job["planner"],
                       progress=False, warmup=False)
@@ -91,6 +90,12 @@ def client_job(job: dict) -> list[dict]:
 
 
 STEP_COLUMNS = ("step_s", "emitted", "queue_s", "batch_size", "step_k", "drafted")
+
+
+def prompt_share(prompts, args) -> int:
+    """How many prompts each client owns: client i's are i * share onwards (steady load: the set split
+    between the most clients measured; fixed work: its `--rounds`)."""
+    return len(prompts) // max(args.clients) if args.duration else args.rounds
 
 
 def step_ends(decoded: dict) -> np.ndarray:
@@ -108,7 +113,7 @@ def measure(pool, endpoint: str, prompts, method: str, clients: int, args, stead
     go = time.perf_counter() + 3.0  # every client connected and waiting before any starts
     planner = planner_for(method, args, "remote")  # each job pickles its own copy
     deadline = go + args.duration if args.duration and steady else None
-    share = len(prompts) // max(args.clients) if args.duration else args.rounds  # each client's prompts
+    share = prompt_share(prompts, args)
     count = share if deadline else args.rounds  # (a warm-up decodes `rounds` of them)
     jobs = [{"endpoint": endpoint, "method": method, "k": args.k,
              "prompts": [(j, prompts[j]) for j in range(i * share, i * share + count)],
@@ -118,7 +123,11 @@ def measure(pool, endpoint: str, prompts, method: str, clients: int, args, stead
     if deadline is None:
         window, inside = (max(d["ended"] for d in decoded) - go), lambda d: np.ones(len(d["step_s"]), bool)
     else:
-        window, inside = args.duration, lambda d: (step_ends(d) >= go) & (step_ends(d) < deadline)
+        window = args.duration
+
+        def inside(d):
+            ends = step_ends(d)
+            return (ends >= go) & (ends < deadline)
     steps = {column: np.concatenate([np.asarray(d[column])[inside(d)] for d in decoded]) for column in STEP_COLUMNS}
     return {"clients": clients, "method": method, "aggregate_tokens_per_s": steps["emitted"].sum() / window,
             "step_ms_p50": float(np.percentile(steps["step_s"], 50) * 1000),
@@ -262,8 +271,7 @@ def main():
     prompts = encode_prompts(texts, loaded.tokenizer)
     # alone, in this process: every client's first prompt (the prediction replays these); the other
     # prompts a run decodes are run alone after it, to compare outputs
-    per_client = len(prompts) // max(args.clients) if args.duration else args.rounds
-    firsts = [i * per_client for i in range(max(args.clients))]
+    firsts = [i * prompt_share(prompts, args) for i in range(max(args.clients))]
     alone_records = {method: decode_alone(loaded, [prompts[i] for i in firsts], method, args)
                      for method in args.methods}
     alone = {(method, index): outputs(records)[(method, i)] for method, records in alone_records.items()
@@ -293,11 +301,14 @@ def main():
                         print(rows[-1], flush=True)
     finally:
         workers.stop()
+    for method in args.methods:  # the prompts the runs decoded that were not decoded alone yet: one run each method
+        missing = sorted({index for _, _, m, produced in decoded if m == method for index, _ in produced
+                          if (method, index) not in alone})
+        if missing:
+            produced = outputs(decode_alone(_reference_model(loaded_spec), [prompts[i] for i in missing], method, args))
+            alone.update({(method, index): produced[(method, i)] for i, index in enumerate(missing)})
     for batching, clients, method, produced in decoded:  # every greedy output against the prompt alone
         for index, output in produced:
-            if (method, index) not in alone:
-                alone[(method, index)] = outputs(decode_alone(_reference_model(loaded_spec), [prompts[index]],
-                                                              method, args))[(method, 0)]
             if output != alone[(method, index)]:
                 mismatches.append({"batching": batching, "clients": clients, "method": method, "prompt": index,
                                    **near_tie(loaded_spec, prompts[index], output, alone[(method, index)])})

@@ -117,9 +117,10 @@ def main() -> None:
     forward_rows, run_rows = [], []
     for pair in args.pairs:
         target_name, draft_name, _ = PAIRS[pair]
-        for name in filter(None, (target_name, draft_name)) if not args.no_forwards else ():
-            print(f"{pair}: forwards of {name}", flush=True)
-            forward_rows += forwards(as_loaded(name, args.dtype), args.backend, args.context, args.repeats)
+        for name in filter(None, (target_name, draft_name)):
+            if not args.no_forwards:
+                print(f"{pair}: forwards of {name}", flush=True)
+                forward_rows += forwards(as_loaded(name, args.dtype), args.backend, args.context, args.repeats)
         print(f"{pair}: runs ({args.dtype})", flush=True)
         run_rows += runs(pair, args.backend, prompts, args.max_new_tokens, args.run_repeats, args.methods, args.dtype)
         report = {"backend": args.backend, "forwards": forward_rows, "runs": run_rows, "args": vars(args)}
