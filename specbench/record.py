@@ -23,7 +23,7 @@ def profile_model(model: ModelLike, tokens: Sequence[int] = DEFAULT_TOKENS,
                   progress: bool = False, fast: bool | str = False) -> tuple[LatencyProfile, dict]:
     """Forward latency of `model` on its device over the grid (per batch size, for a target shared
     by that many clients), plus metadata (power, device, settings). `fast` (True or a backend):
-    profile the fast path instead (batch 1)."""
+    profile the fast path instead (batches through its static pool)."""
     from tqdm.auto import tqdm
 
     loaded = as_loaded(model, dtype)

@@ -89,12 +89,44 @@ def test_sampled_rules_equal_eager_with_the_same_seed(tiny_target, tiny_draft):
     assert fast == eager
 
 
-def test_a_fast_target_verifies_a_batch_one_session_at_a_time(tiny_target, tiny_draft):
-    batched, alone = LocalTarget(tiny_target, fast="static"), LocalTarget(tiny_target, kv_pool=False)
-    drafters = [ModelDrafter(tiny_draft, 96), None, ModelDrafter(tiny_draft, 96)]
+@pytest.mark.parametrize("backend", ["static", "compile"])
+def test_a_fast_target_verifies_a_batch_in_one_fixed_shape_forward(tiny_target, tiny_draft, backend):
+    """Sessions in the static pool verified together (chains, a tree, an empty draft; the batch padded to
+    a power of two with a free slot) get the verdicts lone eager verifies give, through pool growth; a
+    session opened later in the slot a padding row wrote into serves as if new."""
+    from specbench.decode.tree_drafters import TreeDrafter
+
+    batched, alone = LocalTarget(tiny_target, fast=backend), LocalTarget(tiny_target, kv_pool=False)
+    tree = TreeDrafter(tiny_draft, tiny_target.vocab_size, beam=2, branch=2, max_depth=3)
+    drafters = [ModelDrafter(tiny_draft, 96), None, tree]
     assert_batches_match_lone_verifies(batched, alone, PROMPTS[:3], drafters, steps=6)
+    fast = batched.fast
+    assert fast.stats["batched"] == 6 and {size for size, _, _ in fast.batch_shapes} == {4}  # 3 rows + 1 padding
+    assert fast.pool.slots == 4 and fast.pool.generation == 3  # grew 1 -> 2 -> 4 under the sessions
+    for name in ("s0", "s1", "s2"):
+        batched.close(name), alone.close(name)
+    assert fast.pool.in_use == 0
+    assert_batches_match_lone_verifies(batched, alone, PROMPTS[1:], [None, ModelDrafter(tiny_draft, 96), tree],
+                                       steps=3)
+    assert fast.pool.generation == 3  # the closed sessions' slots served the new ones
     bad = [VerifyRequest("s0", DraftTree.chain([10_000]), SamplingParams(), 0)]
     assert isinstance(verify_batch(batched, bad)[0], SpecbenchError)  # an error per request, not a crash
+
+
+def test_a_batch_no_bucket_holds_runs_its_rows_alone(tiny_target):
+    """A draft longer than every bucket (or one row) takes the lone path, with the same verdicts."""
+    batched, alone = LocalTarget(tiny_target, fast="static"), LocalTarget(tiny_target, kv_pool=False)
+    for name, prompt in zip("ab", PROMPTS):
+        batched.prefill(name, prompt), alone.prefill(name, prompt)
+    long_chain = DraftTree.chain(list(range(3, 3 + BUCKETS[-1] + 4)))
+    requests = [VerifyRequest("a", long_chain, SamplingParams(), 0),
+                VerifyRequest("b", DraftTree.chain([5]), SamplingParams(), 0)]
+    before = batched.fast.stats["batched"]
+    for request, verdict in zip(requests, verify_batch(batched, requests)):
+        lone = alone.verify(request.session, request.tree, request.sampling, request.seed)
+        assert (verdict.accepted_path, verdict.bonus_token) == (lone.accepted_path, lone.bonus_token)
+        assert batched.committed(request.session) == alone.committed(request.session)
+    assert batched.fast.stats["batched"] == before
 
 
 def test_static_cache_bookkeeping_and_refusals(tiny_target):
@@ -128,8 +160,8 @@ def test_profiles_of_the_fast_path_say_so_and_survive_a_round_trip(tiny_target, 
 
     rows = forward_latency_grid(tiny_target.model, tokens=[1, 3], contexts=[20], repeats=2, fast="static")
     assert [r["tokens"] for r in rows] == [1, 3] and all(r["forward"] == "fast-static" for r in rows)
-    with pytest.raises(SpecbenchError, match="one sequence per forward"):
-        forward_latency_grid(tiny_target.model, tokens=[1], contexts=[20], batches=[2], fast="static")
+    rows = forward_latency_grid(tiny_target.model, tokens=[2], contexts=[20], batches=[1, 4], fast="static")
+    assert [r["batch"] for r in rows] == [1, 4] and all(r["median_s"] > 0 for r in rows)
     profile, extra = profile_model(tiny_target, tokens=[1, 2], contexts=[16], repeats=2, fast="static")
     assert profile.forward == "fast-static"
     save_profile(profile, extra, folder=tmp_path)

@@ -52,3 +52,21 @@ def test_concurrent_clients_get_what_they_get_alone(tiny_target, tiny_draft, sam
         assert max(sizes) > 1, "no two verifies ever shared a forward: the test proves nothing"
     else:
         assert set(sizes) == {1}
+
+
+def test_a_fast_worker_batches_its_clients_verifies(tiny_target, tiny_draft):
+    """`--fast`: the clients' verifies share fixed-shape forwards over the static pool (batch sizes > 1),
+    and each client gets what it gets alone on an eager target."""
+    methods = ["target-only", "chain", "fixed-tree"]
+    with process_worker("--fast", "static") as worker:
+        results = clients_in_parallel(worker.endpoint, tiny_draft, SamplingParams(), methods)
+        info = RemoteTarget(worker.endpoint).info
+    assert info["kv_pool"]["slots"] >= 1 and not info["packed_batches"]  # padded to a bucket, priced so
+    assert info["fast"]["backend"] == "static" and info["fast"]["batched"] > 0  # verifies shared a forward
+    sizes = []
+    for index, records in results.items():
+        alone = run(tiny_target, [PROMPT_SET[index]], method=methods, draft=tiny_draft, k=3, max_new_tokens=20,
+                    progress=False, warmup=False)
+        assert outputs(records) == outputs(alone), index
+        sizes += list(records["batch_size"])
+    assert max(sizes) > 1, "no two verifies ever shared a forward: the test proves nothing"

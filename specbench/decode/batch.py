@@ -4,10 +4,11 @@ Why: on a 2-core CPU one forward of 8 sequences x 5 tokens costs ~2x one sequenc
 verifies of 8 clients verifies ~4x more tokens per second. Each session keeps its own KV. Where the
 target keeps its sessions in a KV pool and its attention takes a packed layout (most models), the
 rows' inputs are packed into one sequence, with no padding, and each row's keys and values are
-written and read in its own pool row (`_forward_packed`, `decode/packed_attention.py`). Otherwise
+written and read in its own pool row (`_forward_packed`, `decode/packed_attention.py`). A fast
+target runs the rows padded to a fixed shape over its static pool (`_forward_fast`). Otherwise
 (a model whose attention takes no packed layout, or a target without a pool) the sessions' caches are
 copied, left-aligned and padded, into one batch cache; sliding-window models (their layers hold only
-a window) and fast targets (one static cache per forward) verify their sessions one after another:
+a window) verify their sessions one after another:
 
     row i: [its P_i cached positions | padding up to P = max P_i | its n_i new inputs | padding to N]
 
@@ -64,7 +65,7 @@ def verify_batch(target: LocalTarget, requests: Sequence[VerifyRequest],
     next `advance`."""
     if len({r.session for r in requests}) != len(requests):
         raise ValueError("verify_batch takes at most one request per session")
-    if not target.packed and (target.fast is not None or not target.plain):
+    if not target.packed and not target.plain:
         if any(job.remaining and tokens > 0 for job, tokens in prefills):
             raise ValueError("prefill chunks ride in a batch only on a packed target")
         return [_alone(target, request) for request in requests]
@@ -84,7 +85,7 @@ def verify_batch(target: LocalTarget, requests: Sequence[VerifyRequest],
             raise ValueError("prefill chunks ride in a batch only on a packed target")
         if packed:  # in slot order, so consecutive slots attend over a view of the pool
             rows = sorted(rows + chunks, key=lambda row: row.state.cache.slot)
-        logits = (_forward_packed if packed else _forward)(target, rows)
+        logits = (_forward_fast if target.fast is not None else _forward_packed if packed else _forward)(target, rows)
         forward_s = device_time(target.device) - started
         for row, judged in zip(rows, logits):
             if row.request is None:
@@ -95,8 +96,8 @@ def verify_batch(target: LocalTarget, requests: Sequence[VerifyRequest],
 
 
 def _alone(target: LocalTarget, request: VerifyRequest) -> Union[Verdict, Exception]:
-    """A lone verify, for sessions a padded batch cannot hold: static caches (the fast path runs one
-    session per forward) and sliding-window layers, which keep only their window's positions."""
+    """A lone verify, for sessions a padded batch cannot hold: sliding-window layers keep only their
+    window's positions."""
     try:
         return target.verify(request.session, request.tree, request.sampling, request.seed)
     except Exception as error:
@@ -172,6 +173,14 @@ def _forward_packed(target: LocalTarget, rows: list[_Row]) -> list[torch.Tensor]
     for row in rows:
         row.state.cache.set_length(row.past + len(row.inputs))
     return list(output.logits[0].split([len(span) for span in judged]))
+
+
+def _forward_fast(target: LocalTarget, rows: list[_Row]) -> list[torch.Tensor]:
+    """`_forward` for a fast target: one fixed-shape forward over the sessions' static pool rows
+    (`FastForward.batch`), each row's new keys and values written in its own row."""
+    logits = target.fast.batch([row.state.cache for row in rows], [row.inputs for row in rows],
+                               [row.positions for row in rows], [row.mask for row in rows])
+    return [judged[len(row.state.tail) - 1:] for judged, row in zip(logits, rows)]
 
 
 def _padded_inputs(rows: list[_Row], width: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,14 +18,12 @@ eagerly: what the other two must reproduce, and a fallback where compiling is no
 """
 from __future__ import annotations
 
-import gc
-import weakref
 from typing import Optional, Sequence
 
 import torch
 
 from specbench.decode.kv import plain_layers
-from specbench.decode.static_kv import StaticKV, rounded, static_bytes, width_for
+from specbench.decode.static_kv import PoolBatch, StaticKV, StaticPool, rounded, width_for
 from specbench.types import FAST_BACKENDS, SpecbenchError
 
 # Step sizes with their own graph (made on first use); longer inputs run eagerly. Every size up to 8,
@@ -65,33 +63,31 @@ class FastForward:
             # one graph per model x bucket x width: more than dynamo's default of 8 per function
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
             self._compiled = torch.compile(self._step, dynamic=False)
-        self._graphs: dict[tuple, tuple] = {}  # cudagraph: (id(cache), bucket, width) -> (graph, buffers, out)
-        self.max_bytes: Optional[int] = None  # every live static cache together (the worker's --max-kv-gib)
-        self._live: "weakref.WeakSet[StaticKV]" = weakref.WeakSet()  # a cache leaves when its session does
-        self.stats = {"bucketed": 0, "eager": 0}
+        self.pool = StaticPool(model.config, capacity, self.dtype, device)  # every session's static cache
+        self._graphs: dict[tuple, tuple] = {}  # cudagraph: (cache id or batch shape, ...) -> (graph, buffers, out)
+        self._graph_generation = 0  # the pool's generation the graphs were captured at
+        self.stats = {"bucketed": 0, "eager": 0, "batched": 0}
         self.shapes: set[tuple[int, int]] = set()  # (bucket, width) run: a graph each
+        self.batch_shapes: set[tuple[int, int, int]] = set()  # (rows, bucket, width) of batched forwards
+
+    @property
+    def max_bytes(self) -> Optional[int]:
+        """Every session's static cache together may hold at most this (the worker's --max-kv-gib)."""
+        return self.pool.max_bytes
+
+    @max_bytes.setter
+    def max_bytes(self, value: Optional[int]) -> None:
+        self.pool.max_bytes = value
 
     def new_cache(self) -> StaticKV:
-        """A session's static cache, refused (naming the numbers) if all live ones would pass `max_bytes`."""
-        needed = static_bytes(self.model.config, self.capacity, self.dtype)
-        held = sum(cache.nbytes() for cache in self._live)
-        if self.max_bytes and held + needed > self.max_bytes:
-            gc.collect()  # a closed session's cache is a reference cycle (cache <-> its layers) until collected
-            held = sum(cache.nbytes() for cache in self._live)
-        if self.max_bytes and held + needed > self.max_bytes:
-            raise SpecbenchError(
-                f"static KV caches: {len(self._live)} sessions hold {held} bytes and one more needs {needed} "
-                f"({rounded(self.capacity)} positions), over the limit of {self.max_bytes} bytes "
-                f"(the worker's --max-kv-gib); "
-                f"close sessions or lower fast_capacity")
-        cache = StaticKV(self.model.config, self.capacity, self.dtype, self.device)
-        self._live.add(cache)
-        return cache
+        """A session's static cache (a pool row), refused (naming the numbers) past `max_bytes`."""
+        return StaticKV(self.pool)
 
     def forget(self, cache: StaticKV) -> None:
-        """Drop what was captured for `cache` (a closed session)."""
+        """A closed session: drop what was captured for `cache`, and give its slot back."""
         for key in [key for key in self._graphs if key[0] == id(cache)]:
             del self._graphs[key]
+        cache.free()
 
     @torch.inference_mode()
     def __call__(self, cache: StaticKV, inputs: Sequence[int], position_ids: Optional[torch.Tensor] = None,
@@ -114,8 +110,8 @@ class FastForward:
         self.stats["eager"] += 1
         n, past = len(inputs), cache.length
         cache.prepare(torch.arange(past, past + n, device=self.device), past + n)
-        mask = self._mask(attention_mask, n, n, past, cache.width)
-        positions = self._positions(position_ids, n, n, past)
+        mask = self._mask(attention_mask, n, n, past, cache.width).to(self.device)
+        positions = self._positions(position_ids, n, n, past).to(self.device)
         input_ids = torch.tensor([list(inputs)], device=self.device)
         output = self.model(input_ids=input_ids, position_ids=positions, attention_mask=mask,
                             past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep)
@@ -132,22 +128,75 @@ class FastForward:
         mask = self._mask(attention_mask, n, bucket, past, width)
         write_index = torch.arange(past, past + bucket)
         if self.backend == "cudagraph":
-            return self._replay(cache, bucket, width, input_ids, positions, mask, write_index)
+            def bind(buffers):
+                cache.prepare(buffers[3], past + bucket)
+                return cache
+            return self._replay((id(cache), bucket, width), (input_ids, positions, mask, write_index), bind)[0]
         cache.prepare(write_index.to(self.device), past + bucket)
         step = self._compiled or self._step
-        return step(cache, input_ids.to(self.device), positions, mask)[0]
+        return step(cache, input_ids.to(self.device), positions.to(self.device), mask.to(self.device))[0]
+
+    @torch.inference_mode()
+    def batch(self, caches: Sequence[StaticKV], inputs: Sequence[Sequence[int]],
+              positions: Sequence[Sequence[int]], masks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Per row, logits [n_r, vocab] for `inputs[r]` appended to `caches[r]` at rotary `positions[r]`
+        under `masks[r]` ([n_r, past_r + n_r] additive, as a lone verify builds it), from one fixed-shape
+        forward; then each cache counts its inputs. The rows are padded to a bucket of tokens and the
+        batch to a power of two with free pool slots where there are enough (a padding row writes into
+        a free slot and attends its column 0: nothing reads either). Where no bucket holds the rows, or
+        for one row, each runs alone, as `__call__` would."""
+        pasts, longest = [cache.length for cache in caches], max(len(row) for row in inputs)
+        bucket = next((b for b in BUCKETS if b >= longest), None)
+        if (len(caches) == 1 or bucket is None or max(pasts) + bucket > self.pool.capacity
+                or any(cache.pool is not self.pool for cache in caches)):
+            return [self(cache, row, torch.tensor([where]), mask[None, None])
+                    for cache, row, where, mask in zip(caches, inputs, positions, masks)]
+        self.stats["batched"] += 1
+        size, free = 1 << (len(caches) - 1).bit_length(), self.pool.free_slots()
+        size = size if size - len(caches) <= len(free) else len(caches)
+        width = width_for(max(pasts) + bucket, self.pool.capacity)
+        self.batch_shapes.add((size, bucket, width))
+        input_ids = torch.zeros((size, bucket), dtype=torch.long)
+        rotary = torch.arange(bucket).repeat(size, 1)  # padding rows: positions 0.., written at 0..
+        write_index = rotary.clone()
+        mask = torch.full((size, 1, bucket, width), torch.finfo(self.dtype).min, dtype=self.dtype)
+        mask[:, 0, :, 0] = 0.0
+        for r, (row, past) in enumerate(zip(inputs, pasts)):
+            n = len(row)
+            input_ids[r, :n] = torch.as_tensor(list(row), dtype=torch.long)
+            rotary[r] = self._positions(torch.tensor(positions[r]), n, bucket, past)[0]
+            mask[r] = self._mask(masks[r], n, bucket, past, width)[0]
+            write_index[r] += past
+        slot_index = torch.tensor([cache.slot for cache in caches] + free[:size - len(caches)])
+        values = (input_ids, rotary, mask, slot_index, write_index)
+        if self.backend == "cudagraph":
+            def bind(buffers):
+                return PoolBatch(self.pool, buffers[3], buffers[4], width)
+            logits = self._replay(("batch", size, bucket, width), values, bind)
+        else:
+            input_ids, rotary, mask, slot_index, write_index = (value.to(self.device) for value in values)
+            step = self._compiled or self._step
+            logits = step(PoolBatch(self.pool, slot_index, write_index, width), input_ids, rotary, mask)
+        for cache, row, past in zip(caches, inputs, pasts):
+            cache.length = past + len(row)
+        return [logits[r, :len(row)] for r, row in enumerate(inputs)]
 
     def _step(self, cache, input_ids, position_ids, mask):
         output = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
                             past_key_values=cache, use_cache=True)
         return output.logits
 
-    def _replay(self, cache, bucket, width, input_ids, positions, mask, write_index):
-        """CUDA: copy the step's inputs into the buffers a graph was captured with and replay it."""
-        key = (id(cache), bucket, width)
+    def _replay(self, key: tuple, values: tuple, bind) -> torch.Tensor:
+        """CUDA: copy `values` (input ids, positions, mask, then what `bind` points the cache at) into the
+        buffers a graph was captured with, capturing it on first use, and replay it. `bind(buffers)`
+        gives the cache the step runs on, reading its indices from the buffers. Graphs captured before the
+        pool grew (its tensors moved) are dropped."""
+        if self._graph_generation != self.pool.generation:
+            self._graphs.clear()
+            self._graph_generation = self.pool.generation
         if key not in self._graphs:
-            buffers = (input_ids.to(self.device), positions.clone(), mask.clone(), write_index.to(self.device))
-            cache.prepare(buffers[3], width)
+            buffers = tuple(value.to(self.device).clone() for value in values)
+            cache = bind(buffers)
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # warm up off the capture (allocator, lazy inits)
@@ -158,22 +207,22 @@ class FastForward:
                 out = self._step(cache, *buffers[:3])
             self._graphs[key] = (graph, buffers, out)
         graph, buffers, out = self._graphs[key]
-        for buffer, value in zip(buffers, (input_ids, positions, mask, write_index)):
+        for buffer, value in zip(buffers, values):
             buffer.copy_(value, non_blocking=True)
-        cache.prepare(buffers[3], width)
+        bind(buffers)
         graph.replay()
-        return out[0]
+        return out
 
     def _positions(self, position_ids, n: int, bucket: int, past: int) -> torch.Tensor:
-        """[1, bucket] positions: the given (or sequential) ones, then the padding's, counting on."""
+        """[1, bucket] positions (on the host): the given (or sequential) ones, then the padding's, counting on."""
         real = (torch.arange(past, past + n) if position_ids is None
                 else position_ids.reshape(-1).to("cpu", torch.long))
         last = int(real[-1]) if n else past - 1
         padding = torch.arange(last + 1, last + 1 + bucket - n)
-        return torch.cat([real, padding]).view(1, bucket).to(self.device)
+        return torch.cat([real, padding]).view(1, bucket)
 
     def _mask(self, attention_mask, n: int, bucket: int, past: int, width: int) -> torch.Tensor:
-        """[1, 1, bucket, width] additive: the real rows' mask (causal when None), padding sees column 0."""
+        """[1, 1, bucket, width] additive (on the host): the real rows' mask (causal when None), padding sees column 0."""
         minimum = torch.finfo(self.dtype).min
         mask = torch.full((bucket, width), minimum, dtype=self.dtype)
         if attention_mask is None:
@@ -184,7 +233,7 @@ class FastForward:
             given = attention_mask.reshape(n, past + n).to("cpu", self.dtype)
             mask[:n, :past + n] = given
         mask[n:, 0] = 0.0
-        return mask.view(1, 1, bucket, width).to(self.device)
+        return mask.view(1, 1, bucket, width)
 
 
 def fast_capacity(max_context: Optional[int], wanted: Optional[int]) -> int:

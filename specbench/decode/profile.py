@@ -19,7 +19,7 @@ def forward_latency_grid(model, tokens: Sequence[int], contexts: Sequence[int], 
                          warmup: int = 2, batches: Sequence[int] = (1,), fast: bool | str | None = None) -> list[dict]:
     """Median (and spread) seconds of one forward of `n` new tokens on a cache of `c` positions, for
     `b` sequences at once (each with its own cache rows, as a shared worker's batched verify).
-    `fast`: True or a backend of `decode/fast_forward.py` (static cache, fixed shapes; one sequence), timed
+    `fast`: True or a backend of `decode/fast_forward.py` (static caches, fixed shapes, batched), timed
     after its warm-up calls have compiled or captured the shape."""
     return list(forward_latency_points(model, tokens, contexts, repeats, warmup, batches, fast))
 
@@ -57,27 +57,33 @@ def forward_latency_points(model, tokens: Sequence[int], contexts: Sequence[int]
 
 
 def _fast_points(model, tokens, contexts, repeats, warmup, batches, backend) -> Iterator[dict]:
-    """The grid through the fast path: one static cache, rolled back to `context` after each forward."""
+    """The grid through the fast path: `b` static caches (pool rows), one fixed-shape forward of them all
+    (`FastForward.batch`; one sequence alone as a lone step), rolled back to `context` after each."""
     from specbench.decode.fast_forward import FastForward
-    from specbench.types import SpecbenchError
 
-    if list(batches) != [1]:
-        raise SpecbenchError("the fast path runs one sequence per forward: profile it at batch 1")
     forward = FastForward(model, max(contexts) + max(tokens), backend)
+    forward.pool.reserve(max(batches))  # the pool's tensors stay put: no recompile or recapture mid-grid
     device, vocab = forward.device, model.get_input_embeddings().weight.shape[0]
     generator = torch.Generator().manual_seed(0)
-    for context in contexts:
-        cache = forward.new_cache()
-        forward(cache, torch.randint(0, vocab, (context,), generator=generator).tolist(), logits_to_keep=1)
+    for batch, context in ((b, c) for b in batches for c in contexts):
+        caches = [forward.new_cache() for _ in range(batch)]
+        for cache in caches:
+            forward(cache, torch.randint(0, vocab, (context,), generator=generator).tolist(), logits_to_keep=1)
         for count in tokens:
-            new = torch.randint(0, vocab, (count,), generator=generator).tolist()
+            new = [torch.randint(0, vocab, (count,), generator=generator).tolist() for _ in caches]
+            where = [list(range(context, context + count))] * batch
+            mask = torch.zeros(count, context + count, dtype=model.dtype)
+            mask[:, context:] = torch.full((count, count), torch.finfo(model.dtype).min).triu(1)
             samples = []
             for attempt in range(max(warmup, 1) + repeats):  # the first call compiles or captures
                 start = device_time(device)
-                forward(cache, new)
+                forward.batch(caches, new, where, [mask] * batch)
                 if attempt >= max(warmup, 1):
                     samples.append(device_time(device) - start)
-                cache.set_length(context)
+                for cache in caches:
+                    cache.set_length(context)
             samples.sort()
-            yield {"tokens": count, "context": context, "batch": 1, "median_s": statistics.median(samples),
+            yield {"tokens": count, "context": context, "batch": batch, "median_s": statistics.median(samples),
                    "min_s": samples[0], "max_s": samples[-1], "repeats": repeats, "forward": f"fast-{forward.backend}"}
+        for cache in caches:
+            cache.free()

@@ -12,7 +12,10 @@ positions (`decode/fast_forward.py`).
 """
 from __future__ import annotations
 
-from typing import Sequence
+import gc
+import heapq
+import weakref
+from typing import Optional, Sequence
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -46,22 +49,103 @@ def kv_shape(config) -> tuple[int, int, int]:
                              f"({missing}); run with fast=False") from None
 
 
-class StaticKV(Cache):
-    """A session's keys and values at fixed addresses; `length` positions are committed."""
+class StaticPool:
+    """Every static cache of one model: per layer one [slots, kv_heads, capacity, head_dim] tensor, a
+    row (slot) per session.
+
+    Why: a batched forward at fixed shapes reads and writes its sessions' rows by slot index in one
+    tensor per layer (`FastForward.batch`): a compiled graph takes the pool as one input whatever the
+    sessions, and a CUDA graph replays at its fixed addresses. Slots grow by doubling where `max_bytes`
+    allows, else one at a time; growing moves the tensors (`generation` counts it, so graphs captured
+    at the old addresses are dropped). A slot returns when its cache is freed (a session closed) or
+    collected."""
 
     def __init__(self, config, capacity: int, dtype: torch.dtype, device):
-        layers, kv_heads, head_dim = kv_shape(config)
-        if capacity < 1:
-            raise SpecbenchError(f"static cache capacity must be >= 1 position, got {capacity}")
-        self.capacity = rounded(capacity)
-        shape = (1, kv_heads, self.capacity, head_dim)
+        self.layers, self.kv_heads, self.head_dim = kv_shape(config)
+        self.capacity, self.dtype, self.device = rounded(capacity), dtype, device
+        self.slot_bytes = static_bytes(config, capacity, dtype)
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.slots, self.generation = 0, 0
+        self.max_bytes: Optional[int] = None  # every slot together (the worker's --max-kv-gib)
+        self._free: list[int] = []
+
+    @property
+    def in_use(self) -> int:
+        return self.slots - len(self._free)
+
+    def acquire(self) -> int:
+        if not self._free:
+            self._grow()
+        return heapq.heappop(self._free)
+
+    def reserve(self, slots: int) -> None:
+        """Grow now to at least `slots` slots, so later sessions find the tensors where they are."""
+        while self.slots < slots:
+            self._grow()
+
+    def release(self, slot: int) -> None:
+        heapq.heappush(self._free, slot)
+
+    def free_slots(self) -> list[int]:
+        return sorted(self._free)
+
+    def nbytes(self) -> int:
+        return self.slots * self.slot_bytes
+
+    def _grow(self) -> None:
+        """One slot more at least, all-or-nothing: every new tensor exists before any old one is let go."""
+        needed = self.slots + 1
+        if self.max_bytes and needed * self.slot_bytes > self.max_bytes:
+            gc.collect()  # a dropped cache is a reference cycle (cache <-> its layers) until collected
+            if self._free:
+                return
+            raise SpecbenchError(
+                f"static KV caches: {self.in_use} sessions hold {self.nbytes()} bytes and one more needs "
+                f"{self.slot_bytes} ({self.capacity} positions), over the limit of {self.max_bytes} bytes "
+                f"(the worker's --max-kv-gib); close sessions or lower fast_capacity")
+        doubled = max(needed, 2 * self.slots)
+        grown = doubled if not self.max_bytes or doubled * self.slot_bytes <= self.max_bytes else needed
+        shape = (grown, self.kv_heads, self.capacity, self.head_dim)
         with torch.inference_mode():
-            self.key_store = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-            self.value_store = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+            new = [[torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
+                   for _ in range(2)]
+            for store, old_store in zip(new, (self.keys, self.values)):
+                for tensor, old in zip(store, old_store):
+                    tensor[:self.slots] = old
+        self.keys, self.values = new
+        for slot in range(self.slots, grown):
+            heapq.heappush(self._free, slot)
+        self.slots, self.generation = grown, self.generation + 1
+
+
+class StaticKV(Cache):
+    """A session's keys and values: row `slot` of a `StaticPool`; `length` positions are committed."""
+
+    def __init__(self, pool: StaticPool):
+        self.pool, self.slot = pool, pool.acquire()
+        self.capacity = pool.capacity
         self.length = 0
         self.width = WIDTH_STEP  # what the next forward attends over, set by `prepare`
-        self.write_index = torch.zeros(1, dtype=torch.long, device=device)
-        super().__init__(layers=[StaticKVLayer(self, index) for index in range(layers)])
+        self.write_index = torch.zeros(1, dtype=torch.long, device=pool.device)
+        self._views = (-1, [], [])  # (pool generation, key rows, value rows)
+        super().__init__(layers=[StaticKVLayer(self, index) for index in range(pool.layers)])
+        self.free = weakref.finalize(self, pool.release, self.slot)  # at most once: on close, or when collected
+
+    @property
+    def key_store(self) -> list[torch.Tensor]:
+        """Per layer [1, kv_heads, capacity, head_dim]: this session's row of the pool (a view)."""
+        return self._rows()[0]
+
+    @property
+    def value_store(self) -> list[torch.Tensor]:
+        return self._rows()[1]
+
+    def _rows(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        if self._views[0] != self.pool.generation:  # made once per pool generation, not per layer call
+            row = slice(self.slot, self.slot + 1)
+            self._views = (self.pool.generation, [k[row] for k in self.pool.keys], [v[row] for v in self.pool.values])
+        return self._views[1], self._views[2]
 
     def prepare(self, write_index: torch.Tensor, end: int) -> None:
         """Before a forward: its new positions go to `write_index`; it attends up to position `end`."""
@@ -70,6 +154,7 @@ class StaticKV(Cache):
                                  f"{self.capacity} (raise fast_capacity)")
         self.write_index = write_index
         self.width = width_for(end, self.capacity)
+        self._rows()  # the row views exist before a compiled or captured forward reads them
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length
@@ -86,14 +171,14 @@ class StaticKV(Cache):
         """Keep only `positions` (ascending), in place: what stays where it is is not copied."""
         first = next((i for i, p in enumerate(positions) if p != i), len(positions))
         if first < len(positions):
-            tail = torch.as_tensor(list(positions[first:]), dtype=torch.long, device=self.key_store[0].device)
-            for store in (self.key_store, self.value_store):
+            tail = torch.as_tensor(list(positions[first:]), dtype=torch.long, device=self.pool.device)
+            for store in self._rows():
                 for layer in store:
                     layer[:, :, first:len(positions)] = layer.index_select(2, tail)
         self.length = len(positions)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.key_store + self.value_store)
+        return self.pool.slot_bytes
 
 
 def width_for(end: int, capacity: int) -> int:
@@ -144,3 +229,50 @@ class StaticKVLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.cache.length = 0
+
+
+class PoolBatch(Cache):
+    """The cache of one batched forward over pool rows: row r of the batch is slot `slot_index[r]`, its
+    new keys and values go to that slot at positions `write_index[r]`, and it attends over the slot's
+    first `width` positions (the batch's 4D mask says which of them)."""
+
+    def __init__(self, pool: StaticPool, slot_index: torch.Tensor, write_index: torch.Tensor, width: int):
+        self.pool, self.slot_index, self.write_index, self.width = pool, slot_index, write_index, width
+        super().__init__(layers=[PoolBatchLayer(self, index) for index in range(pool.layers)])
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # positions and the mask are given explicitly, per row
+
+
+class PoolBatchLayer(CacheLayerMixin):
+    """Layer `index` of a `PoolBatch`: scatters the rows' new keys into their slots, gathers their rows."""
+
+    is_compileable = True
+    is_sliding = False
+
+    def __init__(self, batch: PoolBatch, index: int):  # noqa: see StaticKVLayer
+        self.batch, self.index = batch, index
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """key_states [rows, kv_heads, bucket, head_dim] -> each row's [kv_heads, width, head_dim] of its slot."""
+        batch = self.batch
+        where = (batch.slot_index[:, None], batch.write_index)  # [rows, 1], [rows, bucket]
+        out = []
+        for store, states in ((batch.pool.keys, key_states), (batch.pool.values, value_states)):
+            layer = store[self.index]
+            layer.transpose(1, 2).index_put_(where, states.transpose(1, 2))  # a view: writes the pool
+            out.append(layer[:, :, :batch.width].index_select(0, batch.slot_index))
+        return out[0], out[1]
+
+    def get_seq_length(self) -> int:
+        return 0
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.batch.width, 0
+
+    def get_max_length(self) -> int:
+        return self.batch.pool.capacity

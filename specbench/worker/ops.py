@@ -125,6 +125,9 @@ class Ops:
                 "kv_pool": _pool_description(self.target),
                 # batches run packed (no padding) or padded: what `replay_speed` needs to price them
                 "packed_batches": bool(self.target and self.target.packed),
+                # the fast path's backend and forwards so far (batched: several sessions' verifies in one)
+                "fast": dict(self.target.fast.stats, backend=self.target.fast.backend)
+                if self.target and self.target.fast else None,
                 "limits": {**self.limits.__dict__, "max_kv_bytes": self.kv_budget}}
 
     def hello(self, header, arrays, **_):
@@ -356,7 +359,7 @@ class Ops:
 
 
 def _pool_description(target: Optional[LocalTarget]) -> Optional[dict]:
-    pool = target.pool if target is not None else None
+    pool = None if target is None else target.fast.pool if target.fast is not None else target.pool
     if pool is None:
         return None
     return {"slots": pool.slots, "in_use": pool.in_use, "capacity": pool.capacity, "bytes": pool.nbytes()}
