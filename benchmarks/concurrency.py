@@ -20,11 +20,15 @@ By default each client decodes a fixed number of prompts (`--rounds`), so a run 
 the clients that accepted more have finished and batches are part-full (prompt lookup's clients need 8
 to 24 steps for 24 tokens). `--duration S` measures steady load instead: every client decodes prompt
 after prompt (its own share of the prompt set) for S seconds, and only the steps that ended inside the
-window count, with all clients decoding throughout. Prints tables and writes results/concurrency-<pair>.json.
+window count, with all clients decoding throughout. `--workers` adds workers on the fast path (`--fast`:
+fixed-shape steps over a static pool, batched verifies padded to a bucket), warmed up at every client
+count before measuring, since each new batch x step shape compiles. Prints tables and writes
+results/concurrency-<pair>.json.
 
     python benchmarks/concurrency.py [--pair smollm2|qwen] [--clients 1 2 4 8] [--max-new-tokens 24] [--duration S]
                                      [--methods target-only prompt-lookup prompt-lookup+planner]
                                      [--kernels default|onednn] [--methods target-only chain --draft M]
+                                     [--workers batched unbatched fast-batched fast-unbatched]
 """
 from __future__ import annotations
 
@@ -105,7 +109,8 @@ def step_ends(decoded: dict) -> np.ndarray:
     return decoded["ended"] - (np.cumsum(step_s[::-1])[::-1] - step_s)
 
 
-def measure(pool, endpoint: str, prompts, method: str, clients: int, args, steady: bool = True) -> dict:
+def measure(pool, endpoint: str, prompts, method: str, clients: int, args, steady: bool = True,
+            count: Optional[int] = None) -> dict:
     """A row of the table. Fixed work (default): each client decodes its `--rounds` prompts, aggregate =
     every token / the run's wall time, including the tail where the clients that accepted more have
     finished. `--duration S`: every client decodes for S seconds; aggregate = tokens of the steps that
@@ -114,7 +119,7 @@ def measure(pool, endpoint: str, prompts, method: str, clients: int, args, stead
     planner = planner_for(method, args, "remote")  # each job pickles its own copy
     deadline = go + args.duration if args.duration and steady else None
     share = prompt_share(prompts, args)
-    count = share if deadline else args.rounds  # (a warm-up decodes `rounds` of them)
+    count = share if deadline else count or args.rounds  # (a warm-up decodes `rounds` of them, or `count`)
     jobs = [{"endpoint": endpoint, "method": method, "k": args.k,
              "prompts": [(j, prompts[j]) for j in range(i * share, i * share + count)],
              "max_new_tokens": args.max_new_tokens, "go": go, "deadline": deadline, "planner": planner}
@@ -162,30 +167,36 @@ def draft_spec(args):
     return ModelSpec(args.draft, quantization=args.draft_quant) if args.draft else None
 
 
+WORKERS = ("batched", "unbatched", "fast-batched", "fast-unbatched")  # `--fast` for the last two
+
+
 class Workers:
-    """The batching and the non-batching worker. With `one_at_a_time` only the one in use is alive (started
-    afresh, and warmed up, at each switch), which leaves a target's memory to the clients' drafts."""
+    """The workers compared (`WORKERS`), one process each. With `one_at_a_time` only the one in use is alive
+    (started afresh, and warmed up, at each switch), which leaves a target's memory to the clients' drafts."""
 
-    def __init__(self, spec: ModelSpec, one_at_a_time: bool, batch_window_ms: Optional[float] = None):
+    def __init__(self, spec: ModelSpec, one_at_a_time: bool, batch_window_ms: Optional[float] = None,
+                 fast_backend: str = "compile"):
         self.spec, self.one_at_a_time, self.batch_window_ms = spec, one_at_a_time, batch_window_ms
-        self.live = {}  # batching -> (endpoint, process)
+        self.fast_backend = fast_backend
+        self.live = {}  # kind -> (endpoint, process)
 
-    def endpoint(self, batching: bool, warm) -> str:
-        if batching not in self.live:
+    def endpoint(self, kind: str, warm) -> str:
+        if kind not in self.live:
             if self.one_at_a_time:
                 self.stop()
             endpoint = f"tcp://127.0.0.1:{free_port()}"
-            self.live[batching] = (endpoint, spawn_worker(endpoint, "--model", self.spec.model, "--dtype",
-                                                          self.spec.dtype, "--kernels", self.spec.kernels,
-                                                          *self._batching_flags(batching)))
+            self.live[kind] = (endpoint, spawn_worker(endpoint, "--model", self.spec.model, "--dtype",
+                                                      self.spec.dtype, "--kernels", self.spec.kernels,
+                                                      *self._flags(kind)))
             if self.one_at_a_time:
                 warm(endpoint, 1)
-        return self.live[batching][0]
+        return self.live[kind][0]
 
-    def _batching_flags(self, batching: bool) -> list[str]:
-        if not batching:
-            return ["--no-batching"]
-        return [] if self.batch_window_ms is None else ["--batch-window-ms", str(self.batch_window_ms)]
+    def _flags(self, kind: str) -> list[str]:
+        fast = ["--fast", self.fast_backend] if kind.startswith("fast-") else []
+        if kind.endswith("unbatched"):
+            return fast + ["--no-batching"]
+        return fast + ([] if self.batch_window_ms is None else ["--batch-window-ms", str(self.batch_window_ms)])
 
     def stop(self) -> None:
         for _, process in self.live.values():
@@ -195,7 +206,7 @@ class Workers:
 
 
 def check_memory(target_bytes: int, workers: int, clients: int, args) -> None:
-    """Refuse, naming the numbers, a run whose two workers and `clients` drafts would not fit in memory:
+    """Refuse, naming the numbers, a run whose workers and `clients` drafts would not fit in memory:
     two 1.5B fp32 workers and an fp32 0.5B draft in each of 2 client processes got a worker OOM-killed.
     Resident memory runs ~1.1x the weights (a 1.5B fp32 worker: 7.2 GiB for 6.6 GiB of weights), plus
     ~0.5 GiB of runtime per client process (this process is already out of what is free). An int8-dynamic
@@ -259,6 +270,10 @@ def main():
                         help="the target's dtype, worker and alone runs (bfloat16 pays on CPUs with avx512_bf16)")
     parser.add_argument("--batch-window-ms", type=float, default=None,
                         help="the batching worker's wait for the other active sessions' steps (default: the worker's)")
+    parser.add_argument("--workers", nargs="+", choices=WORKERS, default=["batched", "unbatched"],
+                        help="the workers compared, back to back per row: eager batched / one at a time, and the "
+                             "same with the fast path (`specbench worker --fast`)")
+    parser.add_argument("--fast-backend", default="compile", help="the fast workers' backend")
     parser.add_argument("--one-worker", action="store_true",
                         help="keep one worker alive at a time (restarted at each switch): room for client drafts")
     parser.add_argument("--out", default=str(ROOT / "results" / "concurrency.json"))
@@ -280,24 +295,28 @@ def main():
     del loaded  # the worker loads its own copy: two 1.5B fp32 models and eight clients crowd 24 GiB
     _reference_model.cache_clear()  # (the alone runs' draft too: reloaded after, if needed)
     gc.collect()
-    check_memory(target_bytes, 1 if args.one_worker else 2, max(args.clients), args)
+    check_memory(target_bytes, 1 if args.one_worker else len(args.workers), max(args.clients), args)
     rows, mismatches, decoded = [], [], []
-    workers = Workers(loaded_spec, args.one_worker, args.batch_window_ms)
+    workers = Workers(loaded_spec, args.one_worker, args.batch_window_ms, args.fast_backend)
     try:
         with multiprocessing.get_context("spawn").Pool(max(args.clients), initializer=load_client_draft,
                                                        initargs=(draft_spec(args),)) as pool:
             warm = lambda endpoint, clients: measure(pool, endpoint, prompts, args.methods[0], clients, args,  # noqa: E731
                                                      steady=False)
-            round_trip_s, packed = loopback_round_trip(workers.endpoint(True, warm))
-            for batching in (True, False):  # warm-up, discarded: every pool process and both workers
-                warm(workers.endpoint(batching, warm), max(args.clients))
+            round_trip_s, packed = loopback_round_trip(workers.endpoint("batched", warm))
+            for kind in args.workers:  # warm-up, discarded: every pool process and worker; a fast worker
+                fast = kind.startswith("fast-")  # compiles a graph per batch x step x width: it decodes every
+                for clients in (args.clients if fast else args.clients[-1:]):  # prompt it will meet first
+                    for method in (args.methods if fast else args.methods[:1]):
+                        measure(pool, workers.endpoint(kind, warm), prompts, method, clients, args, steady=False,
+                                count=prompt_share(prompts, args) if fast else None)
             for step, clients in enumerate(args.clients):
                 for method in args.methods:
-                    # batching on and off back to back, the order alternating, so drift hits both alike
-                    for batching in ((True, False) if step % 2 == 0 else (False, True)):
-                        row = measure(pool, workers.endpoint(batching, warm), prompts, method, clients, args)
-                        decoded.append((batching, clients, method, row.pop("outputs")))
-                        rows.append({"batching": batching, **row})
+                    # the workers back to back, the order alternating, so drift hits them alike
+                    for kind in (args.workers if step % 2 == 0 else args.workers[::-1]):
+                        row = measure(pool, workers.endpoint(kind, warm), prompts, method, clients, args)
+                        decoded.append((kind, clients, method, row.pop("outputs")))
+                        rows.append({"worker": kind, "batching": not kind.endswith("unbatched"), **row})
                         print(rows[-1], flush=True)
     finally:
         workers.stop()
@@ -307,14 +326,21 @@ def main():
         if missing:
             produced = outputs(decode_alone(_reference_model(loaded_spec), [prompts[i] for i in missing], method, args))
             alone.update({(method, index): produced[(method, i)] for i, index in enumerate(missing)})
-    for batching, clients, method, produced in decoded:  # every greedy output against the prompt alone
+    for kind, clients, method, produced in decoded:  # every greedy output against the prompt alone
         for index, output in produced:
             if output != alone[(method, index)]:
-                mismatches.append({"batching": batching, "clients": clients, "method": method, "prompt": index,
+                mismatches.append({"worker": kind, "clients": clients, "method": method, "prompt": index,
                                    **near_tie(loaded_spec, prompts[index], output, alone[(method, index)])})
-    table = pd.DataFrame(rows).sort_values(["batching", "clients", "method"], ascending=[False, True, False])
-    off = table[~table["batching"]].set_index(["clients", "method"])["aggregate_tokens_per_s"]
-    table["vs_unbatched"] = [row.aggregate_tokens_per_s / off[(row.clients, row.method)] for row in table.itertuples()]
+    table = pd.DataFrame(rows)
+    table["order"] = table["worker"].map(WORKERS.index)
+    table = table.sort_values(["order", "clients", "method"], ascending=[True, True, False]).drop(columns="order")
+    rate = table.set_index(["worker", "clients", "method"])["aggregate_tokens_per_s"]
+    if "unbatched" in args.workers:  # every worker against the eager one-at-a-time worker
+        table["vs_unbatched"] = [row.aggregate_tokens_per_s / rate[("unbatched", row.clients, row.method)]
+                                 for row in table.itertuples()]
+    if "batched" in args.workers:
+        table["vs_batched"] = [row.aggregate_tokens_per_s / rate[("batched", row.clients, row.method)]
+                               for row in table.itertuples()]
     load = f"steady load for {args.duration:g} s" if args.duration else f"{args.rounds} prompt(s) per client"
     print(f"\n== {loaded_spec.label} worker on loopback, {args.dtype}, {args.max_new_tokens} tokens per prompt, {load}, "
           f"K={args.k} ==")
@@ -328,7 +354,8 @@ def main():
     suffix = (("" if args.dtype == "float32" else f"-{args.dtype}") + ("" if args.rounds == 1 else f"-r{args.rounds}")
               + (f"-steady{args.duration:g}s" if args.duration else "")
               + ("" if args.kernels == "default" else f"-{args.kernels}")
-              + (f"-{draft_spec(args).label}" if args.draft else ""))
+              + (f"-{draft_spec(args).label}" if args.draft else "")
+              + ("" if args.workers == ["batched", "unbatched"] else "-" + "-".join(args.workers)))
     write_report(args.out.replace(".json", f"-{args.pair}{suffix}.json"),
                  {"target": name, "rows": table.to_dict("records"), "mismatches": mismatches,
                   "speedups": None if speedups is None else speedups.to_dict("records"),
@@ -364,7 +391,9 @@ def speedup_table(table: pd.DataFrame, name: str, alone_records: dict, prompt_le
               f"--dtype {args.dtype} --batches 1 2 4 8`"
               f"{' --kernels onednn' if name.endswith('+onednn') else ''})")
         return None
-    profile, on = profiles[0], table[table["batching"]].set_index(["clients", "method"])
+    if "batched" not in args.workers:
+        return None
+    profile, on = profiles[0], table[table["worker"] == "batched"].set_index(["clients", "method"])
     rows = []
     for clients in args.clients:
         def predicted(method):  # steady state: every client always has a step in the batch
