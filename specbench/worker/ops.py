@@ -72,6 +72,8 @@ class Ops:
             self.target.pool.max_bytes = self.kv_budget
         if self.target.fast is not None:  # a fast target's static caches hold their full capacity each
             self.target.fast.max_bytes = self.kv_budget
+            pool = self.target.fast.pool  # rows for a few clients now: growing the pool moves it (every shape recompiles)
+            pool.reserve(min(FAST_ROWS, self.kv_budget // pool.slot_bytes if self.kv_budget else FAST_ROWS))
         self.jobs.cancel_all(SessionEndedError(f"the worker's model changed from {old} to {identity} ({reason}) "
                                                f"while this request ran"))
         if live:
@@ -356,6 +358,9 @@ class Ops:
         if session is not None and self.target is not None:
             self.target.close(session.key)
         return {"session": name}, None
+
+
+FAST_ROWS = 8  # static pool rows a fast worker holds from the start (its graphs are compiled per pool size)
 
 
 def _pool_description(target: Optional[LocalTarget]) -> Optional[dict]:
