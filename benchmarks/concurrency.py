@@ -124,7 +124,9 @@ def measure(pool, endpoint: str, prompts, method: str, clients: int, args, stead
              "prompts": [(j, prompts[j]) for j in range(i * share, i * share + count)],
              "max_new_tokens": args.max_new_tokens, "go": go, "deadline": deadline, "planner": planner}
             for i in range(clients)]
+    shapes_before = fast_shapes(endpoint)
     decoded = [d for client in pool.map(client_job, jobs, chunksize=1) for d in client]
+    shapes_after = fast_shapes(endpoint)
     if deadline is None:
         window, inside = (max(d["ended"] for d in decoded) - go), lambda d: np.ones(len(d["step_s"]), bool)
     else:
@@ -143,7 +145,19 @@ def measure(pool, endpoint: str, prompts, method: str, clients: int, args, stead
             # K asked for per step (a planner's choice; else the run's K) and tokens actually drafted
             "mean_k": float(np.mean(steps["step_k"])), "mean_drafted": float(np.mean(steps["drafted"])),
             "prompts_decoded": len(decoded),
+            # a fast worker's step shapes first met (each compiled, stalling the batch) while measured
+            "new_shapes": None if shapes_after is None else shapes_after - shapes_before,
             "outputs": [(d["prompt"], d["output"]) for d in decoded]}
+
+
+def fast_shapes(endpoint: str) -> Optional[int]:
+    """How many step shapes a fast worker has met so far (None: not a fast worker)."""
+    from specbench.worker.client import RemoteTarget
+
+    remote = RemoteTarget(endpoint)
+    fast = remote.info.get("fast")
+    remote.disconnect()
+    return None if fast is None else fast["shapes"]
 
 
 def planner_for(method: str, args, where: str):
@@ -304,9 +318,12 @@ def main():
             warm = lambda endpoint, clients: measure(pool, endpoint, prompts, args.methods[0], clients, args,  # noqa: E731
                                                      steady=False)
             round_trip_s, packed = loopback_round_trip(workers.endpoint("batched", warm))
-            for kind in args.workers:  # warm-up, discarded: every pool process and worker; a fast worker
-                fast = kind.startswith("fast-")  # compiles a graph per batch x step x width: it decodes every
-                for clients in (args.clients if fast else args.clients[-1:]):  # prompt it will meet first
+            # warm-up, discarded: every pool process and worker. A fast worker compiles a graph per batch x
+            # step x width shape, so it decodes every prompt it will meet at every client count, twice
+            # (batches form differently each time); `new_shapes` shows what was still met while measured
+            for kind in args.workers:
+                fast = kind.startswith("fast-")
+                for clients in (args.clients * 2 if fast else args.clients[-1:]):
                     for method in (args.methods if fast else args.methods[:1]):
                         measure(pool, workers.endpoint(kind, warm), prompts, method, clients, args, steady=False,
                                 count=prompt_share(prompts, args) if fast else None)
@@ -396,10 +413,10 @@ def speedup_table(table: pd.DataFrame, name: str, alone_records: dict, prompt_le
     profile, on = profiles[0], table[table["worker"] == "batched"].set_index(["clients", "method"])
     rows = []
     for clients in args.clients:
-        def predicted(method):  # steady state: every client always has a step in the batch
-            records = alone_records[method]
+        def predicted(method):  # steady state: every client always has a step in the batch (and, with
+            records = alone_records[method]  # --duration, pays every client's prefills, prompt after prompt)
             return replay_speed(records[records["prompt_index"] < clients], prompt_lengths, profile, clients,
-                                round_trip_s, packed)
+                                round_trip_s, packed, prefills=bool(args.duration))
 
         def predicted_run(method):  # this run: the clients start together and end at their own last step
             records = alone_records[method]
@@ -416,6 +433,7 @@ def speedup_table(table: pd.DataFrame, name: str, alone_records: dict, prompt_le
                          "predicted_run": together, "error_run": together / measured - 1,
                          "predicted_steady": steady, "error_steady": steady / measured - 1,
                          "predicted_target_only_tok_s": predicted_run("target-only"),
+                         "predicted_steady_target_only_tok_s": clients * predicted("target-only"),
                          "measured_target_only_tok_s": base_measured})
     return pd.DataFrame(rows)
 

@@ -216,3 +216,16 @@ def test_replay_together_runs_rounds_until_the_last_client_ends(packed):
     one = records[records["prompt_index"] == 0]
     assert replay_together(one, [10, 20], SHARED, packed=packed) == pytest.approx(
         replay_speed(one, [10, 20], SHARED, clients=1, packed=packed))
+
+
+def test_replay_speed_under_steady_load_pays_every_clients_prefills():
+    """Prompt after prompt on a shared target: per prompt, a client waits for its own prefill and, on
+    average, every other client's one (each blocks the target), plus a round trip to open and one to close."""
+    from specbench.plan.predict import replay_speed
+
+    records = two_prompts().assign(prefill_s=[0.05, 0.05, 0.07])  # per prompt, on every row of its steps
+    decode_only = replay_speed(records, [10, 20], SHARED, clients=4, network_s=0.002)
+    seconds = 6 / decode_only + 4 * (0.05 + 0.07) + 2 * 2 * 0.002
+    assert replay_speed(records, [10, 20], SHARED, clients=4, network_s=0.002, prefills=True) == pytest.approx(6 / seconds)
+    with pytest.raises(ValueError, match="prefill_s"):
+        replay_speed(two_prompts(), [10, 20], SHARED, prefills=True)

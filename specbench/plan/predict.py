@@ -258,7 +258,7 @@ def break_even_acceptance(target: LatencyProfile, draft: LatencyProfile, k: int,
 
 
 def replay_speed(records, prompt_lengths: Sequence[int], target: LatencyProfile, clients: int = 1,
-                 network_s: float = 0.0, packed: bool = True) -> float:
+                 network_s: float = 0.0, packed: bool = True, prefills: bool = False) -> float:
     """Per-client tokens/s predicted for a measured run (a records frame, any number of prompts) replayed
     on a target shared by `clients`: each step's verify priced by the profile's batch grid at its
     context and at its batch's width, the client's own time (drafting, loop) as measured, plus
@@ -266,7 +266,12 @@ def replay_speed(records, prompt_lengths: Sequence[int], target: LatencyProfile,
     row, since its linears see the rows' tokens and nothing else: (the step's own 1 + drafted + the
     other clients' mean row, from the run's own step sizes) / clients; for a padded one its longest
     row (the step's own, or the longest of the other clients' rows). Why: methods without a draft
-    profile (prompt lookup) still get a concurrency forecast, ragged rows included."""
+    profile (prompt lookup) still get a concurrency forecast, ragged rows included. `prefills`: the
+    clients decode prompt after prompt (steady load), so per prompt a client also waits for its own
+    prefill and, on average, each other client's one (compute-bound, each blocks the target about as
+    long as alone: the `prefill_s` measured), plus a round trip to open the session and one to close it."""
+    if prefills and "prefill_s" not in records:
+        raise ValueError("prefills=True needs the records' prefill_s (a run's records carry it)")
     sizes = (1 + records["drafted"]).astype(int)
     if packed:
         others_mean = float(sizes.mean())
@@ -282,6 +287,8 @@ def replay_speed(records, prompt_lengths: Sequence[int], target: LatencyProfile,
             seconds += verify_s + step.draft_s + step.overhead_s + network_s
             context += step.emitted
             tokens += step.emitted
+        if prefills:
+            seconds += clients * float(steps["prefill_s"].iloc[0]) + 2 * network_s
     return tokens / seconds if seconds else 0.0
 
 

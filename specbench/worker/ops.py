@@ -128,7 +128,8 @@ class Ops:
                 # batches run packed (no padding) or padded: what `replay_speed` needs to price them
                 "packed_batches": bool(self.target and self.target.packed),
                 # the fast path's backend and forwards so far (batched: several sessions' verifies in one)
-                "fast": dict(self.target.fast.stats, backend=self.target.fast.backend)
+                "fast": dict(self.target.fast.stats, backend=self.target.fast.backend,
+                             shapes=len(self.target.fast.shapes) + len(self.target.fast.batch_shapes))
                 if self.target and self.target.fast else None,
                 "limits": {**self.limits.__dict__, "max_kv_bytes": self.kv_budget}}
 
