@@ -105,7 +105,7 @@ def test_a_fast_target_verifies_a_batch_in_one_fixed_shape_forward(tiny_target, 
     assert fast.pool.slots == 4 and fast.pool.generation == 3  # grew 1 -> 2 -> 4 under the sessions
     for name in ("s0", "s1", "s2"):
         batched.close(name), alone.close(name)
-    assert fast.pool.in_use == 0
+    assert fast.pool.in_use == 1  # the padding rows' scratch slot, held from the first padded batch
     assert_batches_match_lone_verifies(batched, alone, PROMPTS[1:], [None, ModelDrafter(tiny_draft, 96), tree],
                                        steps=3)
     assert fast.pool.generation == 3  # the closed sessions' slots served the new ones

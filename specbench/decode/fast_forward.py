@@ -12,8 +12,12 @@ only column 0; their logits are dropped and their keys lie beyond `length`, whic
 attends (the next step overwrites them). The real rows get exactly the mask an eager forward would
 get, cut to the attended width, so outputs equal the eager forward up to float rounding of the shapes.
 
+Batches (`FastForward.batch`, a worker shared by several clients): the sessions' caches are rows of one
+`StaticPool` per model, so one forward scatters each row's new keys to its slot and gathers each row's
+attended width by slot index, at a shape of (rows padded to a power of two) x bucket x width.
+
 Backends: "compile" (`torch.compile`, CPU or GPU), "cudagraph" (one `torch.cuda.CUDAGraph` per cache x
-bucket x width: the graph replays at the cache's fixed addresses), "static" (the same fixed shapes run
+bucket x width, and per batch shape: graphs replay at the pool's fixed addresses), "static" (the same fixed shapes run
 eagerly: what the other two must reproduce, and a fallback where compiling is not possible).
 """
 from __future__ import annotations
@@ -66,6 +70,7 @@ class FastForward:
         self.pool = StaticPool(model.config, capacity, self.dtype, device)  # every session's static cache
         self._graphs: dict[tuple, tuple] = {}  # cudagraph: (cache id or batch shape, ...) -> (graph, buffers, out)
         self._graph_generation = 0  # the pool's generation the graphs were captured at
+        self._scratch: Optional[int] = None  # the pool slot padding rows of a batch write to
         self.stats = {"bucketed": 0, "eager": 0, "batched": 0}
         self.shapes: set[tuple[int, int]] = set()  # (bucket, width) run: a graph each
         self.batch_shapes: set[tuple[int, int, int]] = set()  # (rows, bucket, width) of batched forwards
@@ -142,9 +147,10 @@ class FastForward:
         """Per row, logits [n_r, vocab] for `inputs[r]` appended to `caches[r]` at rotary `positions[r]`
         under `masks[r]` ([n_r, past_r + n_r] additive, as a lone verify builds it), from one fixed-shape
         forward; then each cache counts its inputs. The rows are padded to a bucket of tokens and the
-        batch to a power of two with free pool slots where there are enough (a padding row writes into
-        a free slot and attends its column 0: nothing reads either). Where no bucket holds the rows, or
-        for one row, each runs alone, as `__call__` would."""
+        batch to a power of two (a few shapes to compile or capture) with rows of one scratch slot, held
+        from the first padded batch on: they all write there, in any order, and attend its column 0;
+        nothing reads either. Where no bucket holds the rows, or for one row, each runs alone, as
+        `__call__` would."""
         pasts, longest = [cache.length for cache in caches], max(len(row) for row in inputs)
         bucket = next((b for b in BUCKETS if b >= longest), None)
         if (len(caches) == 1 or bucket is None or max(pasts) + bucket > self.pool.capacity
@@ -152,8 +158,9 @@ class FastForward:
             return [self(cache, row, torch.tensor([where]), mask[None, None])
                     for cache, row, where, mask in zip(caches, inputs, positions, masks)]
         self.stats["batched"] += 1
-        size, free = 1 << (len(caches) - 1).bit_length(), self.pool.free_slots()
-        size = size if size - len(caches) <= len(free) else len(caches)
+        size = 1 << (len(caches) - 1).bit_length()
+        if size > len(caches) and self._scratch is None:  # the padding rows' one slot, held from now on
+            self._scratch = self.pool.acquire()
         width = width_for(max(pasts) + bucket, self.pool.capacity)
         self.batch_shapes.add((size, bucket, width))
         input_ids = torch.zeros((size, bucket), dtype=torch.long)
@@ -167,7 +174,7 @@ class FastForward:
             rotary[r] = self._positions(torch.tensor(positions[r]), n, bucket, past)[0]
             mask[r] = self._mask(masks[r], n, bucket, past, width)[0]
             write_index[r] += past
-        slot_index = torch.tensor([cache.slot for cache in caches] + free[:size - len(caches)])
+        slot_index = torch.tensor([cache.slot for cache in caches] + [self._scratch] * (size - len(caches)))
         values = (input_ids, rotary, mask, slot_index, write_index)
         if self.backend == "cudagraph":
             def bind(buffers):

@@ -80,22 +80,20 @@ class StaticPool:
         return heapq.heappop(self._free)
 
     def reserve(self, slots: int) -> None:
-        """Grow now to at least `slots` slots, so later sessions find the tensors where they are."""
-        while self.slots < slots:
-            self._grow()
+        """Grow now to `slots` slots (if it has fewer), so later sessions find the tensors where they are."""
+        if slots > self.slots:
+            self._grow(slots)
 
     def release(self, slot: int) -> None:
         heapq.heappush(self._free, slot)
 
-    def free_slots(self) -> list[int]:
-        return sorted(self._free)
-
     def nbytes(self) -> int:
         return self.slots * self.slot_bytes
 
-    def _grow(self) -> None:
-        """One slot more at least, all-or-nothing: every new tensor exists before any old one is let go."""
-        needed = self.slots + 1
+    def _grow(self, wanted: Optional[int] = None) -> None:
+        """`wanted` slots, or one more at least (doubling where it fits), all-or-nothing: every new tensor
+        exists before any old one is let go."""
+        needed = wanted or self.slots + 1
         if self.max_bytes and needed * self.slot_bytes > self.max_bytes:
             gc.collect()  # a dropped cache is a reference cycle (cache <-> its layers) until collected
             if self._free:
@@ -104,7 +102,7 @@ class StaticPool:
                 f"static KV caches: {self.in_use} sessions hold {self.nbytes()} bytes and one more needs "
                 f"{self.slot_bytes} ({self.capacity} positions), over the limit of {self.max_bytes} bytes "
                 f"(the worker's --max-kv-gib); close sessions or lower fast_capacity")
-        doubled = max(needed, 2 * self.slots)
+        doubled = wanted or max(needed, 2 * self.slots)
         grown = doubled if not self.max_bytes or doubled * self.slot_bytes <= self.max_bytes else needed
         shape = (grown, self.kv_heads, self.capacity, self.head_dim)
         with torch.inference_mode():

@@ -73,7 +73,7 @@ class Ops:
         if self.target.fast is not None:  # a fast target's static caches hold their full capacity each
             self.target.fast.max_bytes = self.kv_budget
             pool = self.target.fast.pool  # rows for a few clients now: growing the pool moves it (every shape recompiles)
-            pool.reserve(min(FAST_ROWS, self.kv_budget // pool.slot_bytes if self.kv_budget else FAST_ROWS))
+            pool.reserve(min(FAST_ROWS + 1, self.kv_budget // pool.slot_bytes if self.kv_budget else FAST_ROWS + 1))
         self.jobs.cancel_all(SessionEndedError(f"the worker's model changed from {old} to {identity} ({reason}) "
                                                f"while this request ran"))
         if live:
@@ -361,7 +361,7 @@ class Ops:
         return {"session": name}, None
 
 
-FAST_ROWS = 8  # static pool rows a fast worker holds from the start (its graphs are compiled per pool size)
+FAST_ROWS = 8  # static pool rows (+ 1 for batch padding) a fast worker holds from the start: graphs are per pool size
 
 
 def _pool_description(target: Optional[LocalTarget]) -> Optional[dict]:
