@@ -14,7 +14,8 @@ get, cut to the attended width, so outputs equal the eager forward up to float r
 
 Batches (`FastForward.batch`, a worker shared by several clients): the sessions' caches are rows of one
 `StaticPool` per model, so one forward scatters each row's new keys to its slot and gathers each row's
-attended width by slot index, at a shape of (rows padded to a power of two) x bucket x width.
+attended width by slot index, at a shape of rows x bucket x width (rows dynamic when compiled, padded
+to a power of two when captured).
 
 Backends: "compile" (`torch.compile`, CPU or GPU), "cudagraph" (one `torch.cuda.CUDAGraph` per cache x
 bucket x width, and per batch shape: graphs replay at the pool's fixed addresses), "static" (the same fixed shapes run
@@ -146,11 +147,12 @@ class FastForward:
               positions: Sequence[Sequence[int]], masks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Per row, logits [n_r, vocab] for `inputs[r]` appended to `caches[r]` at rotary `positions[r]`
         under `masks[r]` ([n_r, past_r + n_r] additive, as a lone verify builds it), from one fixed-shape
-        forward; then each cache counts its inputs. The rows are padded to a bucket of tokens and the
-        batch to a power of two (a few shapes to compile or capture) with rows of one scratch slot, held
-        from the first padded batch on: they all write there, in any order, and attend its column 0;
-        nothing reads either. Where no bucket holds the rows, or for one row, each runs alone, as
-        `__call__` would."""
+        forward; then each cache counts its inputs. The rows are padded to a bucket of tokens; compiled,
+        the number of rows is a dynamic dimension (one graph per bucket x width); captured (and static),
+        the batch is padded to a power of two (a few graphs) with rows of one scratch slot, held from the
+        first padded batch on: they all write there, in any order, and attend its column 0; nothing reads
+        either.
+        Where no bucket holds the rows, or for one row, each runs alone, as `__call__` would."""
         pasts, longest = [cache.length for cache in caches], max(len(row) for row in inputs)
         bucket = next((b for b in BUCKETS if b >= longest), None)
         if (len(caches) == 1 or bucket is None or max(pasts) + bucket > self.pool.capacity
@@ -158,7 +160,9 @@ class FastForward:
             return [self(cache, row, torch.tensor([where]), mask[None, None])
                     for cache, row, where, mask in zip(caches, inputs, positions, masks)]
         self.stats["batched"] += 1
-        size = 1 << (len(caches) - 1).bit_length()
+        # captured graphs are per batch size: a few powers of two (static runs their shapes); a compiled
+        # graph takes any (dynamic)
+        size = len(caches) if self._compiled else 1 << (len(caches) - 1).bit_length()
         if size > len(caches) and self._scratch is None:  # the padding rows' one slot, held from now on
             self._scratch = self.pool.acquire()
         width = width_for(max(pasts) + bucket, self.pool.capacity)
@@ -181,7 +185,11 @@ class FastForward:
                 return PoolBatch(self.pool, buffers[3], buffers[4], width)
             logits = self._replay(("batch", size, bucket, width), values, bind)
         else:
-            input_ids, rotary, mask, slot_index, write_index = (value.to(self.device) for value in values)
+            values = [value.to(self.device) for value in values]
+            if self._compiled:  # one graph for every batch size: the rows dimension is symbolic
+                for value in values:
+                    torch._dynamo.mark_dynamic(value, 0)
+            input_ids, rotary, mask, slot_index, write_index = values
             step = self._compiled or self._step
             logits = step(PoolBatch(self.pool, slot_index, write_index, width), input_ids, rotary, mask)
         for cache, row, past in zip(caches, inputs, pasts):
