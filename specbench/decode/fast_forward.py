@@ -237,7 +237,8 @@ class FastForward:
         return torch.cat([real, padding]).view(1, bucket)
 
     def _mask(self, attention_mask, n: int, bucket: int, past: int, width: int) -> torch.Tensor:
-        """[1, 1, bucket, width] additive (on the host): the real rows' mask (causal when None), padding sees column 0."""
+        """[1, 1, bucket, width] additive (on the host): the real rows' mask (causal when None), padding sees
+        column 0."""
         minimum = torch.finfo(self.dtype).min
         mask = torch.full((bucket, width), minimum, dtype=self.dtype)
         if attention_mask is None:
