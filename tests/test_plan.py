@@ -226,6 +226,7 @@ def test_replay_speed_under_steady_load_pays_every_clients_prefills():
     records = two_prompts().assign(prefill_s=[0.05, 0.05, 0.07])  # per prompt, on every row of its steps
     decode_only = replay_speed(records, [10, 20], SHARED, clients=4, network_s=0.002)
     seconds = 6 / decode_only + 4 * (0.05 + 0.07) + 2 * 2 * 0.002
-    assert replay_speed(records, [10, 20], SHARED, clients=4, network_s=0.002, prefills=True) == pytest.approx(6 / seconds)
+    steady = replay_speed(records, [10, 20], SHARED, clients=4, network_s=0.002, prefills=True)
+    assert steady == pytest.approx(6 / seconds)
     with pytest.raises(ValueError, match="prefill_s"):
         replay_speed(two_prompts(), [10, 20], SHARED, prefills=True)

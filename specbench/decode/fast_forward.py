@@ -151,8 +151,7 @@ class FastForward:
         the number of rows is a dynamic dimension (one graph per bucket x width); captured (and static),
         the batch is padded to a power of two (a few graphs) with rows of one scratch slot, held from the
         first padded batch on: they all write there, in any order, and attend its column 0; nothing reads
-        either.
-        Where no bucket holds the rows, or for one row, each runs alone, as `__call__` would."""
+        either. Where no bucket holds the rows, or for one row, each runs alone, as `__call__` would."""
         pasts, longest = [cache.length for cache in caches], max(len(row) for row in inputs)
         bucket = next((b for b in BUCKETS if b >= longest), None)
         if (len(caches) == 1 or bucket is None or max(pasts) + bucket > self.pool.capacity
