@@ -73,7 +73,8 @@ class Ops:
         if self.target.fast is not None:  # a fast target's static caches hold their full capacity each
             self.target.fast.max_bytes = self.kv_budget
             pool = self.target.fast.pool  # rows for a few clients now: a growing pool moves (shapes recompile)
-            pool.reserve(min(FAST_ROWS + 1, self.kv_budget // pool.slot_bytes if self.kv_budget else FAST_ROWS + 1))
+            rows = FAST_ROWS + (self.target.fast.backend != "compile")  # captured batches pad into a scratch row
+            pool.reserve(min(rows, self.kv_budget // pool.slot_bytes if self.kv_budget else rows))
         self.jobs.cancel_all(SessionEndedError(f"the worker's model changed from {old} to {identity} ({reason}) "
                                                f"while this request ran"))
         if live:
