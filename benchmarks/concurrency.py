@@ -352,12 +352,10 @@ def main():
     table["order"] = table["worker"].map(WORKERS.index)
     table = table.sort_values(["order", "clients", "method"], ascending=[True, True, False]).drop(columns="order")
     rate = table.set_index(["worker", "clients", "method"])["aggregate_tokens_per_s"]
-    if "unbatched" in args.workers:  # every worker against the eager one-at-a-time worker
-        table["vs_unbatched"] = [row.aggregate_tokens_per_s / rate[("unbatched", row.clients, row.method)]
-                                 for row in table.itertuples()]
-    if "batched" in args.workers:
-        table["vs_batched"] = [row.aggregate_tokens_per_s / rate[("batched", row.clients, row.method)]
-                               for row in table.itertuples()]
+    for base in ("unbatched", "batched"):  # every worker against the eager one-at-a-time and batched ones
+        if base in args.workers:
+            table[f"vs_{base}"] = [row.aggregate_tokens_per_s / rate[(base, row.clients, row.method)]
+                                   for row in table.itertuples()]
     load = f"steady load for {args.duration:g} s" if args.duration else f"{args.rounds} prompt(s) per client"
     print(f"\n== {loaded_spec.label} worker on loopback, {args.dtype}, {args.max_new_tokens} tokens per prompt, {load}, "
           f"K={args.k} ==")

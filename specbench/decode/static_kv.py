@@ -62,6 +62,8 @@ class StaticPool:
 
     def __init__(self, config, capacity: int, dtype: torch.dtype, device):
         self.layers, self.kv_heads, self.head_dim = kv_shape(config)
+        if capacity < 1:
+            raise SpecbenchError(f"static cache capacity must be >= 1 position, got {capacity}")
         self.capacity, self.dtype, self.device = rounded(capacity), dtype, device
         self.slot_bytes = static_bytes(config, capacity, dtype)
         self.keys: list[torch.Tensor] = []

@@ -362,7 +362,7 @@ class Ops:
         return {"session": name}, None
 
 
-FAST_ROWS = 8  # static pool rows (+ 1 for batch padding) a fast worker holds from the start: graphs are per pool size
+FAST_ROWS = 8  # static pool rows (+ 1 where batches pad) a fast worker holds from the start: graphs are per pool size
 
 
 def _pool_description(target: Optional[LocalTarget]) -> Optional[dict]:
