@@ -124,11 +124,13 @@ def measure(pool, endpoint: str, prompts, method: str, clients: int, args, stead
              "prompts": [(j, prompts[j]) for j in range(i * share, i * share + count)],
              "max_new_tokens": args.max_new_tokens, "go": go, "deadline": deadline, "planner": planner}
             for i in range(clients)]
-    shapes_before = fast_shapes(endpoint)
+    shapes_before, busy_before = worker_state(endpoint)
     decoded = [d for client in pool.map(client_job, jobs, chunksize=1) for d in client]
-    shapes_after = fast_shapes(endpoint)
+    shapes_after, busy_after = worker_state(endpoint)
+    busy = {op: seconds - busy_before.get(op, 0.0) for op, seconds in busy_after.items()}
+    run_s = max(d["ended"] for d in decoded) - go
     if deadline is None:
-        window, inside = (max(d["ended"] for d in decoded) - go), lambda d: np.ones(len(d["step_s"]), bool)
+        window, inside = run_s, lambda d: np.ones(len(d["step_s"]), bool)
     else:
         window = args.duration
 
@@ -147,17 +149,23 @@ def measure(pool, endpoint: str, prompts, method: str, clients: int, args, stead
             "prompts_decoded": len(decoded),
             # a fast worker's step shapes first met (each compiled, stalling the batch) while measured
             "new_shapes": None if shapes_after is None else shapes_after - shapes_before,
+            # the worker's time computing, from the start to the last client's end (steady load: its last
+            # prompt runs past the window), and the share of it in prefills, which do not batch: with
+            # short outputs they cap what batching the steps can gain
+            "worker_busy": sum(busy.values()) / run_s,
+            "prefill_share": busy.get("prefill", 0.0) / max(sum(busy.values()), 1e-9),
             "outputs": [(d["prompt"], d["output"]) for d in decoded]}
 
 
-def fast_shapes(endpoint: str) -> Optional[int]:
-    """How many step shapes a fast worker has met so far (None: not a fast worker)."""
+def worker_state(endpoint: str) -> tuple[Optional[int], dict]:
+    """How many step shapes a fast worker has met so far (None: not a fast worker), and the seconds the
+    worker has computed so far, per op."""
     from specbench.worker.client import RemoteTarget
 
     remote = RemoteTarget(endpoint)
-    fast = remote.info.get("fast")
+    fast, busy = remote.info.get("fast"), remote.stats()["busy_s"]
     remote.disconnect()
-    return None if fast is None else fast["shapes"]
+    return None if fast is None else fast["shapes"], busy
 
 
 def planner_for(method: str, args, where: str):

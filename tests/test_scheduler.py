@@ -105,7 +105,8 @@ def test_eight_clients_keep_stepping_through_long_requests(tiny_target, tiny_dra
         finished = [results.get(timeout=300) for _ in clients]
         for client in clients:
             client.join(30)
-        batched_prefill = remote.stats()["prefill_tokens_batched"]
+        stats = remote.stats()
+        batched_prefill, busy = stats["prefill_tokens_batched"], stats["busy_s"]
 
     during_prefill = sum(prefill_window[0] < t < prefill_window[1] for *_, stamps in finished for t in stamps)
     during_generate = sum(generate_window[0] < t < generate_window[1] for *_, stamps in finished for t in stamps)
@@ -115,6 +116,10 @@ def test_eight_clients_keep_stepping_through_long_requests(tiny_target, tiny_dra
           f"longest wait between two steps of a client: {longest_gap:.2f} s")
     assert during_prefill >= 20 and during_generate >= 50, "long requests held the other clients"
     assert batched_prefill > 0, "no prefill chunk rode in the others' verify batches"
+    # the worker's compute time, per op: the generate's slices fit inside its window, all of it in the uptime
+    assert busy["verify"] > 0 and busy["prefill"] > 0, busy
+    assert 0 < busy["generate"] < generate_window[1] - generate_window[0], busy
+    assert sum(busy.values()) < stats["uptime_s"], busy
     assert longest_gap < 10.0
     for prompt, method, output, _ in finished:
         assert output == greedy_alone(tiny_target, prompt, 400), (prompt, method)

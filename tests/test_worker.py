@@ -74,6 +74,7 @@ def test_profile_and_stats(worker):
     assert all(row["median_s"] > 0 for row in profile["rows"])
     stats = remote.stats()
     assert stats["requests"] > 0 and remote.health()
+    assert 0 < stats["busy_s"]["profile"] < stats["uptime_s"]
 
 
 def _client_process(endpoint, prompt, queue):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Generator, Optional
+from typing import Any, Callable, Generator, Optional
 
 from specbench.types import SpecbenchError
 
@@ -25,6 +25,8 @@ class Job:
     key: Optional[tuple] = None  # the request key (a resend of the same request joins the job)
     principal: str = ""  # whose quota it counts against (generates and profiles)
     prefill: Any = None  # a prefill's `PrefillJob`: its chunks may also ride in verify batches
+    op: str = "job"  # what it does ("prefill", "generate", "profile"): the key its slices' time is counted under
+    busy: Optional[Callable[[str, float], None]] = None  # told each slice's seconds (the worker's `Stats.add_busy`)
     waiters: list = field(default_factory=list)  # the messages its reply goes to
     started: Optional[float] = None  # when its first slice ran (the end of its queueing)
     result: Any = None  # (reply, arrays) or an exception, once done
@@ -34,8 +36,9 @@ class Job:
         """Run one slice; True once the job has its result (or failed)."""
         if self.done:
             return True
+        sliced = time.perf_counter()
         if self.started is None:
-            self.started = time.perf_counter()
+            self.started = sliced
         try:
             next(self.steps)
             return False
@@ -43,6 +46,9 @@ class Job:
             self.result, self.done = finished.value, True
         except Exception as error:  # the job's failure is its waiters' error reply
             self.result, self.done = error, True
+        finally:
+            if self.busy is not None:
+                self.busy(self.op, time.perf_counter() - sliced)
         return True
 
     def cancel(self, error: Exception) -> None:

@@ -153,7 +153,7 @@ class Ops:
         return {"uptime_s": time.time() - s.started, "requests": s.requests, "errors": s.errors,
                 "bytes_in": s.bytes_in, "bytes_out": s.bytes_out, "sessions": len(self.sessions),
                 "expired": s.expired, "kv_bytes": self.kv_bytes(),
-                "prefill_tokens_batched": s.prefill_tokens_batched}, None
+                "prefill_tokens_batched": s.prefill_tokens_batched, "busy_s": dict(s.busy_s)}, None
 
     def load(self, header, arrays, *, connection, curve_key):
         spec = protocol.spec_from_wire(get(header, "model", dict))
@@ -205,7 +205,7 @@ class Ops:
                 yield
             return {"rows": rows, **self.describe()}, None
 
-        return Job(run(), principal=self._check_jobs(header, curve_key))
+        return Job(run(), principal=self._check_jobs(header, curve_key), op="profile", busy=self.stats.add_busy)
 
     def generate(self, header, arrays, *, connection, curve_key):
         """Server-only baselines: the worker drafts and verifies itself, and returns finished tokens."""
@@ -249,7 +249,7 @@ class Ops:
             return ({"records": [asdict(record) for record in result.records], "prefill_s": result.prefill_s},
                     {"output": np.asarray(result.output_ids, dtype=np.int32)})
 
-        return Job(run(), principal=principal)
+        return Job(run(), principal=principal, op="generate", busy=self.stats.add_busy)
 
     # -- session ops -----------------------------------------------------------------------------
     def prefill(self, header, arrays, *, connection, curve_key):
@@ -297,7 +297,7 @@ class Ops:
             session.replay = (key, reply, None)
             return reply, None
 
-        return Job(run(), session_key=session.key, key=key, prefill=job)
+        return Job(run(), session_key=session.key, key=key, prefill=job, op="prefill", busy=self.stats.add_busy)
 
     def verify(self, header, arrays, *, connection, curve_key):
         """One verify alone (batching off, or a batch of one)."""

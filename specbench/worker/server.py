@@ -64,6 +64,13 @@ class Stats:
     bytes_out: int = 0
     expired: int = 0
     prefill_tokens_batched: int = 0  # prompt tokens fed inside verify batches rather than alone
+    # seconds the worker spent computing, per op ("verify": batches and lone verifies, with the prefill
+    # chunks riding in them; "prefill", "generate", "profile": job slices): with uptime, how busy it was
+    # and what on (a shared target's speedup from batching is capped by the work that does not batch)
+    busy_s: dict = field(default_factory=dict)
+
+    def add_busy(self, op: str, seconds: float) -> None:
+        self.busy_s[op] = self.busy_s.get(op, 0.0) + seconds
 
 
 def is_local_endpoint(endpoint: str) -> bool:
@@ -204,6 +211,7 @@ class Worker:
                         batch = []
                     result = self.ops.handlers[op](header, arrays, connection=message.identity,
                                                    curve_key=message.curve_key)
+                    self.stats.add_busy(op, time.perf_counter() - message.started)
                     if isinstance(result, Job):
                         out += self._start(result, message)
                         continue
@@ -280,6 +288,7 @@ class Worker:
                 results = [self._alone(prepared[0])]
         except Exception as error:  # the forward itself failed: every row gets the error, no session changed
             results = [error] * len(batch)
+        self.stats.add_busy("verify", time.perf_counter() - started)
         self.stats.prefill_tokens_batched += sum(job.prefill.fed for job, _ in riding) - fed_before
         for job, _ in riding:
             if not job.prefill.remaining:
