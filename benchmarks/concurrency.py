@@ -7,7 +7,9 @@ SD (drafting costs the clients nothing, so the worker is what is measured); "pro
 lets the step planner choose K per step from this machine's batch-grid profile of the target and the
 prompt-lookup reference, following the batch size the worker reports (shorter lookups under load); with `--draft`,
 `--methods target-only chain` runs a draft model in every client process (on this box the clients'
-drafts and the worker share the same cores, which the measurement then includes). Every greedy output is
+drafts and the worker share the same cores, which the measurement then includes), or with `--draft-replay`
+emulates clients on other hosts (the draft runs alone here first; each client replays its proposals,
+sleeping the seconds each took: `replay_draft.py`). Every greedy output is
 compared with the same prompt decoded alone in this process (fp32 by default, `--dtype`); a difference is shown with the
 target's top-2 logit gap at the first differing token (a near-tie means batched shapes changed
 the rounding). With batching on, SD's speedup over target-only per client count is also predicted
@@ -38,6 +40,7 @@ import gc
 import itertools
 import multiprocessing
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
@@ -46,6 +49,7 @@ import pandas as pd
 import torch
 
 from specbench.api import encode_prompts, outputs, run
+from specbench.decode.loop import Decoding, generate
 from specbench.datasets import load_prompts
 from specbench.hardware import device_name
 from specbench.plan.library import load_profiles
@@ -61,12 +65,29 @@ TARGETS = {"smollm2": "smollm2-135m", "qwen": "qwen2.5-coder-1.5b"}
 
 
 _client_draft = None  # each client process's draft model, loaded once when the pool starts
+_client_replay = None  # or, with --draft-replay, the draft's recorded proposals (replay_draft.py)
 
 
-def load_client_draft(spec) -> None:
-    global _client_draft
+def load_client_draft(spec, proposals=None) -> None:
+    global _client_draft, _client_replay
     torch.set_num_threads(1)
-    _client_draft = load_model(spec) if spec is not None else None
+    _client_draft = load_model(spec) if spec is not None and proposals is None else None
+    _client_replay = proposals
+
+
+def decode_one(remote, prompt, job: dict) -> tuple[list[int], pd.DataFrame, int]:
+    """One prompt's output, step records and replay misses: through `run`, or with a replayed draft
+    through the loop itself (`run` builds its drafters from models)."""
+    if _client_replay is None or job["method"] != "chain":
+        records = run(remote, [prompt], method=job["method"].removesuffix("+planner"), k=job["k"],
+                      max_new_tokens=job["max_new_tokens"], draft=_client_draft, planner=job["planner"],
+                      progress=False, warmup=False)
+        return outputs(records)[(job["method"], 0)], records, 0
+    from replay_draft import ReplayDrafter
+
+    drafter = ReplayDrafter(_client_replay)
+    result = generate(remote, drafter, prompt, Decoding(job["k"], job["max_new_tokens"], method="chain", kind="chain"))
+    return result.output_ids, pd.DataFrame([asdict(record) for record in result.records]), drafter.misses
 
 
 def client_job(job: dict) -> list[dict]:
@@ -82,12 +103,9 @@ def client_job(job: dict) -> list[dict]:
     for index, prompt in itertools.cycle(job["prompts"]) if job["deadline"] else job["prompts"]:
         if job["deadline"] and started >= job["deadline"]:
             break
-        records = run(remote, [prompt], method=job["method"].removesuffix("+planner"), k=job["k"],
-                      max_new_tokens=job["max_new_tokens"], draft=_client_draft, planner=job["planner"],
-                      progress=False, warmup=False)
+        output, records, misses = decode_one(remote, prompt, job)
         ended = time.perf_counter()
-        decoded.append({"prompt": index, "started": started, "ended": ended,
-                        "output": outputs(records)[(job["method"], 0)],
+        decoded.append({"prompt": index, "started": started, "ended": ended, "output": output, "misses": misses,
                         **{column: records[column].tolist() for column in STEP_COLUMNS}})
         started = ended
     return decoded
@@ -99,7 +117,7 @@ STEP_COLUMNS = ("step_s", "emitted", "queue_s", "batch_size", "step_k", "drafted
 def prompt_share(prompts, args) -> int:
     """How many prompts each client owns: client i's are i * share onwards (steady load: the set split
     between the most clients measured; fixed work: its `--rounds`)."""
-    return len(prompts) // max(args.clients) if args.duration else args.rounds
+    return len(prompts) // max(args.clients) if args.duration and not args.draft_replay else args.rounds
 
 
 def step_ends(decoded: dict) -> np.ndarray:
@@ -147,6 +165,7 @@ def measure(pool, endpoint: str, prompts, method: str, clients: int, args, stead
             # K asked for per step (a planner's choice; else the run's K) and tokens actually drafted
             "mean_k": float(np.mean(steps["step_k"])), "mean_drafted": float(np.mean(steps["drafted"])),
             "prompts_decoded": len(decoded),
+            "replay_misses": sum(d["misses"] for d in decoded),  # --draft-replay: contexts never met alone
             # a fast worker's step shapes first met (each compiled, stalling the batch) while measured
             "new_shapes": None if shapes_after is None else shapes_after - shapes_before,
             # the worker's time computing, from the start to the last client's end (steady load: its last
@@ -237,7 +256,7 @@ def check_memory(target_bytes: int, workers: int, clients: int, args) -> None:
     from specbench.models.loading import available_bytes
 
     loaded_as = ModelSpec(args.draft) if args.draft_quant == "int8-dynamic" else draft_spec(args)
-    draft_bytes = load_model(loaded_as).weight_bytes if args.draft else 0
+    draft_bytes = load_model(loaded_as).weight_bytes if args.draft and not args.draft_replay else 0
     gc.collect()
     needed = 1.15 * (workers * target_bytes + clients * draft_bytes) + 0.5 * 2**30 * clients
     free = available_bytes("cpu")
@@ -251,6 +270,18 @@ def decode_alone(loaded, prompts, method: str, args):
     draft = _reference_model(draft_spec(args)) if args.draft else None
     return run(loaded, prompts, method=method.removesuffix("+planner"), k=args.k, max_new_tokens=args.max_new_tokens,
                draft=draft, progress=False, planner=planner_for(method, args, "local"))
+
+
+def record_drafts(loaded, prompts, args) -> dict:
+    """The draft's proposals for every prompt the clients will decode (each client's `--rounds`), alone."""
+    from replay_draft import record
+    from specbench.decode.drafters import ModelDrafter
+    from specbench.decode.target import LocalTarget
+
+    share = prompt_share(prompts, args)
+    chosen = [prompts[i * share + r] for i in range(max(args.clients)) for r in range(args.rounds)]
+    drafter = ModelDrafter(_reference_model(draft_spec(args)), loaded.vocab_size)
+    return record(LocalTarget(loaded), drafter, chosen, args.k, args.max_new_tokens)
 
 
 @functools.lru_cache(maxsize=2)
@@ -296,10 +327,17 @@ def main():
                         help="the workers compared, back to back per row: eager batched / one at a time, and the "
                              "same with the fast path (`specbench worker --fast`)")
     parser.add_argument("--fast-backend", default="compile", help="the fast workers' backend")
+    parser.add_argument("--draft-replay", action="store_true",
+                        help="clients on other hosts, emulated: the --draft runs alone here first and each client "
+                             "replays its proposals, sleeping the seconds each took (replay_draft.py), so the "
+                             "clients take no cores or memory from the worker; with --duration, each client "
+                             "cycles through its --rounds prompts (the ones recorded)")
     parser.add_argument("--one-worker", action="store_true",
                         help="keep one worker alive at a time (restarted at each switch): room for client drafts")
     parser.add_argument("--out", default=str(ROOT / "results" / "concurrency.json"))
     args = parser.parse_args()
+    if args.draft_replay and (not args.draft or "chain+planner" in args.methods):
+        parser.error("--draft-replay replays a --draft's chains of the run's K: needs --draft, and no chain+planner")
     name = TARGETS[args.pair]
     loaded_spec = target_spec(args)
     loaded = load_model(loaded_spec)
@@ -313,6 +351,7 @@ def main():
                      for method in args.methods}
     alone = {(method, index): outputs(records)[(method, i)] for method, records in alone_records.items()
              for i, index in enumerate(firsts)}
+    proposals = record_drafts(loaded, prompts, args) if args.draft_replay else None
     target_bytes = loaded.weight_bytes
     del loaded  # the worker loads its own copy: two 1.5B fp32 models and eight clients crowd 24 GiB
     _reference_model.cache_clear()  # (the alone runs' draft too: reloaded after, if needed)
@@ -322,7 +361,7 @@ def main():
     workers = Workers(loaded_spec, args.one_worker, args.batch_window_ms, args.fast_backend)
     try:
         with multiprocessing.get_context("spawn").Pool(max(args.clients), initializer=load_client_draft,
-                                                       initargs=(draft_spec(args),)) as pool:
+                                                       initargs=(draft_spec(args), proposals)) as pool:
             warm = lambda endpoint, clients: measure(pool, endpoint, prompts, args.methods[0], clients, args,  # noqa: E731
                                                      steady=False)
             round_trip_s, packed = loopback_round_trip(workers.endpoint("batched", warm))
@@ -377,7 +416,7 @@ def main():
     suffix = (("" if args.dtype == "float32" else f"-{args.dtype}") + ("" if args.rounds == 1 else f"-r{args.rounds}")
               + (f"-steady{args.duration:g}s" if args.duration else "")
               + ("" if args.kernels == "default" else f"-{args.kernels}")
-              + (f"-{draft_spec(args).label}" if args.draft else "")
+              + (f"-{draft_spec(args).label}" if args.draft else "") + ("-replay" if args.draft_replay else "")
               + ("" if args.workers == ["batched", "unbatched"] else "-" + "-".join(args.workers)))
     write_report(args.out.replace(".json", f"-{args.pair}{suffix}.json"),
                  {"target": name, "rows": table.to_dict("records"), "mismatches": mismatches,

@@ -70,3 +70,46 @@ def test_a_fast_worker_batches_its_clients_verifies(tiny_target, tiny_draft):
         assert outputs(records) == outputs(alone), index
         sizes += list(records["batch_size"])
     assert max(sizes) > 1, "no two verifies ever shared a forward: the test proves nothing"
+
+
+def test_a_replayed_draft_proposes_what_the_draft_did_as_slowly_as_it_did(tiny_target, tiny_draft):
+    """benchmarks/replay_draft.py, the concurrency benchmark's clients on other hosts: replaying the
+    recorded proposals decodes step for step as the draft model does (same drafts, same verdicts,
+    each step's drafting at least as long as recorded); a context never recorded is a counted miss
+    whose output is still the target's."""
+    import sys
+    from pathlib import Path
+
+    from specbench.decode.drafters import ModelDrafter
+    from specbench.decode.loop import Decoding, generate
+    from specbench.decode.target import LocalTarget
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from replay_draft import ReplayDrafter, context_key, record
+
+    target, decoding = LocalTarget(tiny_target), Decoding(3, 20, method="chain", kind="chain")
+    drafter = lambda: ModelDrafter(tiny_draft, tiny_target.vocab_size)  # noqa: E731
+    proposals = record(target, drafter(), PROMPT_SET[:2], decoding.k, decoding.max_new_tokens)
+    for prompt in PROMPT_SET[:2]:
+        real = generate(target, drafter(), prompt, decoding)
+        replay = ReplayDrafter(proposals)
+        got = generate(target, replay, prompt, decoding)
+        assert replay.misses == 0 and got.output_ids == real.output_ids
+        assert [(r.drafted, r.accepted) for r in got.records] == [(r.drafted, r.accepted) for r in real.records]
+        recorded = [proposals[key][2] for key in _keys(prompt, got.records, decoding, context_key)]
+        assert all(r.draft_s >= seconds for r, seconds in zip(got.records, recorded))
+    replay = ReplayDrafter(proposals)
+    other = [token + 1 for token in PROMPT_SET[0]]  # no recorded context starts with it
+    got = generate(target, replay, other, decoding)
+    assert replay.misses == sum(r.drafted for r in got.records) > 0  # a miss drafts one token
+    assert got.output_ids == generate(target, None, other, Decoding(0, 20, kind="none")).output_ids
+
+
+def _keys(prompt, records, decoding, context_key):
+    """The recorded proposals' keys of each step of a decode of `prompt` (the loop caps depth at what
+    remains, less the bonus token)."""
+    context = list(prompt)
+    for record in records:
+        remaining = decoding.max_new_tokens - (len(context) - len(prompt))
+        yield context_key(context, decoding.k, remaining - 1)
+        context += record.emitted_tokens
