@@ -38,6 +38,7 @@ import argparse
 import functools
 import gc
 import itertools
+import json
 import multiprocessing
 import time
 from dataclasses import asdict
@@ -334,8 +335,17 @@ def main():
                              "cycles through its --rounds prompts (the ones recorded)")
     parser.add_argument("--one-worker", action="store_true",
                         help="keep one worker alive at a time (restarted at each switch): room for client drafts")
+    parser.add_argument("--save-measured", action="store_true",
+                        help="keep the batched worker's SD speedups over target-only in reference/ (per method "
+                             "and client count), which notebook 03 draws beside the predicted ones")
+    parser.add_argument("--save-measured-from", metavar="JSON", default=None,
+                        help="measure nothing: save the speedups of an earlier run's JSON (as --save-measured)")
     parser.add_argument("--out", default=str(ROOT / "results" / "concurrency.json"))
     args = parser.parse_args()
+    if args.save_measured_from:
+        report = json.loads(Path(args.save_measured_from).read_text())
+        earlier = argparse.Namespace(**{**vars(parser.parse_args([])), **report["settings"]})
+        return save_measured(pd.DataFrame(report["rows"]), report["target"], earlier)
     if args.draft_replay and (not args.draft or "chain+planner" in args.methods):
         parser.error("--draft-replay replays a --draft's chains of the run's K: needs --draft, and no chain+planner")
     name = TARGETS[args.pair]
@@ -413,6 +423,8 @@ def main():
     if speedups is not None:
         print(f"\n== SD speedup over target-only per client, batching on: predicted vs measured ==")
         print(speedups.round(3).to_string(index=False))
+    if args.save_measured:
+        save_measured(table, name, args)
     suffix = (("" if args.dtype == "float32" else f"-{args.dtype}") + ("" if args.rounds == 1 else f"-r{args.rounds}")
               + (f"-steady{args.duration:g}s" if args.duration else "")
               + ("" if args.kernels == "default" else f"-{args.kernels}")
@@ -422,6 +434,33 @@ def main():
                  {"target": name, "rows": table.to_dict("records"), "mismatches": mismatches,
                   "speedups": None if speedups is None else speedups.to_dict("records"),
                   "round_trip_s": round_trip_s, "packed_batches": packed, "settings": vars(args)})
+
+
+def save_measured(table: pd.DataFrame, target: str, args) -> None:
+    """The batched worker's SD speedups over target-only at each client count, one record per draft
+    (prompt lookup, or the --draft model), in reference/ (`plan.library.save_concurrency`)."""
+    from specbench.plan.library import save_concurrency
+
+    batched = table[table["worker"] == "batched"].set_index(["clients", "method"])["aggregate_tokens_per_s"]
+    if "target-only" not in args.methods:
+        raise SystemExit("--save-measured needs target-only among --methods: speedups are over it")
+    load = (f"steady {args.duration:g} s" if args.duration else f"{args.rounds} prompt(s) per client") + \
+        f", {args.max_new_tokens} tokens" + (", draft replayed" if args.draft_replay else "")
+    for draft, methods in (("prompt-lookup", [m for m in args.methods if m.startswith("prompt-lookup")]),
+                           (args.draft, [m for m in args.methods if m.startswith("chain")])):
+        rows = [{"clients": clients, "series": f"{method.removesuffix('+planner')} K{'<=' if 'planner' in method else '='}"
+                 f"{args.k}{' planned' if 'planner' in method else ''}",
+                 "speedup": batched[(clients, method)] / batched[(clients, "target-only")],
+                 "tokens_per_s": batched[(clients, method)] / clients,
+                 "target_only_tokens_per_s": batched[(clients, "target-only")] / clients}
+                for method in methods for clients in args.clients]
+        if rows and draft:
+            path = save_concurrency(pd.DataFrame(rows), {"target": target, "draft": draft, "device": device_name("cpu"),
+                                                         "dtype": args.dtype, "dataset": args.dataset, "k": args.k,
+                                                         "load": load, "workers": "batched",
+                                                         "draft_quantization": "none" if draft == "prompt-lookup"
+                                                         else args.draft_quant})
+            print(f"measured speedups of {draft} -> {target} saved to {path}")
 
 
 def loopback_round_trip(endpoint: str) -> tuple[float, bool]:

@@ -6,7 +6,8 @@ import multiprocessing
 import pytest
 
 from specbench.cache.store import CacheError, read_record, write_record
-from specbench.plan.library import load_profiles, load_references, save_profile, save_reference
+from specbench.plan.library import (load_concurrency, load_profiles, load_references, save_concurrency, save_profile,
+                                    save_reference)
 from specbench.plan.predict import AcceptanceReference, LatencyProfile
 
 
@@ -24,6 +25,29 @@ def test_profile_and_reference_round_trip(tmp_path):
     assert load_references(tmp_path) == [reference]
     index = json.loads((tmp_path / "index.json").read_text())
     assert {entry["kind"] for entry in index.values()} == {"profile", "reference"}
+
+
+def test_measured_concurrency_round_trip_keeps_runs_apart(tmp_path):
+    """Measured speedups under load (benchmarks/concurrency.py --save-measured) come back per pair, each
+    series naming its run's dtype and load, so two runs of one pair never merge into one line."""
+    import pandas as pd
+
+    measured = pd.DataFrame({"clients": [1, 8], "series": ["chain K=4"] * 2, "speedup": [1.4, 0.9],
+                             "tokens_per_s": [5.0, 2.0], "target_only_tokens_per_s": [3.6, 2.2]})
+    for load in ("steady 40 s, 96 tokens", "1 prompt(s) per client, 24 tokens"):
+        save_concurrency(measured, {"target": "t", "draft": "d", "device": "cpu", "dtype": "float32", "load": load},
+                         folder=tmp_path)
+    save_concurrency(measured.assign(speedup=2.0), {"target": "t", "draft": "prompt-lookup", "device": "cpu",
+                                                    "dtype": "float32", "load": "steady"}, folder=tmp_path)
+    got = load_concurrency(tmp_path, target="t", draft="d")
+    assert len(got) == 4 and sorted(got["speedup"]) == [0.9, 0.9, 1.4, 1.4]
+    assert set(got["series"]) == {"chain K=4 (float32, steady 40 s, 96 tokens)",
+                                  "chain K=4 (float32, 1 prompt(s) per client, 24 tokens)"}
+    assert len(load_concurrency(tmp_path)) == 6 and load_concurrency(tmp_path, target="other").empty
+    path = next(tmp_path.glob("concurrency-*.json"))
+    path.write_text("{")
+    with pytest.raises(CacheError, match=rf"{path.name}.*corrupt.*benchmarks/concurrency.py --save-measured"):
+        load_concurrency(tmp_path)
 
 
 def test_corrupt_file_names_itself_and_the_rebuild_command(tmp_path):

@@ -17,8 +17,9 @@ from typing import Iterator, Optional
 
 from specbench.types import SpecbenchError
 
-SCHEMA_VERSIONS = {"profile": 1, "reference": 1}
-REBUILD = {"profile": "specbench profile", "reference": "specbench reference"}
+SCHEMA_VERSIONS = {"profile": 1, "reference": 1, "concurrency": 1}
+REBUILD = {"profile": "specbench profile", "reference": "specbench reference",
+           "concurrency": "python benchmarks/concurrency.py --save-measured"}
 
 
 class CacheError(SpecbenchError):

@@ -1,4 +1,5 @@
-"""Plan inputs on disk: LatencyProfile and AcceptanceReference records in profiles/ and reference/."""
+"""Plan inputs on disk: LatencyProfile and AcceptanceReference records in profiles/ and reference/, and
+measured speedups under concurrency beside the references (what predictions are checked against)."""
 from __future__ import annotations
 
 import platform
@@ -7,6 +8,8 @@ from datetime import datetime, timezone
 from importlib import metadata as package_metadata
 from pathlib import Path
 from typing import Optional
+
+import pandas as pd
 
 from specbench.cache.store import find_records, write_record
 from specbench.data_paths import data_folder
@@ -71,3 +74,25 @@ def load_references(folder: Path = REFERENCES, **match) -> list[AcceptanceRefere
             tree_width={int(k): v for k, v in p["tree_width"].items()},
             cross_tokenizer=m.get("cross_tokenizer", ""), draft_per_target=m.get("draft_per_target", 1.0)))
     return out
+
+
+MEASURED_COLUMNS = ("clients", "series", "speedup", "tokens_per_s", "target_only_tokens_per_s")
+
+
+def save_concurrency(measured: pd.DataFrame, metadata: dict, folder: Path = REFERENCES) -> Path:
+    """SD's measured speedup over target-only per number of clients sharing one worker (`MEASURED_COLUMNS`,
+    from `benchmarks/concurrency.py --save-measured`); `metadata` names target, draft, device, dtype and
+    the load. Notebook 03 draws them beside the predicted curve of the same pair."""
+    metadata = {**metadata, "versions": library_versions()}
+    metadata.setdefault("date", datetime.now(timezone.utc).date().isoformat())
+    payload = {"rows": measured.loc[:, list(MEASURED_COLUMNS)].to_dict("records")}
+    return write_record(folder, "concurrency", metadata, payload, label=f"{metadata['draft']}-{metadata['target']}")
+
+
+def load_concurrency(folder: Path = REFERENCES, **match) -> pd.DataFrame:
+    """Every measured row whose record matches (e.g. target=..., draft=...), with the record's device,
+    dtype, load and date; its series names the setting too, so runs under different loads stay apart."""
+    rows = [{**row, "series": f"{row['series']} ({m['dtype']}, {m['load']})", "device": m["device"],
+             "dtype": m["dtype"], "load": m["load"], "date": m["date"]}
+            for _, m, p in find_records(folder, "concurrency", **match) for row in p["rows"]]
+    return pd.DataFrame(rows, columns=[*MEASURED_COLUMNS, "device", "dtype", "load", "date"])
