@@ -446,10 +446,13 @@ def save_measured(table: pd.DataFrame, target: str, args) -> None:
         raise SystemExit("--save-measured needs target-only among --methods: speedups are over it")
     load = (f"steady {args.duration:g} s" if args.duration else f"{args.rounds} prompt(s) per client") + \
         f", {args.max_new_tokens} tokens" + (", draft replayed" if args.draft_replay else "")
+    def series(method: str) -> str:  # as plan.explore.concurrency_frame names its predicted lines
+        base = method.removesuffix("+planner")
+        return f"{base} K<={args.k} planned" if base != method else f"{base} K={args.k}"
+
     for draft, methods in (("prompt-lookup", [m for m in args.methods if m.startswith("prompt-lookup")]),
                            (args.draft, [m for m in args.methods if m.startswith("chain")])):
-        rows = [{"clients": clients, "series": f"{method.removesuffix('+planner')} K{'<=' if 'planner' in method else '='}"
-                 f"{args.k}{' planned' if 'planner' in method else ''}",
+        rows = [{"clients": clients, "series": series(method),
                  "speedup": batched[(clients, method)] / batched[(clients, "target-only")],
                  "tokens_per_s": batched[(clients, method)] / clients,
                  "target_only_tokens_per_s": batched[(clients, "target-only")] / clients}
