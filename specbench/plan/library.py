@@ -7,13 +7,14 @@ from dataclasses import asdict
 from datetime import datetime, timezone
 from importlib import metadata as package_metadata
 from pathlib import Path
-from typing import Optional
-
-import pandas as pd
+from typing import TYPE_CHECKING, Optional
 
 from specbench.cache.store import find_records, write_record
 from specbench.data_paths import data_folder
 from specbench.plan.predict import AcceptanceReference, LatencyProfile
+
+if TYPE_CHECKING:  # pandas only where measured rows are read or written: this module loads with the stdlib
+    import pandas as pd
 
 PROFILES = data_folder("profiles")
 REFERENCES = data_folder("reference")
@@ -95,4 +96,6 @@ def load_concurrency(folder: Path = REFERENCES, **match) -> pd.DataFrame:
     rows = [{**row, "series": f"{row['series']} ({m['dtype']}, {m['load']})", "device": m["device"],
              "dtype": m["dtype"], "load": m["load"], "date": m["date"]}
             for _, m, p in find_records(folder, "concurrency", **match) for row in p["rows"]]
+    import pandas as pd
+
     return pd.DataFrame(rows, columns=[*MEASURED_COLUMNS, "device", "dtype", "load", "date"])
