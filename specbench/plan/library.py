@@ -30,12 +30,18 @@ def library_versions() -> dict:
     return versions
 
 
+def _stamped(metadata: dict, extra: Optional[dict] = None) -> dict:
+    """A record's metadata with the library versions, any `extra`, and today's date unless given."""
+    stamped = {**metadata, "versions": library_versions(), **(extra or {})}
+    stamped.setdefault("date", datetime.now(timezone.utc).date().isoformat())
+    return stamped
+
+
 def save_profile(profile: LatencyProfile, extra: Optional[dict] = None, folder: Path = PROFILES) -> Path:
-    metadata = {"model": profile.model, "device": profile.device, "dtype": profile.dtype,
-                "quantization": profile.quantization, "weight_bytes": profile.weight_bytes,
-                "kv_bytes_per_token": profile.kv_bytes_per_token, "forward": profile.forward, "host": platform.node(),
-                "versions": library_versions(), **(extra or {})}
-    metadata.setdefault("date", datetime.now(timezone.utc).date().isoformat())
+    metadata = _stamped({"model": profile.model, "device": profile.device, "dtype": profile.dtype,
+                         "quantization": profile.quantization, "weight_bytes": profile.weight_bytes,
+                         "kv_bytes_per_token": profile.kv_bytes_per_token, "forward": profile.forward,
+                         "host": platform.node()}, extra)
     payload = {"rows": [list(row) for row in profile.rows]}
     fast = "" if profile.forward == "eager" else f"-{profile.forward}"
     return write_record(folder, "profile", metadata, payload,
@@ -54,8 +60,7 @@ def save_reference(reference: AcceptanceReference, extra: Optional[dict] = None,
     metadata = {key: fields[key] for key in ("draft", "target", "dataset", "rule", "temperature", "max_chain")}
     if reference.cross_tokenizer:
         metadata.update(cross_tokenizer=reference.cross_tokenizer, draft_per_target=reference.draft_per_target)
-    metadata.update({"versions": library_versions(), **(extra or {})})
-    metadata.setdefault("date", datetime.now(timezone.utc).date().isoformat())
+    metadata = _stamped(metadata, extra)
     payload = {"chain_accepts": list(reference.chain_accepts),
                "tree_accepts": {str(k): list(v) for k, v in reference.tree_accepts.items()},
                "tree_depth": {str(k): v for k, v in reference.tree_depth.items()},
@@ -84,8 +89,7 @@ def save_concurrency(measured: pd.DataFrame, metadata: dict, folder: Path = REFE
     """SD's measured speedup over target-only per number of clients sharing one worker (`MEASURED_COLUMNS`,
     from `benchmarks/concurrency.py --save-measured`); `metadata` names target, draft, device, dtype and
     the load. Notebook 03 draws them beside the predicted curve of the same pair."""
-    metadata = {**metadata, "versions": library_versions()}
-    metadata.setdefault("date", datetime.now(timezone.utc).date().isoformat())
+    metadata = _stamped(metadata)
     payload = {"rows": measured.loc[:, list(MEASURED_COLUMNS)].to_dict("records")}
     return write_record(folder, "concurrency", metadata, payload, label=f"{metadata['draft']}-{metadata['target']}")
 
