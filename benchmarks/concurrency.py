@@ -121,6 +121,11 @@ def prompt_share(prompts, args) -> int:
     return len(prompts) // max(args.clients) if args.duration and not args.draft_replay else args.rounds
 
 
+def client_prompts(prompts, share: int, client: int, count: int) -> list[tuple[int, list[int]]]:
+    """(index, prompt) of the `count` prompts client `client` decodes: its own, from client * share on."""
+    return [(j, prompts[j]) for j in range(client * share, client * share + count)]
+
+
 def step_ends(decoded: dict) -> np.ndarray:
     """When each step of a prompt's decode ended, counted back from the decode's end (a step's records
     carry its duration, not its time)."""
@@ -140,7 +145,7 @@ def measure(pool, endpoint: str, prompts, method: str, clients: int, args, stead
     share = prompt_share(prompts, args)
     count = share if deadline else count or args.rounds  # (a warm-up decodes `rounds` of them, or `count`)
     jobs = [{"endpoint": endpoint, "method": method, "k": args.k,
-             "prompts": [(j, prompts[j]) for j in range(i * share, i * share + count)],
+             "prompts": client_prompts(prompts, share, i, count),
              "max_new_tokens": args.max_new_tokens, "go": go, "deadline": deadline, "planner": planner}
             for i in range(clients)]
     shapes_before, busy_before = worker_state(endpoint)
@@ -280,7 +285,7 @@ def record_drafts(loaded, prompts, args) -> dict:
     from specbench.decode.target import LocalTarget
 
     share = prompt_share(prompts, args)
-    chosen = [prompts[i * share + r] for i in range(max(args.clients)) for r in range(args.rounds)]
+    chosen = [prompt for i in range(max(args.clients)) for _, prompt in client_prompts(prompts, share, i, args.rounds)]
     drafter = ModelDrafter(_reference_model(draft_spec(args)), loaded.vocab_size)
     return record(LocalTarget(loaded), drafter, chosen, args.k, args.max_new_tokens)
 
