@@ -196,8 +196,8 @@ def _worker(args) -> int:
                           device=args.device, lazy=args.lazy, allow_load=tuple(args.allow_load),
                           idle_timeout_s=args.idle_timeout, limits=limits, curve_keys=args.curve_keys,
                           insecure=args.insecure, batching=not args.no_batching,
-                          batch_window_ms=args.batch_window_ms, max_batch=args.max_batch,
-                          prefill_chunk=args.prefill_chunk, fast=args.fast)
+                          batch_window_ms=args.batch_window_ms, batch_wait_ms=args.batch_wait_ms,
+                          max_batch=args.max_batch, prefill_chunk=args.prefill_chunk, fast=args.fast)
     Worker(config, log=log).serve()
     return 0
 
@@ -293,9 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--idle-timeout", type=float, default=900.0, help="seconds before an idle session expires")
     worker.add_argument("--no-batching", action="store_true",
                         help="one request at a time (default: verifies of different sessions share one forward)")
-    worker.add_argument("--batch-window-ms", type=float, default=20.0,
-                        help="after the first waiting request, how long at most to wait for the other active "
-                             "sessions' (default %(default)s)")
+    worker.add_argument("--batch-window-ms", type=float, default=20.0, help="least wait for others' steps (default 20)")
+    worker.add_argument("--batch-wait-ms", type=float, help="how long at most to wait for a session expected back "
+                        "(drafting; default: a lone verify's time, measured; 0: only --batch-window-ms)")
     worker.add_argument("--max-batch", type=int, default=16, help="requests taken in one round (default %(default)s)")
     worker.add_argument("--prefill-chunk", type=int, default=256,
                         help="prompt tokens fed per slice of a long prefill, other sessions' steps running between "

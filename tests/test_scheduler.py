@@ -217,3 +217,59 @@ def test_opening_and_closing_other_sessions_do_not_split_a_batch():
     replies = [protocol.decode(frames)[0] for _, frames in worker.handle_many(messages)]
     assert [r.get("batch_size") for r in replies] == [1, None, 1], replies
     assert all(r["ok"] for r in replies), replies
+
+
+def step_with_think_time(endpoint: str, name: str, prompt: list, think_s: float, steps: int, out: dict) -> None:
+    """A client that takes `think_s` between a reply and its next verify (drafting on its own device):
+    records each reply's batch size and bonus token."""
+    client, committed, sizes, tokens = RawClient(endpoint), len(prompt), [], []
+    try:
+        assert client.request({"op": "prefill", "session": name, "epoch": 1},
+                              {"tokens": np.asarray(prompt, np.int32)}, timeout_s=60)[0]["ok"]
+        for _ in range(steps):
+            reply, _ = client.request({"op": "verify", "session": name, "epoch": 1, "committed": committed,
+                                       "seed": 0, "sampling": {"temperature": 0.0}},
+                                      protocol.tree_to_arrays(DraftTree()), timeout_s=60)
+            assert reply["ok"], reply
+            committed = reply["committed"]
+            sizes.append(reply["batch_size"])
+            tokens.append(reply["bonus"])
+            time.sleep(think_s)
+        out[name] = (sizes, tokens)
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("wait_ms", [400, 0], ids=["awaits-drafting-clients", "fixed-window"])
+def test_a_batch_waits_for_clients_expected_back(tiny_target, wait_ms):
+    """Clients that draft between steps come back each after its own time (here 60-240 ms apart, far
+    over the 20 ms window). A worker that learns each session's turnaround (reply to next verify)
+    waits for the sessions expected back within `--batch-wait-ms` and verifies them in one forward;
+    with only the fixed window (`--batch-wait-ms 0`, the old rule) every client's step runs alone.
+    The tokens are the same either way."""
+    import threading
+
+    steps, think = 12, (0.06, 0.12, 0.18, 0.24)
+    with process_worker("--batch-wait-ms", str(wait_ms)) as worker:
+        out = {}
+        threads = [threading.Thread(target=step_with_think_time,
+                                    args=(worker.endpoint, f"c{i}", PROMPTS[i], think[i], steps, out))
+                   for i in range(len(think))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert sorted(out) == [f"c{i}" for i in range(len(think))], "a client failed: see its assertion above"
+        stats = RawClient(worker.endpoint).request({"op": "stats"})[0]
+    settled = [size for sizes, _ in out.values() for size in sizes[steps // 2:]]  # turnarounds learnt
+    mean = sum(settled) / len(settled)
+    if wait_ms:
+        assert mean >= 3.5, (mean, out)
+        assert stats["batch_wait_s"] > 0.1 * steps, stats  # ~the slowest client's think time per step
+    else:
+        assert mean <= 1.8, (mean, out)
+    lone = LocalTarget(tiny_target)
+    for i in range(len(think)):
+        lone.prefill(f"c{i}", PROMPTS[i])
+        assert out[f"c{i}"][1] == [lone.verify(f"c{i}", DraftTree(), SamplingParams(), 0).bonus_token
+                                   for _ in range(steps)]

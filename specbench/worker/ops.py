@@ -153,7 +153,8 @@ class Ops:
         return {"uptime_s": time.time() - s.started, "requests": s.requests, "errors": s.errors,
                 "bytes_in": s.bytes_in, "bytes_out": s.bytes_out, "sessions": len(self.sessions),
                 "expired": s.expired, "kv_bytes": self.kv_bytes(),
-                "prefill_tokens_batched": s.prefill_tokens_batched, "busy_s": dict(s.busy_s)}, None
+                "prefill_tokens_batched": s.prefill_tokens_batched, "busy_s": dict(s.busy_s),
+                "batch_wait_s": s.batch_wait_s}, None
 
     def load(self, header, arrays, *, connection, curve_key):
         spec = protocol.spec_from_wire(get(header, "model", dict))

@@ -47,7 +47,9 @@ class WorkerConfig:
     idle_timeout_s: float = 900.0
     limits: WorkerLimits = field(default_factory=WorkerLimits)
     batching: bool = True  # verifies of different sessions share one forward (`--no-batching`: one at a time)
-    batch_window_ms: float = 20.0  # after the first waiting message, how long at most to wait for the others
+    batch_window_ms: float = 20.0  # after the first waiting message, how long at least to wait for the others
+    # how long at most to wait for a session expected back (`_drain`); None: a lone verify's time, measured
+    batch_wait_ms: Optional[float] = None
     max_batch: int = 16  # messages taken in one round
     prefill_chunk: int = 256  # prompt tokens per slice of a prefill, between other sessions' batches
     fast: bool | str = False  # the target's fixed-shape steps (`--fast`; decode/fast_forward.py)
@@ -64,6 +66,7 @@ class Stats:
     bytes_out: int = 0
     expired: int = 0
     prefill_tokens_batched: int = 0  # prompt tokens fed inside verify batches rather than alone
+    batch_wait_s: float = 0.0  # seconds spent gathering batches (waiting for sessions expected back)
     # seconds the worker spent computing, per op ("verify": batches and lone verifies, with the prefill
     # chunks riding in them; "prefill", "generate", "profile": job slices): with uptime, how busy it was
     # and what on (a shared target's speedup from batching is capped by the work that does not batch)
@@ -96,6 +99,7 @@ class Worker:
         self.config, self.log = config, log
         self.stats = Stats()
         self._round_s = 0.0  # how long the last round of requests took
+        self._lone_s = self._quickest_s = None  # a lone verify forward's seconds (smoothed); the quickest batch's
         self.ops = Ops(config, self.stats, log)
         if config.model is not None and not config.lazy:
             self.ops.ensure_loaded()
@@ -158,23 +162,40 @@ class Worker:
     # -- dispatch --------------------------------------------------------------------------------
     def _drain(self, inbox: Inbox) -> list[Message]:
         """Every message waiting now (continuous batching: what arrived while the last batch ran), then
-        more until every recently active session has one in hand or the batch window closes, up to the
-        largest batch. Waiting for the active sessions matters: clients answer a batch's replies a few
-        ms apart, and without it the first one back would run alone while the rest queue behind it."""
+        more until every session expected back soon has one in hand, up to the largest batch. Clients
+        answer a batch's replies a few ms apart (target-only, prompt lookup), or after drafting for
+        hundreds of ms, each for its own time (a model draft): without waiting, the first one back would
+        run alone while the rest queue behind it, and batches, once split, stay split. So a session is
+        awaited until its expected return (its last reply + its measured turnaround, plus a margin),
+        but never longer than a lone forward takes (`batch_wait`): waiting longer costs more worker
+        time than running the late ones in a forward of their own. At least `--batch-window-ms`."""
         config, messages = self.config, []
-        deadline = time.perf_counter() + config.batch_window_ms / 1000
         limit = config.max_batch if config.batching else 1
-        # "recently": within a few rounds (a round of a 1.5B model on a CPU takes seconds)
-        active = self.ops.sessions.active(within_s=max(2.0, 3 * self._round_s),
-                                          excluding=self.ops.jobs.sessions()) if config.batching else 1
+        started = time.perf_counter()
+        window = config.batch_window_ms / 1000
+        wait = max(window, self._batch_wait_s())
+        # "recently used": within a few rounds (a round of a 1.5B model on a CPU takes seconds)
+        awaited = self.ops.sessions.awaited(within_s=max(2.0, 3 * self._round_s),
+                                            horizon=started + wait if wait > window else float("inf"),
+                                            excluding=self.ops.jobs.sessions()) if config.batching else []
+        deadline = max([started + window] + [min(t + window + 0.25 * max(0.0, t - started), started + wait)
+                                             for t in awaited])
         while len(messages) < limit:
-            if len(messages) >= max(active, 1) and not inbox.poll(0):
+            if len(messages) >= max(len(awaited), 1) and not inbox.poll(0):
                 break
             wait_ms = max(0, int((deadline - time.perf_counter()) * 1000)) if messages else 0
             if messages and not inbox.poll(wait_ms):
                 break
             messages.append(inbox.take())
+        self.stats.batch_wait_s += time.perf_counter() - started
         return messages
+
+    def _batch_wait_s(self) -> float:
+        """How long a batch may wait for a session expected back: `--batch-wait-ms`, else the time of a
+        lone verify forward as measured here (before one was seen: the quickest batch's)."""
+        if self.config.batch_wait_ms is not None:
+            return self.config.batch_wait_ms / 1000
+        return self._lone_s if self._lone_s is not None else (self._quickest_s or 0.0)
 
     def handle(self, frames: list[bytes], connection: bytes = b"", curve_key: str = "") -> list[bytes]:
         """One request in, one reply out (a long one run to its end); never raises."""
@@ -197,6 +218,7 @@ class Worker:
                 header, arrays, op = self._parse(message)
                 if op == "verify" and self.config.batching:
                     session = self.ops.verify_session(header, message.curve_key)
+                    session.arrived(message.received)
                     if any(prepared.session is session for _, prepared in batch):
                         out += self._run_batch(batch)  # a session's steps run in order
                         batch = []
@@ -288,17 +310,25 @@ class Worker:
                 results = [self._alone(prepared[0])]
         except Exception as error:  # the forward itself failed: every row gets the error, no session changed
             results = [error] * len(batch)
-        self.stats.add_busy("verify", time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        self.stats.add_busy("verify", seconds)
+        self._timed_forward(seconds, alone=len(batch) == 1 and not riding)
         self.stats.prefill_tokens_batched += sum(job.prefill.fed for job, _ in riding) - fed_before
         for job, _ in riding:
             if not job.prefill.remaining:
                 job.advance()  # its last chunk rode here: the session goes live, the reply goes out this round
-        out = []
-        for message, result in zip((m for m, _ in batch), results):
+        out, replied = [], time.perf_counter()
+        for (message, request), result in zip(batch, results):
             if not isinstance(result, Exception):
                 result = (dict(result[0], batch_size=len(batch), queue_s=started - message.received), result[1])
+                request.session.replied_at = replied
             out.append((message, self._reply(message, result)))
         return out
+
+    def _timed_forward(self, seconds: float, alone: bool) -> None:
+        if alone:
+            self._lone_s = seconds if self._lone_s is None else 0.8 * self._lone_s + 0.2 * seconds
+        self._quickest_s = seconds if self._quickest_s is None else min(self._quickest_s, seconds)
 
     def _riding_prefills(self) -> list:
         """(job, tokens): chunks of waiting prefills to run inside the next verify batch, up to

@@ -47,6 +47,18 @@ class Session:
     last_used: float = field(default_factory=time.monotonic)
     replay: Optional[tuple] = None  # (request key, reply, arrays) of the last applied step
     ended: Optional[str] = None
+    # the client's side of a step, as the scheduler sees it: when its last verify reply went out
+    # (perf_counter), and how long, smoothed, the client takes from a reply to its next verify (drafting,
+    # network): when it is expected back, so a batch can wait for a drafting client rather than split
+    replied_at: Optional[float] = None
+    turnaround_s: Optional[float] = None
+
+    def arrived(self, received: float) -> None:
+        """A verify from this session arrived at `received`: one more turnaround sample."""
+        if self.replied_at is not None:
+            sample = max(0.0, received - self.replied_at)
+            self.turnaround_s = sample if self.turnaround_s is None else 0.7 * self.turnaround_s + 0.3 * sample
+        self.replied_at = None
 
 
 def request_key(op: str, epoch: int, committed: int, header: dict, arrays: dict) -> tuple:
@@ -80,7 +92,7 @@ class SessionTable:
         """The caller's session `name`, created if new and the quotas allow it."""
         existing = self.sessions.get((owner, name))
         if existing is not None and existing.ended is None:
-            existing.last_used = time.monotonic()
+            existing.last_used, existing.replied_at = time.monotonic(), None  # a new prompt: no step out
             return existing
         live = [s for s in self.sessions.values() if s.ended is None]
         check(len(live) + 1, self.limits.max_sessions, "open sessions", "--max-sessions")
@@ -96,12 +108,21 @@ class SessionTable:
     def remove(self, owner: str, name: str) -> Optional[Session]:
         return self.sessions.pop((owner, name), None)
 
-    def active(self, within_s: float, excluding: frozenset = frozenset()) -> int:
-        """Live sessions used within the last `within_s` seconds, less those with a prefill under way
-        (`excluding`, target keys): who will likely send a step soon."""
-        now = time.monotonic()
-        return sum(1 for s in self.sessions.values()
-                   if s.ended is None and now - s.last_used <= within_s and s.key not in excluding)
+    def awaited(self, within_s: float, horizon: float, excluding: frozenset = frozenset()) -> list[float]:
+        """When (perf_counter) each session the next batch could wait for is expected to send its step: the
+        live sessions used within `within_s` with no prefill under way (`excluding`, target keys). One
+        with a reply out and a turnaround known is expected at reply + turnaround, and left out if that
+        is after `horizon` (the batch will not wait so long); any other, now."""
+        now, clock = time.monotonic(), time.perf_counter()
+        out = []
+        for s in self.sessions.values():
+            if s.ended is not None or now - s.last_used > within_s or s.key in excluding:
+                continue
+            if s.replied_at is None or s.turnaround_s is None:
+                out.append(clock)
+            elif s.replied_at + s.turnaround_s <= horizon:
+                out.append(s.replied_at + s.turnaround_s)
+        return out
 
     def live(self) -> list[Session]:
         return [s for s in self.sessions.values() if s.ended is None]
