@@ -214,7 +214,9 @@ def draft_spec(args):
     return ModelSpec(args.draft, quantization=args.draft_quant) if args.draft else None
 
 
-WORKERS = ("batched", "unbatched", "fast-batched", "fast-unbatched")  # `--fast` for the last two
+# "batched-fixed": batches gathered by the fixed window only (`--batch-wait-ms 0`), not waiting for
+# sessions expected back from drafting; `--fast` for the last two
+WORKERS = ("batched", "batched-fixed", "unbatched", "fast-batched", "fast-unbatched")
 
 
 class Workers:
@@ -243,6 +245,7 @@ class Workers:
         fast = ["--fast", self.fast_backend] if kind.startswith("fast-") else []
         if kind.endswith("unbatched"):
             return fast + ["--no-batching"]
+        fast += ["--batch-wait-ms", "0"] if kind == "batched-fixed" else []
         return fast + ([] if self.batch_window_ms is None else ["--batch-window-ms", str(self.batch_window_ms)])
 
     def stop(self) -> None:
@@ -331,7 +334,8 @@ def main():
                         help="the batching worker's wait for the other active sessions' steps (default: the worker's)")
     parser.add_argument("--workers", nargs="+", choices=WORKERS, default=["batched", "unbatched"],
                         help="the workers compared, back to back per row: eager batched / one at a time, and the "
-                             "same with the fast path (`specbench worker --fast`)")
+                             "same with the fast path (`specbench worker --fast`); batched-fixed: batches gathered "
+                             "by the fixed window only, not waiting for drafting clients expected back")
     parser.add_argument("--fast-backend", default="compile", help="the fast workers' backend")
     parser.add_argument("--draft-replay", action="store_true",
                         help="clients on other hosts, emulated: the --draft runs alone here first and each client "
@@ -367,6 +371,10 @@ def main():
     alone = {(method, index): outputs(records)[(method, i)] for method, records in alone_records.items()
              for i, index in enumerate(firsts)}
     proposals = record_drafts(loaded, prompts, args) if args.draft_replay else None
+    if proposals:  # how long the clients draft between steps: what a batch waits for
+        draft_s = np.percentile([seconds for _, _, seconds in proposals.values()], [10, 50, 90]) * 1000
+        print(f"recorded draft proposals: {len(proposals)}, ms p10 / p50 / p90: "
+              + " / ".join(f"{ms:.0f}" for ms in draft_s))
     target_bytes = loaded.weight_bytes
     del loaded  # the worker loads its own copy: two 1.5B fp32 models and eight clients crowd 24 GiB
     _reference_model.cache_clear()  # (the alone runs' draft too: reloaded after, if needed)
