@@ -214,9 +214,9 @@ def draft_spec(args):
     return ModelSpec(args.draft, quantization=args.draft_quant) if args.draft else None
 
 
-# "batched-fixed": batches gathered by the fixed window only (`--batch-wait-ms 0`), not waiting for
-# sessions expected back from drafting; `--fast` for the last two
-WORKERS = ("batched", "batched-fixed", "unbatched", "fast-batched", "fast-unbatched")
+# "batched-wait": a batch also waits up to --batch-wait-ms for sessions expected back from drafting
+# (`specbench worker --batch-wait-ms`); `--fast` for the last two
+WORKERS = ("batched", "batched-wait", "unbatched", "fast-batched", "fast-unbatched")
 
 
 class Workers:
@@ -224,8 +224,9 @@ class Workers:
     (started afresh, and warmed up, at each switch), which leaves a target's memory to the clients' drafts."""
 
     def __init__(self, spec: ModelSpec, one_at_a_time: bool, batch_window_ms: Optional[float] = None,
-                 fast_backend: str = "compile"):
+                 fast_backend: str = "compile", batch_wait_ms: float = 0.0):
         self.spec, self.one_at_a_time, self.batch_window_ms = spec, one_at_a_time, batch_window_ms
+        self.batch_wait_ms = batch_wait_ms
         self.fast_backend = fast_backend
         self.live = {}  # kind -> (endpoint, process)
 
@@ -245,7 +246,7 @@ class Workers:
         fast = ["--fast", self.fast_backend] if kind.startswith("fast-") else []
         if kind.endswith("unbatched"):
             return fast + ["--no-batching"]
-        fast += ["--batch-wait-ms", "0"] if kind == "batched-fixed" else []
+        fast += ["--batch-wait-ms", str(self.batch_wait_ms)] if kind == "batched-wait" else []
         return fast + ([] if self.batch_window_ms is None else ["--batch-window-ms", str(self.batch_window_ms)])
 
     def stop(self) -> None:
@@ -334,8 +335,9 @@ def main():
                         help="the batching worker's wait for the other active sessions' steps (default: the worker's)")
     parser.add_argument("--workers", nargs="+", choices=WORKERS, default=["batched", "unbatched"],
                         help="the workers compared, back to back per row: eager batched / one at a time, and the "
-                             "same with the fast path (`specbench worker --fast`); batched-fixed: batches gathered "
-                             "by the fixed window only, not waiting for drafting clients expected back")
+                             "same with the fast path (`specbench worker --fast`); batched-wait: batches also wait "
+                             "up to --batch-wait-ms for drafting clients expected back")
+    parser.add_argument("--batch-wait-ms", type=float, default=300.0, help="the batched-wait worker's")
     parser.add_argument("--fast-backend", default="compile", help="the fast workers' backend")
     parser.add_argument("--draft-replay", action="store_true",
                         help="clients on other hosts, emulated: the --draft runs alone here first and each client "
@@ -381,7 +383,7 @@ def main():
     gc.collect()
     check_memory(target_bytes, 1 if args.one_worker else len(args.workers), max(args.clients), args)
     rows, mismatches, decoded = [], [], []
-    workers = Workers(loaded_spec, args.one_worker, args.batch_window_ms, args.fast_backend)
+    workers = Workers(loaded_spec, args.one_worker, args.batch_window_ms, args.fast_backend, args.batch_wait_ms)
     try:
         with multiprocessing.get_context("spawn").Pool(max(args.clients), initializer=load_client_draft,
                                                        initargs=(draft_spec(args), proposals)) as pool:

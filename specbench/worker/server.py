@@ -48,8 +48,8 @@ class WorkerConfig:
     limits: WorkerLimits = field(default_factory=WorkerLimits)
     batching: bool = True  # verifies of different sessions share one forward (`--no-batching`: one at a time)
     batch_window_ms: float = 20.0  # after the first waiting message, how long at least to wait for the others
-    # how long at most to wait for a session expected back (`_drain`); None: a lone verify's time, measured
-    batch_wait_ms: Optional[float] = None
+    # how long at most to wait for a session expected back from drafting (`_drain`); 0: the window only
+    batch_wait_ms: float = 0.0
     max_batch: int = 16  # messages taken in one round
     prefill_chunk: int = 256  # prompt tokens per slice of a prefill, between other sessions' batches
     fast: bool | str = False  # the target's fixed-shape steps (`--fast`; decode/fast_forward.py)
@@ -99,7 +99,6 @@ class Worker:
         self.config, self.log = config, log
         self.stats = Stats()
         self._round_s = 0.0  # how long the last round of requests took
-        self._lone_s = self._quickest_s = None  # a lone verify forward's seconds (smoothed); the quickest batch's
         self.ops = Ops(config, self.stats, log)
         if config.model is not None and not config.lazy:
             self.ops.ensure_loaded()
@@ -167,13 +166,14 @@ class Worker:
         hundreds of ms, each for its own time (a model draft): without waiting, the first one back would
         run alone while the rest queue behind it, and batches, once split, stay split. So a session is
         awaited until its expected return (its last reply + its measured turnaround, plus a margin),
-        but never longer than a lone forward takes (`batch_wait`): waiting longer costs more worker
-        time than running the late ones in a forward of their own. At least `--batch-window-ms`."""
+        up to `--batch-wait-ms`; at least `--batch-window-ms`. Off by default: waiting pays only while
+        it is shorter than a forward's fixed cost (what running the late ones on their own costs
+        extra); on a saturated CPU worker it idled the worker (README, concurrency)."""
         config, messages = self.config, []
         limit = config.max_batch if config.batching else 1
         started = time.perf_counter()
         window = config.batch_window_ms / 1000
-        wait = max(window, self._batch_wait_s())
+        wait = max(window, config.batch_wait_ms / 1000)
         # "recently used": within a few rounds (a round of a 1.5B model on a CPU takes seconds)
         awaited = self.ops.sessions.awaited(within_s=max(2.0, 3 * self._round_s),
                                             horizon=started + wait if wait > window else float("inf"),
@@ -189,13 +189,6 @@ class Worker:
             messages.append(inbox.take())
         self.stats.batch_wait_s += time.perf_counter() - started
         return messages
-
-    def _batch_wait_s(self) -> float:
-        """How long a batch may wait for a session expected back: `--batch-wait-ms`, else the time of a
-        lone verify forward as measured here (before one was seen: the quickest batch's)."""
-        if self.config.batch_wait_ms is not None:
-            return self.config.batch_wait_ms / 1000
-        return self._lone_s if self._lone_s is not None else (self._quickest_s or 0.0)
 
     def handle(self, frames: list[bytes], connection: bytes = b"", curve_key: str = "") -> list[bytes]:
         """One request in, one reply out (a long one run to its end); never raises."""
@@ -310,9 +303,7 @@ class Worker:
                 results = [self._alone(prepared[0])]
         except Exception as error:  # the forward itself failed: every row gets the error, no session changed
             results = [error] * len(batch)
-        seconds = time.perf_counter() - started
-        self.stats.add_busy("verify", seconds)
-        self._timed_forward(seconds, alone=len(batch) == 1 and not riding)
+        self.stats.add_busy("verify", time.perf_counter() - started)
         self.stats.prefill_tokens_batched += sum(job.prefill.fed for job, _ in riding) - fed_before
         for job, _ in riding:
             if not job.prefill.remaining:
@@ -324,11 +315,6 @@ class Worker:
                 request.session.replied_at = replied
             out.append((message, self._reply(message, result)))
         return out
-
-    def _timed_forward(self, seconds: float, alone: bool) -> None:
-        if alone:
-            self._lone_s = seconds if self._lone_s is None else 0.8 * self._lone_s + 0.2 * seconds
-        self._quickest_s = seconds if self._quickest_s is None else min(self._quickest_s, seconds)
 
     def _riding_prefills(self) -> list:
         """(job, tokens): chunks of waiting prefills to run inside the next verify batch, up to
