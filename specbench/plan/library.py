@@ -95,11 +95,11 @@ def save_concurrency(measured: pd.DataFrame, metadata: dict, folder: Path = REFE
 
 
 def load_concurrency(folder: Path = REFERENCES, **match) -> pd.DataFrame:
-    """Every measured row whose record matches (e.g. target=..., draft=...), with the record's device,
-    dtype, load and date; its series names the setting too, so runs under different loads stay apart."""
-    rows = [{**row, "series": f"{row['series']} ({m['dtype']}, {m['load']})", "device": m["device"],
-             "dtype": m["dtype"], "load": m["load"], "date": m["date"]}
+    """Every measured row whose record matches (e.g. target=..., draft=...), with the record's pair,
+    device, dtype, load and date; its series names the setting too, so runs under different loads stay apart."""
+    keys = ("target", "draft", "device", "dtype", "load", "date")
+    rows = [{**row, "series": f"{row['series']} ({m['dtype']}, {m['load']})", **{k: m[k] for k in keys}}
             for _, m, p in find_records(folder, "concurrency", **match) for row in p["rows"]]
     import pandas as pd
 
-    return pd.DataFrame(rows, columns=[*MEASURED_COLUMNS, "device", "dtype", "load", "date"])
+    return pd.DataFrame(rows, columns=[*MEASURED_COLUMNS, *keys])
