@@ -246,8 +246,8 @@ class Workers:
         fast = ["--fast", self.fast_backend] if kind.startswith("fast-") else []
         if kind.endswith("unbatched"):
             return fast + ["--no-batching"]
-        fast += ["--batch-wait-ms", str(self.batch_wait_ms)] if kind == "batched-wait" else []
-        return fast + ([] if self.batch_window_ms is None else ["--batch-window-ms", str(self.batch_window_ms)])
+        wait = ["--batch-wait-ms", str(self.batch_wait_ms)] if kind == "batched-wait" else []
+        return fast + wait + ([] if self.batch_window_ms is None else ["--batch-window-ms", str(self.batch_window_ms)])
 
     def stop(self) -> None:
         for _, process in self.live.values():

@@ -293,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--idle-timeout", type=float, default=900.0, help="seconds before an idle session expires")
     worker.add_argument("--no-batching", action="store_true",
                         help="one request at a time (default: verifies of different sessions share one forward)")
-    worker.add_argument("--batch-window-ms", type=float, default=20.0, help="least wait for others' steps (default 20)")
+    worker.add_argument("--batch-window-ms", type=float, default=20.0, help="least wait for others' steps (default %(default)s)")
     worker.add_argument("--batch-wait-ms", type=float, default=0.0, help="how long at most to wait for a session "
                         "expected back from drafting (its measured turnaround; default 0: only --batch-window-ms)")
     worker.add_argument("--max-batch", type=int, default=16, help="requests taken in one round (default %(default)s)")
