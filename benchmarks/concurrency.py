@@ -148,10 +148,10 @@ def measure(pool, endpoint: str, prompts, method: str, clients: int, args, stead
              "prompts": client_prompts(prompts, share, i, count),
              "max_new_tokens": args.max_new_tokens, "go": go, "deadline": deadline, "planner": planner}
             for i in range(clients)]
-    shapes_before, busy_before = worker_state(endpoint)
+    shapes_before, before = worker_state(endpoint)
     decoded = [d for client in pool.map(client_job, jobs, chunksize=1) for d in client]
-    shapes_after, busy_after = worker_state(endpoint)
-    busy = {op: seconds - busy_before.get(op, 0.0) for op, seconds in busy_after.items()}
+    shapes_after, after = worker_state(endpoint)
+    busy = {op: seconds - before["busy_s"].get(op, 0.0) for op, seconds in after["busy_s"].items()}
     run_s = max(d["ended"] for d in decoded) - go
     if deadline is None:
         window, inside = run_s, lambda d: np.ones(len(d["step_s"]), bool)
@@ -179,18 +179,22 @@ def measure(pool, endpoint: str, prompts, method: str, clients: int, args, stead
             # short outputs they cap what batching the steps can gain
             "worker_busy": sum(busy.values()) / run_s,
             "prefill_share": busy.get("prefill", 0.0) / max(sum(busy.values()), 1e-9),
+            # seconds gathering batches (waiting for the other clients), and a forward's fixed cost as the
+            # worker fitted it on its batches (what `--batch-wait-ms auto` waits at most)
+            "batch_wait_share": (after.get("batch_wait_s", 0.0) - before.get("batch_wait_s", 0.0)) / run_s,
+            "forward_fixed_ms": None if after.get("forward_fixed_s") is None else after["forward_fixed_s"] * 1000,
             "outputs": [(d["prompt"], d["output"]) for d in decoded]}
 
 
 def worker_state(endpoint: str) -> tuple[Optional[int], dict]:
-    """How many step shapes a fast worker has met so far (None: not a fast worker), and the seconds the
-    worker has computed so far, per op."""
+    """How many step shapes a fast worker has met so far (None: not a fast worker), and its `stats`
+    (seconds computed so far per op, seconds gathering batches, the fitted forward cost)."""
     from specbench.worker.client import RemoteTarget
 
     remote = RemoteTarget(endpoint)
-    fast, busy = remote.info.get("fast"), remote.stats()["busy_s"]
+    fast, stats = remote.info.get("fast"), remote.stats()
     remote.disconnect()
-    return None if fast is None else fast["shapes"], busy
+    return None if fast is None else fast["shapes"], stats
 
 
 def planner_for(method: str, args, where: str):
@@ -224,7 +228,7 @@ class Workers:
     (started afresh, and warmed up, at each switch), which leaves a target's memory to the clients' drafts."""
 
     def __init__(self, spec: ModelSpec, one_at_a_time: bool, batch_window_ms: Optional[float] = None,
-                 fast_backend: str = "compile", batch_wait_ms: float = 0.0):
+                 fast_backend: str = "compile", batch_wait_ms: str = "auto"):
         self.spec, self.one_at_a_time, self.batch_window_ms = spec, one_at_a_time, batch_window_ms
         self.batch_wait_ms = batch_wait_ms
         self.fast_backend = fast_backend
@@ -337,7 +341,8 @@ def main():
                         help="the workers compared, back to back per row: eager batched / one at a time, and the "
                              "same with the fast path (`specbench worker --fast`); batched-wait: batches also wait "
                              "up to --batch-wait-ms for drafting clients expected back")
-    parser.add_argument("--batch-wait-ms", type=float, default=300.0, help="the batched-wait worker's")
+    parser.add_argument("--batch-wait-ms", default="auto",
+                        help="the batched-wait worker's (ms, or auto: a forward's fixed cost as the worker fits it)")
     parser.add_argument("--fast-backend", default="compile", help="the fast workers' backend")
     parser.add_argument("--draft-replay", action="store_true",
                         help="clients on other hosts, emulated: the --draft runs alone here first and each client "

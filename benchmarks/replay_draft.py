@@ -8,7 +8,8 @@ is at, the tokens the draft proposed there, after sleeping the seconds it took: 
 same verify requests (greedy: the same contexts, step by step), and each client's step takes the
 draft's time without using a core here. A context never met alone (a batched near-tie that took a
 greedy output elsewhere: bf16) is counted as a miss and drafts one token, which verification
-judges like any other; the output stays the target's.
+judges like any other, after sleeping the recorded proposals' median time: a miss costs its client a
+draft's time, as on a real device, rather than making it instant; the output stays the target's.
 """
 from __future__ import annotations
 
@@ -45,11 +46,14 @@ class ReplayDrafter:
 
     def __init__(self, proposals: dict):
         self.proposals, self.misses = proposals, 0
+        seconds = sorted(found[2] for found in proposals.values())
+        self.miss_s = seconds[len(seconds) // 2] if seconds else 0.0  # a miss drafts for the median time
 
     def propose(self, context, k, sampling, draws, max_depth=None) -> DraftTree:
         found = self.proposals.get(context_key(context, k, max_depth))
         if found is None:
             self.misses += 1
+            time.sleep(self.miss_s)
             return DraftTree.chain((context[-1],), None)
         tokens, parents, seconds = found
         time.sleep(seconds)

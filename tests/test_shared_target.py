@@ -102,6 +102,8 @@ def test_a_replayed_draft_proposes_what_the_draft_did_as_slowly_as_it_did(tiny_t
     other = [token + 1 for token in PROMPT_SET[0]]  # no recorded context starts with it
     got = generate(target, replay, other, decoding)
     assert replay.misses == sum(r.drafted for r in got.records) > 0  # a miss drafts one token
+    median = sorted(seconds for _, _, seconds in proposals.values())[len(proposals) // 2]
+    assert replay.miss_s == median > 0 and all(r.draft_s >= median for r in got.records if r.drafted)  # as slowly
     assert got.output_ids == generate(target, None, other, Decoding(0, 20, kind="none")).output_ids
 
 

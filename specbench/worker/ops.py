@@ -150,11 +150,12 @@ class Ops:
 
     def stats_op(self, header, arrays, **_):
         s = self.stats
+        fixed, per_token = s.forward.fit() or (None, None)  # a forward's cost, fitted on recent batches
         return {"uptime_s": time.time() - s.started, "requests": s.requests, "errors": s.errors,
                 "bytes_in": s.bytes_in, "bytes_out": s.bytes_out, "sessions": len(self.sessions),
                 "expired": s.expired, "kv_bytes": self.kv_bytes(),
                 "prefill_tokens_batched": s.prefill_tokens_batched, "busy_s": dict(s.busy_s),
-                "batch_wait_s": s.batch_wait_s}, None
+                "batch_wait_s": s.batch_wait_s, "forward_fixed_s": fixed, "forward_token_s": per_token}, None
 
     def load(self, header, arrays, *, connection, curve_key):
         spec = protocol.spec_from_wire(get(header, "model", dict))

@@ -22,6 +22,7 @@ from specbench.decode.target import UnknownSessionError as TargetUnknownSessionE
 from specbench.types import SpecbenchError
 from specbench.worker import protocol
 from specbench.worker.inbox import Inbox, Message
+from specbench.worker.forward_cost import ForwardCost
 from specbench.worker.jobs import CancelledError, Job
 from specbench.worker.limits import WorkerLimits
 from specbench.worker.model_policy import LoadRefusedError
@@ -48,8 +49,9 @@ class WorkerConfig:
     limits: WorkerLimits = field(default_factory=WorkerLimits)
     batching: bool = True  # verifies of different sessions share one forward (`--no-batching`: one at a time)
     batch_window_ms: float = 20.0  # after the first waiting message, how long at least to wait for the others
-    # how long at most to wait for a session expected back from drafting (`_drain`); 0: the window only
-    batch_wait_ms: float = 0.0
+    # how long at most to wait for a session expected back from drafting (`_drain`); 0: the window only;
+    # "auto": a forward's fixed cost, fitted on the worker's own batches (worker/forward_cost.py)
+    batch_wait_ms: float | str = 0.0
     max_batch: int = 16  # messages taken in one round
     prefill_chunk: int = 256  # prompt tokens per slice of a prefill, between other sessions' batches
     fast: bool | str = False  # the target's fixed-shape steps (`--fast`; decode/fast_forward.py)
@@ -67,6 +69,7 @@ class Stats:
     expired: int = 0
     prefill_tokens_batched: int = 0  # prompt tokens fed inside verify batches rather than alone
     batch_wait_s: float = 0.0  # seconds spent gathering batches (waiting for sessions expected back)
+    forward: ForwardCost = field(default_factory=ForwardCost)  # seconds = fixed + per token, recent batches
     # seconds the worker spent computing, per op ("verify": batches and lone verifies, with the prefill
     # chunks riding in them; "prefill", "generate", "profile": job slices): with uptime, how busy it was
     # and what on (a shared target's speedup from batching is capped by the work that does not batch)
@@ -97,6 +100,12 @@ class Worker:
                 f"refusing to bind {config.bind} without CURVE keys: anyone who can reach it could use the "
                 f"model. Pass --curve-keys DIR (see `specbench keys`), or --insecure on a trusted network")
         self.config, self.log = config, log
+        self.wait_ms = config.batch_wait_ms
+        if self.wait_ms != "auto":
+            try:
+                self.wait_ms = float(self.wait_ms)
+            except (TypeError, ValueError):
+                raise SpecbenchError(f"--batch-wait-ms takes milliseconds or 'auto', not {self.wait_ms!r}") from None
         self.stats = Stats()
         self._round_s = 0.0  # how long the last round of requests took
         self.ops = Ops(config, self.stats, log)
@@ -168,12 +177,13 @@ class Worker:
         awaited until its expected return (its last reply + its measured turnaround, plus a margin),
         up to `--batch-wait-ms`; at least `--batch-window-ms`. Off by default: waiting pays only while
         it is shorter than a forward's fixed cost (what running the late ones on their own costs
-        extra); on a saturated CPU worker it idled the worker (README, concurrency)."""
+        extra); on a saturated CPU worker a longer wait idled the worker (README, concurrency).
+        `--batch-wait-ms auto` waits at most that fixed cost, fitted on the worker's batches."""
         config, messages = self.config, []
         limit = config.max_batch if config.batching else 1
         started = time.perf_counter()
         window = config.batch_window_ms / 1000
-        wait = max(window, config.batch_wait_ms / 1000)
+        wait = max(window, self.wait_cap_s())
         # "recently used": within a few rounds (a round of a 1.5B model on a CPU takes seconds)
         awaited = self.ops.sessions.awaited(within_s=max(2.0, 3 * self._round_s),
                                             horizon=started + wait if wait > window else float("inf"),
@@ -189,6 +199,11 @@ class Worker:
             messages.append(inbox.take())
         self.stats.batch_wait_s += time.perf_counter() - started
         return messages
+
+    def wait_cap_s(self) -> float:
+        """The longest a batch waits for a session expected back: `--batch-wait-ms`, or with `auto` the
+        fixed cost of a forward fitted on the recent batches (0 until there are enough to fit)."""
+        return self.stats.forward.fixed_s() if self.wait_ms == "auto" else self.wait_ms / 1000
 
     def handle(self, frames: list[bytes], connection: bytes = b"", curve_key: str = "") -> list[bytes]:
         """One request in, one reply out (a long one run to its end); never raises."""
@@ -304,6 +319,8 @@ class Worker:
         except Exception as error:  # the forward itself failed: every row gets the error, no session changed
             results = [error] * len(batch)
         self.stats.add_busy("verify", time.perf_counter() - started)
+        if not any(isinstance(result, Exception) for result in results):
+            self.stats.forward.add(self._tokens(prepared, riding), time.perf_counter() - started)
         self.stats.prefill_tokens_batched += sum(job.prefill.fed for job, _ in riding) - fed_before
         for job, _ in riding:
             if not job.prefill.remaining:
@@ -315,6 +332,13 @@ class Worker:
                 request.session.replied_at = replied
             out.append((message, self._reply(message, result)))
         return out
+
+    def _tokens(self, prepared: list, riding: list) -> int:
+        """Tokens a batch's forward computed: its rows' (each tree plus the last committed token) and
+        the prefill chunks riding in it; a padded target computes every row at the longest one's length."""
+        rows = [len(p.request.tree) + 1 for p in prepared]
+        packed = self.ops.target is not None and self.ops.target.packed
+        return (sum(rows) if packed or len(rows) == 1 else len(rows) * max(rows)) + sum(t for _, t in riding)
 
     def _riding_prefills(self) -> list:
         """(job, tokens): chunks of waiting prefills to run inside the next verify batch, up to

@@ -1,0 +1,47 @@
+"""The worker's fitted forward cost and the batch wait it caps (`--batch-wait-ms auto`)."""
+import random
+
+import pytest
+
+from specbench.types import SpecbenchError
+from specbench.worker.forward_cost import ForwardCost
+from specbench.worker.server import Worker, WorkerConfig
+
+
+def test_the_fit_recovers_fixed_and_per_token_cost():
+    cost, rng = ForwardCost(), random.Random(0)
+    for n in range(64):
+        assert n < 8 or cost.fit() is not None
+        assert n >= 8 or cost.fit() is None  # too few batches to trust
+        tokens = rng.randint(1, 40)
+        cost.add(tokens, 0.3 + 0.02 * tokens + rng.uniform(-0.005, 0.005))
+    fixed, per_token = cost.fit()
+    assert fixed == pytest.approx(0.3, abs=0.01) and per_token == pytest.approx(0.02, abs=0.001)
+    for _ in range(64):  # the window slides: a slower hardware's batches replace the old ones
+        tokens = rng.randint(1, 40)
+        cost.add(tokens, 0.1 + 0.05 * tokens)
+    assert cost.fit() == pytest.approx((0.1, 0.05))
+
+
+def test_no_fit_from_batches_of_one_size_and_the_fixed_part_is_clamped():
+    cost = ForwardCost()
+    for _ in range(20):
+        cost.add(5, 0.2)
+    assert cost.fit() is None and cost.fixed_s() == 0.0  # all one size: fixed and per token inseparable
+    steep = ForwardCost()
+    for tokens in range(1, 21):  # a line through a negative intercept: fixed clamped to 0
+        steep.add(tokens, 0.01 * tokens - 0.005 if tokens > 1 else 0.006)
+    assert steep.fit()[0] == 0.0
+    cost.add(0, 1.0)  # an empty or failed forward is no sample
+    assert len(cost.samples) == 20
+
+
+def test_auto_waits_at_most_the_fitted_fixed_cost():
+    worker = Worker(WorkerConfig(batch_wait_ms="auto"))
+    assert worker.wait_cap_s() == 0.0  # nothing fitted yet: the window only
+    for tokens in range(1, 33):
+        worker.stats.forward.add(tokens, 0.25 + 0.01 * tokens)
+    assert worker.wait_cap_s() == pytest.approx(0.25)
+    assert Worker(WorkerConfig(batch_wait_ms="300")).wait_cap_s() == pytest.approx(0.3)
+    with pytest.raises(SpecbenchError, match="--batch-wait-ms takes milliseconds or 'auto'"):
+        Worker(WorkerConfig(batch_wait_ms="soon"))
