@@ -218,8 +218,8 @@ def draft_spec(args):
     return ModelSpec(args.draft, quantization=args.draft_quant) if args.draft else None
 
 
-# "batched-wait": a batch also waits up to --batch-wait-ms for sessions expected back from drafting
-# (`specbench worker --batch-wait-ms`); `--fast` for the last two
+# "batched-wait": a batched worker given the benchmark's --batch-wait-ms (default 0: the fixed window only)
+# instead of the worker's default (auto: `specbench worker --batch-wait-ms`); `--fast` for the last two
 WORKERS = ("batched", "batched-wait", "unbatched", "fast-batched", "fast-unbatched")
 
 
@@ -228,7 +228,7 @@ class Workers:
     (started afresh, and warmed up, at each switch), which leaves a target's memory to the clients' drafts."""
 
     def __init__(self, spec: ModelSpec, one_at_a_time: bool, batch_window_ms: Optional[float] = None,
-                 fast_backend: str = "compile", batch_wait_ms: str = "auto"):
+                 fast_backend: str = "compile", batch_wait_ms: str = "0"):
         self.spec, self.one_at_a_time, self.batch_window_ms = spec, one_at_a_time, batch_window_ms
         self.batch_wait_ms = batch_wait_ms
         self.fast_backend = fast_backend
@@ -339,10 +339,10 @@ def main():
                         help="the batching worker's wait for the other active sessions' steps (default: the worker's)")
     parser.add_argument("--workers", nargs="+", choices=WORKERS, default=["batched", "unbatched"],
                         help="the workers compared, back to back per row: eager batched / one at a time, and the "
-                             "same with the fast path (`specbench worker --fast`); batched-wait: batches also wait "
-                             "up to --batch-wait-ms for drafting clients expected back")
-    parser.add_argument("--batch-wait-ms", default="auto",
-                        help="the batched-wait worker's (ms, or auto: a forward's fixed cost as the worker fits it)")
+                             "same with the fast path (`specbench worker --fast`); batched-wait: a batched worker "
+                             "waiting up to --batch-wait-ms for drafting clients expected back")
+    parser.add_argument("--batch-wait-ms", default="0", help="the batched-wait worker's (default 0: the fixed window "
+                        "only, against the default worker's auto: waits at most a forward's fitted fixed cost)")
     parser.add_argument("--fast-backend", default="compile", help="the fast workers' backend")
     parser.add_argument("--draft-replay", action="store_true",
                         help="clients on other hosts, emulated: the --draft runs alone here first and each client "

@@ -294,8 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--no-batching", action="store_true",
                         help="one request at a time (default: verifies of different sessions share one forward)")
     worker.add_argument("--batch-window-ms", type=float, default=20.0, help="least wait for others' steps (default %(default)s)")
-    worker.add_argument("--batch-wait-ms", default="0", help="how long at most to wait for a session expected back "
-                        "from drafting (ms, or auto: a forward's fitted fixed cost; default 0: only --batch-window-ms)")
+    worker.add_argument("--batch-wait-ms", default="auto", help="how long at most to wait for a session expected back "
+                        "from drafting (ms; default auto: a forward's fixed cost, fitted; 0: only --batch-window-ms)")
     worker.add_argument("--max-batch", type=int, default=16, help="requests taken in one round (default %(default)s)")
     worker.add_argument("--prefill-chunk", type=int, default=256,
                         help="prompt tokens fed per slice of a long prefill, other sessions' steps running between "

@@ -178,6 +178,8 @@ def test_foreign_client_cannot_touch_a_session(worker, draft, reference):
     chain = protocol.tree_to_arrays(DraftTree.chain([1, 2]))
     first, _ = attacker.request(verify, chain)
     assert not first["ok"] and first["code"] == "unknown-session", first
+    closed, _ = attacker.request({"op": "close", "session": session})  # closes nothing, and says so
+    assert closed["ok"] and closed["closed"] is False, closed
     # A prefill under that name opens the attacker's own session: it lives in the attacker's namespace.
     attacker.request({"op": "prefill", "session": session, "epoch": 99}, {"tokens": np.array([5, 6, 7], dtype=np.int32)})
     attacker.request(dict(verify, epoch=99, committed=3), chain)

@@ -361,7 +361,9 @@ class Ops:
             self.jobs.cancel(session.key, CancelledError(f"session {name!r} was closed while its prefill ran"))
         if session is not None and self.target is not None:
             self.target.close(session.key)
-        return {"session": name}, None
+        # idempotent (a resent close is fine), but says whether it closed anything: a name that is not the
+        # caller's session (never opened, expired, or another client's) closes nothing
+        return {"session": name, "closed": session is not None}, None
 
 
 FAST_ROWS = 8  # static pool rows (+ 1 where batches pad) a fast worker holds from the start: graphs are per pool size

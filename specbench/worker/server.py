@@ -51,7 +51,7 @@ class WorkerConfig:
     batch_window_ms: float = 20.0  # after the first waiting message, how long at least to wait for the others
     # how long at most to wait for a session expected back from drafting (`_drain`); 0: the window only;
     # "auto": a forward's fixed cost, fitted on the worker's own batches (worker/forward_cost.py)
-    batch_wait_ms: float | str = 0.0
+    batch_wait_ms: float | str = "auto"
     max_batch: int = 16  # messages taken in one round
     prefill_chunk: int = 256  # prompt tokens per slice of a prefill, between other sessions' batches
     fast: bool | str = False  # the target's fixed-shape steps (`--fast`; decode/fast_forward.py)
@@ -175,10 +175,10 @@ class Worker:
         hundreds of ms, each for its own time (a model draft): without waiting, the first one back would
         run alone while the rest queue behind it, and batches, once split, stay split. So a session is
         awaited until its expected return (its last reply + its measured turnaround, plus a margin),
-        up to `--batch-wait-ms`; at least `--batch-window-ms`. Off by default: waiting pays only while
-        it is shorter than a forward's fixed cost (what running the late ones on their own costs
-        extra); on a saturated CPU worker a longer wait idled the worker (README, concurrency).
-        `--batch-wait-ms auto` waits at most that fixed cost, fitted on the worker's batches."""
+        up to `--batch-wait-ms`; at least `--batch-window-ms`. Waiting pays only while it is shorter
+        than a forward's fixed cost (what running the late ones on their own costs extra): a longer
+        cap idled a saturated CPU worker (README, concurrency). So by default (`auto`) the cap is that
+        fixed cost, fitted on the worker's batches; 0 keeps the window only."""
         config, messages = self.config, []
         limit = config.max_batch if config.batching else 1
         started = time.perf_counter()
