@@ -45,3 +45,40 @@ def test_auto_waits_at_most_the_fitted_fixed_cost():
     assert Worker(WorkerConfig(batch_wait_ms="300")).wait_cap_s() == pytest.approx(0.3)
     with pytest.raises(SpecbenchError, match="--batch-wait-ms takes milliseconds or 'auto'"):
         Worker(WorkerConfig(batch_wait_ms="soon"))
+
+
+def test_a_worker_fits_its_own_batches():
+    """Every verify batch adds (its rows' tokens: each tree plus the last committed token, its seconds);
+    `stats` reports the fit once batches of different sizes have run."""
+    import numpy as np
+
+    from conftest import PROMPTS
+    from specbench.models.spec import ModelSpec
+    from specbench.types import DraftTree
+    from specbench.worker import protocol
+    from specbench.worker.inbox import Message
+
+    worker = Worker(WorkerConfig(model=ModelSpec("tiny-random:seed=0")), log=lambda line: None)
+
+    def message(header, arrays=None):
+        return Message(b"c", [], protocol.encode(dict({"client": "a-client-of-the-test"}, **header), arrays))
+
+    committed = {}
+    for name, prompt in (("a", PROMPTS[0]), ("b", PROMPTS[1]), ("c", PROMPTS[2])):
+        header = {"op": "prefill", "session": name, "epoch": 1}
+        assert protocol.decode(worker.handle(message(header, {"tokens": np.asarray(prompt, np.int32)}).frames))[0]["ok"]
+        committed[name] = len(prompt)
+    expected = []
+    for step in range(12):
+        names, width = ("a", "b", "c")[: 1 + step % 3], step % 4  # 1-3 rows, chains of 0-3 tokens
+        batch = [message({"op": "verify", "session": name, "epoch": 1, "committed": committed[name], "seed": 0,
+                          "sampling": {"temperature": 0.0}}, protocol.tree_to_arrays(DraftTree.chain([5] * width)))
+                 for name in names]
+        for name, (_, frames) in zip(names, worker.handle_many(batch)):
+            reply = protocol.decode(frames)[0]
+            assert reply["ok"], reply
+            committed[name] = reply["committed"]
+        expected.append(len(names) * (width + 1))
+    assert [tokens for tokens, _ in worker.stats.forward.samples] == expected
+    stats = worker.ops.stats_op({}, {})[0]
+    assert stats["forward_fixed_s"] >= 0 and stats["forward_token_s"] >= 0, stats

@@ -266,7 +266,6 @@ def test_a_batch_waits_for_clients_expected_back(tiny_target, wait_ms):
     if wait_ms:
         assert mean >= 3.5, (mean, out)
         assert stats["batch_wait_s"] > 0.1 * steps, stats  # ~the slowest client's think time per step
-        assert stats["forward_fixed_s"] >= 0 and stats["forward_token_s"] >= 0, stats  # batches of 1-4 rows: fitted
     else:
         assert mean <= 1.8, (mean, out)
     lone = LocalTarget(tiny_target)
