@@ -9,7 +9,7 @@ from specbench.methods import CROSS_TOKENIZER
 from specbench.types import FAST_BACKENDS, VERIFY_RULES, SamplingParams, SpecbenchError
 
 KERNELS_HELP = "oneDNN kernels for large linear layers (CPU, float32): faster at the few rows SD verifies"
-FAST_HELP = "static KV caches and compiled fixed-shape steps (CUDA graphs on a GPU); no batched verify on a worker"
+FAST_HELP = "static KV caches and compiled fixed-shape steps (CUDA graphs on a GPU); a fast worker batches too"
 
 
 def _models(args) -> int:
