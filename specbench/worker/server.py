@@ -318,9 +318,10 @@ class Worker:
                 results = [self._alone(prepared[0])]
         except Exception as error:  # the forward itself failed: every row gets the error, no session changed
             results = [error] * len(batch)
-        self.stats.add_busy("verify", time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        self.stats.add_busy("verify", seconds)
         if not any(isinstance(result, Exception) for result in results):
-            self.stats.forward.add(self._tokens(prepared, riding), time.perf_counter() - started)
+            self.stats.forward.add(self._tokens(prepared, riding), seconds)
         self.stats.prefill_tokens_batched += sum(job.prefill.fed for job, _ in riding) - fed_before
         for job, _ in riding:
             if not job.prefill.remaining:
