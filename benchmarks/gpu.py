@@ -73,9 +73,9 @@ def bandwidth(device: str, megabytes: int) -> float:
     return 2 * source.numel() / best
 
 
-def floor_s(model, tokens: int, context: int, bytes_per_s: float) -> float:
-    """The least time a forward can take: every weight and the context's keys and values read once."""
-    return (weight_bytes(model) + kv_bytes_per_token(model) * (context + tokens)) / bytes_per_s
+def floor_s(model, tokens: int, context: int, bytes_per_s: float, batch: int = 1) -> float:
+    """The least time a forward can take: every weight and each row's context keys and values read once."""
+    return (weight_bytes(model) + batch * kv_bytes_per_token(model) * (context + tokens)) / bytes_per_s
 
 
 class Stepper:
@@ -181,6 +181,10 @@ def main() -> None:
                         help="the fast path's backend (default: cudagraph on CUDA, compile on a CPU)")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64])
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 2048])
+    parser.add_argument("--batches", type=int, nargs="+", default=[2, 4, 8],
+                        help="rows of a batched verify (a worker shared by that many clients), beside one row")
+    parser.add_argument("--batch-tokens", type=int, nargs="+", default=[1, 2, 4, 5, 8])
+    parser.add_argument("--batch-contexts", type=int, nargs="+", default=[512])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--k", type=int, default=4, help="chain length of the SD replay")
     parser.add_argument("--steps", type=int, default=40, help="SD steps replayed per pair")
@@ -194,16 +198,15 @@ def main() -> None:
     fast = args.backend or ("cudagraph" if args.device.startswith("cuda") else "compile")
     bytes_per_s = bandwidth(args.device, args.bandwidth_mib)
     print(f"{device_name(args.device)}: copy bandwidth {bytes_per_s / 1e9:.0f} GB/s; fast backend {fast}", flush=True)
-    capacity = max(args.contexts) + max(args.tokens) + 64
+    capacity = max(args.contexts + args.batch_contexts) + max(args.tokens + args.batch_tokens) + 64
     models, forward_rows, profiles = {}, [], []
     for arch in args.archs:
         model = models[arch] = build(arch, dtype, args.device)
-        grids = {variant: forward_latency_grid(model, args.tokens, args.contexts, args.repeats,
-                                               fast=None if variant == "eager" else fast)
-                 for variant in ("eager", "fast")}
+        grids = {variant: grid(model, args, None if variant == "eager" else fast) for variant in ("eager", "fast")}
         for eager, quick in zip(grids["eager"], grids["fast"]):
-            floor = floor_s(model, eager["tokens"], eager["context"], bytes_per_s)
-            forward_rows.append({"arch": arch, "tokens": eager["tokens"], "context": eager["context"],
+            floor = floor_s(model, eager["tokens"], eager["context"], bytes_per_s, eager["batch"])
+            forward_rows.append({"arch": arch, "batch": eager["batch"], "tokens": eager["tokens"],
+                                 "context": eager["context"],
                                  "eager_ms": 1000 * eager["median_s"], "fast_ms": 1000 * quick["median_s"],
                                  "eager_over_fast": eager["median_s"] / quick["median_s"],
                                  "floor_ms": 1000 * floor, "fast_over_floor": quick["median_s"] / floor})
@@ -233,6 +236,16 @@ def main() -> None:
         save(profiles, models, args, fast)
 
 
+def grid(model, args, fast) -> list[dict]:
+    """One row's tokens x contexts grid, then the batched rows' smaller one (what a shared worker pays)."""
+    rows = forward_latency_grid(model, args.tokens, args.contexts, args.repeats, fast=fast)
+    batches = [b for b in args.batches if b > 1]
+    if batches:
+        rows += forward_latency_grid(model, args.batch_tokens, args.batch_contexts, args.repeats, batches=batches,
+                                     fast=fast)
+    return rows
+
+
 def save(profiles, models, args, fast: str) -> None:
     """Each architecture's eager and fast grid as a LatencyProfile, under the catalog name it stands for."""
     from specbench.plan.library import save_profile
@@ -244,7 +257,7 @@ def save(profiles, models, args, fast: str) -> None:
             model=PROFILE_LABELS.get(arch, arch), device=device_name(args.device), dtype=args.dtype,
             weight_bytes=weight_bytes(model), kv_bytes_per_token=kv_bytes_per_token(model),
             forward="eager" if variant == "eager" else f"fast-{fast}",
-            rows=tuple((r["tokens"], r["context"], r["median_s"], 1) for r in rows))
+            rows=tuple((r["tokens"], r["context"], r["median_s"], r["batch"]) for r in rows))
         path = save_profile(profile, {"weights": f"random {arch} architecture (latency depends on shapes)",
                                       "repeats": args.repeats})
         print(f"profile -> {path}")

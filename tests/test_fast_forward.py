@@ -180,11 +180,12 @@ def test_the_gpu_benchmark_script_runs_on_a_cpu(tmp_path):
     out = tmp_path / "gpu.json"
     subprocess.run([sys.executable, "gpu.py", "--device", "cpu", "--archs", "tiny", "tiny-draft", "--dtype", "float32",
                     "--backend", "static", "--tokens", "1", "4", "--contexts", "40", "--repeats", "2", "--steps", "6",
-                    "--bandwidth-mib", "8", "--out", str(out)], cwd=root / "benchmarks", check=True,
+                    "--bandwidth-mib", "8", "--batches", "2", "--batch-tokens", "2", "--batch-contexts", "40",
+                    "--out", str(out)], cwd=root / "benchmarks", check=True,
                    capture_output=True, timeout=300)
     report = json.loads(out.read_text())
-    assert {(r["arch"], r["tokens"]) for r in report["forwards"]} == {(a, n) for a in ("tiny", "tiny-draft")
-                                                                      for n in (1, 4)}
+    assert {(r["arch"], r["batch"], r["tokens"]) for r in report["forwards"]} == {
+        (a, b, n) for a in ("tiny", "tiny-draft") for b, n in ((1, 1), (1, 4), (2, 2))}
     assert all(r["fast_ms"] > 0 and r["floor_ms"] > 0 for r in report["forwards"])
     assert [r["forward"] for r in report["pairs"]] == ["eager", "fast"]
     assert all(r["sd_ms_per_token"] > 0 and r["mean_accepted"] >= 0 for r in report["pairs"])

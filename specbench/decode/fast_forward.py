@@ -71,6 +71,7 @@ class FastForward:
         self.pool = StaticPool(model.config, capacity, self.dtype, device)  # every session's static cache
         self._graphs: dict[tuple, tuple] = {}  # cudagraph: (cache id or batch shape, ...) -> (graph, buffers, out)
         self._graph_generation = 0  # the pool's generation the graphs were captured at
+        self._graph_memory = None  # one memory pool all of this model's graphs share (they never run at once)
         self._scratch: Optional[int] = None  # the pool slot padding rows of a batch write to
         self.stats = {"bucketed": 0, "eager": 0, "batched": 0}
         self.shapes: set[tuple[int, int]] = set()  # (bucket, width) run: a graph each
@@ -217,7 +218,9 @@ class FastForward:
                 self._step(cache, *buffers[:3])
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            if self._graph_memory is None:
+                self._graph_memory = torch.cuda.graph_pool_handle()
+            with torch.cuda.graph(graph, pool=self._graph_memory):
                 out = self._step(cache, *buffers[:3])
             self._graphs[key] = (graph, buffers, out)
         graph, buffers, out = self._graphs[key]
@@ -225,7 +228,7 @@ class FastForward:
             buffer.copy_(value, non_blocking=True)
         bind(buffers)
         graph.replay()
-        return out
+        return out.clone()
 
     def _positions(self, position_ids, n: int, bucket: int, past: int) -> torch.Tensor:
         """[1, bucket] positions (on the host): the given (or sequential) ones, then the padding's, counting on."""

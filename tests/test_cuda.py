@@ -1,0 +1,128 @@
+"""The GPU path on a CUDA device: captured and compiled steps give eager's tokens, batched verifies give lone
+verifies' verdicts, sampled SD follows the target, and a worker serves on CUDA. Skipped without CUDA (CI has
+none); run on a lent GPU with `python -m pytest tests/test_cuda.py`."""
+import copy
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from specbench.api import outputs, run
+from specbench.decode.drafters import ModelDrafter
+from specbench.decode.loop import Decoding, generate
+from specbench.decode.target import LocalTarget
+from specbench.decode.tree_drafters import TreeDrafter
+from specbench.models.tiny import tiny_model
+from specbench.types import SamplingParams
+
+from conftest import PROMPTS, assert_batches_match_lone_verifies
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+GREEDY_METHODS = ["target-only", "chain", "tree", "prompt-lookup", "self-draft"]
+
+
+def on_cuda(loaded):
+    moved = copy.deepcopy(loaded)
+    moved.model.to("cuda")
+    moved.spec = dataclasses.replace(moved.spec, device="cuda")
+    return moved
+
+
+@pytest.fixture(scope="module")
+def cuda_target(tiny_target):
+    return on_cuda(tiny_target)
+
+
+@pytest.fixture(scope="module")
+def cuda_draft(tiny_draft):
+    return on_cuda(tiny_draft)
+
+
+@pytest.mark.parametrize("backend", ["cudagraph", "compile", "static"])
+def test_fast_steps_on_cuda_equal_eager_greedy(cuda_target, cuda_draft, tiny_target, backend):
+    """fp32 greedy through each backend on the GPU: token for token the CPU's eager target-only."""
+    prompts = PROMPTS[:3]
+    reference = outputs(run(LocalTarget(tiny_target, kv_pool=False), prompts, method="target-only",
+                            max_new_tokens=32, progress=False))
+    target = LocalTarget(cuda_target, fast=backend)
+    frame = run(target, prompts, method=GREEDY_METHODS, draft=cuda_draft, k=4, max_new_tokens=32, progress=False,
+                fast=backend)
+    got = outputs(frame)
+    for method in GREEDY_METHODS:
+        for index in range(len(prompts)):
+            assert got[(method, index)] == reference[("target-only", index)], (backend, method, index)
+    assert target.fast.backend == backend and target.fast.stats["bucketed"] > 0
+    assert (frame["target_forward_s"] > 0).all()
+
+
+@pytest.mark.parametrize("backend", ["cudagraph", "compile"])
+def test_batched_verifies_on_cuda_equal_lone_ones(cuda_target, cuda_draft, backend):
+    batched, alone = LocalTarget(cuda_target, fast=backend), LocalTarget(cuda_target, kv_pool=False)
+    tree = TreeDrafter(cuda_draft, cuda_target.vocab_size, beam=2, branch=2, max_depth=3)
+    drafters = [ModelDrafter(cuda_draft, 96), None, tree]
+    assert_batches_match_lone_verifies(batched, alone, PROMPTS[:3], drafters, steps=6)
+    assert batched.fast.stats["batched"] == 6
+    for name in ("s0", "s1", "s2"):
+        batched.close(name), alone.close(name)
+    assert_batches_match_lone_verifies(batched, alone, PROMPTS[1:], [None, ModelDrafter(cuda_draft, 96), tree],
+                                       steps=3)
+
+
+@pytest.mark.parametrize("rule", ["rejection", "sample-match"])
+def test_sampled_runs_on_cuda_equal_eager_with_the_same_seed(cuda_target, cuda_draft, rule):
+    sampling = SamplingParams(temperature=1.0, rule=rule)
+    eager = outputs(run(LocalTarget(cuda_target, kv_pool=False), PROMPTS[:2], method="chain", draft=cuda_draft,
+                        k=4, max_new_tokens=30, sampling=sampling, progress=False, seed=3))
+    fast = outputs(run(LocalTarget(cuda_target, fast="cudagraph"), PROMPTS[:2], method="chain", draft=cuda_draft,
+                       k=4, max_new_tokens=30, sampling=sampling, progress=False, seed=3, fast="cudagraph"))
+    assert fast == eager
+
+
+def test_sampled_sd_on_cuda_follows_the_target():
+    """Verification on the device (captured target, chain rejection): the first two tokens' marginals."""
+    from test_distributions import P_VALUE_FLOOR, chi_square_p, target_marginals
+
+    vocab = 16
+    target = tiny_model(seed=3, vocab_size=vocab)
+    draft = tiny_model(seed=4, vocab_size=vocab, noise_from=target, noise_scale=0.01)
+    sampling = SamplingParams(temperature=1.5, rule="rejection", draft_top_k=8)
+    local = LocalTarget(on_cuda(target), fast="cudagraph")
+    drafter = ModelDrafter(on_cuda(draft), 64)
+    prompt = [1, 2, 14, 1, 2, 15, 1, 2, 5, 1, 2]
+    first, second = np.zeros(vocab), np.zeros(vocab)
+    accepted = 0
+    for draw in range(1000):
+        result = generate(local, drafter, prompt, Decoding(3, 2, sampling), seed=5_000 + draw)
+        accepted += sum(r.accepted for r in result.records)
+        first[result.output_ids[0]] += 1
+        second[result.output_ids[1]] += 1
+    first_p, second_p = target_marginals(target, prompt, sampling, vocab)
+    assert accepted > 100
+    assert chi_square_p(first, first_p) > P_VALUE_FLOOR and chi_square_p(second, second_p) > P_VALUE_FLOOR
+
+
+@pytest.mark.parametrize("fast", [False, "cudagraph"])
+def test_a_worker_serves_on_cuda(tiny_target, fast):
+    """`specbench worker --device cuda [--fast]`: remote greedy equals local CPU greedy; profile and stats."""
+    from specbench.models.spec import ModelSpec
+    from specbench.worker.client import RemoteTarget
+
+    from worker_helpers import DRAFT, TARGET, ThreadWorker
+
+    worker = ThreadWorker(model=ModelSpec(TARGET, device="cuda"), draft=ModelSpec(DRAFT, device="cuda"),
+                          device="cuda", fast=fast)
+    try:
+        remote = RemoteTarget(worker.endpoint)
+        draft = tiny_model(1, noise_from=tiny_model(0), noise_scale=0.005)
+        methods = ["target-only", "chain", "prompt-lookup", "server-only"]
+        got = outputs(run(remote, PROMPTS, method=methods, draft=draft, max_new_tokens=24, progress=False))
+        reference = outputs(run(tiny_target, PROMPTS, method="target-only", max_new_tokens=24, progress=False))
+        for method in methods:
+            for index in range(len(PROMPTS)):
+                assert got[(method, index)] == reference[("target-only", index)], (method, index)
+        profile = remote.profile(tokens=[1, 4], contexts=[16], repeats=2, batches=[1, 2])
+        assert len(profile["rows"]) == 4 and all(row["median_s"] > 0 for row in profile["rows"])
+        assert remote.info["device"].startswith("cuda") and remote.stats()["errors"] == 0
+    finally:
+        worker.stop()
