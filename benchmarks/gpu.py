@@ -177,7 +177,7 @@ def main() -> None:
     parser.add_argument("--archs", nargs="+", default=["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b"],
                         choices=list(ARCHS))
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    parser.add_argument("--backend", default=None, choices=["compile", "cudagraph", "static"],
+    parser.add_argument("--backend", default=None, choices=["compile", "cudagraph", "compiled-graph", "static"],
                         help="the fast path's backend (default: cudagraph on CUDA, compile on a CPU)")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64])
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 2048])

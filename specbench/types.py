@@ -11,7 +11,7 @@ from numbers import Integral, Real
 from typing import Optional, Sequence
 
 VERIFY_RULES = ("greedy", "rejection", "sample-match")
-FAST_BACKENDS = ("compile", "cudagraph", "static")  # `fast=` (decode/fast_forward.py); True: the device's
+FAST_BACKENDS = ("compile", "cudagraph", "compiled-graph", "static")  # `fast=` (decode/fast_forward.py); True: the device's
 CROSS_TOKENIZER_RULES = ("auto", "text", "shared-vocab")  # how a draft with another tokenizer reaches target ids
 
 

@@ -14,11 +14,14 @@ from specbench.decode.loop import Decoding, generate
 from specbench.decode.target import LocalTarget
 from specbench.decode.tree_drafters import TreeDrafter
 from specbench.models.tiny import tiny_model
-from specbench.types import SamplingParams
+from specbench.types import DraftTree, SamplingParams
 
 from conftest import PROMPTS, assert_batches_match_lone_verifies
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+# quantized logits apart at most this share of their range are a tie that rounding may break either way (8-bit
+# matmuls pick outlier columns per batch, so a row's result depends on its batch's shape)
+NEAR_TIE = 0.02
 GREEDY_METHODS = ["target-only", "chain", "tree", "prompt-lookup", "self-draft"]
 
 
@@ -39,7 +42,7 @@ def cuda_draft(tiny_draft):
     return on_cuda(tiny_draft)
 
 
-@pytest.mark.parametrize("backend", ["cudagraph", "compile", "static"])
+@pytest.mark.parametrize("backend", ["cudagraph", "compiled-graph", "compile", "static"])
 def test_fast_steps_on_cuda_equal_eager_greedy(cuda_target, cuda_draft, tiny_target, backend):
     """fp32 greedy through each backend on the GPU: token for token the CPU's eager target-only."""
     prompts = PROMPTS[:3]
@@ -67,6 +70,20 @@ def test_batched_verifies_on_cuda_equal_lone_ones(cuda_target, cuda_draft, backe
         batched.close(name), alone.close(name)
     assert_batches_match_lone_verifies(batched, alone, PROMPTS[1:], [None, ModelDrafter(cuda_draft, 96), tree],
                                        steps=3)
+
+
+def test_graphs_are_captured_again_after_every_one_was_dropped(cuda_target):
+    """Closing the only session drops its graphs (their memory pool with them), and pool growth drops all:
+    later captures start a pool of their own rather than naming the freed one."""
+    target = LocalTarget(cuda_target, fast="cudagraph")
+    for round_ in range(3):
+        names = [f"r{round_}s{i}" for i in range(round_ + 1)]  # 1, 2, 3 sessions: the pool grows
+        for name in names:
+            target.prefill(name, PROMPTS[0])
+            target.verify(name, DraftTree.chain([5, 6]), SamplingParams(), 0)
+        for name in names:
+            target.close(name)
+        assert not target.fast._graphs
 
 
 @pytest.mark.parametrize("rule", ["rejection", "sample-match"])
@@ -126,3 +143,40 @@ def test_a_worker_serves_on_cuda(tiny_target, fast):
         assert remote.info["device"].startswith("cuda") and remote.stats()["errors"] == 0
     finally:
         worker.stop()
+
+
+@pytest.mark.parametrize("quantization", ["8bit", "4bit"])
+def test_bitsandbytes_targets_load_and_decode_on_cuda(tmp_path, quantization):
+    """A model directory (random Qwen2 weights, a tokenizer built here) loaded 8-/4-bit on the GPU: fewer
+    weight bytes than fp32, and SD over the quantized target gives its own greedy tokens."""
+    pytest.importorskip("bitsandbytes")
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from specbench.models.loading import load_model
+    from specbench.models.spec import ModelSpec
+
+    from tokenizers_for_tests import byte_level_bpe
+
+    tokenizer = byte_level_bpe()
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2,
+                         tie_word_embeddings=False)
+    Qwen2ForCausalLM(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    full = load_model(ModelSpec(str(tmp_path), dtype="float32", device="cuda"))
+    quantized = load_model(ModelSpec(str(tmp_path), dtype="float32", device="cuda", quantization=quantization))
+    assert quantized.weight_bytes < 0.5 * full.weight_bytes
+    prompts = [list(range(3, 40)), [5, 6, 7, 5, 6, 7, 5, 6]]
+    frame = run(quantized, prompts, method=["target-only", "chain", "prompt-lookup"], draft=full, k=4,
+                max_new_tokens=24, progress=False)
+    got = outputs(frame)
+    for method in ("chain", "prompt-lookup"):
+        for index, prompt in enumerate(prompts):
+            alone, sd = got[("target-only", index)], got[(method, index)]
+            if sd != alone:  # quantized kernels round differently per shape: only a near-tie may flip
+                at = next(i for i, (a, b) in enumerate(zip(alone, sd)) if a != b)
+                with torch.no_grad():
+                    logits = quantized.model(torch.tensor([prompt + alone[:at]], device="cuda")).logits[0, -1]
+                gap = float(logits[alone[at]] - logits[sd[at]]) / float(logits.max() - logits.min())
+                assert abs(gap) <= NEAR_TIE, (quantization, method, index, at, gap)

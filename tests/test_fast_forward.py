@@ -141,8 +141,9 @@ def test_static_cache_bookkeeping_and_refusals(tiny_target):
     with pytest.raises(SpecbenchError, match="exceeds the target's context"):
         target.verify("s", DraftTree.chain([1] * WIDTH_STEP), SamplingParams(), 0)
     assert cache.length == len(target.committed("s")) - 1  # the refused step left the session as it was
-    with pytest.raises(SpecbenchError, match="cudagraph backend needs a CUDA model"):
-        FastForward(tiny_target.model, WIDTH_STEP, "cudagraph")
+    for captured in ("cudagraph", "compiled-graph"):
+        with pytest.raises(SpecbenchError, match=f"{captured} backend needs a CUDA model"):
+            FastForward(tiny_target.model, WIDTH_STEP, captured)
     with pytest.raises(SpecbenchError, match="fast backend must be one of"):
         FastForward(tiny_target.model, WIDTH_STEP, "turbo")
 

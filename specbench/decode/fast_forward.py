@@ -18,8 +18,9 @@ attended width by slot index, at a shape of rows x bucket x width (rows dynamic 
 to a power of two when captured).
 
 Backends: "compile" (`torch.compile`, CPU or GPU), "cudagraph" (one `torch.cuda.CUDAGraph` per cache x
-bucket x width, and per batch shape: graphs replay at the pool's fixed addresses), "static" (the same fixed shapes run
-eagerly: what the other two must reproduce, and a fallback where compiling is not possible).
+bucket x width, and per batch shape: graphs replay at the pool's fixed addresses), "compiled-graph" (CUDA: the
+compiled step, its kernels fused, captured as "cudagraph" captures the plain one; a compile per shape), "static"
+(the same fixed shapes run eagerly: what the others must reproduce, and a fallback where compiling is not possible).
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from specbench.types import FAST_BACKENDS, SpecbenchError
 # Step sizes with their own graph (made on first use); longer inputs run eagerly. Every size up to 8,
 # since a CPU pays for padded tokens (a K=4 verify is 5 tokens); a GPU barely does.
 BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32)
+CAPTURED = ("cudagraph", "compiled-graph")  # backends that replay CUDA graphs
 
 
 def check_fast_model(model) -> None:
@@ -58,11 +60,11 @@ class FastForward:
             backend = "cudagraph" if device.type == "cuda" else "compile"
         if backend not in FAST_BACKENDS:
             raise SpecbenchError(f"fast backend must be one of {FAST_BACKENDS}, got {backend!r}")
-        if backend == "cudagraph" and device.type != "cuda":
-            raise SpecbenchError(f"the cudagraph backend needs a CUDA model; this one is on {device}")
+        if backend in CAPTURED and device.type != "cuda":
+            raise SpecbenchError(f"the {backend} backend needs a CUDA model; this one is on {device}")
         self.backend = backend
         self._compiled = None
-        if backend == "compile":
+        if backend in ("compile", "compiled-graph"):
             import torch._dynamo
 
             # one graph per model x bucket x width: more than dynamo's default of 8 per function
@@ -71,7 +73,6 @@ class FastForward:
         self.pool = StaticPool(model.config, capacity, self.dtype, device)  # every session's static cache
         self._graphs: dict[tuple, tuple] = {}  # cudagraph: (cache id or batch shape, ...) -> (graph, buffers, out)
         self._graph_generation = 0  # the pool's generation the graphs were captured at
-        self._graph_memory = None  # one memory pool all of this model's graphs share (they never run at once)
         self._scratch: Optional[int] = None  # the pool slot padding rows of a batch write to
         self.stats = {"bucketed": 0, "eager": 0, "batched": 0}
         self.shapes: set[tuple[int, int]] = set()  # (bucket, width) run: a graph each
@@ -134,7 +135,7 @@ class FastForward:
         positions = self._positions(position_ids, n, bucket, past)
         mask = self._mask(attention_mask, n, bucket, past, width)
         write_index = torch.arange(past, past + bucket)
-        if self.backend == "cudagraph":
+        if self.backend in CAPTURED:
             def bind(buffers):
                 cache.prepare(buffers[3], past + bucket)
                 return cache
@@ -162,7 +163,7 @@ class FastForward:
         self.stats["batched"] += 1
         # captured graphs are per batch size: a few powers of two (static runs their shapes); a compiled
         # graph takes any (dynamic)
-        size = len(caches) if self._compiled else 1 << (len(caches) - 1).bit_length()
+        size = len(caches) if self.backend == "compile" else 1 << (len(caches) - 1).bit_length()
         if size > len(caches) and self._scratch is None:  # the padding rows' one slot, held from now on
             self._scratch = self.pool.acquire()
         width = width_for(max(pasts) + bucket, self.pool.capacity)
@@ -180,13 +181,13 @@ class FastForward:
             write_index[r] += past
         slot_index = torch.tensor([cache.slot for cache in caches] + [self._scratch] * (size - len(caches)))
         values = (input_ids, rotary, mask, slot_index, write_index)
-        if self.backend == "cudagraph":
+        if self.backend in CAPTURED:
             def bind(buffers):
                 return PoolBatch(self.pool, buffers[3], buffers[4], width)
             logits = self._replay(("batch", size, bucket, width), values, bind)
         else:
             values = [value.to(self.device) for value in values]
-            if self._compiled:  # one graph for every batch size: the rows dimension is symbolic
+            if self.backend == "compile":  # one graph for every batch size: the rows dimension is symbolic
                 for value in values:
                     torch._dynamo.mark_dynamic(value, 0)
             input_ids, rotary, mask, slot_index, write_index = values
@@ -212,16 +213,17 @@ class FastForward:
         if key not in self._graphs:
             buffers = tuple(value.to(self.device).clone() for value in values)
             cache = bind(buffers)
+            step = self._compiled or self._step  # compiled-graph: fused kernels, then captured
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm up off the capture (allocator, lazy inits)
-                self._step(cache, *buffers[:3])
+            with torch.cuda.stream(side):  # warm up off the capture (allocator, lazy inits; compiles)
+                step(cache, *buffers[:3])
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            if self._graph_memory is None:
-                self._graph_memory = torch.cuda.graph_pool_handle()
-            with torch.cuda.graph(graph, pool=self._graph_memory):
-                out = self._step(cache, *buffers[:3])
+            # a live graph's pool: a handle whose graphs were all dropped names a freed pool
+            shared = next(iter(self._graphs.values()))[0].pool() if self._graphs else None
+            with torch.cuda.graph(graph, pool=shared):
+                out = step(cache, *buffers[:3])
             self._graphs[key] = (graph, buffers, out)
         graph, buffers, out = self._graphs[key]
         for buffer, value in zip(buffers, values):
