@@ -76,7 +76,7 @@ def runs(pair: str, backend: str, prompts: list[str], max_new_tokens: int, repea
     print(f"  {pair}: first fast pass (compiling) {compile_s:.0f} s", flush=True)
     frames = {"eager": [], "fast": []}
     for _ in range(repeats):
-        frames["eager"].append(run(LocalTarget(loaded), prompts, method=methods, **kwargs))
+        frames["eager"].append(run(LocalTarget(loaded, fast=False), prompts, method=methods, fast=False, **kwargs))
         frames["fast"].append(run(fast_target, prompts, method=methods, fast=backend, **kwargs))
     rows = []
     for name in methods:

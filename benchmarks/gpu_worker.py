@@ -27,7 +27,7 @@ from specbench.worker.launch import free_port, spawn_worker
 from common import RESULTS, write_report
 from gpu import ARCHS, build
 
-WORKERS = {"eager": [], "eager-unbatched": ["--no-batching"], "fast": ["--fast", "auto"],
+WORKERS = {"eager": ["--fast", "off"], "eager-unbatched": ["--fast", "off", "--no-batching"], "fast": ["--fast", "auto"],
            "fast-unbatched": ["--fast", "auto", "--no-batching"], "fast-static": ["--fast", "static"]}
 
 

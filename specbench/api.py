@@ -22,7 +22,7 @@ __all__ = ["run", "outputs", "encode_prompts", "as_target", "TreeShape", "ModelL
 
 
 def as_target(target: Union[ModelLike, Target], dtype: str = "float32",
-              fast: bool | str = False) -> tuple[Target, Optional[LoadedModel]]:
+              fast: bool | str | None = None) -> tuple[Target, Optional[LoadedModel]]:
     """Any target the user may pass, as a Target plus its weights when they live in this process
     (`fast` applies to one built here; a LocalTarget passed in keeps its own)."""
     if isinstance(target, (str, ModelSpec, LoadedModel)):
@@ -64,7 +64,7 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
         self_draft_layers: Optional[int] = None, substitute_quantization: str = "8bit",
         dtype: str = "float32", chat: bool = True, warmup: bool = True, progress: bool = True,
         tokenizer=None, tree: TreeShape = TreeShape(), proactive: bool = False, planner=None,
-        cross_tokenizer: str = "auto", fast: bool | str = False) -> pd.DataFrame:
+        cross_tokenizer: str = "auto", fast: bool | str | None = None) -> pd.DataFrame:
     """Run each method over each prompt and return one row per speculative step.
 
     `target` is a catalog name, Hugging Face id, path, ModelSpec, LoadedModel, LocalTarget or
@@ -77,8 +77,9 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
     those runs are labelled "<method>+planner" and have `planned` set. A draft whose tokenizer is not
     the target's is translated through text (`cross_tokenizer`: auto, text, shared-vocab; 'off'
     refuses it); its rows say which rule ran (`cross_tokenizer`) and how many draft tokens it took.
-    `fast` (True, or a backend: compile, cudagraph, static) runs the target and a chain draft model in
-    fixed-shape steps over static caches (`decode/fast_forward.py`): the same tokens, less overhead.
+    `fast` (True, or a backend: compile, cudagraph, compiled-graph, static) runs the target and a chain draft
+    model in fixed-shape steps over static caches (`decode/fast_forward.py`): the same tokens, less overhead;
+    the default (None) does so for unquantized CUDA models only, False or "off" never.
     """
     sampling = sampling or SamplingParams()
     methods = [get_method(name) for name in ([method] if isinstance(method, str) else method)]

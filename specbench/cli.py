@@ -9,7 +9,7 @@ from specbench.methods import CROSS_TOKENIZER
 from specbench.types import FAST_BACKENDS, VERIFY_RULES, SamplingParams, SpecbenchError
 
 KERNELS_HELP = "oneDNN kernels for large linear layers (CPU, float32): faster at the few rows SD verifies"
-FAST_HELP = "static KV caches and compiled fixed-shape steps (CUDA graphs on a GPU); a fast worker batches too"
+FAST_HELP = "static KV caches, compiled fixed-shape steps (CUDA graphs on a GPU); default: on for unquantized CUDA models"
 
 
 def _models(args) -> int:
@@ -269,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     run_parser.add_argument("--cross-tokenizer", default="auto", choices=list(CROSS_TOKENIZER),
                             help="a draft with another tokenizer: auto (text, or shared-vocab for rejection), "
                                  "text, shared-vocab, or off (refuse it)")
-    run_parser.add_argument("--fast", nargs="?", const="auto", choices=("auto",) + FAST_BACKENDS, help=FAST_HELP)
+    run_parser.add_argument("--fast", nargs="?", const="auto", choices=("auto", "off") + FAST_BACKENDS, help=FAST_HELP)
     run_parser.add_argument("--out", help="write the per-step records as CSV")
     run_parser.add_argument("--plan", action="store_true",
                             help="choose K per step (up to --k) from the cached profiles and reference of the pair")
@@ -306,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
             worker.add_argument(flag, type=float, help=f"{what}, GiB (default: half the memory free at start)")
         else:
             worker.add_argument(flag, type=int, default=getattr(defaults, name), help=f"{what} (default %(default)s)")
-    worker.add_argument("--fast", nargs="?", const="auto", choices=("auto",) + FAST_BACKENDS, help=FAST_HELP)
+    worker.add_argument("--fast", nargs="?", const="auto", choices=("auto", "off") + FAST_BACKENDS, help=FAST_HELP)
     worker.add_argument("--curve-keys", help="folder made by `specbench keys`: CURVE encryption and client auth")
     worker.add_argument("--insecure", action="store_true", help="allow a non-loopback bind without CURVE keys")
     worker.set_defaults(handler=_worker)

@@ -43,7 +43,7 @@ class DraftSource:
     substitute_quantization: str = "8bit"
     tree: TreeShape = TreeShape()
     cross_tokenizer: str = "auto"  # a draft with another tokenizer: auto | text | shared-vocab | off (refuse it)
-    fast: bool | str = False  # model drafts (chains, trees, self-draft views) run fixed-shape steps (decode/fast_forward.py)
+    fast: bool | str | None = None  # model drafts (chains, trees, self-draft views) run fixed-shape steps (decode/fast_forward.py)
 
     def __post_init__(self):
         if self.cross_tokenizer not in CROSS_TOKENIZER:
@@ -90,13 +90,14 @@ class DraftSource:
     def fast_forward(self, draft, context: Optional[int] = None):
         """The draft's fixed-shape forward when `fast` asks for one, as long as `context` (default: the
         target's, since a same-vocabulary draft follows the target's tokens)."""
-        if not self.fast:
-            return None
-        from specbench.decode.fast_forward import FastForward, fast_capacity
+        from specbench.decode.fast_forward import FastForward, chosen_backend, fast_capacity
 
+        backend = chosen_backend(self.fast, draft.model)
+        if not backend:
+            return None
         context = (context or getattr(self.target, "max_context", None)
                    or getattr(draft.model.config, "max_position_embeddings", None))
-        return FastForward(draft.model, fast_capacity(context, None), self.fast)
+        return FastForward(draft.model, fast_capacity(context, None), backend)
 
     def own_weights(self, method: str):
         if self.target_model is None:

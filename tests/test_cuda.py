@@ -46,8 +46,8 @@ def cuda_draft(tiny_draft):
 def test_fast_steps_on_cuda_equal_eager_greedy(cuda_target, cuda_draft, tiny_target, backend):
     """fp32 greedy through each backend on the GPU: token for token the CPU's eager target-only."""
     prompts = PROMPTS[:3]
-    reference = outputs(run(LocalTarget(tiny_target, kv_pool=False), prompts, method="target-only",
-                            max_new_tokens=32, progress=False))
+    reference = outputs(run(LocalTarget(tiny_target, kv_pool=False, fast=False), prompts, method="target-only",
+                            max_new_tokens=32, progress=False, fast=False))
     target = LocalTarget(cuda_target, fast=backend)
     frame = run(target, prompts, method=GREEDY_METHODS, draft=cuda_draft, k=4, max_new_tokens=32, progress=False,
                 fast=backend)
@@ -61,7 +61,7 @@ def test_fast_steps_on_cuda_equal_eager_greedy(cuda_target, cuda_draft, tiny_tar
 
 @pytest.mark.parametrize("backend", ["cudagraph", "compile"])
 def test_batched_verifies_on_cuda_equal_lone_ones(cuda_target, cuda_draft, backend):
-    batched, alone = LocalTarget(cuda_target, fast=backend), LocalTarget(cuda_target, kv_pool=False)
+    batched, alone = LocalTarget(cuda_target, fast=backend), LocalTarget(cuda_target, kv_pool=False, fast=False)
     tree = TreeDrafter(cuda_draft, cuda_target.vocab_size, beam=2, branch=2, max_depth=3)
     drafters = [ModelDrafter(cuda_draft, 96), None, tree]
     assert_batches_match_lone_verifies(batched, alone, PROMPTS[:3], drafters, steps=6)
@@ -89,8 +89,8 @@ def test_graphs_are_captured_again_after_every_one_was_dropped(cuda_target):
 @pytest.mark.parametrize("rule", ["rejection", "sample-match"])
 def test_sampled_runs_on_cuda_equal_eager_with_the_same_seed(cuda_target, cuda_draft, rule):
     sampling = SamplingParams(temperature=1.0, rule=rule)
-    eager = outputs(run(LocalTarget(cuda_target, kv_pool=False), PROMPTS[:2], method="chain", draft=cuda_draft,
-                        k=4, max_new_tokens=30, sampling=sampling, progress=False, seed=3))
+    eager = outputs(run(LocalTarget(cuda_target, kv_pool=False, fast=False), PROMPTS[:2], method="chain",
+                        draft=cuda_draft, k=4, max_new_tokens=30, sampling=sampling, progress=False, seed=3, fast=False))
     fast = outputs(run(LocalTarget(cuda_target, fast="cudagraph"), PROMPTS[:2], method="chain", draft=cuda_draft,
                        k=4, max_new_tokens=30, sampling=sampling, progress=False, seed=3, fast="cudagraph"))
     assert fast == eager
@@ -119,7 +119,7 @@ def test_sampled_sd_on_cuda_follows_the_target():
     assert chi_square_p(first, first_p) > P_VALUE_FLOOR and chi_square_p(second, second_p) > P_VALUE_FLOOR
 
 
-@pytest.mark.parametrize("fast", [False, "cudagraph"])
+@pytest.mark.parametrize("fast", ["off", None])
 def test_a_worker_serves_on_cuda(tiny_target, fast):
     """`specbench worker --device cuda [--fast]`: remote greedy equals local CPU greedy; profile and stats."""
     from specbench.models.spec import ModelSpec
@@ -141,6 +141,7 @@ def test_a_worker_serves_on_cuda(tiny_target, fast):
         profile = remote.profile(tokens=[1, 4], contexts=[16], repeats=2, batches=[1, 2])
         assert len(profile["rows"]) == 4 and all(row["median_s"] > 0 for row in profile["rows"])
         assert remote.info["device"].startswith("cuda") and remote.stats()["errors"] == 0
+        assert (worker.worker.ops.target.fast is None) == (fast == "off")  # fast by default on CUDA
     finally:
         worker.stop()
 
@@ -167,6 +168,7 @@ def test_bitsandbytes_targets_load_and_decode_on_cuda(tmp_path, quantization):
     full = load_model(ModelSpec(str(tmp_path), dtype="float32", device="cuda"))
     quantized = load_model(ModelSpec(str(tmp_path), dtype="float32", device="cuda", quantization=quantization))
     assert quantized.weight_bytes < 0.5 * full.weight_bytes
+    assert LocalTarget(quantized).fast is None and LocalTarget(full).fast.backend == "cudagraph"  # the defaults
     prompts = [list(range(3, 40)), [5, 6, 7, 5, 6, 7, 5, 6]]
     frame = run(quantized, prompts, method=["target-only", "chain", "prompt-lookup"], draft=full, k=4,
                 max_new_tokens=24, progress=False)

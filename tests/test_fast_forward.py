@@ -148,6 +148,31 @@ def test_static_cache_bookkeeping_and_refusals(tiny_target):
         FastForward(tiny_target.model, WIDTH_STEP, "turbo")
 
 
+def test_the_fast_path_is_on_by_default_for_unquantized_cuda_models_only(tiny_target):
+    """`fast=None` (the default): CUDA graphs where they were measured to pay, eager on a CPU, for a
+    quantized model and where a static cache cannot model the layers; explicit choices pass through."""
+    import types
+
+    import torch
+
+    from specbench.decode.fast_forward import chosen_backend
+
+    def stub(device, quantized=False, config=tiny_target.model.config):
+        weight = types.SimpleNamespace(device=torch.device(device))
+        return types.SimpleNamespace(config=config, hf_quantizer=object() if quantized else None,
+                                     get_input_embeddings=lambda: types.SimpleNamespace(weight=weight))
+
+    assert chosen_backend(None, stub("cuda")) == "cudagraph"
+    assert chosen_backend(None, stub("cpu")) is False and chosen_backend(None, tiny_target.model) is False
+    assert chosen_backend(None, stub("cuda", quantized=True)) is False
+    from test_kv_pool import tiny_gemma
+
+    assert chosen_backend(None, stub("cuda", config=tiny_gemma(0).model.config)) is False
+    assert chosen_backend("off", stub("cuda")) is False and chosen_backend(False, stub("cuda")) is False
+    assert chosen_backend(True, stub("cpu")) is True and chosen_backend("static", stub("cpu")) == "static"
+    assert LocalTarget(tiny_target).fast is None  # CPU: eager unless asked
+
+
 def test_sliding_window_models_are_refused_on_the_fast_path():
     from test_kv_pool import tiny_gemma
 

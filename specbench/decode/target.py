@@ -151,7 +151,7 @@ class LocalTarget:
 
     def __init__(self, loaded: LoadedModel, max_context: int | None = None,
                  eos_token_ids: Optional[Sequence[int]] = None, kv_pool: bool = True,
-                 fast: bool | str = False, fast_capacity: int | None = None):
+                 fast: bool | str | None = None, fast_capacity: int | None = None):
         self.loaded = loaded
         self.model = loaded.model
         self.vocab_size = loaded.vocab_size
@@ -161,8 +161,10 @@ class LocalTarget:
         self.sessions: dict[str, _Sequence] = {}
         self.plain = plain_layers(self.model.config)  # full attention only (no sliding window)
         # fast: fixed-shape compiled / graph-captured forwards over a static cache per session
-        # (`decode/fast_forward.py`); True picks the device's backend, a string names one
+        # (`decode/fast_forward.py`); True picks the device's backend, a string names one; None: on where it
+        # pays (CUDA), `fast_forward.chosen_backend`
         self.fast = None
+        fast = fast_forward.chosen_backend(fast, self.model)
         if fast:
             capacity = fast_forward.fast_capacity(self.max_context, fast_capacity)
             self.fast = fast_forward.FastForward(self.model, capacity, fast)

@@ -54,7 +54,7 @@ class WorkerConfig:
     batch_wait_ms: float | str = "auto"
     max_batch: int = 16  # messages taken in one round
     prefill_chunk: int = 256  # prompt tokens per slice of a prefill, between other sessions' batches
-    fast: bool | str = False  # the target's fixed-shape steps (`--fast`; decode/fast_forward.py)
+    fast: bool | str | None = None  # the target's fixed-shape steps (`--fast`; None: on CUDA; decode/fast_forward.py)
     curve_keys: Optional[str] = None
     insecure: bool = False
 
