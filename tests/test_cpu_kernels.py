@@ -104,3 +104,20 @@ def test_kernels_change_speed_not_acceptance():
                                     max_chain=2, chain_accepts=(1, 2))
     pairs = {(t.model, d.model) for t, d, _ in matching_pairs(profiles, [reference])}
     assert pairs == {("t", "d"), ("t+onednn", "d+onednn")}
+
+
+def test_fast_profiles_pair_with_fast_drafts_in_views_of_their_own():
+    """A GPU's eager and fast-cudagraph profiles of one pair: each target takes the draft profiled with its
+    own forward, and the two forwards are separate Pareto views (one would hide the other)."""
+    from specbench.plan.explore import matching_pairs, target_groups
+    from specbench.plan.predict import AcceptanceReference, LatencyProfile
+
+    profiles = [LatencyProfile(name, "gpu", rows=((1, 128, seconds),), forward=forward)
+                for name, forward, seconds in (("t", "eager", 0.04), ("t", "fast-cudagraph", 0.005),
+                                               ("d", "eager", 0.04), ("d", "fast-cudagraph", 0.003))]
+    reference = AcceptanceReference(draft="d", target="t", dataset="x", rule="greedy", temperature=0.0,
+                                    max_chain=2, chain_accepts=(1, 2))
+    pairs = {(t.forward, d.forward) for t, d, _ in matching_pairs(profiles, [reference])}
+    assert pairs == {("eager", "eager"), ("fast-cudagraph", "fast-cudagraph")}
+    groups = target_groups(matching_pairs(profiles, [reference]))
+    assert sorted(groups) == ["t (gpu, float32, fast-cudagraph, x)", "t (gpu, float32, x)"]

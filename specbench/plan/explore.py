@@ -61,17 +61,20 @@ def base_name(label: str) -> str:
 
 
 def target_groups(combos: Sequence[tuple]) -> dict[str, list[tuple]]:
-    """(target, draft, reference) combos by target family, device, dtype and prompt set: the drafts and
-    quantizations one Pareto view compares. Key example: `smollm2-135m (cpu-2t-AMD-EPYC, float32, bench)`."""
+    """(target, draft, reference) combos by target family, device, dtype, forward and prompt set: the drafts
+    and quantizations one Pareto view compares. Key example: `smollm2-135m (cpu-2t-AMD-EPYC, float32, bench)`;
+    a fast forward's profiles make views of their own: `qwen2.5-coder-1.5b (NVIDIA-H100-80GB-HBM3, bfloat16,
+    fast-cudagraph, bench)`."""
     chosen: dict[tuple, tuple] = {}
     for combo in combos:  # several references of one pair on one prompt set: the one with most steps
         target, draft, reference = combo
-        pair = (target.model, target.device, target.dtype, draft.model, reference.dataset)
+        pair = (target.model, target.device, target.dtype, target.forward, draft.model, reference.dataset)
         if pair not in chosen or len(reference.chain_accepts) > len(chosen[pair][2].chain_accepts):
             chosen[pair] = combo
     groups: dict[str, list[tuple]] = {}
     for target, draft, reference in chosen.values():
-        key = f"{base_name(target.model)} ({target.device}, {target.dtype}, {reference.dataset})"
+        forward = "" if target.forward == "eager" else f", {target.forward}"
+        key = f"{base_name(target.model)} ({target.device}, {target.dtype}{forward}, {reference.dataset})"
         groups.setdefault(key, []).append((target, draft, reference))
     return groups
 
@@ -200,11 +203,12 @@ def matching_pairs(profiles: Sequence[LatencyProfile], references: Sequence[Acce
         for target_profile in (p for p in profiles if acceptance_label(p.model) == reference.target):
             drafts = [p for p in profiles if acceptance_label(p.model) == reference.draft
                       and p.device == target_profile.device]
-            # the draft's kernels as the target's where profiled (both on one box), else any
+            # the draft's kernels and forward (eager, fast) as the target's where profiled, else any
             same = [p for p in drafts if p.model.removeprefix(reference.draft) ==
                     target_profile.model.removeprefix(reference.target)]
+            same_forward = [p for p in (same or drafts) if p.forward == target_profile.forward]
             if drafts:
-                pairs.append((target_profile, (same or drafts)[0], reference))
+                pairs.append((target_profile, (same_forward or same or drafts)[0], reference))
     return pairs
 
 
