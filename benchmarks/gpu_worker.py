@@ -27,8 +27,9 @@ from specbench.worker.launch import free_port, spawn_worker
 from common import RESULTS, write_report
 from gpu import ARCHS, build
 
-WORKERS = {"eager": ["--fast", "off"], "eager-unbatched": ["--fast", "off", "--no-batching"], "fast": ["--fast", "auto"],
-           "fast-unbatched": ["--fast", "auto", "--no-batching"], "fast-static": ["--fast", "static"]}
+WORKERS = {"eager": ["--fast", "off"], "eager-unbatched": ["--fast", "off", "--no-batching"],
+           "fast": ["--fast", "auto"], "fast-unbatched": ["--fast", "auto", "--no-batching"],
+           "fast-static": ["--fast", "static"]}
 
 
 def save_model(arch: str, dtype: torch.dtype, folder: str) -> None:

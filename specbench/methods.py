@@ -43,7 +43,8 @@ class DraftSource:
     substitute_quantization: str = "8bit"
     tree: TreeShape = TreeShape()
     cross_tokenizer: str = "auto"  # a draft with another tokenizer: auto | text | shared-vocab | off (refuse it)
-    fast: bool | str | None = None  # model drafts (chains, trees, self-draft views) run fixed-shape steps (decode/fast_forward.py)
+    # model drafts (chains, trees, self-draft views) run fixed-shape steps (decode/fast_forward.py); None: on CUDA
+    fast: bool | str | None = None
 
     def __post_init__(self):
         if self.cross_tokenizer not in CROSS_TOKENIZER:
