@@ -68,6 +68,7 @@ class Ops:
         identity = model_identity(loaded)
         old, live = self.identity, self.sessions.live()
         self.target, self.identity = LocalTarget(loaded, fast=self.config.fast), identity
+        self.kv_per_token = loaded.kv_bytes_per_token  # read once: the model's dtype walks every parameter
         if self.target.pool is not None:  # the pool's rows are as long as its longest session: bound it too
             self.target.pool.max_bytes = self.kv_budget
         if self.target.fast is not None:  # a fast target's static caches hold their full capacity each
@@ -89,7 +90,7 @@ class Ops:
 
     def _check_kv(self, incoming: int, replacing: int = 0) -> None:
         target = self.target
-        per_token = _kv_bytes_per_token(target.model)
+        per_token = self.kv_per_token
         held = sum(len(s.committed) for s in target.sessions.values()) - replacing
         needed = per_token * (held + incoming)
         if self.kv_budget and needed > self.kv_budget:
@@ -100,7 +101,7 @@ class Ops:
     def kv_bytes(self) -> int:
         if self.target is None:
             return 0
-        return _kv_bytes_per_token(self.target.model) * sum(len(s.committed) for s in self.target.sessions.values())
+        return self.kv_per_token * sum(len(s.committed) for s in self.target.sessions.values())
 
     def expire_idle(self) -> None:
         for session in self.sessions.idle(self.config.idle_timeout_s):
@@ -374,13 +375,6 @@ def _pool_description(target: Optional[LocalTarget]) -> Optional[dict]:
     if pool is None:
         return None
     return {"slots": pool.slots, "in_use": pool.in_use, "capacity": pool.capacity, "bytes": pool.nbytes()}
-
-
-def _kv_bytes_per_token(model) -> int:
-    config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    itemsize = torch.finfo(model.dtype).bits // 8 if model.dtype.is_floating_point else 2
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * itemsize
 
 
 def _half_free_memory(device: str) -> Optional[int]:
