@@ -72,18 +72,28 @@ def test_batched_verifies_on_cuda_equal_lone_ones(cuda_target, cuda_draft, backe
                                        steps=3)
 
 
-def test_graphs_are_captured_again_after_every_one_was_dropped(cuda_target):
-    """Closing the only session drops its graphs (their memory pool with them), and pool growth drops all:
-    later captures start a pool of their own rather than naming the freed one."""
+def test_graphs_are_shared_by_sessions_and_captured_again_after_growth(cuda_target):
+    """A lone step replays one graph per shape whatever the session (a batch of one pool row); growing the
+    pool drops every graph (their memory pool with them), and later captures start a pool of their own
+    rather than naming the freed one (PyTorch's allocator asserted on that)."""
     target = LocalTarget(cuda_target, fast="cudagraph")
+    alone = LocalTarget(cuda_target, kv_pool=False, fast=False)
     for round_ in range(3):
         names = [f"r{round_}s{i}" for i in range(round_ + 1)]  # 1, 2, 3 sessions: the pool grows
         for name in names:
-            target.prefill(name, PROMPTS[0])
-            target.verify(name, DraftTree.chain([5, 6]), SamplingParams(), 0)
+            for each in (target, alone):
+                each.prefill(name, PROMPTS[round_])
+            verdicts = [each.verify(name, DraftTree.chain([5, 6]), SamplingParams(), 0) for each in (target, alone)]
+            assert verdicts[0].accepted_path == verdicts[1].accepted_path
+            assert target.committed(name) == alone.committed(name)
+        captured = set(target.fast._graphs)
+        assert captured and all(key[:2] == ("batch", 1) for key in captured)
         for name in names:
-            target.close(name)
-        assert not target.fast._graphs
+            target.close(name), alone.close(name)
+        target.prefill("again", PROMPTS[round_])
+        target.verify("again", DraftTree.chain([5, 6]), SamplingParams(), 0)
+        assert set(target.fast._graphs) == captured  # a new session captured nothing
+        target.close("again")
 
 
 @pytest.mark.parametrize("rule", ["rejection", "sample-match"])

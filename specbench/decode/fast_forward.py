@@ -17,8 +17,9 @@ Batches (`FastForward.batch`, a worker shared by several clients): the sessions'
 attended width by slot index, at a shape of rows x bucket x width (rows dynamic when compiled, padded
 to a power of two when captured).
 
-Backends: "compile" (`torch.compile`, CPU or GPU), "cudagraph" (one `torch.cuda.CUDAGraph` per cache x
-bucket x width, and per batch shape: graphs replay at the pool's fixed addresses), "compiled-graph" (CUDA: the
+Backends: "compile" (`torch.compile`, CPU or GPU), "cudagraph" (one `torch.cuda.CUDAGraph` per batch size x
+bucket x width, a lone step being a batch of one pool row: graphs replay at the pool's fixed addresses, for
+every session, reading the rows by slot index), "compiled-graph" (CUDA: the
 compiled step, its kernels fused, captured as "cudagraph" captures the plain one; a compile per shape), "static"
 (the same fixed shapes run eagerly: what the others must reproduce, and a fallback where compiling is not possible).
 """
@@ -71,7 +72,7 @@ class FastForward:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
             self._compiled = torch.compile(self._step, dynamic=False)
         self.pool = StaticPool(model.config, capacity, self.dtype, device)  # every session's static cache
-        self._graphs: dict[tuple, tuple] = {}  # cudagraph: (cache id or batch shape, ...) -> (graph, buffers, out)
+        self._graphs: dict[tuple, tuple] = {}  # captured: ("batch", size, bucket, width) -> (graph, buffers, out)
         self._graph_generation = 0  # the pool's generation the graphs were captured at
         self._scratch: Optional[int] = None  # the pool slot padding rows of a batch write to
         self.stats = {"bucketed": 0, "eager": 0, "batched": 0}
@@ -92,9 +93,7 @@ class FastForward:
         return StaticKV(self.pool)
 
     def forget(self, cache: StaticKV) -> None:
-        """A closed session: drop what was captured for `cache`, and give its slot back."""
-        for key in [key for key in self._graphs if key[0] == id(cache)]:
-            del self._graphs[key]
+        """A closed session: give its slot back (graphs are per shape, shared by every session)."""
         cache.free()
 
     @torch.inference_mode()
@@ -135,11 +134,9 @@ class FastForward:
         positions = self._positions(position_ids, n, bucket, past)
         mask = self._mask(attention_mask, n, bucket, past, width)
         write_index = torch.arange(past, past + bucket)
-        if self.backend in CAPTURED:
-            def bind(buffers):
-                cache.prepare(buffers[3], past + bucket)
-                return cache
-            return self._replay((id(cache), bucket, width), (input_ids, positions, mask, write_index), bind)[0]
+        if self.backend != "compile":  # a batch of one pool row: captured once per shape for every session
+            values = (input_ids, positions, mask, torch.tensor([cache.slot]), write_index.view(1, bucket))
+            return self._pool_step(1, bucket, width, values)[0]
         cache.prepare(write_index.to(self.device), past + bucket)
         step = self._compiled or self._step
         return step(cache, input_ids.to(self.device), positions.to(self.device), mask.to(self.device))[0]
@@ -180,22 +177,25 @@ class FastForward:
             mask[r] = self._mask(masks[r], n, bucket, past, width)[0]
             write_index[r] += past
         slot_index = torch.tensor([cache.slot for cache in caches] + [self._scratch] * (size - len(caches)))
-        values = (input_ids, rotary, mask, slot_index, write_index)
-        if self.backend in CAPTURED:
-            def bind(buffers):
-                return PoolBatch(self.pool, buffers[3], buffers[4], width)
-            logits = self._replay(("batch", size, bucket, width), values, bind)
-        else:
-            values = [value.to(self.device) for value in values]
-            if self.backend == "compile":  # one graph for every batch size: the rows dimension is symbolic
-                for value in values:
-                    torch._dynamo.mark_dynamic(value, 0)
-            input_ids, rotary, mask, slot_index, write_index = values
-            step = self._compiled or self._step
-            logits = step(PoolBatch(self.pool, slot_index, write_index, width), input_ids, rotary, mask)
+        logits = self._pool_step(size, bucket, width, (input_ids, rotary, mask, slot_index, write_index))
         for cache, row, past in zip(caches, inputs, pasts):
             cache.length = past + len(row)
         return [logits[r, :len(row)] for r, row in enumerate(inputs)]
+
+    def _pool_step(self, size: int, bucket: int, width: int, values: tuple) -> torch.Tensor:
+        """Logits [size, bucket, vocab] of one forward over pool rows; `values`: input ids, positions, mask,
+        slot index, write index (on the host), replayed from a graph per shape where captured."""
+        if self.backend in CAPTURED:
+            def bind(buffers):
+                return PoolBatch(self.pool, buffers[3], buffers[4], width)
+            return self._replay(("batch", size, bucket, width), values, bind)
+        values = [value.to(self.device) for value in values]
+        if self.backend == "compile":  # one graph for every batch size: the rows dimension is symbolic
+            for value in values:
+                torch._dynamo.mark_dynamic(value, 0)
+        input_ids, rotary, mask, slot_index, write_index = values
+        step = self._compiled or self._step
+        return step(PoolBatch(self.pool, slot_index, write_index, width), input_ids, rotary, mask)
 
     def _step(self, cache, input_ids, position_ids, mask):
         output = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
