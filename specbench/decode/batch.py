@@ -112,14 +112,14 @@ def _prepare(target: LocalTarget, index: int, request: VerifyRequest) -> _Row:
     past, num_prefix = cached_length(state.cache), len(state.tail)
     depths = tree.depths()
     positions = list(range(past, past + num_prefix)) + [past + num_prefix - 1 + d for d in depths]
-    mask = tree_attention_mask(tree.parents, num_prefix, past, target.model.dtype, "cpu")[0, 0]
+    mask = tree_attention_mask(tree.parents, num_prefix, past, target.dtype, "cpu")[0, 0]
     return _Row(index, request, state, past, state.tail + list(tree.tokens), mask, positions)
 
 
 def _chunk_row(job: PrefillJob, tokens: int) -> _Row:
     """A prefill's next chunk as a batch row: causal over its own cached positions and itself."""
     past, chunk = job.fed, job.next_chunk(tokens)
-    mask = torch.zeros(len(chunk), past + len(chunk), dtype=job.target.model.dtype)
+    mask = torch.zeros(len(chunk), past + len(chunk), dtype=job.target.dtype)
     mask[:, past:] = torch.full((len(chunk), len(chunk)), torch.finfo(mask.dtype).min).triu(1)
     return _Row(-1, None, job.state, past, chunk, mask, list(range(past, past + len(chunk))), job)
 
@@ -132,8 +132,8 @@ def _forward(target: LocalTarget, rows: list[_Row]) -> list[torch.Tensor]:
 
     model, device = target.model, target.device
     batch, longest_past, longest_input = len(rows), max(r.past for r in rows), max(len(r.inputs) for r in rows)
-    minimum = torch.finfo(model.dtype).min
-    mask = torch.full((batch, 1, longest_input, longest_past + longest_input), minimum, dtype=model.dtype)
+    minimum = torch.finfo(target.dtype).min
+    mask = torch.full((batch, 1, longest_input, longest_past + longest_input), minimum, dtype=target.dtype)
     for i, row in enumerate(rows):
         n = len(row.inputs)
         mask[i, 0, :n, : row.past] = row.mask[:, : row.past]

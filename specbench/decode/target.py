@@ -154,6 +154,9 @@ class LocalTarget:
                  fast: bool | str | None = None, fast_capacity: int | None = None):
         self.loaded = loaded
         self.model = loaded.model
+        # read once (a model's dtype walks its parameters: ~40 us, per row of every batch before); the pools
+        # below are made on this device, so the model is not meant to move after this
+        self.dtype, self.device = self.model.dtype, self.model.get_input_embeddings().weight.device
         self.vocab_size = loaded.vocab_size
         self.eos_token_ids = tuple(loaded.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.tokenizer = loaded.tokenizer
@@ -183,10 +186,6 @@ class LocalTarget:
         if self.pool is None:
             return new_cache(self.model.config)
         return PooledCache(self.pool)
-
-    @property
-    def device(self):
-        return self.model.get_input_embeddings().weight.device
 
     def prefill(self, session: str, token_ids: Sequence[int]) -> int:
         """Start (or restart) `session` from `token_ids` in one forward; returns the committed length."""
@@ -219,7 +218,7 @@ class LocalTarget:
             depths = tree.depths()
             positions = list(range(past, past + num_prefix)) + [past + num_prefix - 1 + d for d in depths]
             position_ids = torch.tensor([positions], device=self.device)
-            attention_mask = tree_attention_mask(tree.parents, num_prefix, past, self.model.dtype, self.device)
+            attention_mask = tree_attention_mask(tree.parents, num_prefix, past, self.dtype, self.device)
         forward_start = clock.device_time(self.device)
         try:
             logits = self._forward(state, inputs, position_ids, attention_mask)
