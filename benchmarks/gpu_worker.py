@@ -9,6 +9,7 @@ warm-up round that lets the fast worker capture its batch shapes; each decodes `
 loopback round trip, Python, the host side of a batch) leaves, and what batching buys on a GPU.
 
     python benchmarks/gpu_worker.py                       # on CUDA: qwen2.5-1.5b in bf16
+    python benchmarks/gpu_worker.py --breakdown           # one client: a step's parts, local and through each worker
     python benchmarks/gpu_worker.py --device cpu --arch tiny --dtype float32 --workers eager fast-static
 """
 from __future__ import annotations
@@ -77,6 +78,45 @@ def measure(endpoint: str, clients: int, args) -> dict:
             "ms_per_token_per_client": 1000 * seconds / (tokens / clients)}
 
 
+PARTS = ["target_forward_s", "verify_s", "queue_s", "network_s", "overhead_s", "step_s"]
+
+
+def breakdown(folder: str, args) -> list[dict]:
+    """One client decoding `--breakdown-tokens` after the prompt, in this process (eager, then the device's
+    default) and through each worker: mean seconds per step of each part the records keep, and the wall time."""
+    from specbench.api import run
+    from specbench.decode.target import LocalTarget
+    from specbench.models.loading import load_model
+    from specbench.models.spec import ModelSpec
+    from specbench.worker.client import RemoteTarget
+
+    prompt = list(range(2, 2 + args.prompt_tokens))
+
+    def parts(name: str, target) -> dict:
+        run(target, [prompt], method="target-only", max_new_tokens=32, progress=False, warmup=False)  # warm-up
+        started = time.perf_counter()
+        frame = run(target, [prompt], method="target-only", max_new_tokens=args.breakdown_tokens, progress=False,
+                    warmup=False)
+        row = {"where": name, "wall_ms": 1000 * (time.perf_counter() - started) / len(frame)}
+        row.update({part[:-2] + "_ms": 1000 * frame[part].mean() for part in PARTS})
+        print(pd.DataFrame([row]).round(3).to_string(index=False), flush=True)
+        return row
+
+    loaded = load_model(ModelSpec(folder, dtype=args.dtype, device=args.device))
+    rows = [parts(f"local, fast={fast}", LocalTarget(loaded, fast=fast)) for fast in (False, None)]
+    del loaded
+    for kind in args.workers:
+        endpoint = f"tcp://127.0.0.1:{free_port()}"
+        worker = spawn_worker(endpoint, "--model", folder, "--device", args.device, "--dtype", args.dtype,
+                              *WORKERS[kind], timeout_s=600)
+        try:
+            rows.append(parts(f"worker {kind}", RemoteTarget(endpoint)))
+        finally:
+            worker.terminate()
+            worker.wait(30)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
@@ -88,11 +128,20 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=100)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--breakdown", action="store_true", help="one client: each part of a step, local and remote")
+    parser.add_argument("--breakdown-tokens", type=int, default=200)
     parser.add_argument("--out", default=str(RESULTS / "gpu-worker.json"))
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         save_model(args.arch, getattr(torch, args.dtype), folder)
+        if args.breakdown:
+            rows = breakdown(folder, args)
+            print(f"\n{device_name(args.device)}, {args.arch} {args.dtype}, ms per step:")
+            print(pd.DataFrame(rows).round(3).to_string(index=False))
+            write_report(args.out, {"device": device_name(args.device), "arch": args.arch, "dtype": args.dtype,
+                                    "breakdown": rows, "args": vars(args)})
+            return
         for kind in args.workers:
             endpoint = f"tcp://127.0.0.1:{free_port()}"
             worker = spawn_worker(endpoint, "--model", folder, "--device", args.device, "--dtype", args.dtype,

@@ -217,6 +217,28 @@ def test_the_gpu_benchmark_script_runs_on_a_cpu(tmp_path):
     assert all(r["sd_ms_per_token"] > 0 and r["mean_accepted"] >= 0 for r in report["pairs"])
 
 
+def test_the_gpu_worker_benchmark_runs_on_a_cpu(tmp_path):
+    """benchmarks/gpu_worker.py (a worker under load on a GPU, and a step's parts) checked on a tiny
+    architecture: a model directory it writes, a real worker process, a client process."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    common = ["--device", "cpu", "--arch", "tiny", "--dtype", "float32", "--workers", "fast-static",
+              "--prompt-tokens", "20"]
+    for mode, out in ((["--clients", "1", "--rounds", "1", "--max-new-tokens", "8"], "load.json"),
+                      (["--breakdown", "--breakdown-tokens", "16"], "parts.json")):
+        subprocess.run([sys.executable, "gpu_worker.py", *common, *mode, "--out", str(tmp_path / out)],
+                       cwd=root / "benchmarks", check=True, capture_output=True, timeout=300)
+    load = json.loads((tmp_path / "load.json").read_text())
+    assert [(r["worker"], r["clients"], r["tokens"]) for r in load["rows"]] == [("fast-static", 1, 8)]
+    parts = json.loads((tmp_path / "parts.json").read_text())["breakdown"]
+    assert [r["where"] for r in parts] == ["local, fast=False", "local, fast=None", "worker fast-static"]
+    assert all(r["wall_ms"] >= r["step_ms"] > 0 for r in parts) and parts[2]["network_ms"] > 0
+
+
 def test_static_caches_are_bounded_and_freed_with_their_sessions(tiny_target):
     """A worker's --max-kv-gib bounds a fast target's caches (each holds its full capacity): one session
     too many is refused by name, the others keep serving, and closing one makes room."""
