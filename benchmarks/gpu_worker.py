@@ -15,6 +15,7 @@ loopback round trip, Python, the host side of a batch) leaves, and what batching
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing
 import tempfile
 import time
@@ -44,6 +45,19 @@ def save_model(arch: str, dtype: torch.dtype, folder: str) -> None:
     words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(512)}, unk_token="w0"))
     words.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w0").save_pretrained(folder)
+
+
+@contextlib.contextmanager
+def serving(folder: str, kind: str, args):
+    """A `specbench worker` of `kind` serving the model directory on loopback: its endpoint, stopped after."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    worker = spawn_worker(endpoint, "--model", folder, "--device", args.device, "--dtype", args.dtype,
+                          *WORKERS[kind], timeout_s=600)
+    try:
+        yield endpoint
+    finally:
+        worker.terminate()
+        worker.wait(30)
 
 
 def client(endpoint, prompt, max_new_tokens, rounds, barrier, results) -> None:
@@ -106,14 +120,8 @@ def breakdown(folder: str, args) -> list[dict]:
     rows = [parts(f"local, fast={fast}", LocalTarget(loaded, fast=fast)) for fast in (False, None)]
     del loaded
     for kind in args.workers:
-        endpoint = f"tcp://127.0.0.1:{free_port()}"
-        worker = spawn_worker(endpoint, "--model", folder, "--device", args.device, "--dtype", args.dtype,
-                              *WORKERS[kind], timeout_s=600)
-        try:
+        with serving(folder, kind, args) as endpoint:
             rows.append(parts(f"worker {kind}", RemoteTarget(endpoint)))
-        finally:
-            worker.terminate()
-            worker.wait(30)
     return rows
 
 
@@ -143,16 +151,10 @@ def main() -> None:
                                     "breakdown": rows, "args": vars(args)})
             return
         for kind in args.workers:
-            endpoint = f"tcp://127.0.0.1:{free_port()}"
-            worker = spawn_worker(endpoint, "--model", folder, "--device", args.device, "--dtype", args.dtype,
-                                  *WORKERS[kind], timeout_s=600)
-            try:
+            with serving(folder, kind, args) as endpoint:
                 for clients in args.clients:
                     rows.append({"worker": kind, **measure(endpoint, clients, args)})
                     print(pd.DataFrame(rows[-1:]).round(2).to_string(index=False, header=len(rows) == 1), flush=True)
-            finally:
-                worker.terminate()
-                worker.wait(30)
     frame = pd.DataFrame(rows)
     table = frame.pivot(index="clients", columns="worker", values="tok_s")
     for a, b in (("fast", "eager"), ("eager", "eager-unbatched"), ("fast", "fast-unbatched")):

@@ -186,9 +186,7 @@ class FastForward:
         """Logits [size, bucket, vocab] of one forward over pool rows; `values`: input ids, positions, mask,
         slot index, write index (on the host), replayed from a graph per shape where captured."""
         if self.backend in CAPTURED:
-            def bind(buffers):
-                return PoolBatch(self.pool, buffers[3], buffers[4], width)
-            return self._replay(("batch", size, bucket, width), values, bind)
+            return self._replay(("batch", size, bucket, width), values)
         values = [value.to(self.device) for value in values]
         if self.backend == "compile":  # one graph for every batch size: the rows dimension is symbolic
             for value in values:
@@ -202,17 +200,18 @@ class FastForward:
                             past_key_values=cache, use_cache=True)
         return output.logits
 
-    def _replay(self, key: tuple, values: tuple, bind) -> torch.Tensor:
-        """CUDA: copy `values` (input ids, positions, mask, then what `bind` points the cache at) into the
-        buffers a graph was captured with, capturing it on first use, and replay it. `bind(buffers)`
-        gives the cache the step runs on, reading its indices from the buffers. Graphs captured before the
-        pool grew (its tensors moved) are dropped."""
+    def _replay(self, key: tuple, values: tuple) -> torch.Tensor:
+        """CUDA: copy `values` (input ids, positions, mask, slot index, write index) into the buffers the
+        graph `key` = ("batch", size, bucket, width) was captured with, capturing it on first use over the
+        pool rows its index buffers name, and replay it. Graphs captured before the pool grew (its tensors
+        moved) are dropped. All share one memory pool (a graph per shape would otherwise hold its own
+        activations), so a replay may overwrite what another left: the logits returned are a copy."""
         if self._graph_generation != self.pool.generation:
             self._graphs.clear()
             self._graph_generation = self.pool.generation
         if key not in self._graphs:
             buffers = tuple(value.to(self.device).clone() for value in values)
-            cache = bind(buffers)
+            cache = PoolBatch(self.pool, buffers[3], buffers[4], key[-1])  # reads its rows from the buffers
             step = self._compiled or self._step  # compiled-graph: fused kernels, then captured
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -228,7 +227,6 @@ class FastForward:
         graph, buffers, out = self._graphs[key]
         for buffer, value in zip(buffers, values):
             buffer.copy_(value, non_blocking=True)
-        bind(buffers)
         graph.replay()
         return out.clone()
 
