@@ -81,10 +81,10 @@ def test_a_row_failing_after_the_forward_rolls_back_alone(tiny_target, monkeypat
 
     real = batch.verify
 
-    def failing(tree, logits, sampling, generator):
+    def failing(tree, logits, sampling, generator, choices=None):
         if 77 in tree.tokens:
             raise RuntimeError("this row fails after the forward")
-        return real(tree, logits, sampling, generator)
+        return real(tree, logits, sampling, generator, choices)
 
     target, reference = LocalTarget(tiny_target), LocalTarget(tiny_target)
     for name in ("a", "b"):

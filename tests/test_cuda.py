@@ -59,6 +59,20 @@ def test_fast_steps_on_cuda_equal_eager_greedy(cuda_target, cuda_draft, tiny_tar
     assert (frame["target_forward_s"] > 0).all()
 
 
+def test_long_prompts_replay_prefill_graphs_with_eager_tokens(cuda_target, tiny_target):
+    """Prompts of 100 and 300 tokens through captured prefill chunks (one row of logits each), then greedy
+    steps: the CPU's eager tokens; the graphs' outputs are one row, not bucket x vocab."""
+    prompts = [(PROMPTS[0] * 40)[:100], (PROMPTS[1] * 40)[:300]]
+    reference = outputs(run(LocalTarget(tiny_target, kv_pool=False, fast=False), prompts, method="target-only",
+                            max_new_tokens=16, progress=False, fast=False))
+    target = LocalTarget(cuda_target, fast="cudagraph")
+    got = outputs(run(target, prompts, method="target-only", max_new_tokens=16, progress=False, fast="cudagraph"))
+    assert got == reference
+    assert target.fast.stats["prefill"] == 3 and target.fast.stats["eager"] == 0
+    prefill_outputs = [out for key, (_, _, out) in target.fast._graphs.items() if key[0] == "prefill"]
+    assert prefill_outputs and all(out.shape[:2] == (1, 1) for out in prefill_outputs)
+
+
 @pytest.mark.parametrize("backend", ["cudagraph", "compile"])
 def test_batched_verifies_on_cuda_equal_lone_ones(cuda_target, cuda_draft, backend):
     batched, alone = LocalTarget(cuda_target, fast=backend), LocalTarget(cuda_target, kv_pool=False, fast=False)

@@ -36,7 +36,38 @@ def test_static_shapes_equal_eager_for_every_method_across_widths(tiny_target, t
     assert 0 < chain["accepted"].sum() < chain["drafted"].sum()  # rollbacks happened
     widths = {width for _, width in fast.fast.shapes}
     assert widths == {WIDTH_STEP, 2 * WIDTH_STEP}  # the long prompt crossed a width
-    assert fast.fast.stats["eager"] > 0  # its prefill ran eagerly, longer than every bucket
+    # its prefill, longer than every step bucket, ran as a fixed-shape prefill chunk, never eagerly
+    assert fast.fast.stats["prefill"] > 0 and fast.fast.stats["eager"] == 0
+
+
+def test_a_long_prompt_runs_in_fixed_shape_chunks_with_eager_results(tiny_target):
+    """A prompt longer than every step bucket, on the backends that replay shapes uncompiled: chunks of at most
+    256 tokens padded to a prefill bucket, each reading one row of logits; the last row, the cache and the
+    tokens decoded after it are eager's. Compiled, a prompt still runs eagerly (a compile per shape)."""
+    import torch
+
+    from specbench.decode.fast_forward import PREFILL_BUCKETS
+
+    prompt = (PROMPTS[0] * 40)[:300]
+    eager = LocalTarget(tiny_target, kv_pool=False, fast=False)
+    fast = LocalTarget(tiny_target, fast="static")
+    for target in (eager, fast):
+        target.prefill("s", prompt)
+        for _ in range(12):
+            target.verify("s", DraftTree.chain([]), SamplingParams(), 0)
+    assert fast.committed("s") == eager.committed("s")
+    assert fast.fast.stats["prefill"] == 2 and fast.fast.stats["eager"] == 0  # 256 + 43 (padded to 64)
+    assert {(64, 384), (256, 256)} <= fast.fast.shapes and PREFILL_BUCKETS[-1] == 256
+    forward = FastForward(tiny_target.model, 3 * WIDTH_STEP, "static")
+    cache = forward.new_cache()
+    last = forward(cache, prompt, logits_to_keep=1)
+    with torch.inference_mode():
+        reference = tiny_target.model(input_ids=torch.tensor([prompt])).logits[0, -1:]
+    assert last.shape == reference.shape and cache.length == len(prompt)
+    torch.testing.assert_close(last, reference, rtol=1e-4, atol=1e-4)
+    compiled = FastForward(tiny_target.model, 3 * WIDTH_STEP, "compile")
+    compiled(compiled.new_cache(), prompt, logits_to_keep=1)
+    assert compiled.stats == {"bucketed": 0, "eager": 1, "batched": 0, "prefill": 0}
 
 
 def test_tree_drafts_and_self_draft_views_take_the_fast_path(tiny_target, tiny_draft):

@@ -87,11 +87,12 @@ def verify_batch(target: LocalTarget, requests: Sequence[VerifyRequest],
             rows = sorted(rows + chunks, key=lambda row: row.state.cache.slot)
         logits = (_forward_fast if target.fast is not None else _forward_packed if packed else _forward)(target, rows)
         forward_s = device_time(target.device) - started
+        choices = _greedy_choices(rows, logits)
         for row, judged in zip(rows, logits):
             if row.request is None:
                 row.job.fed += len(row.inputs)
             else:
-                results[row.index] = _finish(target, row, judged, forward_s, started)
+                results[row.index] = _finish(target, row, judged, forward_s, started, choices.get(row.index))
     return results
 
 
@@ -208,14 +209,29 @@ def _padded(layers: list, length: int) -> tuple[torch.Tensor, torch.Tensor]:
     return keys, values
 
 
+def _greedy_choices(rows: list[_Row], logits: list[torch.Tensor]) -> dict[int, list[int]]:
+    """The target's argmax per judged position of every greedy row, by request index, read from the
+    device in one transfer (each `.tolist()` of a CUDA tensor waits for the device: one per row was
+    one wait per row)."""
+    greedy = [(row, judged) for row, judged in zip(rows, logits)
+              if row.request is not None and row.request.sampling.effective_rule == "greedy"]
+    if not greedy:
+        return {}
+    ids = torch.cat([judged.argmax(-1) for _, judged in greedy]).tolist()
+    out, start = {}, 0
+    for row, judged in greedy:
+        out[row.index], start = ids[start:start + judged.shape[0]], start + judged.shape[0]
+    return out
+
+
 def _finish(target: LocalTarget, row: _Row, logits: torch.Tensor, forward_s: float,  # [1 + tree nodes, vocab]
-            started: float) -> Union[Verdict, Exception]:
+            started: float, choices: Optional[list[int]] = None) -> Union[Verdict, Exception]:
     """Verification for one row, then its commit; a failure rolls back this session only."""
     request, state = row.request, row.state
     num_prefix = len(state.tail)
     try:
         generator = torch.Generator().manual_seed(request.seed)
-        path, bonus = verify(request.tree, logits, request.sampling, generator)  # stays on the device
+        path, bonus = verify(request.tree, logits, request.sampling, generator, choices)  # stays on the device
     except Exception as error:
         keep_positions(state.cache, list(range(row.past)))
         return error

@@ -36,6 +36,11 @@ from specbench.types import FAST_BACKENDS, SpecbenchError
 # Step sizes with their own graph (made on first use); longer inputs run eagerly. Every size up to 8,
 # since a CPU pays for padded tokens (a K=4 verify is 5 tokens); a GPU barely does.
 BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32)
+# A prompt's chunks on the backends that replay fixed shapes without compiling them (compiling costs ~45 s per
+# shape on a GPU): a GPU's eager forward of 48-256 tokens costs 30-50 ms of launches (1.5B on an H100), a replay
+# ~5-9. Only the chunk's last row reaches the language-model head (the prefill reads one row of logits).
+PREFILL_BUCKETS = (64, 128, 256)
+PREFILL_BACKENDS = ("cudagraph", "static")
 CAPTURED = ("cudagraph", "compiled-graph")  # backends that replay CUDA graphs
 
 
@@ -75,7 +80,7 @@ class FastForward:
         self._graphs: dict[tuple, tuple] = {}  # captured: ("batch", size, bucket, width) -> (graph, buffers, out)
         self._graph_generation = 0  # the pool's generation the graphs were captured at
         self._scratch: Optional[int] = None  # the pool slot padding rows of a batch write to
-        self.stats = {"bucketed": 0, "eager": 0, "batched": 0}
+        self.stats = {"bucketed": 0, "eager": 0, "batched": 0, "prefill": 0}
         self.shapes: set[tuple[int, int]] = set()  # (bucket, width) run: a graph each
         self.batch_shapes: set[tuple[int, int, int]] = set()  # (rows, bucket, width) of batched forwards
 
@@ -103,6 +108,9 @@ class FastForward:
         `cache`'s `length` positions; then `length` counts them. `position_ids` [1, n] and
         `attention_mask` [1, 1, n, length + n] (additive) as an eager forward takes them; None: causal."""
         n, past = len(inputs), cache.length
+        if (n > BUCKETS[-1] and logits_to_keep == 1 and position_ids is None and attention_mask is None
+                and self.backend in PREFILL_BACKENDS):
+            return self._prefill(cache, inputs)
         bucket = next((b for b in BUCKETS if b >= n), None)
         if bucket is None or past + bucket > cache.capacity:
             logits = self._eager(cache, inputs, position_ids, attention_mask, logits_to_keep)
@@ -123,6 +131,31 @@ class FastForward:
         output = self.model(input_ids=input_ids, position_ids=positions, attention_mask=mask,
                             past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep)
         return output.logits[0]
+
+    def _prefill(self, cache, inputs) -> torch.Tensor:
+        """A causal run of prompt tokens in chunks of at most `PREFILL_BUCKETS[-1]`, each padded to a bucket and
+        run as a one-row pool step whose head reads only the chunk's last real row (a captured graph's output
+        is then one row, not bucket x vocab, for as long as the graph lives): the last row's logits [1, vocab].
+        A chunk whose bucket would pass the cache's capacity runs eagerly."""
+        size, logits = PREFILL_BUCKETS[-1], None
+        for start in range(0, len(inputs), size):
+            chunk = inputs[start:start + size]
+            n, past = len(chunk), cache.length
+            bucket = next(b for b in BUCKETS + PREFILL_BUCKETS if b >= n)
+            if past + bucket > cache.capacity:
+                logits = self._eager(cache, chunk, None, None, 1)
+            else:
+                self.stats["prefill"] += 1
+                width = width_for(past + bucket, cache.capacity)
+                self.shapes.add((bucket, width))
+                input_ids = torch.zeros((1, bucket), dtype=torch.long)
+                input_ids[0, :n] = torch.as_tensor(chunk, dtype=torch.long)
+                values = (input_ids, self._positions(None, n, bucket, past), self._mask(None, n, bucket, past, width),
+                          torch.tensor([cache.slot]), torch.arange(past, past + bucket).view(1, bucket),
+                          torch.tensor([n - 1]))
+                logits = self._pool_step(1, bucket, width, values, kind="prefill")[0]
+            cache.length = past + n
+        return logits
 
     def _bucketed(self, cache, inputs, bucket, position_ids, attention_mask):
         self.stats["bucketed"] += 1
@@ -182,27 +215,29 @@ class FastForward:
             cache.length = past + len(row)
         return [logits[r, :len(row)] for r, row in enumerate(inputs)]
 
-    def _pool_step(self, size: int, bucket: int, width: int, values: tuple) -> torch.Tensor:
+    def _pool_step(self, size: int, bucket: int, width: int, values: tuple, kind: str = "batch") -> torch.Tensor:
         """Logits [size, bucket, vocab] of one forward over pool rows; `values`: input ids, positions, mask,
-        slot index, write index (on the host), replayed from a graph per shape where captured."""
+        slot index, write index (on the host), and for a "prefill" the index of the one row the head reads
+        (logits [size, 1, vocab]); replayed from a graph per kind and shape where captured."""
         if self.backend in CAPTURED:
-            return self._replay(("batch", size, bucket, width), values)
+            return self._replay((kind, size, bucket, width), values)
         values = [value.to(self.device) for value in values]
         if self.backend == "compile":  # one graph for every batch size: the rows dimension is symbolic
             for value in values:
                 torch._dynamo.mark_dynamic(value, 0)
-        input_ids, rotary, mask, slot_index, write_index = values
+        input_ids, rotary, mask, slot_index, write_index, *keep = values
         step = self._compiled or self._step
-        return step(PoolBatch(self.pool, slot_index, write_index, width), input_ids, rotary, mask)
+        return step(PoolBatch(self.pool, slot_index, write_index, width), input_ids, rotary, mask, *keep)
 
-    def _step(self, cache, input_ids, position_ids, mask):
+    def _step(self, cache, input_ids, position_ids, mask, keep=0):
+        """`keep`: 0 for every row's logits, or a tensor of the rows the head reads."""
         output = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
-                            past_key_values=cache, use_cache=True)
+                            past_key_values=cache, use_cache=True, logits_to_keep=keep)
         return output.logits
 
     def _replay(self, key: tuple, values: tuple) -> torch.Tensor:
-        """CUDA: copy `values` (input ids, positions, mask, slot index, write index) into the buffers the
-        graph `key` = ("batch", size, bucket, width) was captured with, capturing it on first use over the
+        """CUDA: copy `values` (input ids, positions, mask, slot index, write index[, head rows]) into the buffers
+        the graph `key` = (kind, size, bucket, width) was captured with, capturing it on first use over the
         pool rows its index buffers name, and replay it. Graphs captured before the pool grew (its tensors
         moved) are dropped. All share one memory pool (a graph per shape would otherwise hold its own
         activations), so a replay may overwrite what another left: the logits returned are a copy."""
@@ -216,13 +251,13 @@ class FastForward:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # warm up off the capture (allocator, lazy inits; compiles)
-                step(cache, *buffers[:3])
+                step(cache, *buffers[:3], *buffers[5:])
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             # a live graph's pool: a handle whose graphs were all dropped names a freed pool
             shared = next(iter(self._graphs.values()))[0].pool() if self._graphs else None
             with torch.cuda.graph(graph, pool=shared):
-                out = step(cache, *buffers[:3])
+                out = step(cache, *buffers[:3], *buffers[5:])
             self._graphs[key] = (graph, buffers, out)
         graph, buffers, out = self._graphs[key]
         for buffer, value in zip(buffers, values):

@@ -8,6 +8,7 @@ position where no child is accepted; the token it emits there is the bonus/recov
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Optional
 
 import torch
 
@@ -16,18 +17,20 @@ from specbench.types import DraftTree, SamplingParams, SpecbenchError
 
 
 def verify(tree: DraftTree, target_logits: torch.Tensor, sampling: SamplingParams,
-           generator: torch.Generator) -> tuple[tuple[int, ...], int]:
+           generator: torch.Generator, choices: Optional[list[int]] = None) -> tuple[tuple[int, ...], int]:
     """Dispatch on the effective rule; returns (accepted node path, bonus token).
 
     target_logits: [num_nodes + 1, vocab_size], on the target's device. Only what the walk needs
     leaves it: the argmax ids under greedy (one small copy), else the processed rows it visits.
+    `choices`: those argmax ids, where the caller read them already (a batch reads every greedy
+    row's in one transfer: on a GPU each read is a synchronization).
     """
     if target_logits.shape[0] != len(tree) + 1:
         raise SpecbenchError(
             f"target logits have {target_logits.shape[0]} rows; a {len(tree)}-node tree needs {len(tree) + 1}")
     rule = sampling.effective_rule
     if rule == "greedy":  # processed_probs is one-hot on the logits' argmax: take the argmax directly
-        target_choices = target_logits.argmax(-1).tolist()
+        target_choices = choices if choices is not None else target_logits.argmax(-1).tolist()
         return _walk(tree, lambda node: target_choices[node + 1])
     row_probs = _RowProbs(target_logits, sampling)
     if rule == "sample-match":
