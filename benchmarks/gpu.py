@@ -8,7 +8,8 @@ forward latency over tokens x contexts, eager (Hugging Face's dynamic cache) and
 (weight bytes + the context's KV bytes, over the device's copy bandwidth measured here); then per
 (draft, target) pair the cost ratio c = draft step / target step, and a replay of the reference's
 accepted lengths per step (draft K one-token steps, one K+1-token verify with its greedy argmax read
-back, caches rolled back to what was accepted) against target-only steps, eager and fast.
+back, caches rolled back to what was accepted) against target-only steps, eager and fast. Last, a prompt's
+forward (its last row of logits) of `--prompts` tokens, eager and fast (chunks replayed at prefill buckets).
 
     python benchmarks/gpu.py                            # on CUDA: 0.5B, 1.5B, 7B in bf16
     python benchmarks/gpu.py --save-profiles            # also write profiles/ for notebook 03
@@ -26,6 +27,7 @@ from specbench.decode.clock import device_time
 from specbench.decode.fast_forward import FastForward
 from specbench.decode.kv import crop_to, new_cache
 from specbench.decode.profile import forward_latency_grid
+from specbench.decode.static_kv import rounded
 from specbench.hardware import device_name
 from specbench.models.memory import kv_bytes_per_token, weight_bytes
 
@@ -188,6 +190,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--k", type=int, default=4, help="chain length of the SD replay")
     parser.add_argument("--steps", type=int, default=40, help="SD steps replayed per pair")
+    parser.add_argument("--prompts", type=int, nargs="+", default=[100, 512, 2048],
+                        help="prompt lengths whose prefill is timed, eager and fast")
     parser.add_argument("--bandwidth-mib", type=int, default=1024, help="size of the copy that measures bandwidth")
     parser.add_argument("--save-profiles", action="store_true", help="write eager and fast profiles to profiles/")
     parser.add_argument("--out", default=str(RESULTS / "gpu.json"))
@@ -228,9 +232,13 @@ def main() -> None:
     if len(pairs):
         print(f"\nSD replay ({trace}, K={args.k}, context {min(args.contexts)}):")
         print(pairs.round(4).to_string(index=False))
+    prefills = [row for arch, model in models.items() for row in prefill_rows(model, arch, args, fast)]
+    if prefills:
+        print("\nprefill (a prompt's forward, its last row of logits):")
+        print(pd.DataFrame(prefills).round(3).to_string(index=False))
     report = {"device": device_name(args.device), "dtype": args.dtype, "backend": fast,
               "bandwidth_bytes_per_s": bytes_per_s, "trace": trace, "forwards": forward_rows, "pairs": pair_rows,
-              "args": vars(args)}
+              "prefills": prefills, "args": vars(args)}
     write_report(args.out, report)
     if args.save_profiles:
         save(profiles, models, args, fast)
@@ -243,6 +251,36 @@ def grid(model, args, fast) -> list[dict]:
     if batches:
         rows += forward_latency_grid(model, args.batch_tokens, args.batch_contexts, args.repeats, batches=batches,
                                      fast=fast)
+    return rows
+
+
+@torch.inference_mode()
+def prefill_rows(model, arch: str, args, fast: str) -> list[dict]:
+    """Median ms of a prompt's forward into a fresh cache (the head on its last row only): eager, one Hugging
+    Face forward; fast, `FastForward` (chunks of at most 256 tokens replayed at prefill buckets where the
+    backend replays shapes; compiled backends run the prompt eagerly on the static cache)."""
+    device = model.get_input_embeddings().weight.device
+    forward = FastForward(model, rounded(max(args.prompts)), fast)
+    rows = []
+    for length in args.prompts:
+        ids = torch.tensor([[(i * 7) % 500 + 10 for i in range(length)]])
+        median, chunks = {}, forward.stats["prefill"]
+        for variant in ("eager", "fast"):
+            samples = []
+            for _ in range(args.repeats + 1):  # the first captures (or compiles) the shapes
+                cache = forward.new_cache() if variant == "fast" else new_cache(model.config)
+                start = device_time(device)
+                if variant == "fast":
+                    forward(cache, ids[0].tolist(), logits_to_keep=1)
+                else:
+                    model(input_ids=ids.to(device), past_key_values=cache, use_cache=True, logits_to_keep=1)
+                samples.append(device_time(device) - start)
+                if variant == "fast":
+                    forward.forget(cache)
+            median[variant] = statistics.median(samples[1:])
+        rows.append({"arch": arch, "prompt": length, "eager_ms": 1000 * median["eager"],
+                     "fast_ms": 1000 * median["fast"], "eager_over_fast": median["eager"] / median["fast"],
+                     "chunks_replayed": (forward.stats["prefill"] - chunks) // (args.repeats + 1)})
     return rows
 
 
