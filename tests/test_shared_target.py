@@ -115,3 +115,20 @@ def _keys(prompt, records, decoding, context_key):
         remaining = decoding.max_new_tokens - (len(context) - len(prompt))
         yield context_key(context, decoding.k, remaining - 1)
         context += record.emitted_tokens
+
+
+def test_the_worker_host_benchmark_splits_a_round_into_forward_and_the_rest():
+    """benchmarks/worker_host.py: rounds of verifies from several sessions through an in-process worker, each
+    split into the forward and the worker's own work; each round names the committed lengths the last one
+    returned, so a reply that is not ok (a stale step) fails it."""
+    import argparse
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from worker_host import measure
+
+    args = argparse.Namespace(k=3, prompt_tokens=12, warmup=1, rounds=3)
+    for fast in ("off", "static"):
+        row = measure("tiny-random:seed=0", "cpu", fast, 3, args)
+        assert row["rows"] == 3 and row["round_ms"] >= row["forward_ms"] > 0 and row["host_ms"] > 0
