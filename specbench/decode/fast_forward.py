@@ -29,6 +29,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from specbench.decode import lean_forward
 from specbench.decode.kv import plain_layers
 from specbench.decode.static_kv import PoolBatch, StaticKV, StaticPool, rounded, width_for
 from specbench.types import FAST_BACKENDS, SpecbenchError
@@ -55,8 +56,10 @@ def check_fast_model(model) -> None:
 class FastForward:
     """Forwards of one model over `StaticKV` caches; `__call__` mirrors an eager cached forward."""
 
-    def __init__(self, model, capacity: int, backend: bool | str | None = None):
-        """`backend`: one of FAST_BACKENDS, or None / True / "auto" for the device's (cudagraph on CUDA)."""
+    def __init__(self, model, capacity: int, backend: bool | str | None = None, lean: bool = True):
+        """`backend`: one of FAST_BACKENDS, or None / True / "auto" for the device's (cudagraph on CUDA).
+        `lean`: steps through `lean_forward` where it supports the model (fewer kernels), else Hugging Face's
+        forward; False always Hugging Face's (to compare them)."""
         check_fast_model(model)
         self.model = model
         self.capacity = capacity
@@ -69,6 +72,7 @@ class FastForward:
         if backend in CAPTURED and device.type != "cuda":
             raise SpecbenchError(f"the {backend} backend needs a CUDA model; this one is on {device}")
         self.backend = backend
+        self.lean = lean_forward.LeanForward(model) if lean and lean_forward.supports(model) else None
         self._compiled = None
         if backend in ("compile", "compiled-graph"):
             import torch._dynamo
@@ -231,6 +235,8 @@ class FastForward:
 
     def _step(self, cache, input_ids, position_ids, mask, keep=0):
         """`keep`: 0 for every row's logits, or a tensor of the rows the head reads."""
+        if self.lean is not None:
+            return self.lean(cache, input_ids, position_ids, mask, keep)
         output = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
                             past_key_values=cache, use_cache=True, logits_to_keep=keep)
         return output.logits
