@@ -3,7 +3,8 @@
 Part 1, forwards: a target's verify forward of n = 1, 2, 4, 8 tokens after a `--context`-token prompt,
 through `LocalTarget` eager (its default path: the pooled cache) and fast, alternating repeat by repeat
 so drift on a shared box hits both alike; the fast path's first call per shape (its compile) is
-reported apart. Part 2, runs: `run()` of target-only and the pair's SD method, eager and fast, on the
+reported apart. `--hf-step` adds the fast path with Hugging Face's forward as its step in place of
+`decode/lean_forward.py` (what the lean step buys), alternated with the others. Part 2, runs: `run()` of target-only and the pair's SD method, eager and fast, on the
 same prompts: tokens/s, the fast/eager ratio, and whether every output is identical. Each fast run is
 done once untimed first, so every shape it meets is compiled before the timed passes.
 
@@ -20,6 +21,7 @@ import pandas as pd
 import torch
 
 from specbench.api import outputs, run
+from specbench.decode.fast_forward import FastForward
 from specbench.decode.kv import crop_to
 from specbench.decode.target import LocalTarget
 from specbench.models.loading import as_loaded
@@ -44,21 +46,29 @@ def forward_ms(target: LocalTarget, n: int, context: int) -> float:
     return elapsed
 
 
-def forwards(loaded, backend: str, context: int, repeats: int) -> list[dict]:
-    eager, fast = LocalTarget(loaded), LocalTarget(loaded, fast=backend)
+def forwards(loaded, backend: str, context: int, repeats: int, hf_step: bool = False) -> list[dict]:
+    targets = {"eager": LocalTarget(loaded), "fast": LocalTarget(loaded, fast=backend)}
+    if hf_step:  # the same fast path, stepping through Hugging Face's forward
+        targets["fast_hf"] = LocalTarget(loaded, fast=backend)
+        targets["fast_hf"].fast = FastForward(loaded.model, targets["fast"].fast.capacity, backend, lean=False)
     rows = []
     for n in (1, 2, 4, 8):
-        first = forward_ms(fast, n, context)  # compiles this shape
-        forward_ms(eager, n, context)
-        times = {"eager": [], "fast": []}
+        first = forward_ms(targets["fast"], n, context)  # compiles this shape
+        for name, target in targets.items():
+            if name != "fast":
+                forward_ms(target, n, context)
+        times = {name: [] for name in targets}
         for _ in range(repeats):
-            times["eager"].append(forward_ms(eager, n, context))
-            times["fast"].append(forward_ms(fast, n, context))
-        eager_ms, fast_ms = statistics.median(times["eager"]), statistics.median(times["fast"])
-        rows.append({"model": loaded.spec.label, "tokens": n, "context": context, "eager_ms": eager_ms,
-                     "fast_ms": fast_ms, "eager_over_fast": eager_ms / fast_ms, "first_fast_call_s": first / 1000})
-        print(f"  {loaded.spec.label} n={n}: eager {eager_ms:.1f} ms, fast {fast_ms:.1f} ms "
-              f"(x{eager_ms / fast_ms:.2f}; first call {first / 1000:.1f} s)", flush=True)
+            for name, target in targets.items():
+                times[name].append(forward_ms(target, n, context))
+        ms = {name: statistics.median(samples) for name, samples in times.items()}
+        row = {"model": loaded.spec.label, "tokens": n, "context": context, "eager_ms": ms["eager"],
+               "fast_ms": ms["fast"], "eager_over_fast": ms["eager"] / ms["fast"], "first_fast_call_s": first / 1000}
+        if hf_step:
+            row.update(fast_hf_ms=ms["fast_hf"], fast_hf_over_fast=ms["fast_hf"] / ms["fast"])
+        rows.append(row)
+        print(f"  {loaded.spec.label} n={n}: " + ", ".join(f"{name} {value:.1f} ms" for name, value in ms.items())
+              + f" (eager/fast x{ms['eager'] / ms['fast']:.2f}; first call {first / 1000:.1f} s)", flush=True)
     return rows
 
 
@@ -104,6 +114,9 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=200)
     parser.add_argument("--dtype", default="float32", help="target and draft (bfloat16 pays on CPUs with avx512_bf16)")
     parser.add_argument("--no-forwards", action="store_true", help="only part 2 (the runs)")
+    parser.add_argument("--no-runs", action="store_true", help="only part 1 (the forwards)")
+    parser.add_argument("--hf-step", action="store_true", help="part 1 also times the fast path with Hugging Face's "
+                                                               "forward as its step (lean_forward off)")
     parser.add_argument("--repeats", type=int, default=5, help="forward timings per shape and variant")
     parser.add_argument("--run-repeats", type=int, default=2, help="timed runs per variant")
     parser.add_argument("--prompts", type=int, default=3)
@@ -120,15 +133,19 @@ def main() -> None:
         for name in filter(None, (target_name, draft_name)):
             if not args.no_forwards:
                 print(f"{pair}: forwards of {name}", flush=True)
-                forward_rows += forwards(as_loaded(name, args.dtype), args.backend, args.context, args.repeats)
-        print(f"{pair}: runs ({args.dtype})", flush=True)
-        run_rows += runs(pair, args.backend, prompts, args.max_new_tokens, args.run_repeats, args.methods, args.dtype)
+                forward_rows += forwards(as_loaded(name, args.dtype), args.backend, args.context, args.repeats,
+                                         args.hf_step)
+        if not args.no_runs:
+            print(f"{pair}: runs ({args.dtype})", flush=True)
+            run_rows += runs(pair, args.backend, prompts, args.max_new_tokens, args.run_repeats, args.methods,
+                             args.dtype)
         report = {"backend": args.backend, "forwards": forward_rows, "runs": run_rows, "args": vars(args)}
         write_report(args.out, report)  # after each pair: a long run that dies keeps what it measured
     pd.set_option("display.width", 200)
     if forward_rows:
         print(pd.DataFrame(forward_rows).round(3).to_string(index=False))
-    print(pd.DataFrame(run_rows).round(3).to_string(index=False))
+    if run_rows:
+        print(pd.DataFrame(run_rows).round(3).to_string(index=False))
 
 
 if __name__ == "__main__":

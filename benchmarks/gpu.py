@@ -9,7 +9,8 @@ forward latency over tokens x contexts, eager (Hugging Face's dynamic cache) and
 (draft, target) pair the cost ratio c = draft step / target step, and a replay of the reference's
 accepted lengths per step (draft K one-token steps, one K+1-token verify with its greedy argmax read
 back, caches rolled back to what was accepted) against target-only steps, eager and fast. Last, a prompt's
-forward (its last row of logits) of `--prompts` tokens, eager and fast (chunks replayed at prefill buckets).
+forward (its last row of logits) of `--prompts` tokens, eager and fast (chunks replayed at prefill buckets),
+and the fast step through `decode/lean_forward.py` (the default) against Hugging Face's forward as the step.
 
     python benchmarks/gpu.py                            # on CUDA: 0.5B, 1.5B, 7B in bf16
     python benchmarks/gpu.py --save-profiles            # also write profiles/ for notebook 03
@@ -190,6 +191,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--k", type=int, default=4, help="chain length of the SD replay")
     parser.add_argument("--steps", type=int, default=40, help="SD steps replayed per pair")
+    parser.add_argument("--step-tokens", type=int, nargs="+", default=[1, 4, 5, 8],
+                        help="lone fast steps timed lean and with Hugging Face's forward, at the first --batch-contexts")
     parser.add_argument("--prompts", type=int, nargs="+", default=[100, 512, 2048],
                         help="prompt lengths whose prefill is timed, eager and fast")
     parser.add_argument("--bandwidth-mib", type=int, default=1024, help="size of the copy that measures bandwidth")
@@ -232,13 +235,17 @@ def main() -> None:
     if len(pairs):
         print(f"\nSD replay ({trace}, K={args.k}, context {min(args.contexts)}):")
         print(pairs.round(4).to_string(index=False))
+    steps = [row for arch, model in models.items() for row in step_rows(model, arch, args, fast, bytes_per_s)]
+    if steps:
+        print("\nfast steps, lean forward vs Hugging Face's forward as the step:")
+        print(pd.DataFrame(steps).round(3).to_string(index=False))
     prefills = [row for arch, model in models.items() for row in prefill_rows(model, arch, args, fast)]
     if prefills:
         print("\nprefill (a prompt's forward, its last row of logits):")
         print(pd.DataFrame(prefills).round(3).to_string(index=False))
     report = {"device": device_name(args.device), "dtype": args.dtype, "backend": fast,
               "bandwidth_bytes_per_s": bytes_per_s, "trace": trace, "forwards": forward_rows, "pairs": pair_rows,
-              "prefills": prefills, "args": vars(args)}
+              "steps": steps, "prefills": prefills, "args": vars(args)}
     write_report(args.out, report)
     if args.save_profiles:
         save(profiles, models, args, fast)
@@ -251,6 +258,34 @@ def grid(model, args, fast) -> list[dict]:
     if batches:
         rows += forward_latency_grid(model, args.batch_tokens, args.batch_contexts, args.repeats, batches=batches,
                                      fast=fast)
+    return rows
+
+
+def step_rows(model, arch: str, args, fast: str, bytes_per_s: float) -> list[dict]:
+    """Median ms of a lone fast step of n tokens after `--batch-contexts[0]` cached ones: the lean forward
+    (the fast path's step where it supports the model) and Hugging Face's, alternated repeat by repeat."""
+    context = args.batch_contexts[0]
+    forwards = {lean: FastForward(model, rounded(context + 64), fast, lean=lean) for lean in (True, False)}
+    if forwards[True].lean is None:
+        return []  # an architecture the lean forward does not take: both would be Hugging Face's
+    caches = {lean: forward.new_cache() for lean, forward in forwards.items()}
+    prompt = [(i * 7) % 500 + 10 for i in range(context)]
+    for lean, forward in forwards.items():
+        forward(caches[lean], prompt, logits_to_keep=1)
+    device, rows = forwards[True].device, []
+    for n in args.step_tokens:
+        samples = {True: [], False: []}
+        for attempt in range(args.repeats + 1):  # the first captures (or compiles) the shape
+            for lean, forward in forwards.items():
+                start = device_time(device)
+                forward(caches[lean], prompt[:n])
+                if attempt:
+                    samples[lean].append(device_time(device) - start)
+                caches[lean].set_length(context)
+        lean_s, hf_s = statistics.median(samples[True]), statistics.median(samples[False])
+        floor = floor_s(model, n, context, bytes_per_s)
+        rows.append({"arch": arch, "tokens": n, "context": context, "lean_ms": 1000 * lean_s, "hf_step_ms": 1000 * hf_s,
+                     "hf_over_lean": hf_s / lean_s, "floor_ms": 1000 * floor, "lean_over_floor": lean_s / floor})
     return rows
 
 

@@ -238,8 +238,8 @@ def test_the_gpu_benchmark_script_runs_on_a_cpu(tmp_path):
     subprocess.run([sys.executable, "gpu.py", "--device", "cpu", "--archs", "tiny", "tiny-draft", "--dtype", "float32",
                     "--backend", "static", "--tokens", "1", "4", "--contexts", "40", "--repeats", "2", "--steps", "6",
                     "--bandwidth-mib", "8", "--batches", "2", "--batch-tokens", "2", "--batch-contexts", "40",
-                    "--prompts", "20", "100", "--out", str(out)], cwd=root / "benchmarks", check=True,
-                   capture_output=True, timeout=300)
+                    "--prompts", "20", "100", "--step-tokens", "1", "4", "--out", str(out)],
+                   cwd=root / "benchmarks", check=True, capture_output=True, timeout=300)
     report = json.loads(out.read_text())
     assert {(r["arch"], r["batch"], r["tokens"]) for r in report["forwards"]} == {
         (a, b, n) for a in ("tiny", "tiny-draft") for b, n in ((1, 1), (1, 4), (2, 2))}
@@ -248,6 +248,9 @@ def test_the_gpu_benchmark_script_runs_on_a_cpu(tmp_path):
     assert all(r["sd_ms_per_token"] > 0 and r["mean_accepted"] >= 0 for r in report["pairs"])
     assert [(r["arch"], r["prompt"]) for r in report["prefills"]] == [
         (a, n) for a in ("tiny", "tiny-draft") for n in (20, 100)]
+    assert [(r["arch"], r["tokens"]) for r in report["steps"]] == [
+        (a, n) for a in ("tiny", "tiny-draft") for n in (1, 4)]
+    assert all(r["lean_ms"] > 0 and r["hf_step_ms"] > 0 for r in report["steps"])
     assert all(r["fast_ms"] > 0 for r in report["prefills"]) and [r["chunks_replayed"] for r in report["prefills"]] == [0, 1] * 2
 
 

@@ -7,7 +7,10 @@ This forward computes the same function with about half as many: one matmul for 
 gate and up (their weights concatenated once, the modules' own weights becoming views of the result, so
 no memory is added and Hugging Face's forward still reads the same values), a fused `rms_norm`, rotary
 applied to q and k in one go, each residual add folded into its output projection (`addmm`), and
-grouped-query attention without copying the keys per head.
+grouped-query attention without copying the keys per head: the query heads that share a key head are
+stacked as extra query rows of that head (the mask repeated to match, once per step), as Hugging Face does
+for one token without a mask; with a mask, PyTorch's own grouped attention falls back to its slowest
+kernel on CUDA, and Hugging Face's copies every key and value per head instead.
 
 It runs over the fast path's caches (`StaticKV`, `PoolBatch`), whose layers take the new keys and values
 and return what to attend over, and takes the additive 4D mask and positions `FastForward` builds. Only
@@ -105,15 +108,19 @@ class LeanForward:
         hidden = inner.embed_tokens(input_ids)
         cos, sin = inner.rotary_emb(hidden, position_ids)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [rows, 1, n, head_dim]: broadcast over heads
+        group = self.layers[0].heads // self.layers[0].kv_heads
+        grouped = mask.repeat(1, 1, group, 1) if group > 1 else mask  # one mask row per stacked query row
         for layer, cache_layer in zip(self.layers, cache.layers):
-            hidden = _decoder_layer(layer, hidden, cos, sin, mask, cache_layer)
+            hidden = _decoder_layer(layer, hidden, cos, sin, grouped, cache_layer)
         hidden = _rms_norm(hidden, self.norm, self.eps)
         if not isinstance(keep, int) or keep:
             hidden = hidden[:, keep] if not isinstance(keep, int) else hidden[:, -keep:]
         return self.model.lm_head(hidden)
 
 
-def _decoder_layer(layer: _Layer, hidden: torch.Tensor, cos, sin, mask, cache_layer) -> torch.Tensor:
+def _decoder_layer(layer: _Layer, hidden: torch.Tensor, cos, sin, grouped_mask, cache_layer) -> torch.Tensor:
+    """One layer; `grouped_mask` [rows, 1, group * n, width]: the step's mask once per query head sharing a
+    key head (query row r * n + t is head kv * group + r at position t)."""
     rows, n, size = hidden.shape
     heads, kv_heads, head_dim = layer.heads, layer.kv_heads, layer.head_dim
     qkv = F.linear(_rms_norm(hidden, layer.norm_in, layer.eps_in), layer.qkv, layer.qkv_bias)
@@ -122,9 +129,9 @@ def _decoder_layer(layer: _Layer, hidden: torch.Tensor, cos, sin, mask, cache_la
     half = head_dim // 2
     qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin  # rotary, q and k together
     keys, values = cache_layer.update(qk[:, heads:], values)
-    attended = F.scaled_dot_product_attention(qk[:, :heads], keys, values, attn_mask=mask, scale=layer.scaling,
-                                              enable_gqa=heads != kv_heads)
-    attended = attended.transpose(1, 2).reshape(rows * n, heads * head_dim)
+    queries = qk[:, :heads].reshape(rows, kv_heads, (heads // kv_heads) * n, head_dim)
+    attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=grouped_mask, scale=layer.scaling)
+    attended = attended.view(rows, heads, n, head_dim).transpose(1, 2).reshape(rows * n, heads * head_dim)
     flat = _residual_linear(hidden.reshape(rows * n, size), attended, layer.out, layer.out_bias)
     gate, up = F.linear(_rms_norm(flat, layer.norm_post, layer.eps_post), layer.gate_up,
                         layer.gate_up_bias).split(layer.inter, dim=-1)
