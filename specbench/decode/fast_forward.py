@@ -5,7 +5,9 @@ pays Python and kernel-launch overhead per layer whatever the size, which on a G
 (measured on an H100: ~26 ms for a 1.5B forward of 1 or 64 tokens, ~1.2 ms of memory traffic). Fixed
 shapes remove it: every step is padded to a bucket of `BUCKETS` tokens and attends over a width that is
 a multiple of `static_kv.WIDTH_STEP`, so a few compiled graphs (or captured CUDA graphs) cover a whole
-generation. Longer inputs (a prompt) run eagerly on the same cache.
+generation. A prompt runs in chunks padded to `PREFILL_BUCKETS` where steps replay (captured, static),
+eagerly on the same cache where they compile. Each step of a Llama or Qwen2 model is `lean_forward`'s
+(fewer kernels than Hugging Face's forward, the same function).
 
 Padding: a bucket's extra inputs are written into the cache past the step's real positions and see
 only column 0; their logits are dropped and their keys lie beyond `length`, which no later mask
@@ -34,7 +36,8 @@ from specbench.decode.kv import plain_layers
 from specbench.decode.static_kv import PoolBatch, StaticKV, StaticPool, rounded, width_for
 from specbench.types import FAST_BACKENDS, SpecbenchError
 
-# Step sizes with their own graph (made on first use); longer inputs run eagerly. Every size up to 8,
+# Step sizes with their own graph (made on first use); longer inputs run eagerly, but for a prompt's chunks on
+# the backends that replay (PREFILL_BUCKETS). Every size up to 8,
 # since a CPU pays for padded tokens (a K=4 verify is 5 tokens); a GPU barely does.
 BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32)
 # A prompt's chunks on the backends that replay fixed shapes without compiling them (compiling costs ~45 s per
