@@ -32,7 +32,7 @@ MODEL_TYPES = ("llama", "qwen2")
 
 def supports(model) -> bool:
     """Whether `model` is a decoder this forward computes exactly: Llama or Qwen2 layers, full attention,
-    unquantized `nn.Linear` projections, no per-head q/k norms."""
+    unquantized `nn.Linear` projections, no per-head q/k norms, q/k/v (gate/up) all biased or none."""
     config = model.config
     if config.model_type not in MODEL_TYPES or not plain_layers(config):
         return False
@@ -44,6 +44,9 @@ def supports(model) -> bool:
                    mlp.gate_proj, mlp.up_proj, mlp.down_proj]
         if any(type(linear) is not torch.nn.Linear for linear in linears) or hasattr(attention, "q_norm"):
             return False
+        for fused in (linears[:3], linears[4:6]):  # biases all or none, as the fused matmul has one or none
+            if len({linear.bias is None for linear in fused}) > 1:
+                return False
     return True
 
 
@@ -59,12 +62,7 @@ def _fused(linears: list, name: str) -> tuple[torch.Tensor, Optional[torch.Tenso
         return held
     with torch.no_grad():
         weight = torch.cat([linear.weight.data for linear in linears])
-        has_bias = [linear.bias is not None for linear in linears]
-        bias = torch.cat([linear.bias.data for linear in linears]) if all(has_bias) else None
-        if any(has_bias) and bias is None:
-            bias = torch.cat([linear.bias.data if linear.bias is not None else
-                              torch.zeros(r, dtype=weight.dtype, device=weight.device)
-                              for linear, r in zip(linears, rows)])
+        bias = torch.cat([linear.bias.data for linear in linears]) if owner.bias is not None else None
         for linear, start, count in zip(linears, starts, rows):
             linear.weight.data = weight[start:start + count]
             if linear.bias is not None:
