@@ -192,7 +192,7 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4, help="chain length of the SD replay")
     parser.add_argument("--steps", type=int, default=40, help="SD steps replayed per pair")
     parser.add_argument("--step-tokens", type=int, nargs="+", default=[1, 4, 5, 8],
-                        help="lone fast steps timed lean and with Hugging Face's forward, at the first --batch-contexts")
+                        help="lone fast steps timed lean and with Hugging Face's forward (at --batch-contexts[0])")
     parser.add_argument("--prompts", type=int, nargs="+", default=[100, 512, 2048],
                         help="prompt lengths whose prefill is timed, eager and fast")
     parser.add_argument("--bandwidth-mib", type=int, default=1024, help="size of the copy that measures bandwidth")

@@ -45,6 +45,23 @@ def tiny_qwen2(seed: int = 0):
     return model
 
 
+def tiny_of(kind: str, seed: int = 0):
+    """A tiny Mistral (no sliding window) or Qwen3 (per-head q/k norms, given random weights so they count)."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    shape = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2)
+    torch.manual_seed(seed)
+    if kind == "mistral":
+        return MistralForCausalLM(MistralConfig(**shape, sliding_window=None)).eval()
+    model = Qwen3ForCausalLM(Qwen3Config(**shape, head_dim=16)).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_norm.weight.normal_(1, 0.3)
+            layer.self_attn.k_norm.weight.normal_(1, 0.3)
+    return model
+
+
 def _steps(model, lean: bool):
     """Logits of a lone 5-token step and of a batch of 3 rows (ragged pasts), over static caches."""
     forward = FastForward(model, 2 * WIDTH_STEP, "static", lean=lean)
@@ -65,9 +82,10 @@ def _steps(model, lean: bool):
     return lone, batch
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "qwen3"])
 def test_lean_steps_equal_hugging_face_steps(tiny_target, kind):
-    model = tiny_target.model if kind == "llama" else tiny_qwen2()
+    models = {"llama": lambda: tiny_target.model, "qwen2": tiny_qwen2}
+    model = models.get(kind, lambda: tiny_of(kind))()
     assert lean_forward.supports(model)
     hf_lone, hf_batch = _steps(model, lean=False)
     lean_lone, lean_batch = _steps(model, lean=True)

@@ -6,7 +6,7 @@ pays Python and kernel-launch overhead per layer whatever the size, which on a G
 shapes remove it: every step is padded to a bucket of `BUCKETS` tokens and attends over a width that is
 a multiple of `static_kv.WIDTH_STEP`, so a few compiled graphs (or captured CUDA graphs) cover a whole
 generation. A prompt runs in chunks padded to `PREFILL_BUCKETS` where steps replay (captured, static),
-eagerly on the same cache where they compile. Each step of a Llama or Qwen2 model is `lean_forward`'s
+eagerly on the same cache where they compile. Each step of a Llama/Mistral/Qwen2/Qwen3 model is `lean_forward`'s
 (fewer kernels than Hugging Face's forward, the same function).
 
 Padding: a bucket's extra inputs are written into the cache past the step's real positions and see
