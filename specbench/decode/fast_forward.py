@@ -152,20 +152,14 @@ class FastForward:
             if past + bucket > cache.capacity:
                 logits = self._eager(cache, chunk, None, None, 1)
             else:
-                self.stats["prefill"] += 1
-                width = width_for(past + bucket, cache.capacity)
-                self.shapes.add((bucket, width))
-                input_ids = torch.zeros((1, bucket), dtype=torch.long)
-                input_ids[0, :n] = torch.as_tensor(chunk, dtype=torch.long)
-                values = (input_ids, self._positions(None, n, bucket, past), self._mask(None, n, bucket, past, width),
-                          torch.tensor([cache.slot]), torch.arange(past, past + bucket).view(1, bucket),
-                          torch.tensor([n - 1]))
-                logits = self._pool_step(1, bucket, width, values, kind="prefill")[0]
+                logits = self._bucketed(cache, chunk, bucket, None, None, last_only=True)
             cache.length = past + n
         return logits
 
-    def _bucketed(self, cache, inputs, bucket, position_ids, attention_mask):
-        self.stats["bucketed"] += 1
+    def _bucketed(self, cache, inputs, bucket, position_ids, attention_mask, last_only: bool = False):
+        """Logits [bucket, vocab] of `inputs` padded to `bucket`; `last_only` (a prefill chunk, never compiled):
+        [1, vocab], the head reading only the last real row."""
+        self.stats["prefill" if last_only else "bucketed"] += 1
         n, past = len(inputs), cache.length
         width = width_for(past + bucket, cache.capacity)
         self.shapes.add((bucket, width))
@@ -176,6 +170,8 @@ class FastForward:
         write_index = torch.arange(past, past + bucket)
         if self.backend != "compile":  # a batch of one pool row: captured once per shape for every session
             values = (input_ids, positions, mask, torch.tensor([cache.slot]), write_index.view(1, bucket))
+            if last_only:
+                return self._pool_step(1, bucket, width, values + (torch.tensor([n - 1]),), kind="prefill")[0]
             return self._pool_step(1, bucket, width, values)[0]
         cache.prepare(write_index.to(self.device), past + bucket)
         step = self._compiled or self._step

@@ -14,8 +14,8 @@ kernel on CUDA, and Hugging Face's copies every key and value per head instead.
 
 It runs over the fast path's caches (`StaticKV`, `PoolBatch`), whose layers take the new keys and values
 and return what to attend over, and takes the additive 4D mask and positions `FastForward` builds. Only
-models `supports` accepts: Llama and Qwen2 layers of plain `nn.Linear` weights; others keep Hugging
-Face's forward. In float32 the results equal Hugging Face's up to float rounding (the greedy tests hold
+models `supports` accepts: Llama, Mistral, Qwen2 and Qwen3 layers of plain `nn.Linear` weights; others keep
+Hugging Face's forward. In float32 the results equal Hugging Face's up to float rounding (the greedy tests hold
 token for token); in bfloat16 the fused RMSNorm rounds once where Hugging Face rounds twice.
 """
 from __future__ import annotations
@@ -89,8 +89,8 @@ class _Layer:
         self.kv_heads = attention.k_proj.weight.shape[0] // attention.head_dim
         self.head_dim, self.scaling, self.act = attention.head_dim, attention.scaling, mlp.act_fn
         self.inter = mlp.gate_proj.weight.shape[0]
-        norms = (getattr(attention, "q_norm", None), getattr(attention, "k_norm", None))  # Qwen3: per head
-        self.q_norm, self.k_norm = (None, None) if norms[0] is None else norms
+        # Qwen3: per-head RMSNorms of queries and keys (`supports` checks that only Qwen3 has them)
+        self.q_norm, self.k_norm = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
 
 
 class LeanForward:
@@ -115,8 +115,10 @@ class LeanForward:
         for layer, cache_layer in zip(self.layers, cache.layers):
             hidden = _decoder_layer(layer, hidden, cos, sin, grouped, cache_layer)
         hidden = _rms_norm(hidden, self.norm, self.eps)
-        if not isinstance(keep, int) or keep:
-            hidden = hidden[:, keep] if not isinstance(keep, int) else hidden[:, -keep:]
+        if not isinstance(keep, int):
+            hidden = hidden[:, keep]
+        elif keep:
+            hidden = hidden[:, -keep:]
         return self.model.lm_head(hidden)
 
 
