@@ -175,7 +175,7 @@ def _worker(args) -> int:
     from datetime import datetime
 
     from specbench.models.spec import ModelSpec
-    from specbench.worker.limits import WorkerLimits
+    from specbench.worker.limits import LIMIT_FLAGS, WorkerLimits
     from specbench.worker.server import Worker, WorkerConfig
 
     def log(line: str) -> None:
@@ -184,37 +184,24 @@ def _worker(args) -> int:
     logging.getLogger("transformers").setLevel(logging.ERROR)
     spec = lambda name: ModelSpec(name, dtype=args.dtype, device=args.device, quantization=args.quant,  # noqa: E731
                                   kernels=args.kernels) if name else None
-    limits = WorkerLimits(
-        max_sessions=args.max_sessions, max_sessions_per_client=args.max_sessions_per_client,
-        max_prompt_tokens=args.max_prompt_tokens, max_tree_nodes=args.max_tree_nodes,
-        max_new_tokens=args.max_new_tokens, max_profile_points=args.max_profile_points,
-        max_profile_repeats=args.max_profile_repeats,
-        max_kv_bytes=int(args.max_kv_gib * 2**30) if args.max_kv_gib else None,
-        max_request_bytes=args.max_request_bytes, inbound_queue=args.inbound_queue)
+    # every limit is a flag named in LIMIT_FLAGS (the KV budget given in GiB)
+    limits = WorkerLimits(**{name: getattr(args, name) for name in LIMIT_FLAGS if name != "max_kv_bytes"},
+                          max_kv_bytes=int(args.max_kv_gib * 2**30) if args.max_kv_gib else None)
     config = WorkerConfig(bind=args.bind, model=spec(args.model),
                           draft=ModelSpec(args.draft, dtype=args.dtype, device=args.device) if args.draft else None,
                           device=args.device, lazy=args.lazy, allow_load=tuple(args.allow_load),
                           idle_timeout_s=args.idle_timeout, limits=limits, curve_keys=args.curve_keys,
                           insecure=args.insecure, batching=not args.no_batching,
                           batch_window_ms=args.batch_window_ms, batch_wait_ms=args.batch_wait_ms,
-                          max_batch=args.max_batch, prefill_chunk=args.prefill_chunk, fast=args.fast)
+                          max_batch=args.max_batch, slice_tokens=args.slice_tokens, fast=args.fast)
     Worker(config, log=log).serve()
     return 0
 
 
 def _keys(args) -> int:
-    """Create a CURVE key pair for the worker and one for a client, in the layout both expect."""
-    from pathlib import Path
+    from specbench.worker.keys import make_keys
 
-    import zmq.auth
-
-    folder = Path(args.folder)
-    (folder / "clients").mkdir(parents=True, exist_ok=True)
-    folder.chmod(0o700)
-    for name in ("server", "client"):
-        _, secret = zmq.auth.create_certificates(folder, name)
-        Path(secret).chmod(0o600)  # a secret key readable by others is no secret
-    (folder / "clients" / "client.key").write_bytes((folder / "client.key").read_bytes())
+    folder = make_keys(args.folder, force=args.force)
     print(f"worker: --curve-keys {folder}  (clients allowed: {folder / 'clients'}/*.key)")
     print(f"client: RemoteTarget(..., curve_keys='{folder}')  (needs server.key and client.key_secret)")
     return 0
@@ -297,9 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--batch-wait-ms", default="auto", help="how long at most to wait for a session expected back "
                         "from drafting (ms; default auto: a forward's fixed cost, fitted; 0: only --batch-window-ms)")
     worker.add_argument("--max-batch", type=int, default=16, help="requests taken in one round (default %(default)s)")
-    worker.add_argument("--prefill-chunk", type=int, default=256,
-                        help="prompt tokens fed per slice of a long prefill, other sessions' steps running between "
-                             "slices (default %(default)s)")
+    worker.add_argument("--slice-tokens", "--prefill-chunk", dest="slice_tokens", type=int, default=256,
+                        help="new tokens one slice of a long request computes (a prefill chunk, a profile piece): "
+                             "other clients' steps run between slices (default %(default)s)")
     defaults = WorkerLimits()
     for name, (flag, what) in LIMIT_FLAGS.items():
         if name == "max_kv_bytes":
@@ -378,6 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     keys = commands.add_parser("keys", help="create CURVE keys for a worker and a client")
     keys.add_argument("folder")
+    keys.add_argument("--force", action="store_true", help="replace keys already in the folder")
     keys.set_defaults(handler=_keys)
 
     demo = commands.add_parser("demo", help="the main job on the embedded models")

@@ -62,8 +62,23 @@ class ModelDrafter:
                 logits = self._extend(tokens[-1:])
         return DraftTree.chain(tokens, dists)
 
+    def warm(self, context: Sequence[int], max_tokens: int) -> bool:
+        """Feed up to `max_tokens` more of `context` (all but its last token) into the cache; True once
+        fed. A shared worker takes a long prompt into its draft this way, a bounded piece per slice."""
+        context = list(context)
+        common = self._keep_common(context)
+        piece = context[common:len(context) - 1][:max_tokens]
+        if piece:
+            self._extend(piece)
+        return common + len(piece) >= len(context) - 1
+
     def _sync(self, context: list[int]) -> torch.Tensor:
         """Crop the cache to the common prefix (leaving at least the last token to feed); feed the rest."""
+        return self._extend(context[self._keep_common(context):])
+
+    def _keep_common(self, context: list[int]) -> int:
+        """Crop the cache to its longest common prefix with `context`, leaving at least the last token
+        to feed; returns that prefix's length."""
         if self.cache is None:
             self.cache = self.fast.new_cache() if self.fast else new_cache(self.model.config)
         common = 0
@@ -76,7 +91,7 @@ class ModelDrafter:
             self.cache, self.cached_ids, common = new_cache(self.model.config), [], 0
         crop_to(self.cache, common)
         self.cached_ids = self.cached_ids[:common]
-        return self._extend(context[common:])
+        return common
 
     @torch.inference_mode()
     def _extend(self, token_ids: list[int]) -> torch.Tensor:

@@ -89,6 +89,18 @@ class KVPool:
             start += n
         return keys, values
 
+    def release_memory(self) -> int:
+        """With no row in use, drop the tensors (the next use allocates them small again); returns the
+        bytes dropped. A pool only grows while sessions are open: without this, a worker that once
+        served 8 long sessions held their rows' memory after every session closed."""
+        with self._lock:
+            if self.in_use:
+                return 0
+            dropped = self.nbytes()
+            self.keys, self.values = [None] * len(self.keys), [None] * len(self.values)
+            self.capacity = CAPACITY_STEP
+            return dropped
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values if t is not None)
 

@@ -64,13 +64,19 @@ def generate(target: Target, drafter: Optional[Drafter], prompt_ids: Sequence[in
 
 def generate_steps(target: Target, drafter: Optional[Drafter], prompt_ids: Sequence[int], decoding: Decoding, *,
                    seed: int = 0, prompt_index: int = 0, session: str = "default",
-                   step: Callable[..., Step] = speculative_step) -> Generator[StepRecord, None, Generation]:
+                   step: Callable[..., Step] = speculative_step,
+                   prefill_chunk: Optional[int] = None) -> Generator[Optional[StepRecord], None, Generation]:
     """`generate`, pausing after each step (yielding its record): a shared worker runs a server-only
-    generation a step at a time between other clients' batches. Closing it closes the session."""
+    generation a step at a time between other clients' batches. Closing it closes the session.
+    `prefill_chunk` (a `LocalTarget`): the prompt goes in that many tokens per pause (yielding None),
+    through the target and a drafter that can `warm` its cache, so no pause holds a whole long prompt."""
     streams, planner = Streams(seed), decoding.planner if drafter is not None else None
-    started = time.perf_counter()
-    target.prefill(session, prompt_ids)
-    prefill_s = time.perf_counter() - started
+    if prefill_chunk:
+        prefill_s = yield from _prefill_in_chunks(target, drafter, session, list(prompt_ids), prefill_chunk)
+    else:
+        started = time.perf_counter()
+        target.prefill(session, prompt_ids)
+        prefill_s = time.perf_counter() - started
     context, records = list(prompt_ids), []
     try:
         while (remaining := decoding.max_new_tokens - (len(context) - len(prompt_ids))) > 0:
@@ -91,6 +97,27 @@ def generate_steps(target: Target, drafter: Optional[Drafter], prompt_ids: Seque
     finally:
         target.close(session)
     return Generation(prompt_index, list(prompt_ids), context[len(prompt_ids):], prefill_s, records)
+
+
+def _prefill_in_chunks(target, drafter, session: str, prompt_ids: list[int], chunk: int) -> Generator[None, None, float]:
+    """Feed the prompt `chunk` tokens per pause; returns the seconds spent feeding (not pausing)."""
+    job, seconds = target.prefill_job(session, prompt_ids), 0.0
+    warm = getattr(drafter, "warm", None)
+    while True:
+        started = time.perf_counter()
+        done = job.advance(chunk)
+        seconds += time.perf_counter() - started
+        if done:
+            break
+        yield None
+    while warm is not None:
+        started = time.perf_counter()
+        done = warm(prompt_ids, chunk)
+        seconds += time.perf_counter() - started
+        if done:
+            break
+        yield None
+    return seconds
 
 
 def run_to_end(steps: Generator) -> Any:

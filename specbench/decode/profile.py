@@ -7,7 +7,7 @@ of B sequences what a worker shared by B clients pays for one batched verify.
 from __future__ import annotations
 
 import statistics
-from typing import Iterator, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 
@@ -27,11 +27,22 @@ def forward_latency_grid(model, tokens: Sequence[int], contexts: Sequence[int], 
 def forward_latency_points(model, tokens: Sequence[int], contexts: Sequence[int], repeats: int = 5,
                            warmup: int = 2, batches: Sequence[int] = (1,),
                            fast: bool | str | None = None) -> Iterator[dict]:
-    """The grid's rows one at a time, so a shared worker can serve other clients between points."""
+    """The grid's rows one at a time."""
+    steps = forward_latency_steps(model, tokens, contexts, repeats, warmup, batches, fast)
+    return (row for row in steps if row is not None)
+
+
+def forward_latency_steps(model, tokens: Sequence[int], contexts: Sequence[int], repeats: int = 5,
+                          warmup: int = 2, batches: Sequence[int] = (1,), fast: bool | str | None = None,
+                          slice_tokens: int | None = None) -> Iterator[Optional[dict]]:
+    """The grid as pieces of bounded work: None after each forward (a piece of a context being built,
+    `slice_tokens` positions of all its rows at most, or one timed repeat), a row after each point's
+    last repeat. A shared worker serves other clients between pieces: a whole point (20 repeats of
+    256 tokens on a 4,096-token context) held every other client for minutes."""
     if repeats < 1 or any(n < 1 for n in tokens) or any(c < 1 for c in contexts) or any(b < 1 for b in batches):
         raise ValueError("repeats, tokens, contexts and batches must all be >= 1")
     if fast:
-        yield from _fast_points(model, tokens, contexts, repeats, warmup, batches, fast)
+        yield from _fast_points(model, tokens, contexts, repeats, warmup, batches, fast, slice_tokens)
         return
     device = model.get_input_embeddings().weight.device
     vocab = model.get_input_embeddings().weight.shape[0]
@@ -39,8 +50,11 @@ def forward_latency_points(model, tokens: Sequence[int], contexts: Sequence[int]
     for batch, context in ((b, c) for b in batches for c in contexts):
         cache = new_cache(model.config)
         prefix = torch.randint(0, vocab, (batch, context), generator=generator).to(device)
-        with torch.inference_mode():
-            model(input_ids=prefix, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        for start in range(0, context, _piece(slice_tokens, batch, context)):  # the context, a piece at a time
+            end = min(context, start + _piece(slice_tokens, batch, context))
+            with torch.inference_mode():
+                model(input_ids=prefix[:, start:end], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            yield None
         for count in tokens:
             new = torch.randint(0, vocab, (batch, count), generator=generator).to(device)
             samples = []
@@ -51,12 +65,19 @@ def forward_latency_points(model, tokens: Sequence[int], contexts: Sequence[int]
                 if attempt >= warmup:
                     samples.append(device_time(device) - start)
                 crop_to(cache, context)
+                if attempt + 1 < warmup + repeats:
+                    yield None
             samples.sort()
             yield {"tokens": count, "context": context, "batch": batch, "median_s": statistics.median(samples),
                    "min_s": samples[0], "max_s": samples[-1], "repeats": repeats}
 
 
-def _fast_points(model, tokens, contexts, repeats, warmup, batches, backend) -> Iterator[dict]:
+def _piece(slice_tokens: int | None, batch: int, context: int) -> int:
+    """Context positions per piece: `slice_tokens` over the batch's rows (at least one), or all of it."""
+    return max(1, slice_tokens // batch) if slice_tokens else context
+
+
+def _fast_points(model, tokens, contexts, repeats, warmup, batches, backend, slice_tokens) -> Iterator[Optional[dict]]:
     """The grid through the fast path: `b` static caches (pool rows), one fixed-shape forward of them all
     (`FastForward.batch`; one sequence alone as a lone step), rolled back to `context` after each."""
     from specbench.decode.fast_forward import FastForward
@@ -68,7 +89,11 @@ def _fast_points(model, tokens, contexts, repeats, warmup, batches, backend) -> 
     for batch, context in ((b, c) for b in batches for c in contexts):
         caches = [forward.new_cache() for _ in range(batch)]
         for cache in caches:
-            forward(cache, torch.randint(0, vocab, (context,), generator=generator).tolist(), logits_to_keep=1)
+            prefix = torch.randint(0, vocab, (context,), generator=generator).tolist()
+            piece = slice_tokens or context
+            for start in range(0, context, piece):
+                forward(cache, prefix[start:start + piece], logits_to_keep=1)
+                yield None
         for count in tokens:
             new = [torch.randint(0, vocab, (count,), generator=generator).tolist() for _ in caches]
             where = [list(range(context, context + count))] * batch
@@ -82,6 +107,8 @@ def _fast_points(model, tokens, contexts, repeats, warmup, batches, backend) -> 
                     samples.append(device_time(device) - start)
                 for cache in caches:
                     cache.set_length(context)
+                if attempt + 1 < max(warmup, 1) + repeats:
+                    yield None
             samples.sort()
             yield {"tokens": count, "context": context, "batch": batch, "median_s": statistics.median(samples),
                    "min_s": samples[0], "max_s": samples[-1], "repeats": repeats, "forward": f"fast-{forward.backend}"}

@@ -196,11 +196,15 @@ class LocalTarget:
     def prefill_job(self, session: str, token_ids: Sequence[int]) -> "PrefillJob":
         """A prefill to run chunk by chunk (`advance`), so a shared target can verify other sessions'
         drafts between chunks of a long prompt."""
+        return PrefillJob(self, session, self.check_prompt(token_ids))
+
+    def check_prompt(self, token_ids: Sequence[int]) -> list[int]:
+        """The prompt's ids as ints, or an error naming what is wrong (empty, out of vocabulary, too long)."""
         ids = check_token_ids(token_ids, self.vocab_size, "prompt")
         if not ids:
             raise SpecbenchError("empty prompt: at least one token is needed to condition on")
         self._check_context(len(ids))
-        return PrefillJob(self, session, ids)
+        return ids
 
     def verify(self, session: str, tree: DraftTree, sampling: SamplingParams, seed: int) -> Verdict:
         """One forward over [tail] + tree, verification by `sampling`'s rule, then commit the path."""

@@ -125,7 +125,7 @@ class RemoteTarget:
         """Send a verify and return at once; `ready()` polls, `result()` waits (and recovers if needed)."""
         state = self._state(session)
         header = {"op": "verify", "session": state.wire, "epoch": state.epoch, "committed": len(state.tokens),
-                  "sampling": protocol.sampling_to_wire(sampling), "seed": seed}
+                  "sampling": protocol.sampling_to_wire(sampling), "seed": seed, "model": self.model_identity}
         arrays = protocol.tree_to_arrays(tree)
         return PendingVerify(self, session, tree, header, arrays, self._launch(header, arrays))
 
@@ -140,12 +140,16 @@ class RemoteTarget:
                            sampling: SamplingParams, seed: int, prompt_index: int = 0,
                            draft: Optional[ModelSpec] = None) -> Generation:
         """Server-only baselines (AutoDraft's Server-Only and Server-Only-AR): only finished tokens travel."""
+        # `model`: run only on the model this client decodes with; `request`: a resend after a timeout
+        # joins (or replays) the run under way instead of starting a second one
         header = {"op": "generate", "method": method, "k": k, "max_new_tokens": max_new_tokens,
-                  "sampling": protocol.sampling_to_wire(sampling), "seed": seed}
+                  "sampling": protocol.sampling_to_wire(sampling), "seed": seed, "model": self.model_identity,
+                  "request": uuid.uuid4().hex}
         if draft is not None:
             header["draft"] = protocol.spec_to_wire(draft)
         reply, arrays, timing = self._request(header, {"tokens": np.asarray(list(prompt_ids), dtype=np.int32)},
                                               with_timing=True)
+        self._confirm_model(reply)
         steps = max(len(reply["records"]), 1)
         # The one round trip is shared out over the steps, so per-step records still add up.
         share, emulated = timing["network_s"] / steps, timing["emulated_network_s"] / steps
@@ -177,19 +181,22 @@ class RemoteTarget:
     def _prefill_wire(self, state: _Session) -> None:
         """(Re)build the session on the worker from the tokens held here, in a new epoch."""
         state.epoch += 1
-        reply = self._request({"op": "prefill", "session": state.wire, "epoch": state.epoch},
-                              {"tokens": np.asarray(state.tokens, dtype=np.int32)})[0]
+        reply = self._request({"op": "prefill", "session": state.wire, "epoch": state.epoch,
+                               "model": self.model_identity}, {"tokens": np.asarray(state.tokens, dtype=np.int32)})[0]
         self._confirm(reply, len(state.tokens))
 
     def _confirm(self, reply: dict, committed: int) -> None:
         """The worker's view of the session must be this client's; otherwise stop, loudly."""
+        self._confirm_model(reply)
+        if reply.get("committed") != committed:
+            raise SessionStateError(f"the worker holds {reply.get('committed')} committed tokens for this session "
+                                    f"but this client holds {committed}", "state-mismatch")
+
+    def _confirm_model(self, reply: dict) -> None:
         if reply.get("model") != self.model_identity:
             raise ModelChangedError(f"the worker now serves {reply.get('model')} but this client's sessions "
                                     f"decode with {self.model_identity}: stopping rather than mixing models",
                                     "model-changed")
-        if reply.get("committed") != committed:
-            raise SessionStateError(f"the worker holds {reply.get('committed')} committed tokens for this session "
-                                    f"but this client holds {committed}", "state-mismatch")
 
     # -- transport -------------------------------------------------------------------------------
     def _connect(self) -> None:

@@ -2,12 +2,16 @@
 
 Why: a shared target that ran a 4,000-token prefill, a 1,000-token server-only generate or a
 profile grid in one go would hold every other client's step for that long. A job is a generator
-that does one bounded slice per `next()` (a prefill chunk, a generate step, a profile point) and
-returns its `(reply, arrays)`; the scheduler advances one slice per round, round robin.
+that does one bounded slice per `next()` (a prefill chunk, a generate step, a profile piece: one
+forward of at most `--slice-tokens` new tokens) and returns its `(reply, arrays)`. Between rounds of
+verifies the scheduler advances one slice at a time, round robin between tenants (principals), each
+tenant's jobs in the order they came: a tenant with eight long requests gets no more turns than a
+tenant with one.
 """
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generator, Optional
 
@@ -60,7 +64,7 @@ class Job:
 class JobQueue:
     def __init__(self):
         self.jobs: list[Job] = []
-        self._next = 0
+        self._turns: list[str] = []  # principals in the order their next turn comes
 
     def __len__(self) -> int:
         return sum(not job.done for job in self.jobs)
@@ -84,12 +88,17 @@ class JobQueue:
             job.cancel(error)
 
     def advance_one(self) -> None:
-        """One slice of the next unfinished job, round robin."""
+        """One slice of the oldest unfinished job of the tenant whose turn it is.
+
+        Example: tenant A has jobs a1, a2 and tenant B has b1: slices go a1, b1, a1, b1, ... then a2."""
         pending = [job for job in self.jobs if not job.done]
-        if pending:
-            self._next %= len(pending)
-            pending[self._next].advance()
-            self._next += 1
+        if not pending:
+            return
+        waiting = list(dict.fromkeys(job.principal for job in pending))
+        self._turns = [p for p in self._turns if p in waiting] + [p for p in waiting if p not in self._turns]
+        principal = self._turns.pop(0)
+        self._turns.append(principal)
+        next(job for job in pending if job.principal == principal).advance()
 
     def prefills(self) -> list[Job]:
         """Unfinished prefill jobs with prompt tokens left to feed, oldest first."""
@@ -99,3 +108,27 @@ class JobQueue:
         finished = [job for job in self.jobs if job.done]
         self.jobs = [job for job in self.jobs if not job.done]
         return finished
+
+
+class ReplyStore:
+    """The last few finished replies of long requests, per tenant, keyed by `(op, principal, name, digest)`:
+    a client that resends a generate after a timeout gets the reply of the run it already paid for,
+    instead of starting a second one. Bounded per tenant and in all; the oldest go first."""
+
+    def __init__(self, per_principal: int = 4, total: int = 64):
+        self.per_principal, self.total = per_principal, total
+        self._replies: OrderedDict[tuple, tuple] = OrderedDict()
+
+    def __contains__(self, key: tuple) -> bool:
+        return key in self._replies
+
+    def __getitem__(self, key: tuple) -> tuple:
+        return self._replies[key]
+
+    def store(self, key: tuple, reply: dict, arrays: dict) -> None:
+        self._replies[key] = (reply, arrays)
+        mine = [k for k in self._replies if k[1] == key[1]]
+        for old in mine[:-self.per_principal]:
+            del self._replies[old]
+        while len(self._replies) > self.total:
+            self._replies.popitem(last=False)

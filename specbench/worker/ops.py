@@ -6,7 +6,7 @@ errors are raised as SpecbenchError subclasses that `server.py` turns into coded
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import numpy as np
@@ -15,18 +15,15 @@ import torch
 from specbench.decode.batch import VerifyRequest
 from specbench.decode.target import LocalTarget
 from specbench.hardware import device_name
-from specbench.methods import METHODS
 from specbench.models.spec import ModelSpec
 from specbench.types import SpecbenchError
-from specbench.worker import protocol
-from specbench.worker.jobs import CancelledError, Job, JobQueue
+from specbench.worker import long_requests, protocol
+from specbench.worker.jobs import CancelledError, Job, JobQueue, ReplyStore
 from specbench.worker.limits import check
 from specbench.worker.model_policy import LoadPolicy, LoadRefusedError, model_identity
-from specbench.worker.protocol import PROTOCOL_VERSION, LimitError, ProtocolError, field as get
+from specbench.worker.protocol import MAX_SEED, PROTOCOL_VERSION, LimitError, ProtocolError, field as get
 from specbench.worker.sessions import (Session, SessionEndedError, SessionTable, StaleStepError, check_step,
                                        request_key)
-
-MAX_SEED = 2**63 - 1
 
 
 @dataclass
@@ -43,6 +40,7 @@ class Ops:
         self.policy = LoadPolicy(config.device, config.model, config.draft, config.allow_load)
         self.sessions = SessionTable(self.limits)
         self.jobs = JobQueue()  # prefills, generates and profiles under way, a slice per round
+        self.generated = ReplyStore()  # finished generates' replies, for a resend after a timeout
         self.target: Optional[LocalTarget] = None
         self.identity: Optional[str] = None
         self.draft = None
@@ -76,6 +74,7 @@ class Ops:
             pool = self.target.fast.pool  # rows for a few clients now: a growing pool moves (shapes recompile)
             rows = FAST_ROWS + (self.target.fast.backend != "compile")  # captured batches pad into a scratch row
             pool.reserve(min(rows, self.kv_budget // pool.slot_bytes if self.kv_budget else rows))
+        self.draft = None  # a server-side drafter is bound to the target it was built for
         self.jobs.cancel_all(SessionEndedError(f"the worker's model changed from {old} to {identity} ({reason}) "
                                                f"while this request ran"))
         if live:
@@ -83,25 +82,46 @@ class Ops:
             self.log(f"{len(live)} sessions of {old} ended: {reason}")
         self.log(f"loaded {identity}: vocab {self.target.vocab_size}")
 
-    def _owner(self, header: dict, curve_key: str) -> tuple[str, str]:
+    def check_model(self, header: dict) -> None:
+        """A request that names the model identity its client decodes with (`model`) runs only on that
+        model: after another client's allowed load, a server-only generate returned another model's
+        tokens with no error, and a prefill's out-of-vocabulary ids were answered as a bad request."""
+        expected = get(header, "model", str, None)
+        if expected is not None and expected != self.identity:
+            raise SessionEndedError(f"the worker now serves {self.identity}, not the {expected} this request was "
+                                    f"made for (another client loaded it): stopping rather than mixing models")
+
+    def owner(self, header: dict, curve_key: str) -> tuple[str, str]:
         """(namespace, quota principal): the CURVE key where there is one, else the client's token."""
         token = protocol.client_token(header)
         return f"{curve_key}:{token}", curve_key or token
 
-    def _check_kv(self, incoming: int, replacing: int = 0) -> None:
+    def check_kv(self, incoming: int, replacing: int = 0, what: str = "this request") -> None:
         target = self.target
         per_token = self.kv_per_token
         held = sum(len(s.committed) for s in target.sessions.values()) - replacing
         needed = per_token * (held + incoming)
         if self.kv_budget and needed > self.kv_budget:
-            raise LimitError(f"KV cache: this request needs {needed} bytes in all ({incoming} new tokens x "
-                             f"{per_token} bytes) and exceeds the worker's limit of {self.kv_budget} bytes "
-                             f"(--max-kv-gib)")
+            raise LimitError(f"KV cache: {what} needs {needed} bytes in all ({incoming} new tokens x "
+                             f"{per_token} bytes, with what the worker holds) and exceeds the worker's limit of "
+                             f"{self.kv_budget} bytes (--max-kv-gib)")
 
     def kv_bytes(self) -> int:
         if self.target is None:
             return 0
         return self.kv_per_token * sum(len(s.committed) for s in self.target.sessions.values())
+
+    def release_idle_memory(self) -> None:
+        """Once no session is open and no request under way, give the KV pool's memory back (and the
+        allocator's free pages to the system). A fast target keeps its static pool: its captured graphs
+        read those tensors, and a smaller pool would mean capturing them again."""
+        target = self.target
+        if target is None or target.pool is None or len(self.sessions) or len(self.jobs) or target.sessions:
+            return
+        dropped = target.pool.release_memory()
+        if dropped:
+            _trim_allocator()
+            self.log(f"no session open: released {dropped / 2**20:.0f} MiB of KV pool")
 
     def expire_idle(self) -> None:
         for session in self.sessions.idle(self.config.idle_timeout_s):
@@ -156,11 +176,12 @@ class Ops:
                 "bytes_in": s.bytes_in, "bytes_out": s.bytes_out, "sessions": len(self.sessions),
                 "expired": s.expired, "kv_bytes": self.kv_bytes(),
                 "prefill_tokens_batched": s.prefill_tokens_batched, "busy_s": dict(s.busy_s),
+                "longest_s": dict(s.longest_s),
                 "batch_wait_s": s.batch_wait_s, "forward_fixed_s": fixed, "forward_token_s": per_token}, None
 
     def load(self, header, arrays, *, connection, curve_key):
         spec = protocol.spec_from_wire(get(header, "model", dict))
-        _, principal = self._owner(header, curve_key)
+        _, principal = self.owner(header, curve_key)
         self.policy.check(spec)
         if self.target is not None and self.target.loaded.spec == spec:
             return self.describe(), None
@@ -171,100 +192,34 @@ class Ops:
         self._install(spec, reason=f"a load of {spec.label} by the sessions' own client")
         return self.describe(), None
 
-    def _check_jobs(self, header, curve_key) -> str:
+    def check_jobs(self, header, curve_key) -> str:
         """A client's long requests under way (generates, profiles) count against its session quota:
         one client's many jobs would otherwise take every slice between rounds."""
-        _, principal = self._owner(header, curve_key)
+        _, principal = self.owner(header, curve_key)
         running = sum(job.principal == principal for job in self.jobs.jobs if not job.done)
         check(running + 1, self.limits.max_sessions_per_client, "long requests under way of this client",
               "--max-sessions-per-client")
         return principal
 
     def profile(self, header, arrays, *, connection, curve_key):
-        from specbench.decode.profile import forward_latency_points
-
-        tokens = protocol.int_list(header, "tokens", 1, [1, 2, 4, 8, 16])
-        contexts = protocol.int_list(header, "contexts", 1, [128, 512])
-        repeats = protocol.integer(header, "repeats", 1, None, 5)
-        batches = protocol.int_list(header, "batches", 1, [1])
-        limits = self.limits
-        check(len(tokens) * len(contexts) * len(batches), limits.max_profile_points, "profile grid points",
-              "--max-profile-points")
-        check(max(batches, default=1), limits.max_sessions, "profile batch size", "--max-sessions")
-        check(repeats, limits.max_profile_repeats, "profile repeats", "--max-profile-repeats")
-        check(max(tokens, default=0), limits.max_tree_nodes, "profile tokens per forward", "--max-tree-nodes")
-        check(max(contexts, default=0), limits.max_prompt_tokens, "profile context", "--max-prompt-tokens")
-        target = self.ensure_loaded()
-        if target.max_context:
-            check(max(tokens, default=0) + max(contexts, default=0), target.max_context,
-                  "profile context + tokens", "the model's context length")
-        points = forward_latency_points(target.model, tokens, contexts, repeats, batches=batches,
-                                        fast=target.fast.backend if target.fast else None)
-
-        def run():
-            rows = []
-            for row in points:  # one grid point per slice
-                rows.append(row)
-                yield
-            return {"rows": rows, **self.describe()}, None
-
-        return Job(run(), principal=self._check_jobs(header, curve_key), op="profile", busy=self.stats.add_busy)
+        return long_requests.profile(self, header, curve_key)
 
     def generate(self, header, arrays, *, connection, curve_key):
-        """Server-only baselines: the worker drafts and verifies itself, and returns finished tokens."""
-        from specbench.decode.loop import Decoding, generate_steps
-        from specbench.methods import DraftSource
-        from specbench.models.loading import load_model
-
-        method = get(header, "method", str)
-        if method not in METHODS or not METHODS[method].on_worker:
-            on_worker = [name for name, m in METHODS.items() if m.on_worker]
-            raise ProtocolError(f"generate runs the worker methods {on_worker}, not {method!r}")
-        limits = self.limits
-        max_new_tokens = protocol.integer(header, "max_new_tokens", 1)
-        check(max_new_tokens, limits.max_new_tokens, "max_new_tokens of a generate", "--max-new-tokens")
-        principal = self._check_jobs(header, curve_key)
-        k = protocol.integer(header, "k", 1, None, 4)
-        check(k, limits.max_tree_nodes, "k of a generate", "--max-tree-nodes")
-        prompt = protocol.array(arrays, "tokens")
-        check(len(prompt), limits.max_prompt_tokens, "prompt tokens", "--max-prompt-tokens")
-        sampling = protocol.sampling_from_wire(get(header, "sampling", dict))
-        seed = protocol.integer(header, "seed", 0, MAX_SEED, 0)
-        draft_spec = protocol.spec_from_wire(header["draft"]) if "draft" in header else self.config.draft
-        target = self.ensure_loaded()
-        self._check_kv(incoming=len(prompt) + max_new_tokens + k)
-        drafter = None
-        if METHODS[method].kind != "none":  # the worker drafts too
-            if draft_spec is None:
-                raise SpecbenchError("server-only needs a draft model: start the worker with --draft or send one")
-            self.policy.check(draft_spec)
-            if self.draft is None or self.draft.draft.spec != draft_spec:
-                self.log(f"loading draft {draft_spec.label}")
-                # through the method table, so a draft with another tokenizer is translated, not misread
-                self.draft = DraftSource(target, target.loaded, load_model(draft_spec)).model_drafter("server-draft")
-            drafter = self.draft
-        decoding = Decoding(k, max_new_tokens, sampling, method=method, kind=METHODS[method].kind)
-        steps = generate_steps(target, drafter, prompt.tolist(), decoding, seed=seed,
-                               session=f"generate/{self.stats.requests}")
-
-        def run():  # one speculative step per slice; closing it closes the target session
-            result = yield from steps
-            return ({"records": [asdict(record) for record in result.records], "prefill_s": result.prefill_s},
-                    {"output": np.asarray(result.output_ids, dtype=np.int32)})
-
-        return Job(run(), principal=principal, op="generate", busy=self.stats.add_busy)
+        return long_requests.generate(self, header, arrays, curve_key)
 
     # -- session ops -----------------------------------------------------------------------------
     def prefill(self, header, arrays, *, connection, curve_key):
-        """A job feeding the prompt `--prefill-chunk` tokens per slice (a short one finishes in its first
+        """A job feeding the prompt `--slice-tokens` tokens per slice (a short one finishes in its first
         slice); the session keeps its old state until the last chunk is in. A resend of the same prefill
         joins the job under way; a newer prefill of the session supersedes it."""
-        owner, principal = self._owner(header, curve_key)
+        owner, principal = self.owner(header, curve_key)
         name = protocol.name_field(header, "session")
         epoch = protocol.integer(header, "epoch", 1, MAX_SEED)
         tokens = protocol.array(arrays, "tokens")
         check(len(tokens), self.limits.max_prompt_tokens, "prompt tokens", "--max-prompt-tokens")
         target = self.ensure_loaded()
+        self.check_model(header)
+        ids = target.check_prompt(tokens.tolist())  # refused before a session exists, so none is left behind
         key = request_key("prefill", epoch, len(tokens), header, arrays)
         existing = self.sessions.sessions.get((owner, name))
         if existing is not None:
@@ -280,10 +235,10 @@ class Ops:
                 running.cancel(StaleStepError(f"prefill of session {name!r} superseded by a newer one "
                                               f"(epoch {epoch})"))
                 existing = self.sessions.sessions.get((owner, name))
-        self._check_kv(incoming=len(tokens), replacing=existing.committed if existing else 0)
+        self.check_kv(incoming=len(tokens), replacing=existing.committed if existing else 0)
         session = self.sessions.admit(owner, name, principal, connection, self.identity)
-        job = target.prefill_job(session.key, tokens.tolist())
-        chunk = self.config.prefill_chunk if self.config.batching else len(tokens)
+        job = target.prefill_job(session.key, ids)
+        chunk = self.config.slice_tokens if self.config.batching else len(tokens)
         if existing is None:
             self.log(f"session {name} opened ({len(self.sessions)} open)")
 
@@ -300,7 +255,8 @@ class Ops:
             session.replay = (key, reply, None)
             return reply, None
 
-        return Job(run(), session_key=session.key, key=key, prefill=job, op="prefill", busy=self.stats.add_busy)
+        return Job(run(), session_key=session.key, key=key, principal=principal, prefill=job, op="prefill",
+                   busy=self.stats.add_busy)
 
     def verify(self, header, arrays, *, connection, curve_key):
         """One verify alone (batching off, or a batch of one)."""
@@ -313,12 +269,12 @@ class Ops:
 
     def verify_session(self, header, curve_key) -> Session:
         """The caller's session a verify names; the scheduler needs it before deciding to batch."""
-        owner, _ = self._owner(header, curve_key)
+        owner, _ = self.owner(header, curve_key)
         return self.sessions.find(owner, protocol.name_field(header, "session"))
 
     def named_session(self, header, curve_key) -> Optional[Session]:
         """The caller's session a request names, if it is open (the scheduler's ordering check)."""
-        owner, _ = self._owner(header, curve_key)
+        owner, _ = self.owner(header, curve_key)
         return self.sessions.sessions.get((owner, protocol.name_field(header, "session")))
 
     def prepare_verify(self, header, arrays, session: Session):
@@ -332,8 +288,13 @@ class Ops:
         stored = check_step(session, key)
         if stored is not None:
             return dict(stored[0], replayed=True), stored[1]
-        self.ensure_loaded()
-        self._check_kv(incoming=len(tree) + 1)
+        target = self.ensure_loaded()
+        self.check_model(header)
+        if target.max_context and session.committed + len(tree) + 1 > target.max_context:
+            raise LimitError(f"a verify of {len(tree)} draft nodes on {session.committed} committed tokens needs "
+                             f"{session.committed + len(tree) + 1} positions; the model's context is "
+                             f"{target.max_context} ({target.max_context - session.committed - 1} nodes left)")
+        self.check_kv(incoming=len(tree) + 1)
         return PreparedVerify(session, key, epoch, VerifyRequest(session.key, tree, sampling, seed))
 
     def finish_verify(self, prepared: "PreparedVerify", verdict) -> tuple[dict, dict]:
@@ -355,7 +316,7 @@ class Ops:
         return [v if isinstance(v, Exception) else self.finish_verify(p, v) for p, v in zip(prepared, verdicts)]
 
     def close(self, header, arrays, *, connection, curve_key):
-        owner, _ = self._owner(header, curve_key)
+        owner, _ = self.owner(header, curve_key)
         name = protocol.name_field(header, "session")
         session = self.sessions.remove(owner, name)
         if session is not None:
@@ -375,6 +336,17 @@ def _pool_description(target: Optional[LocalTarget]) -> Optional[dict]:
     if pool is None:
         return None
     return {"slots": pool.slots, "in_use": pool.in_use, "capacity": pool.capacity, "bytes": pool.nbytes()}
+
+
+def _trim_allocator() -> None:
+    """glibc keeps freed pages for reuse; hand them back so the worker's RSS falls with its load."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (macOS, musl): the pages stay mapped until reused
+        pass
 
 
 def _half_free_memory(device: str) -> Optional[int]:

@@ -23,6 +23,8 @@ from specbench.types import DraftTree, SamplingParams, SparseDist, SpecbenchErro
 PROTOCOL_VERSION = 2
 ALLOWED_DTYPES = ("int16", "int32", "int64", "float32", "float64", "uint16", "uint32")
 MAX_RANK = 2
+MAX_SEED = 2**63 - 1  # seeds, epochs and committed lengths fit a signed 64-bit int
+MAX_DIMENSION = 1 << 30  # elements along one axis, and in all: above any message a worker accepts (`limits.py`)
 MAX_NAME = 128
 _NAME = re.compile(r"[A-Za-z0-9_.:@+-]{1,128}")
 _TOKEN = re.compile(r"[A-Za-z0-9_-]{16,128}")
@@ -67,11 +69,22 @@ def decode(frames: Sequence[bytes]) -> tuple[dict, dict[str, np.ndarray]]:
         name, dtype, shape = spec
         if name in arrays:
             raise ProtocolError(f"array {name!r} appears twice")
+        _check_shape(name, shape)
         expected = math.prod(shape) * np.dtype(dtype).itemsize  # Python ints: no overflow
         if len(frame) != expected:
             raise ProtocolError(f"array {name!r} should be {expected} bytes for {dtype}{shape}, got {len(frame)}")
         arrays[name] = np.frombuffer(frame, dtype=dtype).reshape(shape)
     return header, arrays
+
+
+def _check_shape(name: str, shape: list[int]) -> None:
+    """Refuse, before numpy sees it, a dimension no frame could fill. An empty array's byte count is 0
+    whatever its other dimensions, so `[2**64 - 1, 0]` passes the size check and made numpy raise
+    ("Maximum allowed dimension exceeded"), answered `internal`; each dimension and the product of the
+    non-zero ones must stay within the largest frame a worker reads."""
+    if any(d > MAX_DIMENSION for d in shape) or math.prod(d for d in shape if d) > MAX_DIMENSION:
+        raise ProtocolError(f"array {name!r} has shape {shape}: each dimension, and their product, must be at "
+                            f"most {MAX_DIMENSION}")
 
 
 def field(header: dict, name: str, kind, default: Any = ...) -> Any:

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Callable, Optional
 from urllib.parse import urlparse
 
-import numpy as np
 import zmq
 
 from specbench.decode.target import UnknownSessionError as TargetUnknownSessionError
@@ -53,7 +52,9 @@ class WorkerConfig:
     # "auto": a forward's fixed cost, fitted on the worker's own batches (worker/forward_cost.py)
     batch_wait_ms: float | str = "auto"
     max_batch: int = 16  # messages taken in one round
-    prefill_chunk: int = 256  # prompt tokens per slice of a prefill, between other sessions' batches
+    # new tokens one slice of a long request may compute (a prefill chunk, a profile piece, a generate's
+    # prompt chunk): between slices other clients' batches run, so it bounds how long one tenant holds all
+    slice_tokens: int = 256
     fast: bool | str | None = None  # the target's fixed-shape steps (`--fast`; None: on CUDA; decode/fast_forward.py)
     curve_keys: Optional[str] = None
     insecure: bool = False
@@ -74,9 +75,13 @@ class Stats:
     # chunks riding in them; "prefill", "generate", "profile": job slices): with uptime, how busy it was
     # and what on (a shared target's speedup from batching is capped by the work that does not batch)
     busy_s: dict = field(default_factory=dict)
+    # the longest single piece of work per op (a verify batch, a job's slice, a quick request): what one
+    # tenant's request can hold every other client for, as measured here
+    longest_s: dict = field(default_factory=dict)
 
     def add_busy(self, op: str, seconds: float) -> None:
         self.busy_s[op] = self.busy_s.get(op, 0.0) + seconds
+        self.longest_s[op] = max(self.longest_s.get(op, 0.0), seconds)
 
 
 def is_local_endpoint(endpoint: str) -> bool:
@@ -147,6 +152,7 @@ class Worker:
                         break
                     jobs.advance_one()
                 self.ops.expire_idle()
+                self.ops.release_idle_memory()
         except KeyboardInterrupt:
             self.log("interrupted: stopping")
         finally:
@@ -266,13 +272,17 @@ class Worker:
         return all(prepared.session is not named for _, prepared in batch)
 
     def _start(self, job: Job, message: Message) -> list[tuple[Message, list[bytes]]]:
-        """Attach `message` to `job`; a new job runs its first slice now (a short prefill ends in it,
-        so a verify sent right behind it, even in the same round, finds the session live), the rest
-        between rounds. With batching off it runs to its end here, as requests did before."""
+        """Attach `message` to `job`; a short prefill (one slice) runs now, so a verify sent right behind
+        it, even in the same round, finds the session live; every other slice runs between rounds, one
+        at a time, while no request waits (or a prefill's chunk rides in a verify batch): a long
+        request's slices never delay the verifies of the round they came in. With batching off a job runs to its
+        end here, as requests did before."""
         job.waiters.append(message)
         if job in self.ops.jobs.jobs:  # a resend joining the job under way
             return []
         self.ops.jobs.add(job)
+        if self.config.batching and (job.prefill is None or job.prefill.remaining > self.config.slice_tokens):
+            return []  # a long prefill's chunks ride in the next batches or run between rounds
         while not job.advance() and not self.config.batching:
             pass
         return self._finished_jobs() if job.done else []
@@ -343,12 +353,12 @@ class Worker:
 
     def _riding_prefills(self) -> list:
         """(job, tokens): chunks of waiting prefills to run inside the next verify batch, up to
-        `--prefill-chunk` tokens in all, oldest prefill first. Only on a packed target (no padding:
+        `--slice-tokens` tokens in all, oldest prefill first. Only on a packed target (no padding:
         a chunk costs the batch its own tokens, not every row padded to its length)."""
         target = self.ops.target
         if not self.config.batching or target is None or not target.packed:
             return []
-        riding, budget = [], self.config.prefill_chunk
+        riding, budget = [], self.config.slice_tokens
         for job in self.ops.jobs.prefills():
             tokens = min(budget, job.prefill.remaining)
             if tokens <= 0:

@@ -1,0 +1,132 @@
+"""The worker's long requests, `profile` and server-only `generate`: validated, then run as jobs a
+bounded slice at a time (`jobs.py`), so one tenant's long request never holds the others longer than
+a slice. `ops` is the worker's `Ops`: its limits, model, draft, job queue and stored replies.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import asdict
+from typing import Optional
+
+import numpy as np
+
+from specbench.methods import METHODS
+from specbench.types import SpecbenchError
+from specbench.worker import protocol
+from specbench.worker.jobs import Job
+from specbench.worker.limits import check
+from specbench.worker.protocol import MAX_SEED, ProtocolError, field as get
+
+
+def profile(ops, header: dict, curve_key: str) -> Job:
+    """The forward-latency grid on the worker's hardware, in pieces of at most `--slice-tokens`
+    tokens (a piece of a context being built, or one timed repeat), other clients served between."""
+    from specbench.decode.profile import forward_latency_steps
+
+    tokens = protocol.int_list(header, "tokens", 1, [1, 2, 4, 8, 16])
+    contexts = protocol.int_list(header, "contexts", 1, [128, 512])
+    repeats = protocol.integer(header, "repeats", 1, None, 5)
+    batches = protocol.int_list(header, "batches", 1, [1])
+    limits = ops.limits
+    check(len(tokens) * len(contexts) * len(batches), limits.max_profile_points, "profile grid points",
+          "--max-profile-points")
+    check(max(batches, default=1), limits.max_sessions, "profile batch size", "--max-sessions")
+    check(repeats, limits.max_profile_repeats, "profile repeats", "--max-profile-repeats")
+    check(max(tokens, default=0), limits.max_tree_nodes, "profile tokens per forward", "--max-tree-nodes")
+    check(max(contexts, default=0), limits.max_prompt_tokens, "profile context", "--max-prompt-tokens")
+    # one timed forward is one slice: the grid's largest must fit, or it would hold every other client
+    check(max(tokens, default=0) * max(batches, default=1), ops.config.slice_tokens,
+          "profile tokens x batch in one forward", "--slice-tokens")
+    principal = ops.check_jobs(header, curve_key)
+    target = ops.ensure_loaded()
+    if target.max_context:
+        check(max(tokens, default=0) + max(contexts, default=0), target.max_context,
+              "profile context + tokens", "the model's context length")
+    ops.check_kv(incoming=max(batches, default=1) * (max(contexts, default=0) + max(tokens, default=0)),
+                   what="this profile point's caches")
+    steps = forward_latency_steps(target.model, tokens, contexts, repeats, batches=batches,
+                                  fast=target.fast.backend if target.fast else None,
+                                  slice_tokens=ops.config.slice_tokens)
+
+    def run():
+        rows = []
+        for row in steps:  # one bounded piece per slice
+            if row is not None:
+                rows.append(row)
+            yield
+        return {"rows": rows, **ops.describe()}, None
+
+    return Job(run(), principal=principal, op="profile", busy=ops.stats.add_busy)
+
+
+def generate(ops, header: dict, arrays: dict, curve_key: str):
+    """Server-only baselines: the worker drafts and verifies itself, and returns finished tokens. The
+    prompt goes in `--slice-tokens` at a time and then a step per slice; a resend of the same request
+    (its `request` key) joins the job under way or gets its stored reply, so it runs once."""
+    from specbench.decode.loop import Decoding, generate_steps
+    from specbench.methods import DraftSource
+    from specbench.models.loading import load_model
+
+    method = get(header, "method", str)
+    if method not in METHODS or not METHODS[method].on_worker:
+        on_worker = [name for name, m in METHODS.items() if m.on_worker]
+        raise ProtocolError(f"generate runs the worker methods {on_worker}, not {method!r}")
+    limits = ops.limits
+    max_new_tokens = protocol.integer(header, "max_new_tokens", 1)
+    check(max_new_tokens, limits.max_new_tokens, "max_new_tokens of a generate", "--max-new-tokens")
+    k = protocol.integer(header, "k", 1, None, 4)
+    check(k, limits.max_generate_k, "k of a generate", "--max-generate-k")
+    prompt = protocol.array(arrays, "tokens")
+    check(len(prompt), limits.max_prompt_tokens, "prompt tokens", "--max-prompt-tokens")
+    sampling = protocol.sampling_from_wire(get(header, "sampling", dict))
+    seed = protocol.integer(header, "seed", 0, MAX_SEED, 0)
+    draft_spec = protocol.spec_from_wire(header["draft"]) if "draft" in header else ops.config.draft
+    target = ops.ensure_loaded()
+    ops.check_model(header)
+    _, principal = ops.owner(header, curve_key)
+    key = _generate_key(header, arrays, principal)
+    if key is not None:
+        running = next((job for job in ops.jobs.jobs if job.key == key and not job.done), None)
+        if running is not None:
+            return running
+        if key in ops.generated:
+            reply, out = ops.generated[key]
+            return dict(reply, replayed=True), out
+    ops.check_jobs(header, curve_key)
+    target.check_prompt(prompt.tolist())
+    ops.check_kv(incoming=len(prompt) + max_new_tokens + k)
+    drafter = None
+    if METHODS[method].kind != "none":  # the worker drafts too
+        if draft_spec is None:
+            raise SpecbenchError("server-only needs a draft model: start the worker with --draft or send one")
+        ops.policy.check(draft_spec)
+        if ops.draft is None or ops.draft.draft.spec != draft_spec:
+            ops.log(f"loading draft {draft_spec.label}")
+            # through the method table, so a draft with another tokenizer is translated, not misread
+            ops.draft = DraftSource(target, target.loaded, load_model(draft_spec)).model_drafter("server-draft")
+        drafter = ops.draft
+    decoding = Decoding(k, max_new_tokens, sampling, method=method, kind=METHODS[method].kind)
+    steps = generate_steps(target, drafter, prompt.tolist(), decoding, seed=seed,
+                           session=f"generate/{ops.stats.requests}", prefill_chunk=ops.config.slice_tokens)
+    identity = ops.identity
+
+    def run():  # a prompt chunk or a speculative step per slice; closing it closes the target session
+        result = yield from steps
+        reply = {"records": [asdict(record) for record in result.records], "prefill_s": result.prefill_s,
+                 "model": identity}
+        out = {"output": np.asarray(result.output_ids, dtype=np.int32)}
+        if key is not None:
+            ops.generated.store(key, reply, out)
+        return reply, out
+
+    return Job(run(), key=key, principal=principal, op="generate", busy=ops.stats.add_busy)
+
+
+def _generate_key(header: dict, arrays: dict, principal: str) -> Optional[tuple]:
+    """What makes two generates one request: the client's `request` name and a digest of the rest."""
+    name = protocol.name_field(header, "request") if "request" in header else None
+    if name is None:
+        return None
+    digest = hashlib.sha256(repr(sorted((k, v) for k, v in header.items() if k not in ("id", "client"))).encode())
+    digest.update(arrays["tokens"].tobytes())
+    return "generate", principal, name, digest.hexdigest()
