@@ -459,7 +459,7 @@ def main():
 def save_measured(table: pd.DataFrame, target: str, args) -> None:
     """The batched worker's SD speedups over target-only at each client count, one record per draft
     (prompt lookup, or the --draft model), in reference/ (`plan.library.save_concurrency`)."""
-    from specbench.plan.library import save_concurrency
+    from specbench.plan.library import REFERENCES, save_concurrency  # shipped beside the references
 
     batched = table[table["worker"] == "batched"].set_index(["clients", "method"])["aggregate_tokens_per_s"]
     if "target-only" not in args.methods:
@@ -482,7 +482,7 @@ def save_measured(table: pd.DataFrame, target: str, args) -> None:
                                                          "dtype": args.dtype, "dataset": args.dataset, "k": args.k,
                                                          "load": load, "workers": "batched",
                                                          "draft_quantization": "none" if draft == "prompt-lookup"
-                                                         else args.draft_quant})
+                                                         else args.draft_quant}, folder=REFERENCES)
             print(f"measured speedups of {draft} -> {target} saved to {path}")
 
 

@@ -321,7 +321,7 @@ def prefill_rows(model, arch: str, args, fast: str) -> list[dict]:
 
 def save(profiles, models, args, fast: str) -> None:
     """Each architecture's eager and fast grid as a LatencyProfile, under the catalog name it stands for."""
-    from specbench.plan.library import save_profile
+    from specbench.plan.library import PROFILES, save_profile  # the shipped profiles: curated here
     from specbench.plan.predict import LatencyProfile
 
     for arch, variant, rows in profiles:
@@ -332,7 +332,7 @@ def save(profiles, models, args, fast: str) -> None:
             forward="eager" if variant == "eager" else f"fast-{fast}",
             rows=tuple((r["tokens"], r["context"], r["median_s"], r["batch"]) for r in rows))
         path = save_profile(profile, {"weights": f"random {arch} architecture (latency depends on shapes)",
-                                      "repeats": args.repeats})
+                                      "repeats": args.repeats}, folder=PROFILES)
         print(f"profile -> {path}")
 
 

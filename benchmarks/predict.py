@@ -23,7 +23,7 @@ from specbench.decode.metrics import time_split, tokens_per_second, tokens_per_s
 from specbench.models.loading import load_model
 from specbench.models.self_draft import truncated_view
 from specbench.models.spec import ModelSpec
-from specbench.plan.library import save_profile, save_reference
+from specbench.plan.library import PROFILES, REFERENCES, save_profile, save_reference  # shipped: curated here
 from specbench.plan.predict import OperatingPoint, predict
 from specbench.record import profile_model, record_reference
 from specbench.worker.client import NetworkEmulation, RemoteTarget
@@ -66,8 +66,8 @@ def main():
                                  max_new_tokens=args.max_new_tokens, tree=TREE)
     if args.save:
         for profile, meta in ((target_profile, target_meta), (draft_profile, draft_meta)):
-            print("saved", save_profile(profile, meta))
-        print("saved", save_reference(reference, {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens}))
+            print("saved", save_profile(profile, meta, folder=PROFILES))
+        print("saved", save_reference(reference, {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens}, folder=REFERENCES))
 
     print("measuring ...", flush=True)
     baseline = run(target, prompts, method="target-only", max_new_tokens=args.max_new_tokens, progress=False)

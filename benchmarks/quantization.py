@@ -30,7 +30,7 @@ from specbench.datasets import load_prompts
 from specbench.decode.metrics import time_split, tokens_per_second, tokens_per_step
 from specbench.models.loading import load_model
 from specbench.models.spec import ModelSpec
-from specbench.plan.library import load_profiles, save_profile, save_reference
+from specbench.plan.library import PROFILES, REFERENCES, load_profiles, save_profile, save_reference  # shipped: curated here
 from specbench.plan.predict import OperatingPoint, predict
 from specbench.record import profile_model, record_reference
 
@@ -84,7 +84,7 @@ def main():
     # label -> (profile, metadata to save it with); the fp32 target is saved only where none ships for this device
     variants = {target.spec.label: (target_profile, None if shipped else target_meta)}
     if args.save and not shipped:
-        print("saved", save_profile(target_profile, target_meta), flush=True)
+        print("saved", save_profile(target_profile, target_meta, folder=PROFILES), flush=True)
     memory_rows = [variant_row(target, target_profile, target_profile, baseline, expected, context)]
     specs = [ModelSpec(family["target"], quantization=q) for q in family["target_quants"]]
     specs += [ModelSpec(family["draft"], quantization=q) for q in family["draft_quants"]]
@@ -97,7 +97,7 @@ def main():
                                        context))
         variants[spec.label] = (profile, meta)
         if args.save:  # saved as measured: a run cut short keeps what it finished
-            print("saved", save_profile(profile, meta), flush=True)
+            print("saved", save_profile(profile, meta, folder=PROFILES), flush=True)
         del loaded
         gc.collect()
 
@@ -112,7 +112,7 @@ def main():
         if args.save and draft is not target:  # the target drafting for itself is a row to compare, not a pair
             for saved, extra in [(reference, {"prompts": args.prompts, "max_new_tokens": args.max_new_tokens}),
                                  *record_references(target, draft, args)]:
-                print("saved", save_reference(saved, extra), flush=True)
+                print("saved", save_reference(saved, extra, folder=REFERENCES), flush=True)
         for k in KS:
             records = run(target, prompts, method="chain", draft=draft, k=k, max_new_tokens=args.max_new_tokens,
                           progress=False)

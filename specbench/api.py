@@ -62,7 +62,7 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
         method: Union[str, Iterable[str]] = "chain", draft: Optional[ModelLike] = None, k: int = 4,
         max_new_tokens: int = 64, sampling: Optional[SamplingParams] = None, seed: int = 0,
         self_draft_layers: Optional[int] = None, substitute_quantization: str = "8bit",
-        dtype: str = "float32", chat: bool = True, warmup: bool = True, progress: bool = True,
+        dtype: str = "float32", chat: bool = True, warmup: bool = True, progress: bool | str = True,
         tokenizer=None, tree: TreeShape = TreeShape(), proactive: bool = False, planner=None,
         cross_tokenizer: str = "auto", fast: bool | str | None = None) -> pd.DataFrame:
     """Run each method over each prompt and return one row per speculative step.
@@ -77,6 +77,7 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
     those runs are labelled "<method>+planner" and have `planned` set. A draft whose tokenizer is not
     the target's is translated through text (`cross_tokenizer`: auto, text, shared-vocab; 'off'
     refuses it); its rows say which rule ran (`cross_tokenizer`) and how many draft tokens it took.
+    `progress`: a bar over methods x prompts (a string labels it, e.g. with the setting being run).
     `fast` (True, or a backend: compile, cudagraph, compiled-graph, static) runs the target and a chain draft
     model in fixed-shape steps over static caches (`decode/fast_forward.py`): the same tokens, less overhead;
     the default (None) does so for unquantized CUDA models only, False or "off" never.
@@ -90,12 +91,14 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
     source = DraftSource(target, target_model, draft, dtype, self_draft_layers, substitute_quantization, tree,
                          cross_tokenizer, fast)
     rows = []
-    bar = tqdm(total=len(methods) * len(prompt_ids), desc="specbench run", disable=not progress)
+    label = progress if isinstance(progress, str) else f"run {len(methods)} methods x {len(prompt_ids)} prompts"
+    bar = tqdm(total=len(methods) * len(prompt_ids), desc=label, unit="prompt", disable=not progress)
     described = getattr(target, "info", None)  # a RemoteTarget's worker description
     target_bytes = target_model.weight_bytes if target_model else (
         described.get("weight_bytes") if isinstance(described, dict) else None)
     device = str(target.device) if target_model else None  # a remote worker's peak is its own
     for chosen in methods:
+        bar.set_postfix_str(f"{chosen.name}, k={k}, {max_new_tokens} tokens")
         drafter = chosen.build(source) if chosen.build else None
         memory = {"target_weight_bytes": target_bytes,  # as loaded; a remote worker reports its own
                   "draft_weight_bytes": drafter.draft.weight_bytes if isinstance(getattr(drafter, "draft", None),

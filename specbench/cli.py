@@ -71,8 +71,8 @@ def _demo(args) -> int:
 
 
 def _profile(args) -> int:
-    """Measure forward latency over the grid, locally or on a worker, and save it to profiles/."""
-    from specbench.plan.library import PROFILES, save_profile
+    """Measure forward latency over the grid, locally or on a worker, and save it to the user's profiles."""
+    from specbench.plan.library import OWN_PROFILES, save_profile
     from specbench.record import profile_model, profile_worker
 
     grid = dict(tokens=args.tokens, contexts=args.contexts, repeats=args.repeats, batches=args.batches)
@@ -89,17 +89,18 @@ def _profile(args) -> int:
 
             loaded = truncated_view(loaded, args.self_draft_layers)
         profile, extra = profile_model(loaded, **grid, progress=True, fast=args.fast)
-    path = save_profile(profile, extra, folder=args.out_dir or PROFILES)
-    print(f"{profile.model} on {profile.device} ({profile.dtype}): {len(profile.rows)} grid points -> {path}")
+    path = save_profile(profile, extra, folder=args.out_dir or OWN_PROFILES)
+    print(f"{profile.model} on {profile.device} ({profile.dtype}): {len(profile.rows)} grid points, repeats spread "
+          f"{profile.noise} -> {path}")
     return 0
 
 
 def _reference(args) -> int:
-    """Record per-step acceptance of a pair on a prompt set and save it to reference/."""
+    """Record per-step acceptance of a pair on a prompt set and save it to the user's references."""
     from specbench.models.loading import as_loaded
     from specbench.datasets import load_prompts
     from specbench.models.spec import ModelSpec
-    from specbench.plan.library import REFERENCES, save_reference
+    from specbench.plan.library import OWN_REFERENCES, save_reference
     from specbench.plan.predict import LOOKUP_DRAFT
     from specbench.record import record_reference
 
@@ -119,7 +120,7 @@ def _reference(args) -> int:
                                  max_chain=args.max_chain, tree_budgets=args.tree_budgets,
                                  max_new_tokens=args.max_new_tokens, sampling=sampling, cross_tokenizer=args.cross_tokenizer)
     path = save_reference(reference, {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens},
-                          folder=args.out_dir or REFERENCES)
+                          folder=args.out_dir or OWN_REFERENCES)
     print(f"{reference.draft} -> {reference.target} on {reference.dataset}: {len(reference.chain_accepts)} chain "
           f"steps, tree budgets {sorted(reference.tree_accepts)} -> {path}")
     return 0
@@ -312,7 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--batches", type=int, nargs="+", default=[1],
                          help="batch sizes: a target shared by that many clients (default: 1)")
     profile.add_argument("--fast", nargs="?", const="auto", choices=("auto",) + FAST_BACKENDS, help=FAST_HELP)
-    profile.add_argument("--out-dir", help="default: the repository's profiles/")
+    profile.add_argument("--out-dir", help="default: your own profiles, in the user cache (the shipped profiles/ "
+                         "only when named)")
     profile.set_defaults(handler=_profile)
 
     reference = commands.add_parser("reference", help="record per-step acceptance of a pair on a prompt set")
@@ -332,7 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
     reference.add_argument("--dtype", default="float32")
     reference.add_argument("--cross-tokenizer", default="auto", choices=list(CROSS_TOKENIZER),
                            help="a draft with another tokenizer: how its drafts become target ids")
-    reference.add_argument("--out-dir", help="default: the repository's reference/")
+    reference.add_argument("--out-dir", help="default: your own references, in the user cache (the shipped "
+                           "reference/ only when named)")
     reference.set_defaults(handler=_reference)
 
     pareto = commands.add_parser("pareto", help="write an HTML latency-cost Pareto report from the caches")

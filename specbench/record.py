@@ -29,32 +29,52 @@ def profile_model(model: ModelLike, tokens: Sequence[int] = DEFAULT_TOKENS,
     loaded = as_loaded(model, dtype)
     device = str(loaded.model.get_input_embeddings().weight.device)
     points = forward_latency_points(loaded.model, tokens, contexts, repeats, batches=batches, fast=fast)
-    rows = list(tqdm(points, total=len(tokens) * len(contexts) * len(batches), desc=f"profile {loaded.spec.label}",
-                     unit="point", disable=not progress))
+    grid = f"{len(tokens)} sizes x {len(contexts)} contexts x {len(batches)} batches, {repeats} repeats"
+    rows = list(tqdm(points, total=len(tokens) * len(contexts) * len(batches),
+                     desc=f"profile {loaded.spec.label} ({grid})", unit="point", disable=not progress))
     profile = LatencyProfile(model=loaded.spec.label, device=device_name(device), dtype=str(loaded.model.dtype)[6:],
                              quantization=loaded.spec.quantization, weight_bytes=loaded.weight_bytes,
                              kv_bytes_per_token=loaded.kv_bytes_per_token, forward=rows[0].get("forward", "eager"),
-                             rows=tuple((r["tokens"], r["context"], r["median_s"], r["batch"]) for r in rows))
+                             rows=tuple((r["tokens"], r["context"], r["median_s"], r["batch"]) for r in rows),
+                             noise=spread(rows))
     power = measure_power(device)
     return profile, {"power_watts": power["watts"], "power_source": power["source"], "repeats": repeats,
                      "threads": torch.get_num_threads(), "batches": list(batches)}
+
+
+def spread(rows: Sequence[dict]) -> Optional[float]:
+    """How much a profile's repeats spread: the median over its points of (max - min) / median.
+    Example: points timed (min, median, max) = (50, 51, 53) and (80, 90, 140) ms spread 0.06 and 0.67:
+    0.36, a busy machine (`plan.library.NOISY_SPREAD`). None for rows without min/max."""
+    import statistics
+
+    ratios = [(r["max_s"] - r["min_s"]) / r["median_s"] for r in rows
+              if r.get("median_s") and "min_s" in r and "max_s" in r]
+    return round(statistics.median(ratios), 4) if ratios else None
 
 
 def record_reference(target: ModelLike, draft: ModelLike, prompts, dataset: str, max_chain: int = 8,
                      tree_budgets: Sequence[int] = (), max_new_tokens: int = 64,
                      sampling: Optional[SamplingParams] = None, tree: TreeShape = TreeShape(),
                      target_name: Optional[str] = None, draft_name: Optional[str] = None,
-                     dtype: str = "float32", cross_tokenizer: str = "auto") -> AcceptanceReference:
+                     dtype: str = "float32", cross_tokenizer: str = "auto",
+                     progress: bool | str = False) -> AcceptanceReference:
     """Run the pair with a long chain (and trees at each budget) and keep per-step acceptance
     (counted in target tokens; a draft with another tokenizer also records its draft tokens per
-    target token, which prices its drafting; `draft` "prompt-lookup": prompt lookup's own chains and trees)."""
+    target token, which prices its drafting; `draft` "prompt-lookup": prompt lookup's own chains and trees).
+    `progress`: a bar per run (the chain, each tree budget), labelled with the pair or the string given."""
     sampling = sampling or SamplingParams()
     target_loaded = as_loaded(target, dtype)
     lookup = draft == LOOKUP_DRAFT  # prompt lookup's chains and trees, copied from the context: no draft model
     draft_loaded = None if lookup else as_loaded(draft, dtype)
     chain_method, tree_method = ("prompt-lookup", "prompt-lookup-tree") if lookup else ("chain", "tree")
+    pair = progress if isinstance(progress, str) else (
+        f"reference {draft_name or (LOOKUP_DRAFT if lookup else draft_loaded.spec.label)} -> "
+        f"{target_name or target_loaded.spec.label}")
+    label = (lambda what: f"{pair}: {what}") if progress else (lambda what: False)  # noqa: E731
     chain = run(target_loaded, prompts, method=chain_method, draft=draft_loaded, k=max_chain,
-                max_new_tokens=max_new_tokens, sampling=sampling, progress=False, cross_tokenizer=cross_tokenizer)
+                max_new_tokens=max_new_tokens, sampling=sampling, progress=label(f"chain K={max_chain}"),
+                cross_tokenizer=cross_tokenizer)
     # End-of-budget steps draft fewer and would bias min(a, K). Prompt lookup keeps only its steps that
     # found a full chain: without a match it verifies one token whatever K is, so its planner's choice
     # of K matters only where a match is, and that is the acceptance the planner needs.
@@ -64,7 +84,8 @@ def record_reference(target: ModelLike, draft: ModelLike, prompts, dataset: str,
         records = run(target_loaded, prompts, method=tree_method, draft=draft_loaded, k=budget, tree=tree,
                       max_new_tokens=max_new_tokens, sampling=SamplingParams(
                           temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                          rule="greedy" if sampling.greedy else "sample-match"), progress=False,
+                          rule="greedy" if sampling.greedy else "sample-match"),
+                      progress=label(f"tree budget {budget}"),
                       cross_tokenizer="text" if cross_tokenizer == "shared-vocab" else cross_tokenizer)
         steps = records[records["drafted"] == budget]
         if steps.empty:  # e.g. prompt lookup never found that many candidates: nothing measured at this budget
@@ -99,5 +120,5 @@ def profile_worker(endpoint: str, tokens: Sequence[int] = DEFAULT_TOKENS, contex
                              kv_bytes_per_token=reply.get("kv_bytes_per_token") or 0,
                              forward=(reply["rows"] or [{}])[0].get("forward", "eager"),
                              rows=tuple((r["tokens"], r["context"], r["median_s"], r.get("batch", 1))
-                                        for r in reply["rows"]))
+                                        for r in reply["rows"]), noise=spread(reply["rows"]))
     return profile, {"repeats": repeats, "worker": endpoint, "batches": list(batches), "power_source": "configured", "power_watts": None}

@@ -85,7 +85,8 @@ def test_report_and_cli_write_html_from_cached_files(tmp_path, capsys):
     out = tmp_path / "cli.html"
     assert main(["pareto", "--profiles", str(tmp_path / "p"), "--references", str(tmp_path / "ref"),
                  "--out", str(out), "--rtt", "50"]) == 0
-    assert out.exists() and "big (test-device, float32, synthetic): drafts small" in out.read_text()
+    page = out.read_text()  # the view names its profiles' origin: the user's own, from this sitting
+    assert out.exists() and "big (test-device, float32, synthetic) · own, " in page and ": drafts small" in page
     assert main(["pareto", "--profiles", str(tmp_path / "p"), "--references", str(tmp_path / "ref"),
                  "--out", str(out), "--cs", "1.5"]) == 2
     assert "cs must be in [0, 1]" in capsys.readouterr().err

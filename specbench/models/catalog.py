@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from specbench.data_paths import cache_root  # noqa: F401 (the cache root, also as catalog.cache_root)
 from specbench.models.notices import quiet_transformers
 from specbench.types import SpecbenchError
 
@@ -90,15 +90,6 @@ CATALOG: dict[str, CatalogEntry] = {
 
 # Converted weights are stored in bfloat16: exact when loaded as float32, half the disk of fp32.
 CONVERTED_DTYPE = "bfloat16"
-
-
-def cache_root() -> Path:
-    """User cache for models and datasets; `SPECBENCH_CACHE` overrides (CI caches this folder)."""
-    override = os.environ.get("SPECBENCH_CACHE")
-    if override:
-        return Path(override).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "specbench"
 
 
 def catalog_entry(name: str) -> CatalogEntry:

@@ -10,6 +10,7 @@ from typing import Optional, Sequence
 import pandas as pd
 
 from specbench.models.spec import acceptance_label
+from specbench.plan.library import NOISY_SPREAD
 from specbench.plan.costs import Power, Prices, StepCost
 from specbench.plan.predict import (AcceptanceReference, LatencyProfile, OperatingPoint, break_even_acceptance,
                                     choose, pareto_front, predict, priced)
@@ -60,23 +61,36 @@ def base_name(label: str) -> str:
     return acceptance_label(label).split("@", 1)[0]
 
 
+def origin_label(profile: LatencyProfile) -> str:
+    """Where a profile came from, as a picker shows it: `shipped`, or `own, 2026-11-25 vm`."""
+    return "shipped" if profile.origin == "shipped" else f"own, {profile.sitting}".rstrip(", ")
+
+
 def target_groups(combos: Sequence[tuple]) -> dict[str, list[tuple]]:
-    """(target, draft, reference) combos by target family, device, dtype, forward and prompt set: the drafts
-    and quantizations one Pareto view compares. Key example: `smollm2-135m (cpu-2t-AMD-EPYC, float32, bench)`;
-    a fast forward's profiles make views of their own: `qwen2.5-coder-1.5b (NVIDIA-H100-80GB-HBM3, bfloat16,
-    fast-cudagraph, bench)`."""
+    """(target, draft, reference) combos by target family, device, dtype, forward, prompt set and origin: the
+    drafts and quantizations one Pareto view compares. Key example: `smollm2-135m (cpu-2t-AMD-EPYC, float32,
+    bench) · shipped`; a fast forward's profiles, and a user's own, make views of their own:
+    `qwen2.5-coder-1.5b (NVIDIA-H100-80GB-HBM3, bfloat16, fast-cudagraph, bench) · shipped`,
+    `smollm2-135m (cpu-2t-AMD-EPYC, float32, bench) · own, 2026-11-25 vm`; a view with a profile taken
+    on a busy machine says so (`· busy machine: spread 0.45`)."""
     chosen: dict[tuple, tuple] = {}
     for combo in combos:  # several references of one pair on one prompt set: the one with most steps
         target, draft, reference = combo
-        pair = (target.model, target.device, target.dtype, target.forward, draft.model, reference.dataset)
+        pair = (target.model, target.device, target.dtype, target.forward, draft.model, reference.dataset,
+                origin_label(target))
         if pair not in chosen or len(reference.chain_accepts) > len(chosen[pair][2].chain_accepts):
             chosen[pair] = combo
-    groups: dict[str, list[tuple]] = {}
+    groups: dict[tuple, list[tuple]] = {}
     for target, draft, reference in chosen.values():
         forward = "" if target.forward == "eager" else f", {target.forward}"
-        key = f"{base_name(target.model)} ({target.device}, {target.dtype}{forward}, {reference.dataset})"
-        groups.setdefault(key, []).append((target, draft, reference))
-    return groups
+        view = f"{base_name(target.model)} ({target.device}, {target.dtype}{forward}, {reference.dataset})"
+        groups.setdefault((view, origin_label(target)), []).append((target, draft, reference))
+    titled = {}
+    for (view, origin), combos in groups.items():
+        noise = max((p.noise or 0.0 for combo in combos for p in combo[:2]), default=0.0)
+        busy = f" · busy machine: spread {noise:.2f}" if noise >= NOISY_SPREAD else ""
+        titled[f"{view} · {origin}{busy}"] = combos
+    return titled
 
 
 def variants_frame(combos: Sequence[tuple], points, prices: Prices = Prices(), power: Power = Power(),
@@ -193,16 +207,21 @@ def measured_points(records: pd.DataFrame, prices: Prices = Prices(), power: Pow
 
 
 def matching_pairs(profiles: Sequence[LatencyProfile], references: Sequence[AcceptanceReference],
-                   target: Optional[str] = None) -> list[tuple[LatencyProfile, LatencyProfile, AcceptanceReference]]:
+                   target: Optional[str] = None,
+                   mix_origins: bool = False) -> list[tuple[LatencyProfile, LatencyProfile, AcceptanceReference]]:
     """(target profile, draft profile, reference) for every reference whose target and draft were both
-    profiled on one device: the combinations a Pareto view can predict."""
+    profiled on one device: the combinations a Pareto view can predict. A target profile pairs only with
+    a draft profile of the same origin (shipped with shipped; a user's own with own ones of the same
+    sitting, date and host), since a pair timed on different days or machines states were never side
+    by side; `mix_origins` lifts that (a view's title still names the target's origin)."""
     pairs = []
     for reference in references:
         if target and reference.target != target:
             continue
         for target_profile in (p for p in profiles if acceptance_label(p.model) == reference.target):
             drafts = [p for p in profiles if acceptance_label(p.model) == reference.draft
-                      and p.device == target_profile.device]
+                      and p.device == target_profile.device
+                      and (mix_origins or origin_label(p) == origin_label(target_profile))]
             # the draft's kernels and forward (eager, fast) as the target's where profiled, else any
             same = [p for p in drafts if p.model.removeprefix(reference.draft) ==
                     target_profile.model.removeprefix(reference.target)]

@@ -1,5 +1,11 @@
 """Plan inputs on disk: LatencyProfile and AcceptanceReference records in profiles/ and reference/, and
-measured speedups under concurrency beside the references (what predictions are checked against)."""
+measured speedups under concurrency beside the references (what predictions are checked against).
+
+Two homes, never mixed silently: the shipped folders (`PROFILES`, `REFERENCES`: curated, in the
+package) and the user's own (`OWN_PROFILES`, `OWN_REFERENCES`, under the user cache), where
+`save_*` writes unless told otherwise. Every loaded record carries its origin and sitting, and a
+profile how much its repeats spread (`NOISY_SPREAD` and over: taken on a busy machine).
+"""
 from __future__ import annotations
 
 import platform
@@ -10,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from specbench.cache.store import find_records, write_record
-from specbench.data_paths import data_folder
+from specbench.data_paths import data_folder, user_folder
 from specbench.plan.predict import AcceptanceReference, LatencyProfile
 
 if TYPE_CHECKING:  # pandas only where measured rows are read or written: this module loads with the stdlib
@@ -18,6 +24,11 @@ if TYPE_CHECKING:  # pandas only where measured rows are read or written: this m
 
 PROFILES = data_folder("profiles")
 REFERENCES = data_folder("reference")
+OWN_PROFILES = user_folder("profiles")
+OWN_REFERENCES = user_folder("reference")
+# a profile whose repeats spread this much ((max - min) / median, the median over its points) was taken
+# while something else ran: on a quiet 2-core box the spread stays under ~0.1
+NOISY_SPREAD = 0.3
 
 
 def library_versions() -> dict:
@@ -37,11 +48,28 @@ def _stamped(metadata: dict, extra: Optional[dict] = None) -> dict:
     return stamped
 
 
-def save_profile(profile: LatencyProfile, extra: Optional[dict] = None, folder: Path = PROFILES) -> Path:
+def origin_of(folder: Path | str) -> str:
+    """"shipped" for the package's own folders, "own" for any other."""
+    return "shipped" if Path(folder).resolve() in (PROFILES.resolve(), REFERENCES.resolve()) else "own"
+
+
+def is_noisy(profile: LatencyProfile) -> bool:
+    return profile.noise is not None and profile.noise >= NOISY_SPREAD
+
+
+def save_profile(profile: LatencyProfile, extra: Optional[dict] = None, folder: Path = OWN_PROFILES) -> Path:
+    """Write `profile` to `folder` (the user's own by default); a noisy one is kept, flagged and warned
+    about: notebook 03 shows the flag and never pairs it silently with a quiet one."""
     metadata = _stamped({"model": profile.model, "device": profile.device, "dtype": profile.dtype,
                          "quantization": profile.quantization, "weight_bytes": profile.weight_bytes,
                          "kv_bytes_per_token": profile.kv_bytes_per_token, "forward": profile.forward,
-                         "host": platform.node()}, extra)
+                         "host": platform.node(), "spread": profile.noise}, extra)
+    if is_noisy(profile):
+        import warnings
+
+        warnings.warn(f"profile of {profile.model}: its repeats spread {profile.noise:.2f} (>= {NOISY_SPREAD}): the "
+                      f"machine was busy while it ran; it is saved flagged 'busy', so measure again on a quiet machine",
+                      stacklevel=2)
     payload = {"rows": [list(row) for row in profile.rows]}
     fast = "" if profile.forward == "eager" else f"-{profile.forward}"
     return write_record(folder, "profile", metadata, payload,
@@ -49,13 +77,26 @@ def save_profile(profile: LatencyProfile, extra: Optional[dict] = None, folder: 
 
 
 def load_profiles(folder: Path = PROFILES, **match) -> list[LatencyProfile]:
+    origin = origin_of(folder)
     return [LatencyProfile(model=m["model"], device=m["device"], dtype=m["dtype"], quantization=m["quantization"],
                            rows=tuple(tuple(row) for row in p["rows"]), weight_bytes=m.get("weight_bytes") or 0,
-                           kv_bytes_per_token=m.get("kv_bytes_per_token") or 0, forward=m.get("forward", "eager"))
+                           kv_bytes_per_token=m.get("kv_bytes_per_token") or 0, forward=m.get("forward", "eager"),
+                           origin=origin, sitting=f"{m.get('date', '')} {m.get('host', '')}".strip(),
+                           noise=m.get("spread"))
             for _, m, p in find_records(folder, "profile", **match)]
 
 
-def save_reference(reference: AcceptanceReference, extra: Optional[dict] = None, folder: Path = REFERENCES) -> Path:
+def load_library(own: bool = True) -> tuple[list[LatencyProfile], list[AcceptanceReference]]:
+    """Every profile and reference: the shipped ones, and the user's own unless `own` is False."""
+    profiles, references = load_profiles(PROFILES), load_references(REFERENCES)
+    if own and OWN_PROFILES.resolve() != PROFILES.resolve():
+        profiles += load_profiles(OWN_PROFILES)
+        references += load_references(OWN_REFERENCES)
+    return profiles, references
+
+
+def save_reference(reference: AcceptanceReference, extra: Optional[dict] = None,
+                   folder: Path = OWN_REFERENCES) -> Path:
     fields = asdict(reference)
     metadata = {key: fields[key] for key in ("draft", "target", "dataset", "rule", "temperature", "max_chain")}
     if reference.cross_tokenizer:
@@ -70,7 +111,7 @@ def save_reference(reference: AcceptanceReference, extra: Optional[dict] = None,
 
 
 def load_references(folder: Path = REFERENCES, **match) -> list[AcceptanceReference]:
-    out = []
+    out, origin = [], origin_of(folder)
     for _, m, p in find_records(folder, "reference", **match):
         out.append(AcceptanceReference(
             draft=m["draft"], target=m["target"], dataset=m["dataset"], rule=m["rule"],
@@ -78,14 +119,15 @@ def load_references(folder: Path = REFERENCES, **match) -> list[AcceptanceRefere
             tree_accepts={int(k): tuple(v) for k, v in p["tree_accepts"].items()},
             tree_depth={int(k): v for k, v in p["tree_depth"].items()},
             tree_width={int(k): v for k, v in p["tree_width"].items()},
-            cross_tokenizer=m.get("cross_tokenizer", ""), draft_per_target=m.get("draft_per_target", 1.0)))
+            cross_tokenizer=m.get("cross_tokenizer", ""), draft_per_target=m.get("draft_per_target", 1.0),
+            origin=origin))
     return out
 
 
 MEASURED_COLUMNS = ("clients", "series", "speedup", "tokens_per_s", "target_only_tokens_per_s")
 
 
-def save_concurrency(measured: pd.DataFrame, metadata: dict, folder: Path = REFERENCES) -> Path:
+def save_concurrency(measured: pd.DataFrame, metadata: dict, folder: Path = OWN_REFERENCES) -> Path:
     """SD's measured speedup over target-only per number of clients sharing one worker (`MEASURED_COLUMNS`,
     from `benchmarks/concurrency.py --save-measured`); `metadata` names target, draft, device, dtype and
     the load. Notebook 03 draws them beside the predicted curve of the same pair."""

@@ -37,6 +37,12 @@ class LatencyProfile:
     weight_bytes: int = 0  # as loaded for the profile; 0 in profiles recorded before it was measured
     kv_bytes_per_token: int = 0
     forward: str = "eager"  # or fast-<backend>: fixed-shape steps (decode/fast_forward.py)
+    # where it came from, not what it measured (so not compared): "shipped" (the package's profiles/) or
+    # "own" (the user's folder); the sitting ("date host") it was taken in; how much its repeats spread
+    # (the median over points of (max - min) / median: a busy machine spreads them, `plan/library.py`)
+    origin: str = field(default="", compare=False)
+    sitting: str = field(default="", compare=False)
+    noise: Optional[float] = field(default=None, compare=False)
 
     def memory_bytes(self, context: int, batch: int = 1) -> int:
         """Weights plus `batch` caches of `context` tokens: what the model needs on its device."""
@@ -101,6 +107,7 @@ class AcceptanceReference:
     # draft-model tokens it produced per target token it proposed (its chains), which prices its drafting
     cross_tokenizer: str = ""
     draft_per_target: float = 1.0
+    origin: str = field(default="", compare=False)  # "shipped" or "own", as for profiles
 
     def full_acceptance(self, k: int) -> float:
         """Share of chain steps of length K whose every draft token was accepted."""
@@ -232,15 +239,19 @@ def choose(rows: Sequence[dict], cs: float, cost: str = "total_cost_usd_per_mtok
            reference_label: Optional[str] = None) -> dict:
     """The row minimising AutoDraft's J for cost weight cs; references default to target-only's row.
 
-    An objective can be zero at the reference (target-only spends no draft energy): costs are then
-    scaled by the largest one instead, and when every point costs nothing, speed alone decides."""
+    The rule: J = cs * cost / C + (1 - cs) * T / tokens_per_s, where T and C are the reference row's
+    (target-only at the first place listed) speed and cost, so each point's J depends on that point
+    and the reference only: showing or hiding another draft moves the recommendation only when that
+    draft is, or was, the minimum. An objective that is zero at the reference (target-only spends no
+    draft energy) is scaled by the energy the reference spends per token on the target instead, still
+    a property of the reference; when every point costs nothing, speed alone decides."""
     check_cs(cs)
     if not rows:
         raise SpecbenchError("no operating points to choose from")
     base = next((r for r in rows if r["label"] == reference_label), None) if reference_label else None
     base = base or next((r for r in rows if r["method"] == "target-only"), rows[0])
-    cost_ref = base[cost] if base[cost] > 0 else max(r[cost] for r in rows)
-    if cost_ref <= 0:
+    cost_ref = base[cost] if base[cost] > 0 else base.get("target_energy_j_per_mtok", 0.0)
+    if cost_ref <= 0 or all(r[cost] <= 0 for r in rows):
         cost_ref, cs = 1.0, 0.0
     return min(rows, key=lambda r: cost_knob(cs, r[cost], cost_ref, r["tokens_per_s"], base["tokens_per_s"]))
 

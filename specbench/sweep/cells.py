@@ -44,14 +44,16 @@ class CellResult:
     models_loaded: int = 0
 
 
-def run_cell(cell: SweepCell, threads: int = 0) -> CellResult:
-    """Run `cell` here; `threads` > 0 sets torch's thread count first (a Ray task's CPUs)."""
+def run_cell(cell: SweepCell, threads: int = 0, progress: bool = False) -> CellResult:
+    """Run `cell` here; `threads` > 0 sets torch's thread count first (a Ray task's CPUs); `progress`
+    shows the cell's own bar, labelled with the cell (a local sweep: minutes per cell otherwise silent)."""
     import torch
 
     if threads > 0:
         torch.set_num_threads(threads)
     started, loads_before = time.time(), _loads_done
-    frame, artifact = {"run": _run, "reference": _reference, "profile": _profile}[cell.kind](cell)
+    label = f"cell {cell.describe()}" if progress else False
+    frame, artifact = {"run": _run, "reference": _reference, "profile": _profile}[cell.kind](cell, label)
     finished = time.time()
     frame = frame.copy()
     for name in CELL_COLUMNS:
@@ -118,18 +120,18 @@ def _draft(cell: SweepCell, target):
     return None
 
 
-def _run(cell: SweepCell):
+def _run(cell: SweepCell, progress: bool | str):
     from specbench.api import run
 
     target = _target(cell)
     records = run(target, _prompts(cell), method=list(cell.methods), draft=_draft(cell, target), k=cell.k,
                   max_new_tokens=cell.max_new_tokens, sampling=_sampling(cell), seed=cell.seed,
                   self_draft_layers=cell.self_draft_layers, substitute_quantization=cell.substitute_quantization,
-                  dtype=cell.dtype, progress=False)
+                  dtype=cell.dtype, progress=progress)
     return records, None
 
 
-def _reference(cell: SweepCell):
+def _reference(cell: SweepCell, progress: bool | str):
     from specbench.record import record_reference
 
     target = _model(cell, cell.target, cell.target_quantization)
@@ -137,7 +139,7 @@ def _reference(cell: SweepCell):
     prompts = _prompts(cell)
     reference = record_reference(target, draft, prompts, dataset=cell.dataset, max_chain=cell.k,
                                  tree_budgets=cell.tree_budgets, max_new_tokens=cell.max_new_tokens,
-                                 sampling=_sampling(cell))
+                                 sampling=_sampling(cell), progress=progress)
     accepts = pd.Series(reference.chain_accepts, dtype=float)
     summary = pd.DataFrame([{"reference_draft": reference.draft, "reference_target": reference.target,
                              "chain_steps": len(accepts), "mean_accepted": accepts.mean(), "k": cell.k,
@@ -147,7 +149,7 @@ def _reference(cell: SweepCell):
     return summary, ("reference", reference, extra)
 
 
-def _profile(cell: SweepCell):
+def _profile(cell: SweepCell, progress: bool | str):
     from specbench.record import profile_model
 
     target = _model(cell, cell.target, cell.target_quantization)
@@ -156,7 +158,7 @@ def _profile(cell: SweepCell):
 
         target = truncated_view(target, cell.self_draft_layers)
     profile, extra = profile_model(target, tokens=cell.profile_tokens, contexts=cell.profile_contexts,
-                                   repeats=cell.profile_repeats, dtype=cell.dtype)
+                                   repeats=cell.profile_repeats, dtype=cell.dtype, progress=bool(progress))
     rows = pd.DataFrame(profile.rows, columns=["tokens", "context", "median_s", "batch"])
     return rows.assign(profile_model=profile.model, device=profile.device), ("profile", profile,
                                                                              {**extra, "sweep_cell": cell.key})

@@ -84,7 +84,7 @@ def sweep(cells: Sequence[SweepCell], out: Union[str, Path], executor: str = "lo
 def _run_local(pending, land) -> None:
     for index, cell in enumerate(pending):
         try:
-            result, error = run_cell(cell), None
+            result, error = run_cell(cell, progress=True), None
         except Exception as exc:  # a failed cell is recorded and the sweep goes on
             result, error = None, _describe(exc)
         land(cell, result, error, running=1 if index + 1 < len(pending) else 0)

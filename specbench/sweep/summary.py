@@ -13,7 +13,8 @@ from specbench.sweep.grid import SweepCell
 
 def summarize_sweep(records: pd.DataFrame, cells: Sequence[SweepCell]) -> pd.DataFrame:
     """Headline metrics per (cell, method) of the run cells, with the cell's fields, its budget as `k`
-    (a method's own `k` in the records is 0 for target-only) and the weights as loaded, in MiB."""
+    (a method's own `k` in the records is 0 for target-only), the weights as loaded, in MiB, and the
+    speedup over the cell's own target-only run (NaN where the cell ran none)."""
     runs = records[records["cell_kind"] == "run"] if len(records) else records
     if not len(runs):
         return pd.DataFrame()
@@ -22,5 +23,8 @@ def summarize_sweep(records: pd.DataFrame, cells: Sequence[SweepCell]) -> pd.Dat
     weights = (runs.groupby("cell")[["target_weight_bytes", "draft_weight_bytes"]].max() / 2**20).rename(
         columns={"target_weight_bytes": "target_weight_mib", "draft_weight_bytes": "draft_weight_mib"})
     table = table.merge(fields, on="cell", how="left").merge(weights, left_on="cell", right_index=True, how="left")
+    # measured side by side in one process: each method's speed over its own cell's target-only
+    alone = table[table["method"] == "target-only"].set_index("cell")["tokens_per_s"]
+    table["speedup_vs_target_only"] = table["tokens_per_s"] / table["cell"].map(alone)
     first = ["cell", *SHOWN, "k", "method"]
     return table[first + [c for c in table.columns if c not in first]]

@@ -1,7 +1,14 @@
 """Notebook 03's Pareto explorer: its controls, and a panel that every control redraws or explains.
 
 Why a module: the notebook is what users see, but its behaviour must be testable control by
-control (a control that fails must say so in the panel, not in JupyterLab's log console).
+control (a control that fails, or that changes nothing in the current view, must say so in the
+panel, not in JupyterLab's log console). The panel is the one place messages appear.
+
+Rules the panel states: the recommendation is the shown point (within the draft memory budget)
+with the lowest AutoDraft J = cs * cost / C + (1 - cs) * T / tokens_per_s, T and C being
+target-only's (`plan.predict.choose`), so it depends only on the objective, cs and the points
+shown; the draft memory budget belongs to the user's device, not to a target, so it stays
+unlimited until the user sets one, whatever target is picked.
 """
 from __future__ import annotations
 
@@ -18,32 +25,38 @@ from specbench.viz.panels import replace_output
 
 OBJECTIVES = tuple(OBJECTIVE_COLUMNS)
 RTT_CHOICES_MS = (5.0, 10.0, 25.0, 50.0, 100.0, 200.0)
+RULE = ("rule: the recommendation is the shown point within the memory budget with the lowest "
+        "J = cs x cost / cost(target-only) + (1 - cs) x speed(target-only) / speed")
 
 
 class ParetoExplorer:
     """Pick a target family (all its cached drafts and quantizations), which target and draft quantizations
     to show, the draft device's memory budget, places, RTTs, prices, clients, cost objective and weight
-    `cs`; the panel shows the Pareto figure coloured by draft/quantization, the table, the recommendation
-    per preset and how it moves with cs.
+    `cs`; the panel shows the Pareto figure coloured by draft/quantization, what the current view ignores
+    and why, the recommendation per preset, how it moves with cs, and the table.
 
     `groups` maps a title to its (target profile, draft profile, reference) combos (`target_groups`).
-    After every change `frame` holds the predictions drawn, or None with `message` saying why not.
+    After every change `frame` holds the predictions drawn, or None with `message` saying why not;
+    `notes` lists the controls the view ignores, each with its reason.
     """
 
     def __init__(self, groups: dict, group: Optional[str] = None, places: Sequence[str] = ("local", "remote"),
                  rtts_ms: Sequence[float] = (10.0, 50.0, 100.0), cs: float = 0.5, objective: str = "total_cost",
                  clients: int = 1, target_usd_per_hour: float = 2.0, usd_per_gb_down: float = 0.09,
-                 context: int = 256):
+                 context: int = 256, budget_mib: Optional[float] = None):
         if not groups:
             raise ValueError("no cached pairs: run notebook 05 or `specbench profile` / `specbench reference`")
         self.groups, self.context, self._syncing = groups, context, False
+        wide = widgets.Layout(width="95%")
         self.controls = {
             "target": widgets.Dropdown(options=list(groups), value=group or next(iter(groups)), description="target",
-                                       layout=widgets.Layout(width="95%")),
+                                       layout=wide),
             "target_quant": widgets.SelectMultiple(description="target quant"),
             "draft_quant": widgets.SelectMultiple(description="draft quant"),
-            "budget_mib": widgets.FloatSlider(description="draft MiB", tooltip="draft device memory budget: "
-                                              "weights + a cache of the context; points over it are greyed"),
+            "limit_memory": widgets.Checkbox(value=budget_mib is not None, description="limit draft memory",
+                                             tooltip="the draft device's memory: weights + a cache of the context"),
+            "budget_mib": widgets.BoundedFloatText(value=budget_mib or 1024.0, min=1.0, max=1e7, step=64.0,
+                                                   description="draft MiB", disabled=budget_mib is None),
             "place": widgets.SelectMultiple(options=["local", "remote"], value=tuple(places), description="place"),
             "rtts": widgets.SelectMultiple(options=sorted({*RTT_CHOICES_MS, *rtts_ms}), value=tuple(rtts_ms),
                                            description="RTT ms"),
@@ -55,36 +68,37 @@ class ParetoExplorer:
             "clients": widgets.IntSlider(value=clients, min=1, max=16, description="clients",
                                          tooltip="concurrent clients sharing the remote target (batched verification)"),
         }
-        self.output = widgets.Output()
-        self.frame = None
-        self.message = ""
+        self.output = widgets.Output(layout=widgets.Layout(width="100%"))
+        self.frame, self.message, self.notes = None, "", []
         self._sync_choices()
         self.controls["target"].observe(self._on_target, names="value")
+        self.controls["limit_memory"].observe(self._on_limit, names="value")
         for name, control in self.controls.items():
-            if name != "target":
+            if name not in ("target", "limit_memory"):
                 control.observe(self.update, names="value")
 
     @property
     def view(self) -> widgets.VBox:
         c = self.controls
-        return widgets.VBox([c["target"], widgets.HBox([c["target_quant"], c["draft_quant"], c["budget_mib"]]),
+        return widgets.VBox([c["target"], widgets.HBox([c["target_quant"], c["draft_quant"]]),
+                             widgets.HBox([c["limit_memory"], c["budget_mib"]]),
                              widgets.HBox([c["place"], c["rtts"]]), widgets.HBox([c["usd_hour"], c["usd_gb"]]),
                              widgets.HBox([c["cs"], c["objective"]]), c["clients"], self.output])
 
     def _sync_choices(self) -> None:
-        """The quantization pickers and the budget range offer exactly what the chosen family's caches hold."""
+        """The quantization pickers offer exactly what the chosen family's caches hold, all picked; each
+        picker's options and value go to the browser in one message (apart, the browser applied a value
+        to the old options: "Cannot set properties of undefined")."""
         self._syncing = True
         try:
             combos = self.groups[self.controls["target"].value]
             for name, of in (("target_quant", lambda combo: combo[0]), ("draft_quant", lambda combo: combo[1])):
+                control = self.controls[name]
                 options = sorted({of(combo).quantization for combo in combos}, key=_quantization_order)
-                self.controls[name].options = options
-                self.controls[name].value = tuple(options)
-            known = [draft.memory_bytes(self.context) / 2**20 for _, draft, _ in combos if draft.weight_bytes]
-            top = max(1.0, 1.25 * max(known, default=1024.0))
-            budget = self.controls["budget_mib"]
-            budget.max, budget.step = round(top, 1), round(top / 20, 1)
-            budget.min, budget.value = 0.0, budget.max
+                with control.hold_sync():
+                    control.options = options
+                    control.value = tuple(options)
+                    control.disabled = len(options) == 1
         finally:
             self._syncing = False
 
@@ -92,11 +106,19 @@ class ParetoExplorer:
         self._sync_choices()
         self.update()
 
+    def _on_limit(self, change):
+        self.controls["budget_mib"].disabled = not change["new"]
+        self.update()
+
     def selected(self) -> list[tuple]:
         """The (target, draft, reference) combos the quantization pickers let through."""
         c = self.controls
         return [combo for combo in self.groups[c["target"].value]
                 if combo[0].quantization in c["target_quant"].value and combo[1].quantization in c["draft_quant"].value]
+
+    def budget_bytes(self) -> Optional[float]:
+        c = self.controls
+        return c["budget_mib"].value * 2**20 if c["limit_memory"].value else None
 
     def predictions(self):
         """The predicted frame for the current controls (raises with the reason when it cannot)."""
@@ -109,8 +131,30 @@ class ParetoExplorer:
                                     remote="remote" in c["place"].value, clients=(c["clients"].value,))
 
         prices = Prices(target_usd_per_hour=c["usd_hour"].value, usd_per_gb_down=c["usd_gb"].value)
-        budget = None if c["budget_mib"].value >= c["budget_mib"].max else c["budget_mib"].value * 2**20
-        return variants_frame(self.selected(), points, prices, Power(), self.context, c["objective"].value, budget)
+        return variants_frame(self.selected(), points, prices, Power(), self.context, c["objective"].value,
+                              self.budget_bytes())
+
+    def inactive(self) -> list[str]:
+        """Each control the current view ignores, with why (so no control does nothing silently)."""
+        c, notes = self.controls, []
+        objective, remote = c["objective"].value, "remote" in c["place"].value
+        if c["target_quant"].disabled:
+            notes.append(f"target quant: only {c['target_quant'].options[0]!r} has a reference for this target "
+                         f"(record one with a quantized target to compare)")
+        if c["draft_quant"].disabled:
+            notes.append(f"draft quant: only {c['draft_quant'].options[0]!r} is cached for this target's drafts")
+        if objective in ("draft_energy", "target_energy"):
+            notes.append(f"target $/h and $/GB down price api_cost and total_cost; {objective} counts joules only")
+        elif objective == "api_cost":
+            notes.append("$/GB down prices bytes on the wire, which only total_cost counts")
+        if not remote:
+            notes.append("RTT ms and clients apply to remote points; pick place 'remote' to see them")
+        elif objective == "draft_energy":
+            notes.append("clients share the remote target's forwards: they move speed and target cost, not the "
+                         "draft's joules per token")
+        if not c["limit_memory"].value:
+            notes.append("draft MiB: no limit set (tick 'limit draft memory' to grey out drafts over it)")
+        return notes
 
     def update(self, *_):
         """Redraw the panel; on any failure the panel says what went wrong and which control to change."""
@@ -125,14 +169,17 @@ class ParetoExplorer:
             best = recommend(frame, c["cs"].value, objective)
             picks = {name: recommend(frame, value, objective)["label"] for name, value in PRESETS.items()}
             over = int((~frame["fits"]).sum())
+            self.notes = self.inactive()
             self.message = cs_summary(cs_ranges(frame, objective)) + (
                 f"\n{over} points over the draft memory budget ({c['budget_mib'].value:g} MiB) are greyed and "
                 f"never recommended" if over else "")
+            notes = "\n".join(f"- {note}" for note in self.notes)
             replace_output(self.output,
                            pareto_figure(frame, cost=column, recommended=best, by="variant",
                                          title=f"{c['target'].value}<br>recommended at cs={c['cs'].value:g}: "
                                                f"{best['label']}"),
-                           self.message, f"recommended per preset: {picks}",
+                           self.message, f"recommended per preset: {picks}\n{RULE}",
+                           *([f"not used in this view:\n{notes}"] if notes else []),
                            frame[["label", "tokens_per_s", "aggregate_tokens_per_s", column, "draft_memory_bytes",
                                   "fits", "on_front"]].sort_values("tokens_per_s", ascending=False).round(4))
         except Exception as error:  # every failure reaches the panel, never only the log console

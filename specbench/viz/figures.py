@@ -13,13 +13,36 @@ COLORS = {"target-only": "#636efa", "chain": "#ef553b", "tree": "#00cc96"}
 SYMBOLS = {"target-only": "square", "chain": "circle", "tree": "diamond"}
 
 
-def use_exportable_figures() -> None:
-    """Notebook figures carry both plotly's JSON (JupyterLab draws it live) and HTML, with plotly.js
-    inlined into THIS cell's output, so nbconvert/papermill exports show them offline. Inlining it
-    now matters: otherwise it lands in the first figure's output, which may sit in a widget."""
-    from plotly.offline import init_notebook_mode
+_EXPORT = {"on": False}  # set by use_notebook_figures: what a figure's output holds
 
-    init_notebook_mode(connected=False)
+
+def use_notebook_figures(export: bool = False) -> None:
+    """One representation per figure. By default plotly's JSON only, which JupyterLab's plotly
+    extension (installed with plotly) draws: a saved notebook stays small (plotly.js inlined, plus
+    JSON, HTML and PNG per figure, made each notebook ~5 MB). `export=True` (for an nbconvert or
+    papermill copy read in a browser, offline): HTML only, with plotly.js inlined once, into THIS
+    cell's output (otherwise it lands in the first figure's, which may sit in a widget)."""
+    import plotly.io as pio
+
+    _EXPORT["on"] = export
+    if export:
+        from plotly.offline import init_notebook_mode
+
+        init_notebook_mode(connected=False)
+        pio.renderers.default = "notebook"
+    else:
+        pio.renderers.default = "plotly_mimetype"
+
+
+def figure_data(figure: go.Figure) -> dict:
+    """A figure as display data for a widget's output, in the representation `use_notebook_figures` chose."""
+    import json
+
+    import plotly.io as pio
+
+    if _EXPORT["on"]:  # needs plotly.js on the page, which use_notebook_figures(export=True) put there
+        return {"text/html": pio.to_html(figure, include_plotlyjs=False, full_html=False)}
+    return {"application/vnd.plotly.v1+json": json.loads(pio.to_json(figure, validate=False))}
 
 
 def pareto_figure(predicted: pd.DataFrame, measured: Optional[pd.DataFrame] = None,
@@ -55,14 +78,22 @@ def pareto_figure(predicted: pd.DataFrame, measured: Optional[pd.DataFrame] = No
             x=measured[cost], y=measured[SPEED], mode="markers", name="measured",
             marker=dict(size=12, symbol="diamond-open", color="black", line=dict(width=2)),
             text=measured["label"], hovertemplate="measured %{text}<br>%{y:.2f} tok/s<br>%{x:.4g}<extra></extra>"))
-    if recommended is not None:
+    if recommended is not None:  # its label goes in the hover and the caller's title, not beside the star,
+        # where a long label ("qwen2.5-coder-0.5b@8bit: tree budget=16 (remote 10 ms)") was cut at the edge
         figure.add_trace(go.Scatter(
-            x=[recommended[cost]], y=[recommended[SPEED]], mode="markers+text", name="recommended",
+            x=[recommended[cost]], y=[recommended[SPEED]], mode="markers", name="recommended",
             marker=dict(size=18, symbol="star", color="gold", line=dict(width=1, color="black")),
-            text=[recommended["label"]], textposition="top center"))
-    figure.update_layout(title=title, xaxis_title=_cost_title(cost), yaxis_title="tokens/s (higher is better)",
-                         template="plotly_white", legend=dict(orientation="h", y=-0.2))
+            text=[recommended["label"]],
+            hovertemplate="recommended: %{text}<br>%{y:.2f} tok/s<br>%{x:.4g}<extra></extra>"))
+    figure.update_layout(title=dict(text=title, font=dict(size=14)), xaxis_title=_cost_title(cost),
+                         yaxis_title="tokens/s (higher is better)", template="plotly_white", **_BELOW_LEGEND)
     return figure
+
+
+# The legend under the plot, in rows, with the figure tall enough that it never squeezes the axes
+# (at the side, a legend of eight variants took half the width of a notebook's output).
+_BELOW_LEGEND = dict(height=620, margin=dict(l=60, r=20, t=80, b=40),
+                     legend=dict(orientation="h", yanchor="top", y=-0.18, xanchor="left", x=0, font=dict(size=11)))
 
 
 def acceptance_figure(records: pd.DataFrame, by: str = "method") -> go.Figure:
@@ -111,5 +142,5 @@ def concurrency_figure(predicted: pd.DataFrame, measured: Optional[pd.DataFrame]
                                         marker=dict(size=12, symbol="diamond-open", line=dict(width=2))))
     figure.add_hline(y=1.0, line=dict(color="grey", dash="dash"))
     figure.update_layout(title=title, xaxis_title="concurrent clients", yaxis_title="speedup (tokens/s per client)",
-                         template="plotly_white", legend=dict(orientation="h", y=-0.2))
+                         template="plotly_white", **_BELOW_LEGEND)
     return figure

@@ -1,7 +1,6 @@
 """Filling ipywidgets panels without output capture, so widget notebooks also run headless."""
 from __future__ import annotations
 
-import json
 from typing import Any
 
 
@@ -20,13 +19,10 @@ def _entry(item: Any) -> dict:
     if isinstance(item, str):
         return {"output_type": "stream", "name": "stdout", "text": item if item.endswith("\n") else item + "\n"}
     if hasattr(item, "to_plotly_json"):
-        # plotly's JSON (JupyterLab draws it) and HTML that needs plotly.js already on the page
-        # (`use_exportable_figures` puts it there); displaying the figure would go to the cell instead
-        import plotly.io as pio
+        # in the representation `use_notebook_figures` chose; displaying the figure would go to the cell instead
+        from specbench.viz.figures import figure_data
 
-        data = {"application/vnd.plotly.v1+json": json.loads(pio.to_json(item, validate=False)),
-                "text/html": pio.to_html(item, include_plotlyjs=False, full_html=False)}
-        metadata = {}
+        data, metadata = figure_data(item), {}
     else:
         from IPython import get_ipython
 
