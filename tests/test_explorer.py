@@ -14,6 +14,7 @@ NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 # Appended to notebook 03 and run in its kernel after its own cells.
 SWEEP = '''
 import itertools
+import json
 import ipywidgets as widgets
 
 def values_of(control):
@@ -23,14 +24,24 @@ def values_of(control):
     if isinstance(control, (widgets.FloatSlider, widgets.IntSlider)):
         count = int(round((control.max - control.min) / control.step))
         return [round(control.min + i * control.step, 6) for i in range(count + 1)]
+    if isinstance(control, widgets.Checkbox):
+        return [not control.value, control.value]
+    if isinstance(control, widgets.BoundedFloatText):
+        return [50.0, 300.0, 1000.0, 100000.0]
     return list(control.options)
 
-checked, refused = 0, []
+def figure():
+    panel = explorer.output.outputs
+    return json.dumps(panel[0].get("data"), sort_keys=True) if panel and "data" in panel[0] else None
+
+LABELS = {"limit_memory": "draft MiB"}  # the checkbox's notes speak of the budget it enables
+checked, refused, explained = 0, [], 0
 for name, control in explorer.controls.items():
     start = control.value
     for value in values_of(control):
         if value == control.value:
             continue
+        before = figure()
         explorer.output.outputs = ()
         control.value = value
         checked += 1
@@ -39,19 +50,23 @@ for name, control in explorer.controls.items():
         if explorer.frame is None:
             assert panel[0]["text"].startswith("cannot draw this view:"), (name, value, panel)
             refused.append((name, value, explorer.message))
-        else:
-            kinds = [next(iter(entry["data"]), None) if "data" in entry else "text" for entry in panel]
-            assert kinds[0] == "application/vnd.plotly.v1+json" and "text" in kinds, (name, value, kinds)
-            assert explorer.message.startswith(("recommended by cs", "the cost weight changes nothing")), explorer.message
+            continue
+        kinds = [next(iter(entry["data"]), None) if "data" in entry else "text" for entry in panel]
+        assert kinds[0] == "application/vnd.plotly.v1+json" and "text" in kinds, (name, value, kinds)
+        assert explorer.message.startswith(("recommended by cs", "the cost weight changes nothing")), explorer.message
+        if figure() == before:  # nothing drawn changed: the panel must say why this control does nothing here
+            label = LABELS.get(name, control.description)
+            assert any(note.startswith(label) or label in note for note in explorer.notes), (name, value, explorer.notes)
+            explained += 1
     control.value = start
-print("checked", checked, "refused", refused)
+print("checked", checked, "refused", refused, "explained", explained)
 # Only empty selections are refused, each with its reason in the panel.
-assert {(name, value) for name, value, _ in refused} == {("place", ()), ("rtts", ()), ("target_quant", ()),
+assert {(name, value) for name, value, _ in refused} <= {("place", ()), ("rtts", ()), ("target_quant", ()),
                                                          ("draft_quant", ())}, refused
 assert all(any(reason in m for reason in ("choose local, remote or both", "pick at least one RTT",
                                           "pick at least one target and one draft quantization"))
            for _, _, m in refused), refused
-# The pickers offer exactly the quantizations the shipped caches hold for each target.
+# The pickers offer exactly the quantizations the caches hold for each target.
 for title, combos in groups.items():
     explorer.controls["target"].value = title
     assert set(explorer.controls["target_quant"].options) == {t.quantization for t, _, _ in combos}
@@ -177,3 +192,66 @@ def test_pareto_command_greys_drafts_over_the_memory_budget(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "drafts small, small@4bit" in printed and "points over the draft memory budget" in printed
     assert "does not fit the draft memory budget" in out.read_text()
+
+
+@pytest.mark.parametrize("objective", ["draft_energy", "total_cost", "api_cost", "target_energy"])
+def test_hiding_a_draft_that_is_not_recommended_never_moves_the_recommendation(objective):
+    """Notebook 03's recommendation moved when unrelated drafts were shown or hidden: a draft-energy
+    objective is zero at target-only and was scaled by the largest cost among the points shown. Now
+    each point's J depends on that point and target-only only (`plan.predict.choose`)."""
+    from specbench.plan.explore import variants_frame
+
+    combos = [_variant("none", 400, 1.0), _variant("8bit", 150, 1.3), _variant("4bit", 90, 0.6)]
+    points = lambda reference: operating_points(reference, chain_ks=(1, 2, 4, 6))  # noqa: E731
+    for cs in (0.0, 0.3, 0.5, 0.7, 1.0):
+        every = recommend(variants_frame(combos, points, cost=objective), cs, objective)["label"]
+        for hidden in range(len(combos)):
+            shown = [combo for index, combo in enumerate(combos) if index != hidden]
+            if every.startswith(f"{combos[hidden][1].model}:"):
+                continue  # hiding the recommended draft may move it, by definition
+            assert recommend(variants_frame(shown, points, cost=objective), cs, objective)["label"] == every, (
+                cs, hidden)
+
+
+def test_an_own_profile_never_pairs_with_a_shipped_one_silently():
+    """A user's own fp32 profile (busy box, today) was paired with the shipped 8-bit one (another day)
+    under the shipped view's title. Now a target pairs only with drafts of its origin and sitting, views
+    are titled with their origin, and `mix_origins` is the user's explicit choice."""
+    from dataclasses import replace
+
+    from specbench.plan.explore import matching_pairs, target_groups
+
+    shipped_target, shipped_draft = (replace(p, origin="shipped", sitting="2026-11-23 vm") for p in (TARGET, DRAFT))
+    own_target = replace(TARGET, origin="own", sitting="2026-11-25 box", noise=0.45)
+    own_draft = replace(DRAFT, origin="own", sitting="2026-11-25 box")
+    other_sitting = replace(DRAFT, origin="own", sitting="2026-11-20 box")
+    pairs = lambda profiles, **kw: {(t.origin, t.sitting, d.origin, d.sitting)  # noqa: E731
+                                    for t, d, _ in matching_pairs(profiles, [REFERENCE], **kw)}
+    assert pairs([own_target, shipped_draft]) == set()
+    assert pairs([shipped_target, own_draft]) == set()
+    assert pairs([own_target, other_sitting]) == set()
+    assert pairs([own_target, own_draft, shipped_target, shipped_draft, other_sitting]) == {
+        ("own", "2026-11-25 box", "own", "2026-11-25 box"), ("shipped", "2026-11-23 vm", "shipped", "2026-11-23 vm")}
+    assert pairs([own_target, shipped_draft], mix_origins=True) == {("own", "2026-11-25 box", "shipped", "2026-11-23 vm")}
+    titles = list(target_groups(matching_pairs([own_target, own_draft, shipped_target, shipped_draft], [REFERENCE])))
+    assert sorted(titles) == ["big (test-device, float32, synthetic) · own, 2026-11-25 box · busy machine: spread 0.45",
+                              "big (test-device, float32, synthetic) · shipped"], titles
+
+
+def test_loaded_records_know_their_origin_and_a_noisy_profile_is_flagged(tmp_path):
+    import warnings
+
+    from dataclasses import replace
+
+    from specbench.plan.library import PROFILES, load_profiles, save_profile
+    from specbench.record import spread
+
+    rows = [{"median_s": 0.051, "min_s": 0.050, "max_s": 0.053}, {"median_s": 0.09, "min_s": 0.08, "max_s": 0.14}]
+    assert spread(rows) == pytest.approx((0.06 + 0.6667) / 2, abs=1e-3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        save_profile(replace(TARGET, noise=0.45), folder=tmp_path)
+    assert any("busy" in str(w.message) for w in caught)
+    [own] = load_profiles(tmp_path)
+    assert own.origin == "own" and own.noise == 0.45 and own.sitting
+    assert {p.origin for p in load_profiles(PROFILES)} == {"shipped"}

@@ -50,13 +50,15 @@ def _verdict(name: str, steps: pd.DataFrame, base: pd.DataFrame) -> str:
         return f"{name} is {speedup:.2f}x target-only: {costs}."
     affordable = (returned * (forward + network) - verify_ratio * forward - network) / per_step if per_step else 0
     needed = (per_step * draft_share * forward + verify_ratio * forward + network) / (forward + network)
-    most = f" (of at most {per_step + 1:.0f})"
-    if affordable <= 0:
+    if needed > per_step + 1:
+        fix = (f"at this draft cost no acceptance pays (a step would have to return {needed:.2f} tokens, more than "
+               f"the {per_step + 1:.0f} it can); a cheaper draft is where to look")
+    elif affordable <= 0:
         fix = (f"no draft is cheap enough at this acceptance (the verify alone costs more than the tokens it "
-               f"returns); it pays from {needed:.2f} tokens per step{most}")
+               f"returns); it pays from {needed:.2f} tokens per step (of at most {per_step + 1:.0f})")
     else:
         fix = (f"it would pay with drafting under {affordable / forward:.2f} of a target forward per token at this "
-               f"acceptance, or {needed:.2f} tokens per step{most} at this draft cost")
+               f"acceptance, or {needed:.2f} tokens per step (of at most {per_step + 1:.0f}) at this draft cost")
     return (f"{name} is {speedup:.2f}x target-only, slower, because {costs}: {fix} (notebook 03's break-even "
             f"table gives it per K and RTT).")
 

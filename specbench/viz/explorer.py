@@ -51,8 +51,8 @@ class ParetoExplorer:
         self.controls = {
             "target": widgets.Dropdown(options=list(groups), value=group or next(iter(groups)), description="target",
                                        layout=wide),
-            "target_quant": widgets.SelectMultiple(description="target quant"),
-            "draft_quant": widgets.SelectMultiple(description="draft quant"),
+            "target_quant": widgets.SelectMultiple(description="target quant", style={"description_width": "initial"}),
+            "draft_quant": widgets.SelectMultiple(description="draft quant", style={"description_width": "initial"}),
             "limit_memory": widgets.Checkbox(value=budget_mib is not None, description="limit draft memory",
                                              tooltip="the draft device's memory: weights + a cache of the context"),
             "budget_mib": widgets.BoundedFloatText(value=budget_mib or 1024.0, min=1.0, max=1e7, step=64.0,
@@ -134,8 +134,9 @@ class ParetoExplorer:
         return variants_frame(self.selected(), points, prices, Power(), self.context, c["objective"].value,
                               self.budget_bytes())
 
-    def inactive(self) -> list[str]:
-        """Each control the current view ignores, with why (so no control does nothing silently)."""
+    def inactive(self, frame=None) -> list[str]:
+        """Each control the current view ignores, with why (so no control does nothing silently); each
+        note starts with the control's label."""
         c, notes = self.controls, []
         objective, remote = c["objective"].value, "remote" in c["place"].value
         if c["target_quant"].disabled:
@@ -154,6 +155,8 @@ class ParetoExplorer:
                          "draft's joules per token")
         if not c["limit_memory"].value:
             notes.append("draft MiB: no limit set (tick 'limit draft memory' to grey out drafts over it)")
+        elif frame is not None and frame["fits"].all():
+            notes.append(f"draft MiB: every shown draft fits in {c['budget_mib'].value:g} MiB, so nothing is greyed")
         return notes
 
     def update(self, *_):
@@ -169,7 +172,7 @@ class ParetoExplorer:
             best = recommend(frame, c["cs"].value, objective)
             picks = {name: recommend(frame, value, objective)["label"] for name, value in PRESETS.items()}
             over = int((~frame["fits"]).sum())
-            self.notes = self.inactive()
+            self.notes = self.inactive(frame)
             self.message = cs_summary(cs_ranges(frame, objective)) + (
                 f"\n{over} points over the draft memory budget ({c['budget_mib'].value:g} MiB) are greyed and "
                 f"never recommended" if over else "")
