@@ -40,7 +40,7 @@ def forward_ms(target: LocalTarget, n: int, context: int) -> float:
         target.prefill("bench", [(7 * i) % 1000 + 100 for i in range(context + 1)])
     state = target.sessions["bench"]
     started = time.perf_counter()
-    target._forward(state, [11] * n, None, None)
+    target.forward(state, [11] * n, None, None)
     elapsed = 1000 * (time.perf_counter() - started)
     crop_to(state.cache, context)
     return elapsed

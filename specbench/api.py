@@ -129,8 +129,7 @@ def _check(method: Method, target: Target, planner) -> None:
     if planner is not None and not (method.plannable or method.kind == "none" or method.on_worker):
         raise SpecbenchError(f"a step planner chooses chain lengths; method {method.name!r} is not a chain "
                              f"method (plannable: {[m.name for m in _plannable()]})")
-    if method.plannable and planner is not None and (getattr(planner, "draft", True) is None) != (
-            method.name == "prompt-lookup"):
+    if method.plannable and planner is not None and (getattr(planner, "draft", True) is None) != method.lookup:
         raise SpecbenchError(f"this planner was built for {planner.reference.draft!r} drafting; method "
                              f"{method.name!r} drafts otherwise (a planner prices its own drafting)")
 

@@ -45,9 +45,12 @@ def _run(args) -> int:
     if args.plan:
         from specbench.plan.step_planner import planner_from_caches
 
-        if draft is None and "prompt-lookup" not in args.method:  # no draft: prompt lookup's planner (drafting free)
+        from specbench.methods import get_method
+        from specbench.plan.predict import LOOKUP_DRAFT
+
+        if draft is None and not any(get_method(m).lookup for m in args.method):  # no draft: a lookup's planner
             raise SpecbenchError("--plan chooses K per step for a draft/target pair or prompt lookup: pass --draft")
-        planner = planner_from_caches(target.label, draft.label if draft else "prompt-lookup", cs=args.cs,
+        planner = planner_from_caches(target.label, draft.label if draft else LOOKUP_DRAFT, cs=args.cs,
                                       max_k=args.k, draft_budget_mib=args.draft_budget_mib, dtype=args.dtype)
     from specbench.demo import DEMO_PROMPTS
 
@@ -229,6 +232,7 @@ def _sweep(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from specbench.plan.objectives import OBJECTIVES
     from specbench.worker.limits import LIMIT_FLAGS, WorkerLimits
 
     parser = argparse.ArgumentParser(prog="specbench", description=__doc__)
@@ -344,8 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
     pareto.add_argument("--rtt", type=float, nargs="*", default=[10.0, 50.0, 100.0],
                         help="also predict a remote target at these RTTs (ms)")
     pareto.add_argument("--cs", type=float, default=0.5, help="cost weight in [0, 1]: 0 fastest, 1 cheapest")
-    pareto.add_argument("--cost", default="total_cost", choices=["total_cost", "api_cost", "draft_energy",
-                                                                 "target_energy"])
+    pareto.add_argument("--cost", default="total_cost", choices=list(OBJECTIVES),
+                        help="cost objective (plan/objectives.py)")
     pareto.add_argument("--context", type=int, default=256)
     pareto.add_argument("--draft-budget-mib", type=float,
                         help="draft device memory budget: drafts whose weights + a --context cache exceed it are "

@@ -115,6 +115,7 @@ class Method:
     plannable: bool = False  # a step planner may choose its K per step
     drafts_ahead: bool = False  # proactive drafting applies: a chain from a draft model
     on_worker: bool = False  # runs wholly on a RemoteTarget's worker (only finished tokens travel)
+    lookup: bool = False  # drafts by looking up the context: no draft model, so nothing to profile or price
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -185,14 +186,26 @@ for _method in (
     Method("chain", "chain", _chain, plannable=True, drafts_ahead=True),
     Method("tree", "tree", _tree),
     Method("fixed-tree", "tree", _fixed_tree),
-    Method("prompt-lookup", "chain", _prompt_lookup, plannable=True),
-    Method("prompt-lookup-tree", "tree", _prompt_lookup_tree),
+    Method("prompt-lookup", "chain", _prompt_lookup, plannable=True, lookup=True),
+    Method("prompt-lookup-tree", "tree", _prompt_lookup_tree, lookup=True),
     Method("self-draft", "chain", _self_draft, plannable=True, drafts_ahead=True),
     Method("substitute", "chain", _substitute, plannable=True, drafts_ahead=True),
     Method("server-only", "chain", on_worker=True),  # AutoDraft's Server-Only: the worker drafts too
     Method("server-only-ar", "none", on_worker=True),  # AutoDraft's Server-Only-AR
 ):
     register(_method)
+
+
+def lookup_method(kind: str) -> str:
+    """The method of `kind` that drafts by lookup (prompt lookup's chains or trees): how a reference of
+    "prompt-lookup" drafting is recorded."""
+    return next(name for name, method in METHODS.items() if method.kind == kind and method.lookup)
+
+
+def kind_method(kind: str) -> str:
+    """The plain method of a kind, the first registered of it: `target-only`, `chain`, `tree`. The plan
+    layer prices a measured method as the plain method of its kind (prompt lookup as a chain)."""
+    return next(name for name, method in METHODS.items() if method.kind == kind)
 
 
 def make_drafter(name: str, source: DraftSource):

@@ -6,6 +6,7 @@ from typing import Optional, Sequence
 import torch
 
 from specbench.api import ModelLike, TreeShape, run
+from specbench.methods import kind_method, lookup_method
 from specbench.models.loading import as_loaded
 from specbench.models.spec import acceptance_label
 from specbench.decode.profile import forward_latency_points
@@ -67,7 +68,8 @@ def record_reference(target: ModelLike, draft: ModelLike, prompts, dataset: str,
     target_loaded = as_loaded(target, dtype)
     lookup = draft == LOOKUP_DRAFT  # prompt lookup's chains and trees, copied from the context: no draft model
     draft_loaded = None if lookup else as_loaded(draft, dtype)
-    chain_method, tree_method = ("prompt-lookup", "prompt-lookup-tree") if lookup else ("chain", "tree")
+    chain_method, tree_method = ((lookup_method("chain"), lookup_method("tree")) if lookup
+                                 else (kind_method("chain"), kind_method("tree")))
     pair = progress if isinstance(progress, str) else (
         f"reference {draft_name or (LOOKUP_DRAFT if lookup else draft_loaded.spec.label)} -> "
         f"{target_name or target_loaded.spec.label}")

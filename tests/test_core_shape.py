@@ -160,3 +160,31 @@ def test_data_folders_are_found_from_a_wheel_install(tmp_path):
     shipped_profiles = len([p for p in (ROOT / "profiles").glob("profile-*.json")])
     assert shown[0].startswith(str(prefix)) and "site-packages" not in shown[0], shown
     assert int(shown[1]) == shipped_profiles and int(shown[2]) > 0 and shown[3] == "True", shown
+
+
+def test_a_cost_objective_registered_in_one_file_reaches_the_predictor_explorer_and_cli(tmp_path, capsys):
+    """Adding an objective touched four files (the cost model, the explorer, the predictor's columns, the
+    CLI's choices); now one `register` call, and every reader sees it."""
+    import custom_objective  # noqa: F401  (registers "carbon" on import)
+
+    from specbench.cli import build_parser, main
+    from specbench.plan.explore import operating_points, prediction_frame, recommend
+    from specbench.plan.library import save_profile, save_reference
+    from specbench.viz.explorer import ParetoExplorer
+    from test_viz import DRAFT, REFERENCE, TARGET
+
+    frame = prediction_frame(TARGET, DRAFT, REFERENCE, operating_points(REFERENCE), cost="carbon")
+    assert (frame["carbon_g_per_mtok"] > 0).all()
+    assert recommend(frame, 1.0, "carbon")["carbon_g_per_mtok"] == frame["carbon_g_per_mtok"].min()
+    explorer = ParetoExplorer({"view": [(TARGET, DRAFT, REFERENCE)]}, objective="carbon")
+    assert "carbon" in explorer.controls["objective"].options and explorer.update() is not None
+    pareto = next(action for action in build_parser()._subparsers._group_actions[0].choices["pareto"]._actions
+                  if action.dest == "cost")
+    assert "carbon" in pareto.choices
+    save_profile(TARGET, folder=tmp_path / "p")
+    save_profile(DRAFT, folder=tmp_path / "p")
+    save_reference(REFERENCE, folder=tmp_path / "r")
+    out = tmp_path / "carbon.html"
+    assert main(["pareto", "--profiles", str(tmp_path / "p"), "--references", str(tmp_path / "r"), "--cost", "carbon",
+                 "--out", str(out)]) == 0
+    assert "carbon (g per 1M tokens" in out.read_text()

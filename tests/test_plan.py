@@ -4,7 +4,8 @@ import random
 import pytest
 
 from specbench.plan.costs import (Network, Power, Prices, StepCost, api_cost_per_mtok, cost_knob,
-                                  draft_energy_j_per_mtok, objective_value, total_cost_per_mtok)
+                                  draft_energy_j_per_mtok, total_cost_per_mtok)
+from specbench.plan.objectives import objective_value
 from specbench.plan.predict import (AcceptanceReference, LatencyProfile, OperatingPoint, break_even_acceptance,
                                     choose, pareto_front, predict)
 from specbench.types import SpecbenchError

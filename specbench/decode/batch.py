@@ -31,7 +31,7 @@ from specbench.decode.clock import device_time
 from specbench.decode.kv import cached_length, keep_positions, tree_attention_mask
 from specbench.decode.kv_pool import PooledCache, packed_cache
 from specbench.decode.packed_attention import Packing
-from specbench.decode.target import LocalTarget, PrefillJob, _Sequence, check_tree
+from specbench.decode.target import LocalTarget, PrefillJob, SessionState, check_tree
 from specbench.sampling.verify import verify
 from specbench.types import DraftTree, SamplingParams, Timing, Verdict
 
@@ -48,7 +48,7 @@ class VerifyRequest:
 class _Row:
     index: int
     request: Optional[VerifyRequest]  # None: a prefill chunk riding along (nothing to verify)
-    state: _Sequence
+    state: SessionState
     past: int  # cached positions of this session
     inputs: list[int]  # its tail + tree tokens
     mask: torch.Tensor  # [n, past + n] additive, as a lone verify builds it
@@ -106,10 +106,10 @@ def _alone(target: LocalTarget, request: VerifyRequest) -> Union[Verdict, Except
 
 
 def _prepare(target: LocalTarget, index: int, request: VerifyRequest) -> _Row:
-    state = target._session(request.session)
+    state = target.state(request.session)
     tree = request.tree
     check_tree(tree, target.vocab_size, request.sampling)
-    target._check_context(len(state.committed) + len(tree) + 1)
+    target.check_context(len(state.committed) + len(tree) + 1)
     past, num_prefix = cached_length(state.cache), len(state.tail)
     depths = tree.depths()
     positions = list(range(past, past + num_prefix)) + [past + num_prefix - 1 + d for d in depths]

@@ -16,46 +16,33 @@ sized per session would.
 """
 from __future__ import annotations
 
-import heapq
-import threading
 import weakref
 from typing import Optional, Sequence
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from specbench.decode.slot_pool import SlotPool
 from specbench.types import SpecbenchError
 
 CAPACITY_STEP = 64  # positions; capacity grows to a multiple of it
 
 
-class KVPool:
-    """Keys and values of all sessions of one model; rows are handed out by `acquire`."""
+class KVPool(SlotPool):
+    """Keys and values of all sessions of one model; rows are handed out by `acquire` (`SlotPool`)."""
 
     def __init__(self, num_layers: int, slots: int = 1, capacity: int = CAPACITY_STEP,
                  max_bytes: Optional[int] = None):
+        super().__init__(slots)
         self.keys: list[Optional[torch.Tensor]] = [None] * num_layers
         self.values: list[Optional[torch.Tensor]] = [None] * num_layers
-        self.slots, self.capacity = slots, capacity
+        self.capacity = capacity
         self.max_bytes = max_bytes  # growing past it is refused (the worker's --max-kv-gib)
-        self._free = list(range(slots))
-        self._lock = threading.RLock()  # a slot's release can run from the GC inside `_grow`
 
-    def acquire(self) -> int:
-        with self._lock:
-            if not self._free:
-                self._grow(slots=(self.slots + 1, self.slots * 2))
-            return heapq.heappop(self._free)
+    def _grow_slots(self) -> None:
+        self._grow(slots=(self.slots + 1, self.slots * 2))
 
-    def release(self, slot: int) -> None:
-        with self._lock:
-            heapq.heappush(self._free, slot)
-
-    @property
-    def in_use(self) -> int:
-        return self.slots - len(self._free)
-
-    def reserve(self, length: int) -> None:
+    def reserve_positions(self, length: int) -> None:
         """Make room for `length` positions in every row (doubling, so appends stay amortised O(1))."""
         if length > self.capacity:
             needed = -(-length // CAPACITY_STEP) * CAPACITY_STEP
@@ -80,7 +67,7 @@ class KVPool:
         `lengths` is None) into slot `slots[r]` at positions `pasts[r]`..; the pool grows first if
         needed. Returns layer `index`'s whole tensors."""
         lengths = [key_states.shape[-2]] if lengths is None else lengths
-        self.reserve(max(past + n for past, n in zip(pasts, lengths)))
+        self.reserve_positions(max(past + n for past, n in zip(pasts, lengths)))
         keys, values = self.layer(index, key_states)
         start = 0
         for slot, past, n in zip(slots, pasts, lengths):
@@ -138,9 +125,8 @@ class KVPool:
                 if old is not None:
                     new[:self.slots, :, :self.capacity] = old
                     store[index] = new
-        for slot in range(self.slots, new_slots):
-            heapq.heappush(self._free, slot)
-        self.slots, self.capacity = new_slots, new_capacity
+        self._added(new_slots)
+        self.capacity = new_capacity
 
 
 class _PoolLayer(CacheLayerMixin):

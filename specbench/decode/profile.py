@@ -83,7 +83,7 @@ def _fast_points(model, tokens, contexts, repeats, warmup, batches, backend, sli
     from specbench.decode.fast_forward import FastForward
 
     forward = FastForward(model, max(contexts) + max(tokens), backend)
-    forward.pool.reserve(max(batches) + 1)  # (+ a padding row) the tensors stay put: no recompile mid-grid
+    forward.pool.reserve_slots(max(batches) + 1)  # (+ a padding row) the tensors stay put: no recompile mid-grid
     device, vocab = forward.device, model.get_input_embeddings().weight.shape[0]
     generator = torch.Generator().manual_seed(0)
     for batch, context in ((b, c) for b in batches for c in contexts):

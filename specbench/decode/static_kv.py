@@ -13,13 +13,13 @@ positions (`decode/fast_forward.py`).
 from __future__ import annotations
 
 import gc
-import heapq
 import weakref
 from typing import Optional, Sequence
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from specbench.decode.slot_pool import SlotPool
 from specbench.types import SpecbenchError
 
 WIDTH_STEP = 128  # positions; attention reads the cache up to a multiple of it
@@ -49,7 +49,7 @@ def kv_shape(config) -> tuple[int, int, int]:
                              f"({missing}); run with fast=False") from None
 
 
-class StaticPool:
+class StaticPool(SlotPool):
     """Every static cache of one model: per layer one [slots, kv_heads, capacity, head_dim] tensor, a
     row (slot) per session.
 
@@ -66,28 +66,19 @@ class StaticPool:
             raise SpecbenchError(f"static cache capacity must be >= 1 position, got {capacity}")
         self.capacity, self.dtype, self.device = rounded(capacity), dtype, device
         self.slot_bytes = static_bytes(config, capacity, dtype)
+        super().__init__(0)
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        self.slots, self.generation = 0, 0
+        self.generation = 0
         self.max_bytes: Optional[int] = None  # every slot together (the worker's --max-kv-gib)
-        self._free: list[int] = []
 
-    @property
-    def in_use(self) -> int:
-        return self.slots - len(self._free)
+    def _grow_slots(self) -> None:
+        self._grow()
 
-    def acquire(self) -> int:
-        if not self._free:
-            self._grow()
-        return heapq.heappop(self._free)
-
-    def reserve(self, slots: int) -> None:
+    def reserve_slots(self, slots: int) -> None:
         """Grow now to `slots` slots (if it has fewer), so later sessions find the tensors where they are."""
         if slots > self.slots:
             self._grow(slots)
-
-    def release(self, slot: int) -> None:
-        heapq.heappush(self._free, slot)
 
     def nbytes(self) -> int:
         return self.slots * self.slot_bytes
@@ -114,9 +105,8 @@ class StaticPool:
                 for tensor, old in zip(store, old_store):
                     tensor[:self.slots] = old
         self.keys, self.values = new
-        for slot in range(self.slots, grown):
-            heapq.heappush(self._free, slot)
-        self.slots, self.generation = grown, self.generation + 1
+        self._added(grown)
+        self.generation += 1
 
 
 class StaticKV(Cache):

@@ -98,7 +98,9 @@ def check_tree(tree: DraftTree, vocab_size: int, sampling: SamplingParams) -> No
 
 
 @dataclass
-class _Sequence:
+class SessionState:
+    """One session on a target: its cache and committed tokens; what a batch verifies against (`decode/batch.py`)."""
+
     cache: object
     committed: list[int]
     tail: list[int] = field(default_factory=list)
@@ -118,7 +120,7 @@ class PrefillJob:
 
     def __init__(self, target: "LocalTarget", session: str, ids: list[int]):
         self.target, self.session, self.ids, self.fed = target, session, ids, 0
-        self.state = _Sequence(cache=target.new_cache(), committed=list(ids), tail=ids[-1:])
+        self.state = SessionState(cache=target.new_cache(), committed=list(ids), tail=ids[-1:])
 
     @property
     def remaining(self) -> int:
@@ -133,7 +135,7 @@ class PrefillJob:
         may also feed chunks inside a batched verify (`decode/batch.py`), counted in `fed`."""
         chunk = self.next_chunk(max_tokens)
         if chunk:
-            self.target._forward(self.state, chunk, position_ids=None, attention_mask=None, logits_to_keep=1)
+            self.target.forward(self.state, chunk, position_ids=None, attention_mask=None, logits_to_keep=1)
             clock.synchronize(self.target.device)  # a caller timing the prefill times the work, not its launch
             self.fed += len(chunk)
         if self.remaining:
@@ -161,7 +163,7 @@ class LocalTarget:
         self.eos_token_ids = tuple(loaded.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.tokenizer = loaded.tokenizer
         self.max_context = max_context or getattr(self.model.config, "max_position_embeddings", None)
-        self.sessions: dict[str, _Sequence] = {}
+        self.sessions: dict[str, SessionState] = {}
         self.plain = plain_layers(self.model.config)  # full attention only (no sliding window)
         # fast: fixed-shape compiled / graph-captured forwards over a static cache per session
         # (`decode/fast_forward.py`); True picks the device's backend, a string names one; None: on where it
@@ -203,15 +205,15 @@ class LocalTarget:
         ids = check_token_ids(token_ids, self.vocab_size, "prompt")
         if not ids:
             raise SpecbenchError("empty prompt: at least one token is needed to condition on")
-        self._check_context(len(ids))
+        self.check_context(len(ids))
         return ids
 
     def verify(self, session: str, tree: DraftTree, sampling: SamplingParams, seed: int) -> Verdict:
         """One forward over [tail] + tree, verification by `sampling`'s rule, then commit the path."""
         start = clock.device_time(self.device)
-        state = self._session(session)
+        state = self.state(session)
         check_tree(tree, self.vocab_size, sampling)
-        self._check_context(len(state.committed) + len(tree) + 1)
+        self.check_context(len(state.committed) + len(tree) + 1)
         past = cached_length(state.cache)
         num_prefix = len(state.tail)
         inputs = state.tail + list(tree.tokens)
@@ -225,7 +227,7 @@ class LocalTarget:
             attention_mask = tree_attention_mask(tree.parents, num_prefix, past, self.dtype, self.device)
         forward_start = clock.device_time(self.device)
         try:
-            logits = self._forward(state, inputs, position_ids, attention_mask)
+            logits = self.forward(state, inputs, position_ids, attention_mask)
             forward_s = clock.device_time(self.device) - forward_start
             generator = torch.Generator().manual_seed(seed)
             path, bonus = verify(tree, logits[num_prefix - 1:], sampling, generator)  # on the device
@@ -248,21 +250,21 @@ class LocalTarget:
             self.fast.forget(state.cache)
 
     def committed(self, session: str) -> list[int]:
-        return list(self._session(session).committed)
+        return list(self.state(session).committed)
 
-    def _session(self, session: str) -> _Sequence:
+    def state(self, session: str) -> SessionState:
         try:
             return self.sessions[session]
         except KeyError:
             raise UnknownSessionError(f"unknown session {session!r}; call prefill first") from None
 
-    def _check_context(self, length: int) -> None:
+    def check_context(self, length: int) -> None:
         if self.max_context and length > self.max_context:
             raise SpecbenchError(
                 f"sequence of {length} tokens exceeds the target's context of {self.max_context}")
 
     @torch.inference_mode()
-    def _forward(self, state: _Sequence, inputs: list[int], position_ids, attention_mask,
+    def forward(self, state: SessionState, inputs: list[int], position_ids, attention_mask,
                  logits_to_keep: int = 0) -> torch.Tensor:
         """Logits [len(inputs), vocab_size] (or the last `logits_to_keep` rows) for `inputs` appended
         to the session's cache; prefill keeps one row, since a vocab-wide row per prompt token is waste."""

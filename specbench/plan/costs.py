@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 from specbench.types import SpecbenchError
 
-OBJECTIVES = ("latency", "api_cost", "total_cost", "draft_energy", "target_energy", "energy_total")
 PRESETS = {"tps": 0.0, "balanced": 0.5, "cost": 1.0}
 
 
@@ -95,23 +94,6 @@ def total_cost_per_mtok(step: StepCost, prices: Prices, power: Power) -> float:
     per_token_gb = 1e6 / step.tokens_per_step / 1e9
     wire_usd = (step.bytes_up * prices.usd_per_gb_up + step.bytes_down * prices.usd_per_gb_down) * per_token_gb
     return api_cost_per_mtok(step, prices) + energy_usd + wire_usd
-
-
-def objective_value(objective: str, step: StepCost, prices: Prices, power: Power) -> float:
-    """Lower is better for every objective (latency is seconds per token)."""
-    if objective == "latency":
-        return 1.0 / step.tokens_per_s
-    if objective == "api_cost":
-        return api_cost_per_mtok(step, prices)
-    if objective == "total_cost":
-        return total_cost_per_mtok(step, prices, power)
-    if objective == "draft_energy":
-        return draft_energy_j_per_mtok(step, power)
-    if objective == "target_energy":
-        return target_energy_j_per_mtok(step, power)
-    if objective == "energy_total":
-        return draft_energy_j_per_mtok(step, power) + target_energy_j_per_mtok(step, power)
-    raise SpecbenchError(f"unknown objective {objective!r}; choose one of {OBJECTIVES}")
 
 
 def cost_knob(cs: float, cost: float, cost_ref: float, tps: float, tps_ref: float) -> float:

@@ -9,15 +9,15 @@ from typing import Optional, Sequence
 
 import pandas as pd
 
+from specbench.methods import kind_method
 from specbench.models.spec import acceptance_label
 from specbench.plan.library import NOISY_SPREAD
 from specbench.plan.costs import Power, Prices, StepCost
+from specbench.plan.objectives import get_objective
 from specbench.plan.predict import (AcceptanceReference, LatencyProfile, OperatingPoint, break_even_acceptance,
                                     choose, pareto_front, predict, priced)
 from specbench.types import SpecbenchError
 
-OBJECTIVE_COLUMNS = {"api_cost": "api_cost_usd_per_mtok", "total_cost": "total_cost_usd_per_mtok",
-                     "draft_energy": "draft_energy_j_per_mtok", "target_energy": "target_energy_j_per_mtok"}
 
 
 def operating_points(reference: Optional[AcceptanceReference], chain_ks: Sequence[int] = (1, 2, 3, 4, 5, 6, 8),
@@ -107,10 +107,10 @@ def variants_frame(combos: Sequence[tuple], points, prices: Prices = Prices(), p
     frames, alone = [], set()
     for target, draft, reference in combos:
         frame = prediction_frame(target, draft, reference, points(reference), prices, power, context, cost=cost)
-        solo = frame["method"] == "target-only"
+        solo = frame["kind"] == "none"
         if target.model in alone:
             frame = frame[~solo].reset_index(drop=True)
-            solo = frame["method"] == "target-only"
+            solo = frame["kind"] == "none"
         alone.add(target.model)
         frame["target"], frame["target_quantization"] = target.model, target.quantization
         frame["draft"], frame["draft_quantization"] = draft.model, draft.quantization
@@ -180,10 +180,8 @@ def cs_summary(spans: pd.DataFrame) -> str:
 
 
 def cost_column(objective: str) -> str:
-    try:
-        return OBJECTIVE_COLUMNS[objective]
-    except KeyError:
-        raise SpecbenchError(f"unknown cost objective {objective!r}; choose one of {sorted(OBJECTIVE_COLUMNS)}") from None
+    """The column an objective's values are in (`plan/objectives.py`)."""
+    return get_objective(objective).column
 
 
 def measured_points(records: pd.DataFrame, prices: Prices = Prices(), power: Power = Power(),
@@ -196,10 +194,10 @@ def measured_points(records: pd.DataFrame, prices: Prices = Prices(), power: Pow
         step = StepCost(emitted_per_step, group["draft_s"].mean(), group["verify_s"].mean(), group["network_s"].mean(),
                         group["overhead_s"].mean(), group["bytes_up"].mean(), group["bytes_down"].mean())
         kind = group["kind"].iloc[0]
-        label = OperatingPoint("target-only" if kind == "none" else kind, int(k), where, rtt_ms).label
+        label = OperatingPoint(kind_method(kind), int(k), where, rtt_ms).label
         if group["planned"].any():  # K varies per step; no fixed-K prediction to overlay
             label = f"{method} K<={int(k)} ({label.rsplit('(', 1)[1]}"
-        rows.append({"label": label, "method": method, "k": int(k),
+        rows.append({"label": label, "method": method, "kind": kind, "k": int(k),
                      "where": where, "rtt_ms": rtt_ms, **priced(step, prices, power),
                      # measured speed: emitted tokens over wall time of the steps (not 1 / mean step)
                      "tokens_per_s": group["emitted"].sum() / group["step_s"].sum(), "steps": len(group)})
@@ -277,8 +275,8 @@ def concurrency_frame(target: LatencyProfile, draft: LatencyProfile, reference: 
         points = [p for p in operating_points(reference, chain_ks, rtts_ms=(rtt_ms,), remote=True, local=False,
                                               clients=(n,))]
         frame = pd.DataFrame(predict(points, target, draft, reference, context=context, overhead_s=overhead_s))
-        base = frame.loc[frame["method"] == "target-only", "tokens_per_s"].iloc[0]
-        for row in frame[frame["method"] != "target-only"].itertuples():
+        base = frame.loc[frame["kind"] == "none", "tokens_per_s"].iloc[0]
+        for row in frame[frame["kind"] != "none"].itertuples():
             rows.append({"clients": n, "method": row.method, "k": row.k,
                          "series": f"{row.method} {'K' if row.method == 'chain' else 'budget'}={row.k}",
                          "tokens_per_s": row.tokens_per_s, "aggregate_tokens_per_s": row.aggregate_tokens_per_s,

@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from statistics import mean
 from typing import Optional, Sequence
 
-from specbench.plan.costs import Network, Power, Prices, StepCost, api_cost_per_mtok, cost_knob, check_cs
-from specbench.plan.costs import draft_energy_j_per_mtok, target_energy_j_per_mtok, total_cost_per_mtok
+from specbench.plan.costs import Network, Power, Prices, StepCost, cost_knob, check_cs
+from specbench.methods import KINDS, get_method
+from specbench.plan.objectives import by_column, cost_columns
 from specbench.types import SpecbenchError
 
 REPLY_BYTES = 110  # verify reply: msgpack header (ok, id, bonus, timings) + accepted path frame
@@ -114,28 +115,32 @@ class AcceptanceReference:
         return mean(a >= k for a in self.chain_accepts) if self.chain_accepts else 0.0
 
     def accepted(self, method: str, k: int) -> float:
-        """Expected accepted draft tokens per step."""
-        if method == "target-only":
+        """Expected accepted draft tokens per step of `method` (a method of the table, or its kind)."""
+        kind = method if method in KINDS else get_method(method).kind
+        if kind == "none":
             return 0.0
-        if method == "chain":
+        if kind == "chain":
             if not 1 <= k <= self.max_chain:
                 raise SpecbenchError(f"reference chains were {self.max_chain} long; cannot predict K={k}")
             if not self.chain_accepts:
                 raise SpecbenchError("reference has no chain steps")
             return mean(min(a, k) for a in self.chain_accepts)
-        if method == "tree":
+        if kind == "tree":
             steps = self.tree_accepts.get(k) or self.tree_accepts.get(str(k))
             if not steps:
                 measured = sorted(int(b) for b in self.tree_accepts)
                 raise SpecbenchError(f"no measured tree steps at budget {k} (measured: {measured}); "
                                      f"record a reference at that budget rather than interpolate")
             return mean(steps)
-        raise SpecbenchError(f"cannot predict method {method!r}; choose target-only, chain or tree")
+        raise SpecbenchError(f"cannot predict method {method!r} of kind {kind!r}")
 
 
 @dataclass(frozen=True)
 class OperatingPoint:
-    method: str  # target-only | chain | tree
+    """What the predictor prices: a method of the table (its kind, `none`, `chain` or `tree`, decides how:
+    `target-only`, `chain` and `tree` are the kinds' plain methods), its size, its place and its load."""
+
+    method: str  # a method of the table: target-only | chain | tree, or any of their kinds
     k: int = 0  # chain length or tree node budget
     where: str = "local"  # local | remote
     rtt_ms: float = 0.0
@@ -143,8 +148,12 @@ class OperatingPoint:
     clients: int = 1  # clients sharing the target, their verifies batched into one forward
 
     @property
+    def kind(self) -> str:
+        return get_method(self.method).kind
+
+    @property
     def label(self) -> str:
-        size = "" if self.method == "target-only" else f" {'K' if self.method == 'chain' else 'budget'}={self.k}"
+        size = "" if self.kind == "none" else f" {'K' if self.kind == 'chain' else 'budget'}={self.k}"
         place = "local" if self.where == "local" else f"remote {self.rtt_ms:g}ms"
         shared = f", {self.clients} clients" if self.clients > 1 else ""
         return f"{self.method}{size} ({place}{shared})"
@@ -154,7 +163,7 @@ def bytes_per_step(point: OperatingPoint, draft_top_k: int = 32) -> tuple[float,
     """Wire bytes up and down for one verify: tokens int32 + parents int16 (+ sparse q for rejection)."""
     if point.where == "local":
         return 0.0, 0.0
-    nodes = point.k if point.method != "target-only" else 0
+    nodes = point.k if point.kind != "none" else 0
     q_bytes = nodes * (2 + draft_top_k * 8 + 2) if point.rule == "rejection" else 0
     return float(REQUEST_HEADER_BYTES + nodes * 6 + q_bytes), float(REPLY_BYTES + 2 * nodes)
 
@@ -163,13 +172,13 @@ def predict_step(point: OperatingPoint, target: LatencyProfile, draft: Optional[
                  reference: Optional[AcceptanceReference], context: int = 256,
                  overhead_s: float = 0.0, bandwidth_mbps: float = 0.0) -> StepCost:
     accepted = reference.accepted(point.method, point.k) if reference else 0.0
-    if point.method != "target-only" and (draft is None or reference is None):
+    if point.kind != "none" and (draft is None or reference is None):
         raise SpecbenchError(f"{point.label} needs a draft profile and an acceptance reference")
     depth, width = 1.0, 1
-    if point.method == "tree":
+    if point.kind == "tree":
         depth = float(reference.tree_depth.get(point.k) or reference.tree_depth.get(str(point.k)) or 1)
         width = int(reference.tree_width.get(point.k) or reference.tree_width.get(str(point.k)) or 1)
-    full = reference.full_acceptance(point.k) if reference and point.method == "chain" else 0.0
+    full = reference.full_acceptance(point.k) if reference and point.kind == "chain" else 0.0
     return step_cost(point, target, draft, accepted, context, overhead_s, bandwidth_mbps, depth, width,
                      reference.draft_per_target if reference else 1.0, full)
 
@@ -183,18 +192,18 @@ def step_cost(point: OperatingPoint, target: LatencyProfile, draft: Optional[Lat
     tokens per proposed target token (1 unless the draft has another tokenizer); `full_accept`: the
     share of chain steps whose every draft token is accepted. No `draft` profile for a chain: drafting
     costs the step nothing (prompt lookup copies tokens from the context)."""
-    if point.method == "chain" and draft is not None:
+    if point.kind == "chain" and draft is not None:
         # The draft's cache keeps the chain it fed (all but its last token), so its first forward
         # catches up on the bonus alone, or on its last token and the bonus after a fully accepted chain.
         forwards = max(1.0, point.k * draft_per_target)
         draft_s = (draft.forward_s((1 + full_accept) * draft_per_target, context)
                    + (forwards - 1) * draft.forward_s(1, context))
-    elif point.method == "tree":
+    elif point.kind == "tree":
         draft_s = draft.forward_s(1, context) + (tree_depth - 1) * draft.forward_s(tree_width, context)
     else:
         draft_s = 0.0
     # every client's verify in one batched forward: each waits for the whole batch
-    verify_s = target.forward_s(1 + (point.k if point.method != "target-only" else 0), context, point.clients)
+    verify_s = target.forward_s(1 + (point.k if point.kind != "none" else 0), context, point.clients)
     up, down = bytes_per_step(point)
     network_s = Network(point.rtt_ms, bandwidth_mbps).transfer_s(up, down) if point.where == "remote" else 0.0
     return StepCost(1.0 + accepted, draft_s, verify_s, network_s, overhead_s, up, down, point.clients)
@@ -207,19 +216,16 @@ def predict(points: Sequence[OperatingPoint], target: LatencyProfile, draft: Opt
     rows = []
     for point in points:
         step = predict_step(point, target, draft, reference, context, overhead_s, bandwidth_mbps)
-        rows.append({"label": point.label, "method": point.method, "k": point.k, "where": point.where,
-                     "rtt_ms": point.rtt_ms, "clients": point.clients, **priced(step, prices, power)})
+        rows.append({"label": point.label, "method": point.method, "kind": point.kind, "k": point.k,
+                     "where": point.where, "rtt_ms": point.rtt_ms, "clients": point.clients,
+                     **priced(step, prices, power)})
     return rows
 
 
 def priced(step: StepCost, prices: Prices, power: Power) -> dict:
     """Speed, $, J and bytes of one step per the cost model: the columns predictions and measurements share."""
     return {"tokens_per_step": step.tokens_per_step, "tokens_per_s": step.tokens_per_s, "step_ms": 1000 * step.step_s,
-            "aggregate_tokens_per_s": step.clients * step.tokens_per_s,
-            "api_cost_usd_per_mtok": api_cost_per_mtok(step, prices),
-            "total_cost_usd_per_mtok": total_cost_per_mtok(step, prices, power),
-            "draft_energy_j_per_mtok": draft_energy_j_per_mtok(step, power),
-            "target_energy_j_per_mtok": target_energy_j_per_mtok(step, power),
+            "aggregate_tokens_per_s": step.clients * step.tokens_per_s, **cost_columns(step, prices, power),
             "bytes_per_token": (step.bytes_up + step.bytes_down) / step.tokens_per_step,
             "energy_source": power.source}
 
@@ -249,8 +255,9 @@ def choose(rows: Sequence[dict], cs: float, cost: str = "total_cost_usd_per_mtok
     if not rows:
         raise SpecbenchError("no operating points to choose from")
     base = next((r for r in rows if r["label"] == reference_label), None) if reference_label else None
-    base = base or next((r for r in rows if r["method"] == "target-only"), rows[0])
-    cost_ref = base[cost] if base[cost] > 0 else base.get("target_energy_j_per_mtok", 0.0)
+    base = base or next((r for r in rows if r.get("kind") == "none"), rows[0])
+    objective = by_column(cost)
+    cost_ref = base[cost] if base[cost] > 0 else base.get(objective.free_scale, 0.0) if objective else 0.0
     if cost_ref <= 0 or all(r[cost] <= 0 for r in rows):
         cost_ref, cs = 1.0, 0.0
     return min(rows, key=lambda r: cost_knob(cs, r[cost], cost_ref, r["tokens_per_s"], base["tokens_per_s"]))

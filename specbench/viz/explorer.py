@@ -18,12 +18,12 @@ import ipywidgets as widgets
 
 from specbench.plan.costs import Power, Prices, PRESETS
 from specbench.models.spec import QUANTIZATIONS
-from specbench.plan.explore import (OBJECTIVE_COLUMNS, cost_column, cs_ranges, cs_summary, operating_points, recommend,
-                                    variants_frame)
+from specbench.plan.explore import cost_column, cs_ranges, cs_summary, operating_points, recommend, variants_frame
+from specbench.plan.objectives import OBJECTIVES as OBJECTIVE_TABLE
 from specbench.viz.figures import pareto_figure
 from specbench.viz.panels import replace_output
 
-OBJECTIVES = tuple(OBJECTIVE_COLUMNS)
+
 RTT_CHOICES_MS = (5.0, 10.0, 25.0, 50.0, 100.0, 200.0)
 RULE = ("rule: the recommendation is the shown point within the memory budget with the lowest "
         "J = cs x cost / cost(target-only) + (1 - cs) x speed(target-only) / speed")
@@ -64,7 +64,7 @@ class ParetoExplorer:
                                             description="target $/h"),
             "usd_gb": widgets.FloatSlider(value=usd_per_gb_down, min=0, max=0.5, step=0.01, description="$/GB down"),
             "cs": widgets.FloatSlider(value=cs, min=0, max=1, step=0.05, description="cs"),
-            "objective": widgets.Dropdown(options=OBJECTIVES, value=objective, description="cost"),
+            "objective": widgets.Dropdown(options=tuple(OBJECTIVE_TABLE), value=objective, description="cost"),
             "clients": widgets.IntSlider(value=clients, min=1, max=16, description="clients",
                                          tooltip="concurrent clients sharing the remote target (batched verification)"),
         }
@@ -144,8 +144,9 @@ class ParetoExplorer:
                          f"(record one with a quantized target to compare)")
         if c["draft_quant"].disabled:
             notes.append(f"draft quant: only {c['draft_quant'].options[0]!r} is cached for this target's drafts")
-        if objective in ("draft_energy", "target_energy"):
-            notes.append(f"target $/h and $/GB down price api_cost and total_cost; {objective} counts joules only")
+        if OBJECTIVE_TABLE[objective].unit != "$":
+            notes.append(f"target $/h and $/GB down price api_cost and total_cost; {objective} counts "
+                         f"{OBJECTIVE_TABLE[objective].unit} only")
         elif objective == "api_cost":
             notes.append("$/GB down prices bytes on the wire, which only total_cost counts")
         if not remote:

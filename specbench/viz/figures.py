@@ -123,8 +123,13 @@ def time_breakdown_figure(records: pd.DataFrame, by: str = "method") -> go.Figur
 
 
 def _cost_title(column: str) -> str:
-    unit = "J" if column.endswith("_j_per_mtok") else "$"
-    return f"{column.split('_usd')[0].split('_j_')[0].replace('_', ' ')} ({unit} per 1M tokens, lower is better)"
+    from specbench.plan.objectives import by_column
+
+    objective = by_column(column)
+    if objective is None:
+        return f"{column} (lower is better)"
+    per = "per generated token" if objective.unit == "s" else "per 1M tokens"
+    return f"{objective.name.replace('_', ' ')} ({objective.unit} {per}, lower is better)"
 
 
 def concurrency_figure(predicted: pd.DataFrame, measured: Optional[pd.DataFrame] = None,

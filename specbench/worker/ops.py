@@ -73,7 +73,7 @@ class Ops:
             self.target.fast.max_bytes = self.kv_budget
             pool = self.target.fast.pool  # rows for a few clients now: a growing pool moves (shapes recompile)
             rows = FAST_ROWS + (self.target.fast.backend != "compile")  # captured batches pad into a scratch row
-            pool.reserve(min(rows, self.kv_budget // pool.slot_bytes if self.kv_budget else rows))
+            pool.reserve_slots(min(rows, self.kv_budget // pool.slot_bytes if self.kv_budget else rows))
         self.draft = None  # a server-side drafter is bound to the target it was built for
         self.jobs.cancel_all(SessionEndedError(f"the worker's model changed from {old} to {identity} ({reason}) "
                                                f"while this request ran"))
