@@ -37,6 +37,10 @@ def _run(args) -> int:
     from specbench.decode.metrics import summarize
     from specbench.models.spec import ModelSpec
 
+    if args.config:
+        from specbench.tune.command import apply_config
+
+        apply_config(args)
     target = ModelSpec(args.target, dtype=args.dtype, quantization=args.quant, kernels=args.kernels)
     draft = (ModelSpec(args.draft, dtype=args.dtype, quantization=args.draft_quant, kernels=args.kernels)
              if args.draft else None)
@@ -57,7 +61,7 @@ def _run(args) -> int:
     records = run(target, args.prompt or DEMO_PROMPTS, method=args.method, draft=draft, k=args.k,
                   max_new_tokens=args.max_new_tokens, sampling=sampling, dtype=args.dtype, planner=planner,
                   substitute_quantization=args.substitute_quant, cross_tokenizer=args.cross_tokenizer,
-                  fast=args.fast)
+                  fast=args.fast, self_draft_layers=getattr(args, "self_draft_layers", None))
     print(summarize(records).round(3).to_string(index=False))
     if args.out:
         records.to_csv(args.out, index=False)
@@ -202,15 +206,6 @@ def _worker(args) -> int:
     return 0
 
 
-def _keys(args) -> int:
-    from specbench.worker.keys import make_keys
-
-    folder = make_keys(args.folder, force=args.force)
-    print(f"worker: --curve-keys {folder}  (clients allowed: {folder / 'clients'}/*.key)")
-    print(f"client: RemoteTarget(..., curve_keys='{folder}')  (needs server.key and client.key_secret)")
-    return 0
-
-
 def _sweep(args) -> int:
     """Run a grid's unfinished cells (locally or on Ray) and print each cell's summary per method."""
     from specbench.sweep import load_grid, summarize_sweep, sweep
@@ -233,6 +228,7 @@ def _sweep(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from specbench.plan.objectives import OBJECTIVES
+    from specbench.worker.keys import keys_command
     from specbench.worker.limits import LIMIT_FLAGS, WorkerLimits
 
     parser = argparse.ArgumentParser(prog="specbench", description=__doc__)
@@ -263,6 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
                                  "text, shared-vocab, or off (refuse it)")
     run_parser.add_argument("--fast", nargs="?", const="auto", choices=("auto", "off") + FAST_BACKENDS, help=FAST_HELP)
     run_parser.add_argument("--out", help="write the per-step records as CSV")
+    run_parser.add_argument("--config", help="a `specbench tune` configuration (tune.json): its target, method, draft "
+                                             "and K, beside target-only")
     run_parser.add_argument("--plan", action="store_true",
                             help="choose K per step (up to --k) from the cached profiles and reference of the pair")
     run_parser.add_argument("--cs", type=float, default=0.0, help="cost weight for --plan: 0 fastest, 1 cheapest")
@@ -271,6 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
                                  "cache fit, plain target steps beyond")
     run_parser.set_defaults(handler=_run)
 
+    from specbench.tune.command import add_tune
+
+    add_tune(commands)
     worker = commands.add_parser("worker", help="serve a target model over ZeroMQ (Ctrl-C stops it)")
     worker.add_argument("--bind", default="tcp://127.0.0.1:5555")
     worker.add_argument("--model", help="catalog name, Hugging Face id or path")
@@ -373,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     keys = commands.add_parser("keys", help="create CURVE keys for a worker and a client")
     keys.add_argument("folder")
     keys.add_argument("--force", action="store_true", help="replace keys already in the folder")
-    keys.set_defaults(handler=_keys)
+    keys.set_defaults(handler=keys_command)
 
     demo = commands.add_parser("demo", help="the main job on the embedded models")
     demo.add_argument("--k", type=int, default=4)

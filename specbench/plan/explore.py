@@ -31,7 +31,8 @@ def operating_points(reference: Optional[AcceptanceReference], chain_ks: Sequenc
         raise SpecbenchError("choose local, remote or both")
     sizes: list[tuple[str, int]] = [("target-only", 0)]
     if reference is not None:
-        sizes += [("chain", k) for k in chain_ks if 1 <= k <= reference.max_chain]
+        # a reference without a full chain step (prompt lookup that never matched K tokens) predicts no chain
+        sizes += [("chain", k) for k in chain_ks if 1 <= k <= reference.max_chain and reference.chain_accepts]
         sizes += [("tree", int(b)) for b in sorted(int(b) for b in reference.tree_accepts)]
     return [OperatingPoint(method, k, where, rtt, rule, n) for where, rtt in places for method, k in sizes
             for n in (clients if where == "remote" else (1,))]

@@ -27,3 +27,11 @@ def make_keys(folder: str | Path, force: bool = False) -> Path:
         Path(secret).chmod(0o600)  # a secret key readable by others is no secret
     (folder / "clients" / "client.key").write_bytes((folder / "client.key").read_bytes())
     return folder
+
+
+def keys_command(args) -> int:
+    """`specbench keys FOLDER [--force]`: make the keys and say where each side points."""
+    folder = make_keys(args.folder, force=args.force)
+    print(f"worker: --curve-keys {folder}  (clients allowed: {folder / 'clients'}/*.key)")
+    print(f"client: RemoteTarget(..., curve_keys='{folder}')  (needs server.key and client.key_secret)")
+    return 0

@@ -1,0 +1,70 @@
+"""Which drafts a tune compares: the ones named, or every draft that could serve the target ("auto").
+
+"auto" means: prompt lookup (free), a self-draft of a quarter of the target's layers, the target
+quantized as its own substitute (int8-dynamic on a CPU, 8-bit on a GPU), and every embedded catalog
+model smaller than the target, of its family or another (another tokenizer is drafted through text).
+A name that cannot be resolved is refused before any work: an unknown model is not an embedded name, a
+local path, a tiny test model or a Hugging Face id cached on this machine.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from specbench.tune.spec import LOOKUP, Candidate, TuneSpec, candidate
+from specbench.types import SpecbenchError
+
+
+def check_drafts(spec: TuneSpec) -> None:
+    """Refuse a named draft that cannot be found, before anything is loaded or measured."""
+    for name in spec.drafts:
+        if name != "auto":
+            chosen = candidate(name)
+            if chosen.draft is not None:
+                _check_model(chosen.draft)
+
+
+def resolve_candidates(spec: TuneSpec, target) -> tuple[list[Candidate], list[str]]:
+    """(candidates, notes on what was left out and why), in the order the report lists them."""
+    layers = getattr(target.model.config, "num_hidden_layers", 4)
+    names = list(spec.drafts)
+    if "auto" in names:
+        names.remove("auto")
+        names += _auto(spec, target)
+    notes, out = [], []
+    for name in dict.fromkeys(names):
+        chosen = candidate(name, layers)
+        if chosen.draft is not None:
+            _check_model(chosen.draft)
+        if spec.endpoint and chosen.method in ("self-draft", "substitute"):
+            notes.append(f"{chosen.name}: left out, it drafts with the target's own weights, which run on the worker")
+            continue
+        out.append(chosen)
+    if not out:
+        raise SpecbenchError(f"no candidate draft to tune for {spec.target!r}: name some with --drafts")
+    return out, notes
+
+
+def _auto(spec: TuneSpec, target) -> list[str]:
+    from specbench.models.catalog import CATALOG
+
+    names = [LOOKUP, "self-draft"]
+    device = str(target.model.get_input_embeddings().weight.device)
+    names.append("substitute:int8-dynamic" if device == "cpu" and spec.dtype == "float32" else "substitute:8bit")
+    own = CATALOG.get(spec.target)
+    if own is not None:
+        names += [name for name, entry in CATALOG.items() if name != spec.target and entry.size < own.size]
+    return names
+
+
+def _check_model(name: str) -> None:
+    from specbench.models.catalog import CATALOG
+
+    if name in CATALOG or name.startswith("tiny-random") or Path(name).expanduser().exists():
+        return
+    try:
+        from transformers import AutoConfig
+
+        AutoConfig.from_pretrained(name, local_files_only=True)
+    except Exception:  # noqa: BLE001 - any failure means the same to the user: no such model here
+        raise SpecbenchError(f"unknown draft {name!r}: not an embedded model ({sorted(CATALOG)}), a local path, a "
+                             f"tiny-random name, or a Hugging Face model cached on this machine") from None

@@ -1,0 +1,64 @@
+"""`specbench tune` and `specbench run --config`: the command line of a tune (parsing and dispatch only)."""
+from __future__ import annotations
+
+import argparse
+
+
+def add_tune(commands) -> None:
+    tune = commands.add_parser("tune", help="profile, record, predict, calibrate and measure: a checked choice of "
+                                            "draft, method and K for a target, your prompts and your load")
+    tune.add_argument("--target", required=True, help="catalog name, Hugging Face id or path")
+    tune.add_argument("--drafts", nargs="+", default=["auto"],
+                      help="models, prompt-lookup, self-draft[:N], substitute[:Q], or auto (every draft that could "
+                           "serve; default)")
+    tune.add_argument("--prompts", default="bench", help="a dataset name or a JSONL path")
+    tune.add_argument("--prompt-count", type=int, default=40)
+    tune.add_argument("--calibration-share", type=float, default=0.5,
+                      help="share of the prompts acceptance is recorded on; the rest are held back and measured")
+    tune.add_argument("--worker", help="the target's worker endpoint (its RTT is measured); default: run it here")
+    tune.add_argument("--clients", type=int, nargs="+", default=[1], help="client counts to plan for (a worker)")
+    tune.add_argument("--cost", default="total_cost", help="cost objective (plan/objectives.py)")
+    tune.add_argument("--cs", type=float, default=0.5, help="cost weight: 0 fastest, 1 cheapest")
+    tune.add_argument("--k", type=int, nargs="+", default=[1, 2, 3, 4, 6], help="chain lengths to consider")
+    tune.add_argument("--tree-budgets", type=int, nargs="*", default=[])
+    tune.add_argument("--max-new-tokens", type=int, default=32)
+    tune.add_argument("--measure-top", type=int, default=3, help="predicted best points measured, besides each "
+                                                                "candidate's best")
+    tune.add_argument("--budget-minutes", type=float, default=15.0)
+    tune.add_argument("--dtype", default="float32")
+    tune.add_argument("--draft-budget-mib", type=float)
+    tune.add_argument("--out-dir", help="default: the user cache's outputs/tune/<target>; a rerun there resumes")
+    tune.set_defaults(handler=_tune)
+
+
+def _tune(args) -> int:
+    from specbench.tune import TuneSpec, tune
+
+    spec = TuneSpec(target=args.target, drafts=tuple(args.drafts), prompts=args.prompts, prompt_count=args.prompt_count,
+                    calibration_share=args.calibration_share, endpoint=args.worker, clients=tuple(args.clients),
+                    objective=args.cost, cs=args.cs, chain_ks=tuple(args.k), tree_budgets=tuple(args.tree_budgets),
+                    max_new_tokens=args.max_new_tokens, measure_top=args.measure_top,
+                    budget_minutes=args.budget_minutes, dtype=args.dtype, draft_budget_mib=args.draft_budget_mib)
+    result = tune(spec, args.out_dir)
+    columns = ["label", "measured_tokens_per_s", "predicted_tokens_per_s", "calibrated_tokens_per_s", "error_after",
+               "flag"]
+    print(result.measured[columns].round(3).to_string(index=False))
+    for line in result.left_out:
+        print(f"left out: {line}")
+    print(f"chosen: {result.chosen['label']} ({result.chosen['measured_tokens_per_s']} tok/s measured)")
+    print(f"configuration: {result.config_path}  (specbench run --config {result.config_path})")
+    print(f"report: {result.report_path}")
+    return 0
+
+
+def apply_config(args: argparse.Namespace) -> None:
+    """`specbench run --config tune.json`: the tune's choice replaces target, method, draft and K."""
+    from specbench.tune.report import read_config
+
+    config = read_config(args.config)
+    args.target, args.method, args.k = config["target"], ["target-only", config["method"]], config["k"]
+    args.draft = config.get("draft") or args.draft
+    args.self_draft_layers = config.get("self_draft_layers")
+    if config.get("substitute_quantization"):
+        args.substitute_quant = config["substitute_quantization"]
+    args.dtype = config.get("dtype", args.dtype)

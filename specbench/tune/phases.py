@@ -1,0 +1,120 @@
+"""The work of a tune, each phase resumable from its folder: profiles, references, measurements.
+
+Why files per phase: a tune runs for minutes and may be killed; a rerun reads what a phase already
+wrote (a profile of the same model, machine and grid; a reference of the same pair and prompt split;
+a measurement of the same point) and does only the rest.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Optional
+
+import pandas as pd
+
+from specbench.hardware import device_name
+from specbench.plan.library import load_profiles, load_references, save_profile, save_reference
+from specbench.plan.predict import LatencyProfile
+from specbench.tune.spec import LOOKUP, Candidate, TuneSpec
+
+
+class Store:
+    """The tune's folder: `profiles/`, `reference/` and `measured/*.json`."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        for name in ("profiles", "reference", "measured"):
+            (self.folder / name).mkdir(parents=True, exist_ok=True)
+
+    def profile(self, model: str, dtype: str, grid: dict, device: str) -> Optional[LatencyProfile]:
+        found = [p for p in load_profiles(self.folder / "profiles", model=model, dtype=dtype, device=device,
+                                          grid=_key(grid))]
+        return found[0] if found else None
+
+    def save_profile(self, profile: LatencyProfile, extra: dict, grid: dict) -> None:
+        save_profile(profile, {**extra, "grid": _key(grid)}, folder=self.folder / "profiles")
+
+    def reference(self, draft: str, target: str, dataset: str):
+        found = load_references(self.folder / "reference", draft=draft, target=target, dataset=dataset)
+        return found[0] if found else None
+
+    def save_reference(self, reference, extra: dict) -> None:
+        save_reference(reference, extra, folder=self.folder / "reference")
+
+    def measured(self, key: str) -> Optional[pd.DataFrame]:
+        path = self.folder / "measured" / f"{key}.json"
+        return pd.read_json(path, orient="records") if path.exists() else None
+
+    def save_measured(self, key: str, records: pd.DataFrame) -> None:
+        path = self.folder / "measured" / f"{key}.json"
+        temporary = path.with_suffix(".tmp")
+        records.to_json(temporary, orient="records")
+        temporary.replace(path)  # whole or absent: a kill mid-write leaves no half record
+
+
+def _key(value) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def point_key(spec: TuneSpec, candidate: Candidate, method: str, k: int, prompts: list) -> str:
+    return _key({"target": spec.target, "endpoint": spec.endpoint, "candidate": candidate.name, "method": method,
+                 "k": k, "prompts": prompts, "tokens": spec.max_new_tokens, "dtype": spec.dtype, "seed": spec.seed})
+
+
+def profile(store: Store, model, grid: dict, spec: TuneSpec, progress) -> LatencyProfile:
+    """`model`'s latency over `grid` on this machine (or the worker's, for a RemoteTarget), cached."""
+    from specbench.record import profile_model, profile_worker
+
+    remote = hasattr(model, "verify_begin")
+    device = model.info.get("device_name") or model.info.get("device") if remote else device_name(
+        str(model.model.get_input_embeddings().weight.device))
+    label = model.info["model"] if remote else model.spec.label
+    found = store.profile(label, spec.dtype, grid, device)
+    if found is not None:
+        return found
+    if remote:
+        measured, extra = profile_worker(model.endpoint, **grid, repeats=spec.repeats)
+    else:
+        measured, extra = profile_model(model, **grid, repeats=spec.repeats, progress=progress)
+    store.save_profile(measured, extra, grid)
+    return store.profile(measured.model, spec.dtype, grid, measured.device) or measured
+
+
+def reference(store: Store, target, candidate: Candidate, draft, prompts: list, dataset: str, spec: TuneSpec,
+              progress):
+    """The pair's acceptance on the calibration prompts, cached; per-step rows as every reference keeps."""
+    from specbench.models.spec import acceptance_label
+    from specbench.plan.predict import LOOKUP_DRAFT
+    from specbench.record import record_reference
+
+    draft_label = LOOKUP_DRAFT if candidate.method == LOOKUP else acceptance_label(draft.spec.label)
+    target_label = acceptance_label(target.spec.label)
+    found = store.reference(draft_label, target_label, dataset)
+    if found is not None:
+        return found
+    recorded = record_reference(target, LOOKUP_DRAFT if candidate.method == LOOKUP else draft, prompts,
+                                dataset=dataset, max_chain=max(spec.chain_ks), tree_budgets=spec.tree_budgets,
+                                max_new_tokens=spec.max_new_tokens, dtype=spec.dtype,
+                                progress=f"tune: reference {candidate.name}" if progress else False)
+    store.save_reference(recorded, {"prompts": len(prompts)})
+    return store.reference(draft_label, target_label, dataset) or recorded
+
+
+def measure(store: Store, target, candidate: Candidate, method: str, k: int, prompts: list, draft, spec: TuneSpec,
+            progress) -> pd.DataFrame:
+    """Records of `method` at `k` on the held-back prompts, cached per point."""
+    from specbench.api import run
+
+    key = point_key(spec, candidate, method, k, prompts)
+    found = store.measured(key)
+    if found is not None:
+        return found
+    records = run(target, prompts, method=method, draft=draft if candidate.method in ("chain", "tree") else None, k=k,
+                  max_new_tokens=spec.max_new_tokens, self_draft_layers=candidate.self_draft_layers,
+                  substitute_quantization=candidate.quantization if candidate.method == "substitute" else "8bit",
+                  dtype=spec.dtype, seed=spec.seed, warmup=False,
+                  progress=f"tune: measure {candidate.name} {method} k={k}" if progress else False)
+    records = records.drop(columns=[c for c in ("emitted_tokens", "tree_widths") if c in records])
+    store.save_measured(key, records)
+    return records

@@ -1,0 +1,83 @@
+"""What a tune leaves behind: the chosen configuration as a file `specbench run --config` reads back,
+its translation for vLLM and SGLang (untested: where the method exists there), and an HTML report with
+the Pareto, the measured points over it and the error table."""
+from __future__ import annotations
+
+import html
+import json
+from pathlib import Path
+from typing import Optional
+
+import pandas as pd
+
+from specbench.tune.spec import GOAL_ERROR, TuneSpec
+
+
+def write_config(path: Path, spec: TuneSpec, chosen: dict) -> Path:
+    document = {**chosen, "translations": translations(chosen)}
+    path.write_text(json.dumps(document, indent=1) + "\n")
+    return path
+
+
+def read_config(path: str | Path) -> dict:
+    """A tune's configuration; refused by name when it is not one."""
+    from specbench.types import SpecbenchError
+
+    try:
+        document = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as error:
+        raise SpecbenchError(f"cannot read the tune configuration {path}: {error}") from None
+    missing = {"target", "method", "k"} - set(document)
+    if missing:
+        raise SpecbenchError(f"{path} is not a tune configuration: it lacks {sorted(missing)}")
+    return document
+
+
+def translations(chosen: dict) -> dict:
+    """vLLM's `speculative_config` and SGLang's flags for the same choice where those engines have the
+    method; untested here (neither engine runs on these machines), so marked as such."""
+    method, k = chosen["method"], chosen["k"]
+    vllm: Optional[dict] = None
+    sglang: Optional[list] = None
+    if method == "chain" and chosen.get("draft"):
+        vllm = {"model": chosen["draft"], "num_speculative_tokens": k}
+        sglang = ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", chosen["draft"],
+                  "--speculative-num-steps", str(k), "--speculative-eagle-topk", "1",
+                  "--speculative-num-draft-tokens", str(k + 1)]
+    elif method in ("prompt-lookup", "prompt-lookup-tree"):
+        vllm = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+        sglang = ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(k + 1)]
+    reason = None if vllm else f"{method!r} has no equivalent in vLLM or SGLang (target-only needs no speculative config)"
+    return {"note": "untested translations: written from the engines' documentation, not run here",
+            "vllm_speculative_config": vllm, "sglang_flags": sglang, "no_equivalent": reason}
+
+
+def write_report(path: Path, spec: TuneSpec, result) -> Path:
+    from specbench.plan.explore import cost_column
+    from specbench.viz.report import write_pareto_report
+
+    column = cost_column(spec.objective)
+    measured = result.measured.rename(columns={"measured_tokens_per_s": "tokens_per_s"})
+    predicted = result.predicted.assign(variant=result.predicted["candidate"])
+    note = (f"Calibration (a target-only run measured in the same window as the held-back runs): this machine "
+            f"ran the target's forward {result.calibration.get('speed_factor', 1):g}x the profile's time, "
+            f"{1000 * result.calibration.get('overhead_s', 0):.1f} ms of loop per step. Chosen: "
+            f"{result.chosen['label']} at cs={spec.cs:g} ({spec.objective}).")
+    page = write_pareto_report(path, [{"title": f"tune {spec.target}", "predicted": predicted,
+                                       "measured": measured[["label", "tokens_per_s", column]], "cs": spec.cs}],
+                               cost=spec.objective, note=note)
+    errors = result.measured[["label", "measured_tokens_per_s", "predicted_tokens_per_s", "calibrated_tokens_per_s",
+                              "error_before", "error_after", "flag"]]
+    extra = (f"<h2>Predicted vs measured (held-back prompts)</h2><p>Goal: |error| <= {GOAL_ERROR:.0%} after "
+             f"calibration. Median |error| before {_median(result.measured['error_before']):.1%}, after "
+             f"{_median(result.measured['error_after']):.1%}.</p>"
+             + errors.to_html(index=False, float_format=lambda v: f"{v:.4g}")
+             + "<h2>Left out</h2><ul>" + "".join(f"<li>{html.escape(line)}</li>" for line in result.left_out)
+             + "</ul><h2>Time per phase (s)</h2>" + pd.DataFrame([result.seconds]).to_html(index=False))
+    text = page.read_text()
+    page.write_text(text.replace("</body>", extra + "</body>"))
+    return page
+
+
+def _median(values: pd.Series) -> float:
+    return float(values.abs().median()) if len(values) else float("nan")

@@ -1,0 +1,284 @@
+"""`specbench tune`: from a target, candidate drafts, the user's prompts and where the target runs, to
+a configuration checked against a real run.
+
+The phases (each resumable, `tune/phases.py`): profile what is missing on this machine (and on the
+worker), record acceptance on a calibration split of the prompts, predict every operating point,
+calibrate the prediction with a target-only run measured now (machine speed drifts within hours: a
+profile taken at another moment predicts another machine), measure the best predicted points and each
+candidate's best on the held-back prompts, and report predicted against measured, before and after
+calibration, with the reason a point missed. Phases run within `budget_minutes`; what did not fit is
+said, not silently dropped.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Optional
+
+import pandas as pd
+from tqdm.auto import tqdm
+
+from specbench.plan.costs import Power, Prices
+from specbench.plan.explore import cost_column, measured_points, operating_points, prediction_frame, recommend
+from specbench.tune import phases
+from specbench.tune.candidates import check_drafts, resolve_candidates
+from specbench.tune.spec import GOAL_ERROR, TuneSpec, split_prompts
+from specbench.types import SpecbenchError
+
+
+@dataclass
+class TuneResult:
+    predicted: pd.DataFrame  # every operating point, calibrated (`tokens_per_s`) and raw (`raw_tokens_per_s`)
+    measured: pd.DataFrame  # the measured points: predicted, calibrated and measured tokens/s, errors, flags
+    chosen: dict  # the configuration written to `config_path`
+    folder: Path
+    config_path: Optional[Path] = None
+    report_path: Optional[Path] = None
+    calibration: dict = field(default_factory=dict)
+    left_out: list = field(default_factory=list)
+    seconds: dict = field(default_factory=dict)  # per phase
+
+
+def tune(spec: TuneSpec, folder: Optional[str | Path] = None, progress: bool = True) -> TuneResult:
+    """Run the tune `spec` describes, in `folder` (default: the user cache's outputs/tune/<target>);
+    a rerun in the same folder skips every profile, reference and measurement already there."""
+    from specbench.data_paths import user_folder
+    from specbench.datasets import load_prompts
+
+    spec.check()
+    started, seconds, left_out = time.monotonic(), {}, []
+    deadline = started + spec.budget_minutes * 60
+    folder = Path(folder or user_folder("outputs") / "tune" / spec.target.replace("/", "_"))
+    rows = (load_prompts(spec.prompts, limit=spec.prompt_count, seed=spec.seed) if isinstance(spec.prompts, str)
+            else [{"prompt": prompt} for prompt in spec.prompts[:spec.prompt_count]])
+    if len(rows) < 2:
+        raise SpecbenchError(f"prompt set {spec.prompts!r} gave {len(rows)} prompts: tune needs at least 2 "
+                             f"(one to calibrate on, one held back)")
+    check_drafts(spec)
+    runner, target, rtt_ms = _targets(spec)
+    candidates, notes = resolve_candidates(spec, target)
+    left_out += notes
+    tokenizer = target.tokenizer
+    prompts = [row["prompt"] for row in rows]
+    calibration, held = split_prompts(prompts, spec.calibration_share)
+    store = phases.Store(folder)
+    context = _context(tokenizer, calibration, spec.max_new_tokens)
+    bar = tqdm(total=5, desc=f"tune {spec.target}: {len(candidates)} candidates, {len(prompts)} prompts",
+               unit="phase", disable=not progress)
+
+    def phase(name: str) -> None:
+        seconds[name] = time.monotonic() - started - sum(seconds.values())
+        bar.set_postfix_str(name)
+        bar.update()
+
+    target_grid = {"tokens": sorted({1, *(k + 1 for k in spec.chain_ks), *(b + 1 for b in spec.tree_budgets)}),
+                   "contexts": [context], "batches": sorted(set(spec.clients)) if spec.endpoint else [1]}
+    draft_grid = {"tokens": [1, 2, 4], "contexts": [context], "batches": [1]}
+    target_profile = phases.profile(store, runner, target_grid, spec, progress)
+    drafts = {c.name: _draft_model(c, target, spec) for c in candidates}
+    draft_profiles = {name: phases.profile(store, model, draft_grid, spec, progress) if model is not None else None
+                      for name, model in drafts.items()}
+    phase("profiles")
+    dataset = f"{Path(spec.prompts).stem if isinstance(spec.prompts, str) else 'prompts'}[{len(calibration)} calibration]"
+    references = {c.name: phases.reference(store, target, c, drafts[c.name], calibration, dataset, spec, progress)
+                  for c in candidates}
+    phase("references")
+    points = lambda reference: operating_points(reference, spec.chain_ks, rtts_ms=(rtt_ms,), local=not spec.endpoint,  # noqa: E731
+                                                remote=bool(spec.endpoint), clients=spec.clients)
+    for name, reference in references.items():
+        if not reference.chain_accepts and not reference.tree_accepts:
+            left_out.append(f"{name}: no full draft step on the calibration prompts (prompt lookup found no "
+                            f"{max(spec.chain_ks)}-token match), so nothing to predict it from")
+    raw = _predict(candidates, target_profile, draft_profiles, references, points, context, spec)
+    phase("predictions")
+    baseline = phases.measure(store, runner, candidates[0], "target-only", 0, held, None, spec, progress)
+    calibration_terms = _calibrate(baseline, target_profile, context)
+    scale = calibration_terms["speed_factor"]
+    predicted = _predict(candidates, _scaled(target_profile, scale), {n: _scaled(p, scale) if p else None
+                                                                    for n, p in draft_profiles.items()},
+                         references, points, context, spec, overhead_s=calibration_terms["overhead_s"])
+    predicted["raw_tokens_per_s"] = raw["tokens_per_s"].values
+    phase("calibration")
+    measured = [_row("target-only", "target-only", 0, baseline, predicted, raw, spec, rtt_ms)]
+    for row in _to_measure(predicted, spec):
+        if row["clients"] > 1:
+            left_out.append(f"{row['label']}: {row['clients']} clients are predicted, not measured (a tune measures "
+                            f"one client; benchmarks/concurrency.py measures several)")
+            continue
+        estimate = len(held) * spec.max_new_tokens / max(row["tokens_per_s"], 1e-3)
+        if time.monotonic() + estimate > deadline:
+            left_out.append(f"{row['label']}: not measured, ~{estimate:.0f} s would pass the {spec.budget_minutes:g}-minute "
+                            f"budget")
+            continue
+        candidate = next(c for c in candidates if c.name == row["candidate"])
+        method = candidate.method if row["kind"] == "chain" else ("prompt-lookup-tree" if candidate.method == "prompt-lookup"
+                                                                  else "tree")
+        records = phases.measure(store, runner, candidate, method, int(row["k"]), held, drafts[candidate.name], spec,
+                                 progress)
+        measured.append(_row(candidate.name, method, int(row["k"]), records, predicted, raw, spec, rtt_ms,
+                             label=row["label"]))
+    phase("measurements")
+    bar.close()
+    table = pd.DataFrame(measured)
+    chosen = _choose(table, spec, candidates)
+    from specbench.tune.report import write_config, write_report
+
+    result = TuneResult(predicted, table, chosen, folder, calibration=calibration_terms, left_out=left_out,
+                        seconds={name: round(value, 1) for name, value in seconds.items()})
+    result.config_path = write_config(folder / "tune.json", spec, chosen)
+    result.report_path = write_report(folder / "report.html", spec, result)
+    return result
+
+
+def _targets(spec: TuneSpec):
+    """(what runs the steps, the target's weights here, the measured RTT in ms). Acceptance replays
+    anywhere, so references are recorded with the target's weights here; a worker is only timed."""
+    from specbench.models.loading import load_model
+    from specbench.models.spec import ModelSpec
+
+    if spec.endpoint is None:
+        target = load_model(ModelSpec(spec.target, dtype=spec.dtype))
+        return target, target, 0.0
+    from specbench.worker.client import RemoteTarget, WorkerUnavailableError
+
+    try:
+        remote = RemoteTarget(spec.endpoint, timeout_s=10, retries=0)
+    except WorkerUnavailableError as error:
+        raise SpecbenchError(f"worker {spec.endpoint} is unreachable ({error}): start it, or tune locally") from None
+    target = load_model(ModelSpec(spec.target, dtype=spec.dtype))
+    rtts = []
+    for _ in range(10):
+        sent = time.perf_counter()
+        remote.health()
+        rtts.append(1000 * (time.perf_counter() - sent))
+    return remote, target, round(statistics.median(rtts), 2)
+
+
+def _context(tokenizer, prompts: list, max_new_tokens: int) -> int:
+    """Where a step's context sits on average: a prompt's median length plus half the output."""
+    lengths = [len(tokenizer.encode(p)) for p in prompts] if tokenizer is not None else [len(p) for p in prompts]
+    return int(statistics.median(lengths) + max_new_tokens // 2)
+
+
+def _draft_model(candidate, target, spec: TuneSpec):
+    from specbench.models.loading import load_model
+    from specbench.models.self_draft import truncated_view
+    from specbench.models.spec import ModelSpec
+
+    if candidate.method == "prompt-lookup":
+        return None
+    if candidate.method == "self-draft":
+        return truncated_view(target, candidate.self_draft_layers)
+    if candidate.method == "substitute":
+        return load_model(target.spec.with_(quantization=candidate.quantization))
+    return load_model(ModelSpec(candidate.draft, dtype=spec.dtype))
+
+
+def _predict(candidates, target_profile, draft_profiles, references, points, context, spec: TuneSpec,
+             overhead_s: float = 0.0) -> pd.DataFrame:
+    frames = []
+    for index, candidate in enumerate(candidates):
+        reference = references[candidate.name]
+        frame = prediction_frame(target_profile, draft_profiles[candidate.name], reference, points(reference),
+                                 Prices(), Power(), context, overhead_s=overhead_s, cost=spec.objective)
+        if index:
+            frame = frame[frame["kind"] != "none"]
+        if frame.empty:
+            continue
+        frame = frame.assign(candidate=[("target-only" if kind == "none" else candidate.name) for kind in frame["kind"]])
+        frame["label"] = frame["candidate"] + ": " + frame["label"]
+        frames.append(frame)
+    frame = pd.concat(frames, ignore_index=True)
+    cs, objective = spec.cs, spec.objective
+    best = recommend(frame, cs, objective)["label"]
+    frame["recommended"] = frame["label"] == best
+    return frame
+
+
+def _scaled(profile, factor: float):
+    """`profile` with every time multiplied by `factor`: this machine now, against when it was profiled."""
+    return replace(profile, rows=tuple((r[0], r[1], r[2] * factor, *r[3:]) for r in profile.rows))
+
+
+def _calibrate(baseline: pd.DataFrame, target_profile, context: int) -> dict:
+    """The terms a target-only run measured now corrects: the machine's speed against the profile's
+    (its forward time over the profile's 1-token forward) and the loop's own cost per step."""
+    forward = float(baseline["target_forward_s"].median())
+    profiled = target_profile.forward_s(1, context)
+    return {"speed_factor": round(forward / profiled, 4) if profiled else 1.0,
+            "overhead_s": round(float(baseline["overhead_s"].median()), 5),
+            "measured_forward_ms": round(1000 * forward, 2), "profiled_forward_ms": round(1000 * profiled, 2)}
+
+
+def _to_measure(predicted: pd.DataFrame, spec: TuneSpec) -> list[dict]:
+    """The predicted best points (by the cost knob at `cs`) and each candidate's best, best first."""
+    from specbench.plan.predict import choose
+
+    column = cost_column(spec.objective)
+    rows = predicted[predicted["kind"] != "none"].to_dict("records")
+    base = predicted[predicted["kind"] == "none"].to_dict("records")
+    ranked, chosen = [], []
+    pool = list(rows)
+    while pool and len(ranked) < spec.measure_top:
+        best = choose(base + pool, spec.cs, cost=column)
+        if best["kind"] == "none":
+            pool = []
+            break
+        ranked.append(best)
+        pool = [r for r in pool if r["label"] != best["label"]]
+    for name in dict.fromkeys(r["candidate"] for r in rows):
+        own = [r for r in rows if r["candidate"] == name]
+        best = max(own, key=lambda r: r["tokens_per_s"])
+        if best["label"] not in {r["label"] for r in ranked}:
+            chosen.append(best)
+    return ranked + chosen
+
+
+def _row(candidate: str, method: str, k: int, records: pd.DataFrame, predicted: pd.DataFrame, raw: pd.DataFrame,
+         spec: TuneSpec, rtt_ms: float, label: Optional[str] = None) -> dict:
+    where = "remote" if spec.endpoint else "local"
+    priced = measured_points(records.assign(method=method, k=k), where=where, rtt_ms=rtt_ms).iloc[0]
+    label = label or predicted.loc[predicted["kind"] == "none", "label"].iloc[0]
+    at = predicted["label"] == label
+    calibrated, before = float(predicted.loc[at, "tokens_per_s"].iloc[0]), float(raw.loc[at.values, "tokens_per_s"].iloc[0])
+    measured = float(priced["tokens_per_s"])
+    row = {"label": label, "candidate": candidate, "method": method, "k": k, "measured_tokens_per_s": measured,
+           "predicted_tokens_per_s": before, "calibrated_tokens_per_s": calibrated,
+           "error_before": before / measured - 1, "error_after": calibrated / measured - 1,
+           "measured_tokens_per_step": float(priced["tokens_per_step"]),
+           "predicted_tokens_per_step": float(predicted.loc[at, "tokens_per_step"].iloc[0]),
+           cost_column(spec.objective): float(priced[cost_column(spec.objective)]), "steps": int(priced["steps"]),
+           "measured_forward_ms": 1000 * float(records["target_forward_s"].mean()),
+           "queue_ms": 1000 * float(records["queue_s"].mean())}
+    row["flag"] = _reason(row) if abs(row["error_after"]) > GOAL_ERROR else ""
+    return row
+
+
+def _reason(row: dict) -> str:
+    """Why a point missed, from its records: acceptance, the forward's cost, queueing, or the loop."""
+    shift = row["measured_tokens_per_step"] / row["predicted_tokens_per_step"] - 1
+    if abs(shift) > 0.05:
+        return (f"acceptance shift: {row['predicted_tokens_per_step']:.2f} tokens per step on the calibration "
+                f"prompts, {row['measured_tokens_per_step']:.2f} on the held-back ones")
+    if row["queue_ms"] > 0.05 * 1000 / max(row["measured_tokens_per_s"], 1e-6):
+        return f"queueing: {row['queue_ms']:.0f} ms per step waiting in the worker"
+    return "forward cost: the step's forwards took other times than the calibrated profile says"
+
+
+def _choose(table: pd.DataFrame, spec: TuneSpec, candidates) -> dict:
+    """The measured point with the lowest cost knob J at `cs` (target-only's speed and cost the reference)."""
+    from specbench.plan.predict import choose
+
+    column = cost_column(spec.objective)
+    rows = [dict(r, kind="none" if r["method"] == "target-only" else "chain", tokens_per_s=r["measured_tokens_per_s"])
+            for r in table.to_dict("records")]
+    best = choose(rows, spec.cs, cost=column)
+    candidate = next((c for c in candidates if c.name == best["candidate"]), None)
+    return {"target": spec.target, "endpoint": spec.endpoint, "method": best["method"], "k": int(best["k"]),
+            "draft": candidate.draft if candidate else None,
+            "self_draft_layers": candidate.self_draft_layers if candidate else None,
+            "substitute_quantization": candidate.quantization if candidate and candidate.method == "substitute" else None,
+            "dtype": spec.dtype, "max_new_tokens": spec.max_new_tokens, "objective": spec.objective, "cs": spec.cs,
+            "label": best["label"], "measured_tokens_per_s": round(best["measured_tokens_per_s"], 3)}

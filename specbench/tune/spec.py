@@ -1,0 +1,99 @@
+"""What `specbench tune` is asked, checked before any work: the target, the candidate drafts, the
+prompts and their split, where the target runs, the loads and the objective.
+
+Why checked first: a tune runs for minutes; an unknown draft, an empty dataset, a budget too small
+for anything or an unreachable worker must be refused by name before the first profile starts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from specbench.types import SpecbenchError
+
+LOOKUP = "prompt-lookup"
+GOAL_ERROR = 0.08  # |predicted - measured| / measured tokens/s over which a point is flagged
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to draft: `method` of the method table, with its draft model (or none) and options.
+    `name` is how a report and a config file call it: a model name, `prompt-lookup`,
+    `self-draft:N` (the target's first N layers) or `substitute:Q` (the target quantized)."""
+
+    name: str
+    method: str
+    draft: Optional[str] = None  # a model (catalog name, Hugging Face id or path) for chain and tree
+    self_draft_layers: Optional[int] = None
+    quantization: str = "none"  # a substitute's
+
+
+@dataclass(frozen=True)
+class TuneSpec:
+    target: str
+    drafts: tuple[str, ...] = ("auto",)  # names as in Candidate, or "auto": every draft that fits
+    prompts: str | tuple = "bench"  # a dataset name, a JSONL path, or the prompts themselves (texts or token ids)
+    prompt_count: int = 40
+    calibration_share: float = 0.5  # references on this share of the prompts; measurements on the rest
+    endpoint: Optional[str] = None  # a worker's; None: the target runs here
+    clients: tuple[int, ...] = (1,)
+    objective: str = "total_cost"
+    cs: float = 0.5
+    chain_ks: tuple[int, ...] = (1, 2, 3, 4, 6)
+    tree_budgets: tuple[int, ...] = ()
+    max_new_tokens: int = 32
+    measure_top: int = 3  # the predicted best points measured, besides each candidate's best
+    budget_minutes: float = 15.0
+    dtype: str = "float32"
+    draft_budget_mib: Optional[float] = None
+    repeats: int = 3  # profile repeats per grid point
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def check(self) -> None:
+        """Refuse, naming the problem, what no amount of work could satisfy."""
+        from specbench.plan.objectives import get_objective
+        from specbench.plan.costs import check_cs
+
+        get_objective(self.objective)
+        check_cs(self.cs)
+        if not 0 < self.calibration_share < 1:
+            raise SpecbenchError(f"calibration_share must be between 0 and 1, got {self.calibration_share}")
+        if self.prompt_count < 2:
+            raise SpecbenchError(f"tune needs at least 2 prompts (one to calibrate on, one held back), "
+                                 f"got prompt_count={self.prompt_count}")
+        if not self.chain_ks or min(self.chain_ks) < 1:
+            raise SpecbenchError(f"chain_ks must be K values >= 1, got {self.chain_ks}")
+        if not self.clients or min(self.clients) < 1:
+            raise SpecbenchError(f"clients must be counts >= 1, got {self.clients}")
+        if any(n > 1 for n in self.clients) and self.endpoint is None:
+            raise SpecbenchError("clients share a remote target: give a worker endpoint for client counts above 1")
+        if self.budget_minutes < 1:
+            raise SpecbenchError(f"a budget of {self.budget_minutes} minutes leaves no time to profile, record and "
+                                 f"measure anything: give --budget-minutes 1 or more")
+
+
+def candidate(name: str, target_layers: Optional[int] = None) -> Candidate:
+    """The candidate a name stands for (`self-draft:N`, `substitute:Q`, `prompt-lookup`, or a model)."""
+    from specbench.models.spec import QUANTIZATIONS
+
+    if name == LOOKUP:
+        return Candidate(name, LOOKUP)
+    if name.startswith("self-draft"):
+        layers = name.partition(":")[2]
+        if layers and not layers.isdigit():
+            raise SpecbenchError(f"candidate {name!r}: self-draft takes a layer count, e.g. self-draft:8")
+        count = int(layers) if layers else max(1, (target_layers or 4) // 4)
+        return Candidate(f"self-draft:{count}", "self-draft", self_draft_layers=count)
+    if name.startswith("substitute"):
+        quantization = name.partition(":")[2] or "int8-dynamic"
+        if quantization not in QUANTIZATIONS or quantization == "none":
+            raise SpecbenchError(f"candidate {name!r}: substitute takes a quantization of {QUANTIZATIONS[1:]}")
+        return Candidate(f"substitute:{quantization}", "substitute", quantization=quantization)
+    return Candidate(name, "chain", draft=name)
+
+
+def split_prompts(rows: list, share: float) -> tuple[list, list]:
+    """(calibration, held back): the first `share` of the prompts, at least one each side."""
+    cut = min(len(rows) - 1, max(1, round(len(rows) * share)))
+    return rows[:cut], rows[cut:]

@@ -1,0 +1,99 @@
+"""`specbench tune` end to end on tiny models (seconds), resumed after a kill, and bad inputs refused by
+name before any work."""
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from specbench.tune import TuneSpec, tune
+from specbench.types import SpecbenchError
+
+DRAFT = "tiny-random:seed=1,noise=0.005,noise_from=0"
+PROMPTS = tuple([(i * 7 + j * 3) % 90 + 3 for j in range(12)] for i in range(8))
+
+
+def spec(**overrides) -> TuneSpec:
+    settings = dict(target="tiny-random:seed=0", drafts=(DRAFT, "prompt-lookup", "self-draft:2"), prompts=PROMPTS,
+                    prompt_count=6, chain_ks=(1, 2, 4), max_new_tokens=12, budget_minutes=5, repeats=2)
+    settings.update(overrides)
+    return TuneSpec(**settings)
+
+
+def test_tune_end_to_end_chooses_a_measured_point_and_writes_what_run_reads(tmp_path):
+    from specbench.tune.report import read_config
+
+    result = tune(spec(), tmp_path, progress=False)
+    measured = result.measured
+    assert measured.iloc[0]["method"] == "target-only" and len(measured) >= 3
+    assert {"error_before", "error_after", "flag"} <= set(measured.columns)
+    assert (measured["measured_tokens_per_s"] > 0).all() and (measured["predicted_tokens_per_s"] > 0).all()
+    assert result.calibration["speed_factor"] > 0 and result.seconds["measurements"] >= 0
+    best = measured.loc[measured["label"] == result.chosen["label"]].iloc[0]
+    assert result.chosen["measured_tokens_per_s"] == pytest.approx(best["measured_tokens_per_s"], rel=1e-3)
+    config = read_config(result.config_path)
+    assert config["translations"]["note"].startswith("untested")
+    assert "Predicted vs measured" in result.report_path.read_text()
+    assert any("prompt-lookup" in line for line in result.left_out)  # tiny random prompts repeat nothing
+    from specbench.cli import build_parser
+    from specbench.tune.command import apply_config
+
+    args = build_parser().parse_args(["run", "--config", str(result.config_path)])
+    apply_config(args)
+    assert (args.target, args.method[-1], args.k) == ("tiny-random:seed=0", config["method"], config["k"])
+    assert args.draft == config["draft"] and args.self_draft_layers == config["self_draft_layers"]
+
+
+def test_a_rerun_resumes_and_a_killed_tune_resumes_where_it_stopped(tmp_path):
+    """Killed once its profiles and references are written, the tune's rerun in the same folder records
+    neither again (their files are untouched) and finishes."""
+    code = (f"import sys; sys.path.insert(0, {str(tmp_path)!r}); from tests_tune_spec import spec; "
+            f"from specbench.tune import tune; tune(spec(), {str(tmp_path / 'tune')!r}, progress=False)")
+    (tmp_path / "tests_tune_spec.py").write_text(
+        "from specbench.tune import TuneSpec\n"
+        f"def spec():\n    return TuneSpec(target='tiny-random:seed=0', drafts=({DRAFT!r}, 'self-draft:2'), "
+        f"prompts={PROMPTS!r}, prompt_count=6, chain_ks=(1, 2, 4), max_new_tokens=48, budget_minutes=5, repeats=2)\n")
+    process = subprocess.Popen([sys.executable, "-c", code])
+    measured = tmp_path / "tune" / "measured"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (measured.exists() and any(measured.glob("*.json"))):
+        time.sleep(0.1)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    written = {path: path.stat().st_mtime_ns for folder in ("profiles", "reference")
+               for path in (tmp_path / "tune" / folder).glob("*.json")}
+    assert len([p for p in written if "profile-" in p.name]) == 3 and any("reference-" in p.name for p in written)
+    started = time.perf_counter()
+    import importlib.util
+
+    loader = importlib.util.spec_from_file_location("tests_tune_spec", tmp_path / "tests_tune_spec.py")
+    module = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(module)
+    result = tune(module.spec(), tmp_path / "tune", progress=False)
+    assert {path: path.stat().st_mtime_ns for path in written} == written  # nothing profiled or recorded again
+    assert len(result.measured) >= 2 and time.perf_counter() - started < 120
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(drafts=("no-such-model-anywhere",)), "unknown draft 'no-such-model-anywhere'"),
+    (dict(budget_minutes=0.5), "leaves no time"),
+    (dict(prompts=()), "gave 0 prompts"),
+    (dict(endpoint="tcp://127.0.0.1:9"), "unreachable"),
+    (dict(clients=(1, 4)), "give a worker endpoint"),
+    (dict(objective="speed"), "unknown objective 'speed'"),
+], ids=["unknown-draft", "budget-too-small", "no-prompts", "unreachable-worker", "clients-without-worker",
+        "unknown-objective"])
+def test_bad_inputs_are_refused_by_name_before_any_work(tmp_path, overrides, message):
+    started = time.perf_counter()
+    with pytest.raises(SpecbenchError, match=message):
+        tune(spec(**overrides), tmp_path, progress=False)
+    assert time.perf_counter() - started < 20
+    assert not list((tmp_path).rglob("profile-*.json")), "work started before the refusal"
+
+
+def test_a_dataset_file_with_no_prompts_is_refused(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(SpecbenchError, match="no prompts"):
+        tune(spec(prompts=str(empty)), tmp_path / "out", progress=False)
