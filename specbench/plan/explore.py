@@ -63,7 +63,10 @@ def base_name(label: str) -> str:
 
 
 def origin_label(profile: LatencyProfile) -> str:
-    """Where a profile came from, as a picker shows it: `shipped`, or `own, 2026-11-25 vm`."""
+    """Where a profile came from, as a picker shows it: `shipped`, `own, 2026-11-25 vm`, or "" for one
+    made in this process and never saved (its origin is the caller's own code)."""
+    if not profile.origin:
+        return ""
     return "shipped" if profile.origin == "shipped" else f"own, {profile.sitting}".rstrip(", ")
 
 
@@ -90,7 +93,7 @@ def target_groups(combos: Sequence[tuple]) -> dict[str, list[tuple]]:
     for (view, origin), combos in groups.items():
         noise = max((p.noise or 0.0 for combo in combos for p in combo[:2]), default=0.0)
         busy = f" · busy machine: spread {noise:.2f}" if noise >= NOISY_SPREAD else ""
-        titled[f"{view} · {origin}{busy}"] = combos
+        titled[f"{view}{f' · {origin}' if origin else ''}{busy}"] = combos
     return titled
 
 

@@ -172,7 +172,8 @@ def predict_step(point: OperatingPoint, target: LatencyProfile, draft: Optional[
                  reference: Optional[AcceptanceReference], context: int = 256,
                  overhead_s: float = 0.0, bandwidth_mbps: float = 0.0) -> StepCost:
     accepted = reference.accepted(point.method, point.k) if reference else 0.0
-    if point.kind != "none" and (draft is None or reference is None):
+    lookup = reference is not None and reference.draft == LOOKUP_DRAFT  # drafting is free: no draft profile
+    if point.kind != "none" and (reference is None or (draft is None and not lookup)):
         raise SpecbenchError(f"{point.label} needs a draft profile and an acceptance reference")
     depth, width = 1.0, 1
     if point.kind == "tree":
@@ -198,7 +199,7 @@ def step_cost(point: OperatingPoint, target: LatencyProfile, draft: Optional[Lat
         forwards = max(1.0, point.k * draft_per_target)
         draft_s = (draft.forward_s((1 + full_accept) * draft_per_target, context)
                    + (forwards - 1) * draft.forward_s(1, context))
-    elif point.kind == "tree":
+    elif point.kind == "tree" and draft is not None:
         draft_s = draft.forward_s(1, context) + (tree_depth - 1) * draft.forward_s(tree_width, context)
     else:
         draft_s = 0.0

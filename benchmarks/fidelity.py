@@ -1,0 +1,121 @@
+"""How far the predictor is from measurement, and whether `specbench tune` finds what an exhaustive sweep finds.
+
+Why: a recommendation is only as good as the prediction behind it, and a tune measures only a few
+points. Per dataset, a tune (`specbench.tune`) runs as a user would; then every predicted point of one
+client is measured on the same held-back prompts (the exhaustive sweep, which a user would not run).
+Printed: per family of setting (the candidate and its kind), the median and p90 of |error| of tokens/s
+and of the cost objective, before and after the tune's calibration; the tune's choice against the
+sweep's best (tokens/s and the objective's J at cs), and the tune's measuring time against the sweep's.
+
+    python benchmarks/fidelity.py                                        # SmolLM2, bench + humaneval, local
+    python benchmarks/fidelity.py --target qwen2.5-coder-1.5b --drafts qwen2.5-coder-0.5b prompt-lookup \\
+        --worker tcp://127.0.0.1:5555 --clients 1 2 4 8
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import pandas as pd
+
+from specbench.plan.explore import cost_column
+from specbench.plan.predict import choose
+from specbench.tune import TuneSpec, tune
+from specbench.tune import phases
+
+from common import RESULTS, write_report
+
+
+def exhaustive(spec: TuneSpec, result, progress: bool) -> tuple[pd.DataFrame, float]:
+    """Every one-client point the tune predicted, measured on its held-back prompts (reusing what the tune
+    measured); the seconds the measuring took, the tune's own points included."""
+    from specbench.tune.run import _draft_model, _row, _targets
+    from specbench.tune.candidates import resolve_candidates
+    from specbench.tune.spec import split_prompts
+    from specbench.datasets import load_prompts
+
+    runner, target, rtt_ms = _targets(spec)
+    candidates, _ = resolve_candidates(spec, target)
+    prompts = [row["prompt"] for row in load_prompts(spec.prompts, limit=spec.prompt_count, seed=spec.seed)]
+    _, held = split_prompts(prompts, spec.calibration_share)
+    store = phases.Store(result.folder)
+    drafts = {c.name: _draft_model(c, target, spec) for c in candidates}
+    rows, seconds = [], 0.0
+    points = result.predicted[(result.predicted["clients"] == 1)]
+    for row in points.to_dict("records"):
+        candidate = next((c for c in candidates if c.name == row["candidate"]), candidates[0])
+        method = ("target-only" if row["kind"] == "none" else candidate.method if row["kind"] == "chain"
+                  else "prompt-lookup-tree" if candidate.method == "prompt-lookup" else "tree")
+        started = time.perf_counter()
+        records = phases.measure(store, runner, candidate, method, int(row["k"]), held, drafts[candidate.name], spec,
+                                 progress)
+        seconds += records["step_s"].sum() + records["prefill_s"].drop_duplicates().sum()
+        del started
+        rows.append(_row(row["candidate"], method, int(row["k"]), records, result.predicted, result.predicted.assign(
+            tokens_per_s=result.predicted["raw_tokens_per_s"]), spec, rtt_ms, label=row["label"]))
+    return pd.DataFrame(rows), seconds
+
+
+def summary(frame: pd.DataFrame, column: str) -> pd.DataFrame:
+    frame = frame.assign(family=frame["candidate"] + " " + frame["method"])
+    grouped = frame.groupby("family")
+    quantile = lambda values, q: float(values.abs().quantile(q))  # noqa: E731
+    return pd.DataFrame({
+        "points": grouped.size(),
+        "median_err_before": grouped["error_before"].apply(lambda v: quantile(v, 0.5)),
+        "median_err_after": grouped["error_after"].apply(lambda v: quantile(v, 0.5)),
+        "p90_err_after": grouped["error_after"].apply(lambda v: quantile(v, 0.9)),
+    }).reset_index()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="smollm2-135m")
+    parser.add_argument("--drafts", nargs="+", default=["auto"])
+    parser.add_argument("--datasets", nargs="+", default=["bench", "humaneval"])
+    parser.add_argument("--prompt-count", type=int, default=40)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--k", type=int, nargs="+", default=[1, 2, 3, 4, 6])
+    parser.add_argument("--worker")
+    parser.add_argument("--clients", type=int, nargs="+", default=[1])
+    parser.add_argument("--cs", type=float, default=0.5)
+    parser.add_argument("--cost", default="total_cost")
+    parser.add_argument("--budget-minutes", type=float, default=15)
+    parser.add_argument("--out-dir", default=str(RESULTS / "fidelity"))
+    parser.add_argument("--out", default=str(RESULTS / "fidelity.json"))
+    args = parser.parse_args()
+
+    rows, summaries = [], []
+    for dataset in args.datasets:
+        spec = TuneSpec(target=args.target, drafts=tuple(args.drafts), prompts=dataset, prompt_count=args.prompt_count,
+                        endpoint=args.worker, clients=tuple(args.clients), objective=args.cost, cs=args.cs,
+                        chain_ks=tuple(args.k), max_new_tokens=args.max_new_tokens, budget_minutes=args.budget_minutes)
+        started = time.perf_counter()
+        result = tune(spec, f"{args.out_dir}/{args.target}-{dataset}")
+        tune_s = time.perf_counter() - started
+        sweep, sweep_measuring_s = exhaustive(spec, result, progress=True)
+        column = cost_column(args.cost)
+        candidates = [dict(r, kind="none" if r["method"] == "target-only" else "chain",
+                           tokens_per_s=r["measured_tokens_per_s"]) for r in sweep.to_dict("records")]
+        best = choose(candidates, args.cs, cost=column)
+        chosen = sweep[sweep["label"] == result.chosen["label"]].iloc[0]
+        row = {"dataset": dataset, "tune_s": round(tune_s, 1), "tune_measuring_s": result.seconds.get("measurements"),
+               "sweep_measuring_s": round(sweep_measuring_s, 1), "points_predicted": len(result.predicted),
+               "points_swept": len(sweep), "chosen": result.chosen["label"], "sweep_best": best["label"],
+               "chosen_tokens_per_s": round(float(chosen["measured_tokens_per_s"]), 3),
+               "best_tokens_per_s": round(float(best["measured_tokens_per_s"]), 3),
+               "chosen_vs_best": round(float(chosen["measured_tokens_per_s"]) / float(best["measured_tokens_per_s"]), 3),
+               "median_err_after": round(float(sweep["error_after"].abs().median()), 4),
+               "p90_err_after": round(float(sweep["error_after"].abs().quantile(0.9)), 4),
+               "median_err_before": round(float(sweep["error_before"].abs().median()), 4),
+               "calibration": result.calibration, "left_out": result.left_out}
+        rows.append(row)
+        summaries.append(summary(sweep, column).assign(dataset=dataset))
+        print(pd.DataFrame([row]).drop(columns=["calibration", "left_out"]).T.to_string(), flush=True)
+    table = pd.concat(summaries, ignore_index=True)
+    print(table.round(4).to_string(index=False))
+    write_report(args.out, {"target": args.target, "runs": rows, "families": table.to_dict("records")})
+
+
+if __name__ == "__main__":
+    main()
