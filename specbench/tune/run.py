@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from specbench.plan.costs import Power, Prices
 from specbench.plan.explore import cost_column, measured_points, operating_points, prediction_frame, recommend
-from specbench.tune import phases
+import specbench.tune.phases as phases
 from specbench.tune.candidates import check_drafts, resolve_candidates
 from specbench.tune.spec import GOAL_ERROR, TuneSpec, split_prompts
 from specbench.types import SpecbenchError
