@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# CPU build of torch first, so no dependency pulls a multi-GB CUDA build on CPU machines.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[dev,ray]"
+	$(PY) -m pip install -q -e ".[dev,ray,serve]"
 	$(PY) -m ipykernel install --user --name specbench --display-name "specbench" >/dev/null
 	# Chromium + driver for the headless-browser checks (Debian packages; skipped where apt is not ours).
 	command -v chromedriver >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \

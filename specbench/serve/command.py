@@ -1,0 +1,83 @@
+"""`specbench serve`: the command line (parsing and start-up only)."""
+from __future__ import annotations
+
+import ipaddress
+import os
+
+
+def add_serve(commands) -> None:
+    serve = commands.add_parser("serve", help="an OpenAI-compatible endpoint with speculative decoding, a chat page "
+                                              "at / and Prometheus metrics at /metrics")
+    serve.add_argument("--target", help="catalog name, Hugging Face id or path (or --config)")
+    serve.add_argument("--config", help="a `specbench tune` configuration (tune.json): its target, method, draft, K")
+    serve.add_argument("--draft", help="draft model for chain and tree methods")
+    serve.add_argument("--method", nargs="+", default=None,
+                       help="methods a request may pick; the first is the default (default: target-only, plus "
+                            "chain with --draft)")
+    serve.add_argument("--k", type=int, default=4, help="default K (chain tokens or tree nodes)")
+    serve.add_argument("--max-k", type=int, default=8, help="largest K a request may ask for")
+    serve.add_argument("--plan", action="store_true", help="a step planner from the cached profiles picks K per step")
+    serve.add_argument("--worker", help="a worker endpoint serving the target (default: one started in this process)")
+    serve.add_argument("--dtype", default="float32")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=os.environ.get("SPECBENCH_API_KEY"),
+                       help="required as 'Authorization: Bearer KEY' (default: $SPECBENCH_API_KEY, else none)")
+    serve.add_argument("--insecure", action="store_true", help="allow a non-loopback host without an API key")
+    for flag, default, what in (("--max-tokens", 512, "largest max_tokens a request may ask for"),
+                                ("--max-prompt-tokens", 2048, "longest prompt, tokens"),
+                                ("--max-concurrent", 4, "generations at once"),
+                                ("--max-queue", 16, "requests waiting beyond those; more get 429"),
+                                ("--max-body-bytes", 1 << 20, "largest request body")):
+        serve.add_argument(flag, type=int, default=default, help=f"{what} (default %(default)s)")
+    serve.set_defaults(handler=_serve)
+
+
+def settings_from(args):
+    from specbench.serve.settings import Limits, ServeSettings
+    from specbench.types import SpecbenchError
+
+    target, draft, methods, k = args.target, args.draft, args.method, args.k
+    extra = {}
+    if args.config:
+        from specbench.tune.report import read_config
+
+        config = read_config(args.config)
+        target, draft, k = config["target"], config.get("draft") or draft, config["k"] or k
+        methods = methods or list(dict.fromkeys([config["method"], "target-only"]))
+        extra = {"self_draft_layers": config.get("self_draft_layers"),
+                 "substitute_quantization": config.get("substitute_quantization") or "8bit"}
+    if not target:
+        raise SpecbenchError("serve needs --target (or --config from `specbench tune`)")
+    methods = tuple(methods or (["target-only", "chain"] if draft else ["target-only"]))
+    limits = Limits(max_tokens=args.max_tokens, max_prompt_tokens=args.max_prompt_tokens,
+                    max_concurrent=args.max_concurrent, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes)
+    return ServeSettings(target=target, methods=methods, draft=draft, k=k, max_k=max(args.max_k, k), plan=args.plan,
+                         worker=args.worker, dtype=args.dtype, host=args.host, port=args.port, api_key=args.api_key,
+                         limits=limits, **extra)
+
+
+def _serve(args) -> int:
+    import uvicorn
+
+    from specbench.serve import build_app
+    from specbench.types import SpecbenchError
+
+    settings = settings_from(args)
+    if not _loopback(settings.host) and not settings.api_key and not args.insecure:
+        raise SpecbenchError(f"refusing to listen on {settings.host} without --api-key: anyone who can reach it "
+                             f"could use the model. Pass --api-key (or $SPECBENCH_API_KEY), or --insecure")
+    app = build_app(settings)
+    print(f"serving {settings.target} ({', '.join(settings.methods)}) on http://{settings.host}:{settings.port} "
+          f"- chat page at /, OpenAI routes under /v1, metrics at /metrics", flush=True)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning")
+    return 0
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

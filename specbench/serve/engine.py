@@ -1,0 +1,212 @@
+"""The serving engine: one request's speculative generation, step by step, over a shared worker.
+
+Why a worker even for one machine: concurrent requests must share one target, and the batching
+worker already does that (each request a session of its own, verifies batched, tenants taking
+turns). With no `--worker`, one is started in this process on a loopback port. Each running
+request holds one RemoteTarget connection and one drafter from small pools, so at most
+`max_concurrent` generations run; the draft's weights are loaded once and shared.
+"""
+from __future__ import annotations
+
+import copy
+import queue
+import random
+import threading
+import uuid
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+from specbench.decode.loop import Decoding, generate_steps
+from specbench.methods import DraftSource, get_method
+from specbench.models.loading import load_tokenizer
+from specbench.serve.settings import RequestError, ServeSettings, Speculation
+from specbench.serve.text import Piece, TextStream
+from specbench.types import SamplingParams, SpecbenchError, StepRecord
+
+
+@dataclass(frozen=True)
+class Job:
+    """One request, as the engine runs it."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    speculation: Speculation
+    sampling: SamplingParams = SamplingParams()
+    seed: Optional[int] = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass
+class Event:
+    """What one step added (`pieces`), or the end (`finish_reason` set, `records` complete)."""
+
+    pieces: list[Piece] = field(default_factory=list)
+    record: Optional[StepRecord] = None
+    finish_reason: Optional[str] = None
+    records: list[StepRecord] = field(default_factory=list)
+    completion_tokens: int = 0
+    prefill_s: float = 0.0
+
+
+class Engine:
+    """Tokenizer, worker, connection pool and drafters of one `specbench serve`."""
+
+    def __init__(self, settings: ServeSettings, log=print):
+        from specbench.worker.client import RemoteTarget
+
+        self.settings, self.log = settings, log
+        self.tokenizer = load_tokenizer(settings.target)
+        self._worker = self._stop_worker = None
+        endpoint = settings.worker or self._start_worker()
+        self.endpoint = endpoint
+        pool_size = settings.limits.max_concurrent
+        self._clients: queue.SimpleQueue = queue.SimpleQueue()
+        for _ in range(pool_size):
+            self._clients.put(RemoteTarget(endpoint, tokenizer=self.tokenizer))
+        probe = self._clients.get()
+        served = probe.info.get("model")
+        if settings.worker and served is not None and served.split("@")[0].split("+")[0] != settings.target:
+            raise SpecbenchError(f"the worker at {endpoint} serves {served!r}, not {settings.target!r}: start "
+                                 f"serve with --target {served} (text is tokenized here with the target's tokenizer)")
+        self.model_identity, self.vocab_size = probe.model_identity, probe.vocab_size
+        self.eos_token_ids = probe.eos_token_ids
+        self._clients.put(probe)
+        self._draft = self._load_draft()
+        self._drafters: dict[str, queue.SimpleQueue] = {name: queue.SimpleQueue() for name in settings.methods}
+        self._planner = self._build_planner()
+        self.live = 0  # generations holding a worker session now (the tests count them)
+        self._live_lock = threading.Lock()
+        for name in settings.methods:  # every offered method builds here once, so a bad one fails at start
+            self._give_drafter(name, self._take_drafter(name))
+
+    # -- start and stop ----------------------------------------------------------------------------
+    def _start_worker(self) -> str:
+        from specbench.models.spec import ModelSpec
+        from specbench.worker.launch import free_port
+        from specbench.worker.server import Worker, WorkerConfig
+
+        endpoint = f"tcp://127.0.0.1:{free_port()}"
+        config = WorkerConfig(bind=endpoint, model=ModelSpec(self.settings.target, dtype=self.settings.dtype))
+        self._worker = Worker(config, log=lambda line: self.log(f"worker: {line}"))
+        stopped = threading.Event()
+        self._stop_worker = stopped.set
+        thread = threading.Thread(target=self._worker.serve, kwargs={"stop": stopped.is_set}, daemon=True,
+                                  name="specbench-worker")
+        thread.start()
+        self._worker_thread = thread
+        return endpoint
+
+    def close(self) -> None:
+        while True:
+            try:
+                self._clients.get_nowait().disconnect()
+            except queue.Empty:
+                break
+        if self._stop_worker is not None:
+            self._stop_worker()
+            self._worker_thread.join(timeout=5)
+
+    def _load_draft(self):
+        if not self.settings.draft:
+            return None
+        from specbench.models.loading import as_loaded
+
+        return as_loaded(self.settings.draft, self.settings.dtype)
+
+    def _build_planner(self):
+        if not self.settings.plan:
+            return None
+        from specbench.plan.step_planner import planner_from_caches
+
+        return planner_from_caches(self.settings.target, self.settings.draft or "prompt-lookup")
+
+    # -- pools -------------------------------------------------------------------------------------
+    def _take_drafter(self, method: str):
+        try:
+            return self._drafters[method].get_nowait()
+        except queue.Empty:
+            found = get_method(method)
+            if found.build is None:
+                return None
+            target_model = self._worker.ops.target.loaded if self._worker is not None else None
+            settings = self.settings
+            source = DraftSource(self._any_client(), target_model, self._draft, settings.dtype,
+                                 settings.self_draft_layers, settings.substitute_quantization)
+            return found.build(source)
+
+    def _give_drafter(self, method: str, drafter) -> None:
+        if drafter is not None:
+            self._drafters[method].put(drafter)
+
+    def _any_client(self):
+        client = self._clients.get()
+        self._clients.put(client)
+        return client
+
+    # -- one request -------------------------------------------------------------------------------
+    def check_prompt(self, prompt_ids: list[int]) -> list[int]:
+        limit = self.settings.limits.max_prompt_tokens
+        if not prompt_ids:
+            raise RequestError("the prompt is empty", "prompt")
+        if len(prompt_ids) > limit:
+            raise RequestError(f"the prompt is {len(prompt_ids)} tokens; this server takes at most {limit} "
+                               f"(--max-prompt-tokens)", "prompt")
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"token ids {bad[:5]} are outside the vocabulary (0..{self.vocab_size - 1})", "prompt")
+        return prompt_ids
+
+    def stream(self, job: Job, cancelled: threading.Event) -> Iterator[Event]:
+        """Run `job`, yielding an Event per step and a last one with the finish reason. Setting
+        `cancelled` stops it at the next step and frees its worker session."""
+        method = get_method(job.speculation.method)
+        client, drafter = self._clients.get(), None
+        steps = None
+        try:
+            drafter = self._take_drafter(method.name)
+            planner = None
+            if self._planner is not None and method.plannable:
+                planner = copy.deepcopy(self._planner)
+            decoding = Decoding(job.speculation.k if method.kind != "none" else 0, job.max_tokens, job.sampling,
+                                method.name, method.kind, planner)
+            seed = job.seed if job.seed is not None else random.getrandbits(62)
+            with self._live_lock:
+                self.live += 1
+            steps = generate_steps(client, drafter, job.prompt_ids, decoding, seed=seed,
+                                   session=f"serve-{uuid.uuid4().hex[:12]}")
+            text = TextStream(self.tokenizer, job.stop)
+            records, generated = [], 0
+            while True:
+                if cancelled.is_set():
+                    yield Event(finish_reason="cancelled", records=records, completion_tokens=generated)
+                    return
+                try:
+                    record = next(steps)
+                except StopIteration as done:
+                    finish = "stop" if done.value.output_ids and done.value.output_ids[-1] in self.eos_token_ids \
+                        else "length"
+                    yield Event(pieces=text.flush(), finish_reason=finish, records=records,
+                                completion_tokens=generated, prefill_s=done.value.prefill_s)
+                    return
+                if record is None:
+                    continue
+                records.append(record)
+                generated += record.emitted
+                sources = ["draft"] * min(record.accepted, record.emitted)
+                sources += ["target"] * (record.emitted - len(sources))
+                pieces, stopped = text.add(record.emitted_tokens, sources)
+                if stopped:
+                    yield Event(pieces=pieces, record=record)
+                    yield Event(finish_reason="stop", records=records, completion_tokens=generated)
+                    return
+                yield Event(pieces=pieces, record=record)
+        except SpecbenchError as error:
+            raise RequestError(str(error), status=500 if not isinstance(error, RequestError) else error.status,
+                               code="server_error") from error
+        finally:
+            if steps is not None:
+                steps.close()  # closes the worker session
+                with self._live_lock:
+                    self.live -= 1
+            self._give_drafter(method.name, drafter)
+            self._clients.put(client)

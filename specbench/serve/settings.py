@@ -1,0 +1,118 @@
+"""What `specbench serve` was started with and what one request may ask of it (torch-free, validated).
+
+Why a module of its own: the HTTP layer, the engine and the CLI must agree on one list of what a
+server offers (methods, K, limits); a request asking for anything else is refused by name here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from specbench.types import SpecbenchError
+
+
+class RequestError(SpecbenchError):
+    """A request the server refuses: `status` is the HTTP code, `param` the field named to the client."""
+
+    def __init__(self, message: str, param: Optional[str] = None, status: int = 400,
+                 code: str = "invalid_request_error"):
+        super().__init__(message)
+        self.param, self.status, self.code = param, status, code
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds on what one request, and all of them together, may take."""
+
+    max_tokens: int = 512  # a request's max_tokens
+    max_prompt_tokens: int = 2048
+    max_body_bytes: int = 1 << 20
+    max_concurrent: int = 4  # generations at once (each holds one worker session)
+    max_queue: int = 16  # requests waiting for a slot; beyond them: 429 with Retry-After
+    max_stop: int = 4  # stop strings per request
+    retry_after_s: int = 1
+
+    def __post_init__(self):
+        for name in ("max_tokens", "max_prompt_tokens", "max_body_bytes", "max_concurrent", "retry_after_s"):
+            if getattr(self, name) < 1:
+                raise SpecbenchError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_queue < 0:
+            raise SpecbenchError(f"max_queue must be >= 0, got {self.max_queue}")
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """The server's target, the speculative settings it offers, and where it listens.
+
+    `methods` are the methods a request may pick (the first is the default); each drafts from
+    `draft` when it needs a model. `k` is the default K (chain tokens or tree nodes); a request may
+    ask for 1..`max_k`. `plan`: a step planner from the cached profiles picks K per step.
+    """
+
+    target: str
+    methods: tuple[str, ...] = ("target-only",)
+    draft: Optional[str] = None
+    k: int = 4
+    max_k: int = 8
+    plan: bool = False
+    self_draft_layers: Optional[int] = None
+    substitute_quantization: str = "8bit"
+    worker: Optional[str] = None  # a worker endpoint; None: one started in this process
+    dtype: str = "float32"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: Optional[str] = field(default=None, repr=False)
+    limits: Limits = Limits()
+
+    def __post_init__(self):
+        from specbench.methods import get_method
+
+        if not self.methods:
+            raise SpecbenchError("offer at least one method")
+        for name in self.methods:
+            method = get_method(name)
+            if method.on_worker:
+                raise SpecbenchError(f"method {name!r} runs wholly on a worker; serve drafts here: offer another")
+            if method.kind != "none" and method.build is not None and _needs_model(name) and not self.draft:
+                raise SpecbenchError(f"method {name!r} drafts from a model: start the server with --draft")
+        if not 1 <= self.k <= self.max_k:
+            raise SpecbenchError(f"k must be in 1..max_k ({self.max_k}), got {self.k}")
+
+    @property
+    def default_method(self) -> str:
+        return self.methods[0]
+
+
+def _needs_model(method: str) -> bool:
+    from specbench.methods import get_method
+
+    found = get_method(method)
+    return found.kind != "none" and not found.lookup
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """What one request decodes with: a method the server offers and its K."""
+
+    method: str
+    k: int
+
+    @classmethod
+    def from_request(cls, asked, settings: ServeSettings) -> "Speculation":
+        """`extra_body={"speculative": {"method": ..., "k": ...}}`, checked against what the server offers."""
+        if asked is None:
+            return cls(settings.default_method, settings.k)
+        if not isinstance(asked, dict):
+            raise RequestError("speculative must be an object like {\"method\": \"chain\", \"k\": 4}", "speculative")
+        unknown = set(asked) - {"method", "k"}
+        if unknown:
+            raise RequestError(f"speculative takes method and k, not {sorted(unknown)}", "speculative")
+        method = asked.get("method", settings.default_method)
+        if method not in settings.methods:
+            raise RequestError(f"method {method!r} is not offered by this server (started with "
+                               f"{', '.join(settings.methods)}); restart it with --method {method}",
+                               "speculative.method")
+        k = asked.get("k", settings.k)
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= settings.max_k:
+            raise RequestError(f"speculative.k must be an integer in 1..{settings.max_k}, got {k!r}", "speculative.k")
+        return cls(method, k)

@@ -1,0 +1,317 @@
+"""`specbench serve` through the official `openai` client on loopback: greedy text identical to `run`'s
+target-only output for target-only, a chain and prompt lookup, with a worker in the server's process
+and with a separate worker; seeded sampling reproducible; every refusal with its code and no server
+error logged; a dropped stream frees its session; the metrics a vLLM board reads; the chat page in
+headless Chromium (screenshots in reports/screenshots/).
+"""
+import json
+import logging
+import shutil
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+
+from specbench.api import outputs, run  # noqa: E402
+from specbench.serve import Limits, ServeSettings, build_app  # noqa: E402
+from specbench.worker.launch import free_port, spawn_worker  # noqa: E402
+
+pytestmark = pytest.mark.real_model
+MODEL = "smollm2-135m"
+PROMPTS = ["Write a Python function that returns the sum of a list of numbers.",
+           "Repeat after me: the cat sat on the mat, the cat sat on the mat."]
+METHODS = [("target-only", None), ("chain", 3), ("prompt-lookup", 3)]
+TOKENS = 24
+SHOTS = Path(__file__).resolve().parents[1] / "reports" / "screenshots"
+
+
+class Served:
+    """A server on a free loopback port in a thread of this process."""
+
+    def __init__(self, settings: ServeSettings):
+        import uvicorn
+
+        self.app = build_app(settings, log=lambda line: None)
+        self.engine = self.app.state.engine
+        self.url = f"http://127.0.0.1:{settings.port}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=settings.port,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 60
+        while not self.server.started:
+            assert time.time() < deadline, "server did not start"
+            time.sleep(0.05)
+
+    def client(self, key: str = "none"):
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=120)
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.engine.close()
+
+
+def settings(**changes) -> ServeSettings:
+    base = dict(target=MODEL, methods=("target-only", "chain", "prompt-lookup"), draft=MODEL, k=3,
+                port=free_port(), limits=Limits(max_tokens=128, max_prompt_tokens=256, max_body_bytes=20_000))
+    return ServeSettings(**{**base, **changes})
+
+
+@pytest.fixture(scope="module")
+def expected(smollm2):
+    """Target-only greedy ids per prompt from `run`, chat-templated and raw, as text."""
+    chat = outputs(run(smollm2, PROMPTS, method="target-only", max_new_tokens=TOKENS, progress=False))
+    raw = outputs(run(smollm2, PROMPTS, method="target-only", max_new_tokens=TOKENS, chat=False, progress=False))
+    text = lambda ids: smollm2.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    return {"chat": [text(chat[("target-only", i)]) for i in range(len(PROMPTS))],
+            "raw": [text(raw[("target-only", i)]) for i in range(len(PROMPTS))],
+            "chat_tokens": [len(chat[("target-only", i)]) for i in range(len(PROMPTS))]}
+
+
+@pytest.fixture(scope="module")
+def errors_logged():
+    """ERROR records of the server's loggers (uvicorn's and ours) while this module runs."""
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    handler = Keep(level=logging.ERROR)
+    loggers = [logging.getLogger(name) for name in ("uvicorn.error", "uvicorn", "fastapi", "starlette")]
+    for logger in loggers:
+        logger.addHandler(handler)
+    yield records
+    for logger in loggers:
+        logger.removeHandler(handler)
+
+
+@pytest.fixture(scope="module")
+def local(errors_logged):
+    served = Served(settings())
+    yield served
+    served.close()
+
+
+@pytest.fixture(scope="module")
+def remote(errors_logged):
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    worker = spawn_worker(endpoint, "--model", MODEL)
+    served = Served(settings(worker=endpoint, api_key="sk-test",
+                             limits=Limits(max_tokens=128, max_concurrent=1, max_queue=0)))
+    yield served
+    served.close()
+    worker.terminate()
+    worker.wait(timeout=30)
+
+
+def speculative(method, k):
+    return {"speculative": {"method": method, **({"k": k} if k else {})}}
+
+
+def chat_text(client, prompt, method, k, stream):
+    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                           max_tokens=TOKENS, temperature=0, stream=stream,
+                                           extra_body=speculative(method, k))
+    if not stream:
+        return reply.choices[0].message.content, reply.usage
+    text, usage = "", None
+    for chunk in reply:
+        if chunk.choices and chunk.choices[0].delta.content:
+            text += chunk.choices[0].delta.content
+    return text, usage
+
+
+@pytest.mark.parametrize("where", ["local", "remote"])
+def test_greedy_text_is_target_only_text_for_every_method(where, request, expected):
+    served = request.getfixturevalue(where)
+    client = served.client("sk-test" if where == "remote" else "none")
+    for method, k in METHODS:
+        for index, prompt in enumerate(PROMPTS):
+            for stream in (False, True):
+                text, usage = chat_text(client, prompt, method, k, stream)
+                assert text == expected["chat"][index], (where, method, index, stream)
+                if usage is not None:
+                    assert usage.completion_tokens == expected["chat_tokens"][index]
+                    assert usage.speculative["method"] == method
+                    if method == "chain":  # the draft is the target itself: its drafts are accepted
+                        assert usage.speculative["accepted_tokens"] > 0 and usage.speculative["tokens_per_step"] > 1.5
+    completion = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=TOKENS, temperature=0,
+                                           extra_body=speculative("prompt-lookup", 3))
+    assert completion.choices[0].text == expected["raw"][1]
+    assert completion.usage.speculative["accepted_tokens"] > 0  # the prompt repeats itself
+
+
+def test_stream_carries_pieces_usage_and_timing(local):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": TOKENS,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, **speculative("chain", 3)}
+    chunks = []
+    with httpx.stream("POST", f"{local.url}/v1/chat/completions", json=body, timeout=120) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    pieces = [p for c in chunks for p in c.get("specbench", {}).get("pieces", [])]
+    assert {source for _, source in pieces} == {"draft", "target"}
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert "".join(piece for piece, _ in pieces) == text
+    finish = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert finish[0]["choices"][0]["finish_reason"] == "length"
+    timing = finish[0]["specbench"]["timing"]
+    assert timing["verify_s"] > 0 and timing["step_s"] >= timing["verify_s"]
+    assert chunks[-1]["usage"]["completion_tokens"] == TOKENS
+    reply = httpx.post(f"{local.url}/v1/chat/completions", json={**body, "stream": False}, timeout=120)
+    assert json.loads(reply.headers["x-specbench-timing"])["verify_s"] > 0
+
+
+def test_seeded_sampling_is_reproducible_and_stop_strings_cut(local):
+    client = local.client()
+    ask = lambda seed: client.chat.completions.create(  # noqa: E731
+        model=MODEL, messages=[{"role": "user", "content": "Tell me a story about a dragon."}], max_tokens=20,
+        temperature=0.9, top_p=0.95, seed=seed, extra_body=speculative("chain", 3)).choices[0].message.content
+    first = ask(7)
+    assert ask(7) == first
+    assert len({ask(seed) for seed in (1, 2, 3)} | {first}) > 1  # the seed is what fixes it
+    full = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=TOKENS, temperature=0)
+    text = full.choices[0].text
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    cut = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=TOKENS, temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].text == text[:text.index(stop)]
+
+
+BAD = [
+    ("not json", {}, 400, None),
+    ({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, {}, 404, "model"),
+    ({"messages": [{"role": "user", "content": "hi"}]}, {}, 400, "model"),
+    ({"model": MODEL, "messages": []}, {}, 400, "messages"),
+    ({"model": MODEL, "messages": [{"role": "robot", "content": "hi"}]}, {}, 400, "messages[0].role"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10_000}, {}, 400, "max_tokens"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, {}, 400, "max_tokens"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": -1}, {}, 400, "temperature"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_p": 0}, {}, 400, "top_p"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}, {}, 400, "n"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": [1]}, {}, 400, "stop"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "speculative": {"method": "tree"}}, {}, 400,
+     "speculative.method"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "speculative": {"method": "chain", "k": 99}},
+     {}, 400, "speculative.k"),
+    ({"model": MODEL, "prompt": [0, 1, 10**9]}, {}, 400, "prompt"),
+    ({"model": MODEL, "prompt": "word " * 400}, {}, 400, "prompt"),
+    ({"model": MODEL, "prompt": "x" * 30_000}, {}, 413, None),
+]
+
+
+def test_bad_requests_are_refused_by_name_and_the_server_keeps_serving(local, errors_logged, expected):
+    for body, headers, status, param in BAD:
+        route = "/v1/completions" if isinstance(body, dict) and "prompt" in body else "/v1/chat/completions"
+        content = body if isinstance(body, str) else json.dumps(body)
+        reply = httpx.post(f"{local.url}{route}", content=content, headers={"content-type": "application/json",
+                                                                            **headers}, timeout=30)
+        assert reply.status_code == status, (body if len(str(body)) < 200 else route, reply.text)
+        error = reply.json()["error"]
+        assert error["message"] and error["param"] == param, error
+    assert httpx.post(f"{local.url}/v1/nowhere", json={}).status_code == 404
+    with pytest.raises(openai.NotFoundError):
+        local.client().chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}])
+    text, _ = chat_text(local.client(), PROMPTS[0], "target-only", None, stream=False)
+    assert text == expected["chat"][0]
+    assert not errors_logged, [r.getMessage() for r in errors_logged]
+
+
+def test_api_key_and_a_full_server_answer_401_and_429(remote):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 64,
+            "temperature": 0, "stream": True}
+    assert httpx.post(f"{remote.url}/v1/chat/completions", json=body).status_code == 401
+    assert httpx.post(f"{remote.url}/v1/chat/completions", json=body,
+                      headers={"Authorization": "Bearer sk-wrong"}).status_code == 401
+    key = {"Authorization": "Bearer sk-test"}
+    # one slot, no queue place: of four requests sent at once, one runs and the others are told to retry
+    with ThreadPoolExecutor(4) as pool:
+        replies = list(pool.map(lambda _: httpx.post(f"{remote.url}/v1/chat/completions", json=body, headers=key,
+                                                     timeout=120), range(4)))
+    codes = sorted(reply.status_code for reply in replies)
+    assert codes[0] == 200 and codes[-1] == 429, codes
+    busy = next(reply for reply in replies if reply.status_code == 429)
+    assert int(busy.headers["retry-after"]) >= 1 and busy.json()["error"]["code"] == "rate_limit_exceeded"
+    assert httpx.post(f"{remote.url}/v1/chat/completions", json={**body, "stream": False}, headers=key,
+                      timeout=120).status_code == 200
+
+
+def test_a_dropped_stream_frees_its_session(local):
+    sessions = local.engine._worker.ops.sessions
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Count from one to a thousand."}],
+            "max_tokens": 128, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{local.url}/v1/chat/completions", json=body, timeout=120) as response:
+        lines = response.iter_lines()
+        next(lines), next(lines)
+        assert local.engine.live == 1
+    deadline = time.time() + 30
+    while (local.engine.live or sessions.live()) and time.time() < deadline:
+        time.sleep(0.05)
+    assert local.engine.live == 0 and not sessions.live()
+
+
+def test_metrics_read_as_vllm_names_them(local):
+    chat_text(local.client(), PROMPTS[1], "chain", 3, stream=False)
+    text = httpx.get(f"{local.url}/metrics").text
+    values = {line.split(" ")[0]: float(line.split(" ")[-1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    label = f'{{model_name="{MODEL}"}}'
+    assert values[f"vllm:spec_decode_num_accepted_tokens_total{label}"] > 0
+    assert values[f"vllm:spec_decode_num_draft_tokens_total{label}"] >= \
+        values[f"vllm:spec_decode_num_accepted_tokens_total{label}"]
+    assert values[f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="{MODEL}",position="0"}}'] > 0
+    assert values[f"vllm:e2e_request_latency_seconds_count{label}"] >= 1
+    assert "vllm:time_to_first_token_seconds_bucket" in text
+
+
+@pytest.mark.skipif(not (shutil.which("chromium") and shutil.which("chromedriver")),
+                    reason="needs Debian's chromium and chromium-driver (make setup installs them)")
+def test_chat_page_streams_a_coloured_reply_and_switches_method(local, expected):
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = shutil.which("chromium")
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1200,800"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=options)
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    try:
+        driver.get(local.url)
+        wait = WebDriverWait(driver, 120)
+        wait.until(lambda d: len(Select(d.find_element(By.ID, "method")).options) == 3)
+        for turn, method in enumerate(("chain", "target-only")):
+            Select(driver.find_element(By.ID, "method")).select_by_visible_text(method)
+            driver.find_element(By.ID, "max-tokens").clear()
+            driver.find_element(By.ID, "max-tokens").send_keys(str(TOKENS))
+            box = driver.find_element(By.ID, "message")
+            box.send_keys(PROMPTS[0] if turn == 0 else "Thanks!")
+            driver.find_element(By.ID, "send").click()
+            wait.until(lambda d: "tok/s" in d.find_elements(By.CSS_SELECTOR, ".stats")[turn].text)
+            answer = driver.find_elements(By.CSS_SELECTOR, ".assistant")[turn]
+            sources = set(driver.execute_script(
+                "return Array.from(arguments[0].querySelectorAll('span')).map(s => s.className)", answer))
+            if method == "chain":
+                assert driver.execute_script("return arguments[0].textContent", answer) == expected["chat"][0]
+                assert sources == {"draft", "target"}, sources
+                driver.save_screenshot(str(SHOTS / "serve_chat_chain.png"))
+            else:
+                assert sources == {"target"}, sources
+                driver.save_screenshot(str(SHOTS / "serve_chat_target_only.png"))
+            stats = driver.find_elements(By.CSS_SELECTOR, ".stats")[turn].text
+            assert f"({method}" in stats and "tokens per step" in stats
+        # target-only is selected last: the shipped SmolLM2 profile prices it
+        assert "tok/s" in driver.find_element(By.ID, "predicted").text and "per 1M tokens" in stats
+        assert not [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+    finally:
+        driver.quit()
