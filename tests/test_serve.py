@@ -7,7 +7,6 @@ headless Chromium (screenshots in reports/screenshots/).
 import json
 import logging
 import shutil
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,7 +18,8 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
 from specbench.api import outputs, run  # noqa: E402
-from specbench.serve import Limits, ServeSettings, build_app  # noqa: E402
+from specbench.serve import Limits, ServeSettings  # noqa: E402
+from specbench.serve.background import BackgroundServer  # noqa: E402
 from specbench.worker.launch import free_port, spawn_worker  # noqa: E402
 
 pytestmark = pytest.mark.real_model
@@ -31,31 +31,9 @@ TOKENS = 24
 SHOTS = Path(__file__).resolve().parents[1] / "reports" / "screenshots"
 
 
-class Served:
-    """A server on a free loopback port in a thread of this process."""
-
-    def __init__(self, settings: ServeSettings):
-        import uvicorn
-
-        self.app = build_app(settings, log=lambda line: None)
-        self.engine = self.app.state.engine
-        self.url = f"http://127.0.0.1:{settings.port}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=settings.port,
-                                                    log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 60
-        while not self.server.started:
-            assert time.time() < deadline, "server did not start"
-            time.sleep(0.05)
-
+class Served(BackgroundServer):
     def client(self, key: str = "none"):
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=120)
-
-    def close(self):
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-        self.engine.close()
 
 
 def settings(**changes) -> ServeSettings:

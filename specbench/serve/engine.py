@@ -76,8 +76,13 @@ class Engine:
         self._planner = self._build_planner()
         self.live = 0  # generations holding a worker session now (the tests count them)
         self._live_lock = threading.Lock()
-        for name in settings.methods:  # every offered method builds here once, so a bad one fails at start
-            self._give_drafter(name, self._take_drafter(name))
+        warm = self.tokenizer("Hello, world.")["input_ids"] if self.tokenizer is not None else [1, 2, 3]
+        for name in settings.methods:  # every offered method runs here once: a bad one fails at start, and
+            # the first user does not pay the first forwards' set-up (seconds on a CPU)
+            method = get_method(name)
+            for _ in self.stream(Job(warm, 2, Speculation(name, 1 if method.kind == "none" else settings.k)),
+                                 threading.Event()):
+                pass
 
     # -- start and stop ----------------------------------------------------------------------------
     def _start_worker(self) -> str:
@@ -121,7 +126,9 @@ class Engine:
         return planner_from_caches(self.settings.target, self.settings.draft or "prompt-lookup")
 
     # -- pools -------------------------------------------------------------------------------------
-    def _take_drafter(self, method: str):
+    def _take_drafter(self, method: str, client):
+        """A free drafter of `method`, or a new one (drafters hold their own caches; at most one per
+        running generation is ever built). `client` is the caller's connection: the target it drafts for."""
         try:
             return self._drafters[method].get_nowait()
         except queue.Empty:
@@ -130,18 +137,13 @@ class Engine:
                 return None
             target_model = self._worker.ops.target.loaded if self._worker is not None else None
             settings = self.settings
-            source = DraftSource(self._any_client(), target_model, self._draft, settings.dtype,
+            source = DraftSource(client, target_model, self._draft, settings.dtype,
                                  settings.self_draft_layers, settings.substitute_quantization)
             return found.build(source)
 
     def _give_drafter(self, method: str, drafter) -> None:
         if drafter is not None:
             self._drafters[method].put(drafter)
-
-    def _any_client(self):
-        client = self._clients.get()
-        self._clients.put(client)
-        return client
 
     # -- one request -------------------------------------------------------------------------------
     def check_prompt(self, prompt_ids: list[int]) -> list[int]:
@@ -163,7 +165,7 @@ class Engine:
         client, drafter = self._clients.get(), None
         steps = None
         try:
-            drafter = self._take_drafter(method.name)
+            drafter = self._take_drafter(method.name, client)
             planner = None
             if self._planner is not None and method.plannable:
                 planner = copy.deepcopy(self._planner)
