@@ -121,10 +121,13 @@ def http_overhead(engine, url: str, model: str, prompt_ids: list[int], repeats: 
             assert client.post(f"{url}/v1/completions", json=body).status_code == 200
             through.append(time.perf_counter() - started)
             differences.append(through[-1] - direct[-1])
-    return {"repeats": repeats, "max_tokens": max_tokens, "direct_p50_ms": round(1000 * statistics.median(direct), 2),
+    return {"repeats": repeats, "prompt_tokens": len(prompt_ids), "max_tokens": max_tokens,
+            "direct_p50_ms": round(1000 * statistics.median(direct), 2),
             "http_p50_ms": round(1000 * statistics.median(through), 2),
             "overhead_p50_ms": round(1000 * statistics.median(differences), 2),
-            "overhead_p90_ms": round(1000 * float(np.percentile(differences, 90)), 2)}
+            "overhead_p90_ms": round(1000 * float(np.percentile(differences, 90)), 2),
+            "overhead_mean_ms": round(1000 * statistics.mean(differences), 2),
+            "difference_of_p50s_ms": round(1000 * (statistics.median(through) - statistics.median(direct)), 2)}
 
 
 def start_server(args, methods):
@@ -157,8 +160,11 @@ def main() -> None:
     parser.add_argument("--slo-tpot", type=float, default=0.1, help="seconds per output token")
     parser.add_argument("--spawn-worker", action="store_true", help="the target in a separate worker process")
     parser.add_argument("--url", help="a running server (its model must be --target)")
+    parser.add_argument("--only-overhead", action="store_true", help="skip the load test")
     parser.add_argument("--api-key")
-    parser.add_argument("--overhead-repeats", type=int, default=30)
+    parser.add_argument("--overhead-repeats", type=int, default=100)
+    parser.add_argument("--overhead-prompt-tokens", type=int, default=8,
+                        help="a short prompt and one output token: the compute beside the HTTP layer stays small")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(RESULTS / "serving.json"))
     args = parser.parse_args()
@@ -173,7 +179,7 @@ def main() -> None:
         url = server.url
     rows, overhead = [], None
     try:
-        for rate in args.rates:
+        for rate in ([] if args.only_overhead else args.rates):
             for method, k in methods:  # side by side at each rate
                 requests, span = asyncio.run(run_rate(url, args.target, prompts, method, k, rate, args.max_tokens,
                                                       args.seed, headers))
@@ -186,7 +192,7 @@ def main() -> None:
                 print({key: row[key] for key in ("method", "rate", "completed", "ttft_p50", "tpot_p50", "e2e_p50",
                                                  "goodput_req_per_s", "acceptance")}, flush=True)
         if server is not None and args.overhead_repeats:
-            ids = server.engine.tokenizer(prompts[0])["input_ids"][:64]
+            ids = server.engine.tokenizer(prompts[0])["input_ids"][:args.overhead_prompt_tokens]
             overhead = http_overhead(server.engine, url, args.target, ids, args.overhead_repeats, max_tokens=1)
             print("HTTP overhead:", overhead)
     finally:
@@ -195,10 +201,10 @@ def main() -> None:
         if worker is not None:
             worker.terminate()
             worker.wait(30)
-    table = pd.DataFrame(rows)
     columns = ["method", "rate", "completed", "failed", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "itl_p50",
                "e2e_p50", "e2e_p99", "output_tokens_per_s", "goodput_req_per_s", "acceptance", "tokens_per_step"]
-    print(table[columns].to_string(index=False))
+    if rows:
+        print(pd.DataFrame(rows)[columns].to_string(index=False))
     write_report(args.out, {"command": "benchmarks/serving.py", "args": vars(args),
                             "where": "separate worker process" if args.spawn_worker else
                             ("url" if args.url else "worker in the server's process"),
