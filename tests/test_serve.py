@@ -84,6 +84,7 @@ def remote(errors_logged):
     worker = spawn_worker(endpoint, "--model", MODEL)
     served = Served(settings(worker=endpoint, api_key="sk-test",
                              limits=Limits(max_tokens=128, max_concurrent=1, max_queue=0)))
+    served.worker_endpoint = endpoint
     yield served
     served.close()
     worker.terminate()
@@ -125,6 +126,39 @@ def test_greedy_text_is_target_only_text_for_every_method(where, request, expect
                                            extra_body=speculative("prompt-lookup", 3))
     assert completion.choices[0].text == expected["raw"][1]
     assert completion.usage.speculative["accepted_tokens"] > 0  # the prompt repeats itself
+
+
+def test_concurrent_requests_get_what_they_get_alone(local, expected):
+    """Their verifies share the worker's batched forwards; no request changes another's output."""
+    client = local.client()
+    jobs = [(index, method, k) for index in range(len(PROMPTS)) for method, k in METHODS]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        texts = list(pool.map(lambda job: chat_text(client, PROMPTS[job[0]], job[1], job[2], stream=True)[0], jobs))
+    assert texts == [expected["chat"][index] for index, _, _ in jobs]
+
+
+def test_a_planned_server_picks_k_per_step_and_stays_lossless(remote, expected):
+    """--plan: the shipped SmolLM2 profile and prompt-lookup reference steer K step by step."""
+    import threading
+
+    from specbench.serve.engine import Engine, Job
+    from specbench.serve.settings import Speculation
+
+    engine = Engine(ServeSettings(target=MODEL, methods=("prompt-lookup",), k=6, plan=True,
+                                  worker=remote.worker_endpoint), log=lambda line: None)
+    try:
+        ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[1]}], tokenize=False,
+                                                   add_generation_prompt=True)
+        ids = engine.tokenizer(ids, add_special_tokens=False)["input_ids"]
+        events = list(engine.stream(Job(ids, TOKENS, Speculation("prompt-lookup", 6)), threading.Event()))
+    finally:
+        engine.close()
+    records = events[-1].records
+    assert all(r.planned for r in records) and all(0 <= r.step_k <= 6 for r in records)
+    text = "".join(p.text for event in events for p in event.pieces)
+    assert text == expected["chat"][1]
+    with pytest.raises(Exception, match="--plan"):
+        Engine(ServeSettings(target=MODEL, methods=("target-only",), plan=True, worker=remote.worker_endpoint))
 
 
 def test_stream_carries_pieces_usage_and_timing(local):

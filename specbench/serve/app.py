@@ -230,7 +230,7 @@ class Answer:
         accepted = sum(r.accepted for r in records)
         method = self.job.speculation.method
         speculative = {"method": method, "k": 0 if get_method(method).kind == "none" else self.job.speculation.k,
-                       "steps": len(records),
+                       "steps": len(records), "planned": any(r.planned for r in records),
                        "drafted_tokens": drafted, "accepted_tokens": accepted,
                        "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
                        "tokens_per_step": round(generated / len(records), 4) if records else None,
@@ -287,7 +287,7 @@ class Answer:
 
 
 def _step(record: StepRecord) -> dict:
-    return {"drafted": record.drafted, "accepted": record.accepted, "emitted": record.emitted,
+    return {"k": record.step_k, "drafted": record.drafted, "accepted": record.accepted, "emitted": record.emitted,
             **{name: round(getattr(record, name), 6) for name in TIMING_FIELDS}}
 
 

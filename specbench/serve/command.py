@@ -1,7 +1,6 @@
 """`specbench serve`: the command line (parsing and start-up only)."""
 from __future__ import annotations
 
-import ipaddress
 import os
 
 
@@ -75,9 +74,7 @@ def _serve(args) -> int:
 
 
 def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    """The worker's own rule (worker/server.py), for an HTTP host."""
+    from specbench.worker.server import is_local_endpoint
+
+    return is_local_endpoint(f"tcp://[{host}]:0" if ":" in host else f"tcp://{host}:0")

@@ -73,7 +73,7 @@ class Engine:
         self._clients.put(probe)
         self._draft = self._load_draft()
         self._drafters: dict[str, queue.SimpleQueue] = {name: queue.SimpleQueue() for name in settings.methods}
-        self._planner = self._build_planner()
+        self._planners = self._build_planners()
         self.live = 0  # generations holding a worker session now (the tests count them)
         self._live_lock = threading.Lock()
         warm = self.tokenizer("Hello, world.")["input_ids"] if self.tokenizer is not None else [1, 2, 3]
@@ -118,12 +118,27 @@ class Engine:
 
         return as_loaded(self.settings.draft, self.settings.dtype)
 
-    def _build_planner(self):
+    def _build_planners(self) -> dict:
+        """With `plan`, a step planner per offered method a planner can steer, from the cached profiles
+        and references (prompt lookup priced as lookup, a model draft as itself); a method without them
+        is refused at start, naming what to record."""
         if not self.settings.plan:
-            return None
+            return {}
+        from specbench.plan.predict import LOOKUP_DRAFT
         from specbench.plan.step_planner import planner_from_caches
 
-        return planner_from_caches(self.settings.target, self.settings.draft or "prompt-lookup")
+        planners = {}
+        for name in self.settings.methods:
+            method = get_method(name)
+            if method.plannable:
+                drafted_by = LOOKUP_DRAFT if method.lookup else self.settings.draft
+                if drafted_by is None:
+                    raise SpecbenchError(f"--plan prices a chain drafted by --draft or by prompt lookup; method "
+                                         f"{name!r} drafts otherwise: serve it without --plan")
+                planners[name] = planner_from_caches(self.settings.target, drafted_by, dtype=self.settings.dtype)
+        if not planners:
+            raise SpecbenchError(f"--plan steers chain methods; none of {self.settings.methods} is one")
+        return planners
 
     # -- pools -------------------------------------------------------------------------------------
     def _take_drafter(self, method: str, client):
@@ -166,9 +181,7 @@ class Engine:
         steps = None
         try:
             drafter = self._take_drafter(method.name, client)
-            planner = None
-            if self._planner is not None and method.plannable:
-                planner = copy.deepcopy(self._planner)
+            planner = copy.deepcopy(self._planners[method.name]) if method.name in self._planners else None
             decoding = Decoding(job.speculation.k if method.kind != "none" else 0, job.max_tokens, job.sampling,
                                 method.name, method.kind, planner)
             seed = job.seed if job.seed is not None else random.getrandbits(62)
