@@ -20,6 +20,7 @@ openai = pytest.importorskip("openai")
 from specbench.api import outputs, run  # noqa: E402
 from specbench.serve import Limits, ServeSettings  # noqa: E402
 from specbench.serve.background import BackgroundServer  # noqa: E402
+from specbench.types import SpecbenchError  # noqa: E402
 from specbench.worker.launch import free_port, spawn_worker  # noqa: E402
 
 pytestmark = pytest.mark.real_model
@@ -235,6 +236,16 @@ def test_bad_requests_are_refused_by_name_and_the_server_keeps_serving(local, er
     text, _ = chat_text(local.client(), PROMPTS[0], "target-only", None, stream=False)
     assert text == expected["chat"][0]
     assert not errors_logged, [r.getMessage() for r in errors_logged]
+
+
+def test_a_workers_refusal_reaches_the_client_as_a_status_it_can_act_on():
+    from specbench.serve.engine import http_status
+    from specbench.worker.client import WorkerError, WorkerUnavailableError
+
+    assert http_status(WorkerError("prompt over the worker's limit", "limit")) == (400, "invalid_request_error")
+    assert http_status(WorkerError("another model was loaded", "model-changed")) == (409, "model_changed")
+    assert http_status(WorkerUnavailableError("no answer"))[0] == 503
+    assert http_status(SpecbenchError("anything else"))[0] == 500
 
 
 def test_api_key_and_a_full_server_answer_401_and_429(remote):

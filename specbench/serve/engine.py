@@ -215,9 +215,11 @@ class Engine:
                     yield Event(finish_reason="stop", records=records, completion_tokens=generated)
                     return
                 yield Event(pieces=pieces, record=record)
+        except RequestError:
+            raise
         except SpecbenchError as error:
-            raise RequestError(str(error), status=500 if not isinstance(error, RequestError) else error.status,
-                               code="server_error") from error
+            status, code = http_status(error)
+            raise RequestError(str(error), status=status, code=code) from error
         finally:
             if steps is not None:
                 steps.close()  # closes the worker session
@@ -225,3 +227,20 @@ class Engine:
                     self.live -= 1
             self._give_drafter(method.name, drafter)
             self._clients.put(client)
+
+
+# A worker's refusal, as the HTTP status a client can act on (worker/server.py's ERROR_CODES)
+WORKER_STATUS = {"limit": (400, "invalid_request_error"), "bad-request": (400, "invalid_request_error"),
+                 "model-changed": (409, "model_changed"), "refused": (409, "model_changed")}
+
+
+def http_status(error: SpecbenchError) -> tuple[int, str]:
+    """(status, code) for an error raised while generating: a worker's refusal by its code, a worker
+    that does not answer 503, anything else 500."""
+    from specbench.worker.client import WorkerError, WorkerUnavailableError
+
+    if isinstance(error, WorkerUnavailableError):
+        return 503, "worker_unavailable"
+    if isinstance(error, WorkerError):
+        return WORKER_STATUS.get(error.code, (500, "server_error"))
+    return 500, "server_error"
