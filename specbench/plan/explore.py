@@ -233,6 +233,29 @@ def matching_pairs(profiles: Sequence[LatencyProfile], references: Sequence[Acce
     return pairs
 
 
+def cached_pairs(profiles: Sequence[LatencyProfile], references: Sequence[AcceptanceReference], target: str,
+                 draft: Optional[str], dataset: Optional[str] = None, device: Optional[str] = None,
+                 dtype: Optional[str] = None) -> list[tuple]:
+    """(target profile, draft profile or None, reference or None) for `draft` (a model label, prompt lookup,
+    or None for target-only) drafting for the model labelled `target`, among these profiles and references:
+    this machine's first, then the widest batch grid (it prices a worker's load). What a step planner and a
+    server's predictions are built from."""
+    from specbench.hardware import device_name
+    from specbench.plan.predict import LOOKUP_DRAFT
+
+    profiles = [p for p in profiles if device in (None, p.device) and dtype in (None, p.dtype)]
+    references = [r for r in references if dataset in (None, r.dataset) and r.target == acceptance_label(target)
+                  and draft is not None and r.draft == acceptance_label(draft)]
+    if draft is None:
+        pairs = [(p, None, None) for p in profiles if p.model == target]
+    elif draft == LOOKUP_DRAFT:
+        pairs = [(p, None, r) for r in references for p in profiles if p.model == target]
+    else:
+        pairs = [p for p in matching_pairs(profiles, references) if (p[0].model, p[1].model) == (target, draft)]
+    here = device_name("cpu")
+    return sorted(pairs, key=lambda pair: (pair[0].device != here, -len(pair[0].batches)))
+
+
 def break_even_frame(target: LatencyProfile, draft: LatencyProfile, reference: Optional[AcceptanceReference] = None,
                      ks: Sequence[int] = (1, 2, 4, 6), rtts_ms: Sequence[float] = (0.0,),
                      context: int = 256) -> pd.DataFrame:

@@ -165,21 +165,12 @@ def planner_from_caches(target: str, draft: str, dataset: Optional[str] = None, 
     `device`, this machine's profiles are preferred where they exist. `draft`
     "prompt-lookup" plans prompt lookup: only the target's profile is needed, and under a shared
     worker's load it is what shortens the lookups (every drafted token widens the batched verify)."""
-    from specbench.hardware import device_name
-    from specbench.plan.explore import matching_pairs
+    from specbench.plan.explore import cached_pairs
     from specbench.plan.library import load_profiles, load_references
 
-    references = [r for r in load_references(target=acceptance_label(target), draft=acceptance_label(draft))
-                  if dataset in (None, r.dataset)]
-    profiles = [p for p in load_profiles() if device in (None, p.device) and dtype in (None, p.dtype)]
-    if draft == LOOKUP_DRAFT:
-        pairs = [(p, None, r) for r in references for p in profiles
-                 if p.model == target and acceptance_label(p.model) == r.target]
-    else:
-        pairs = [p for p in matching_pairs(profiles, references) if (p[0].model, p[1].model) == (target, draft)]
-    # with no device asked for, this machine's own profiles first; then a batch grid (prices a worker's load)
-    here = device_name("cpu")
-    pairs.sort(key=lambda pair: (pair[0].device != here, -len(pair[0].batches)))
+    pairs = cached_pairs(load_profiles(), load_references(target=acceptance_label(target),
+                                                          draft=acceptance_label(draft)),
+                         target, draft, dataset=dataset, device=device, dtype=dtype)
     if not pairs:
         raise SpecbenchError(f"no cached profiles + reference for draft {draft!r} -> target {target!r}"
                              f"{f' on {dataset!r}' if dataset else ''}{f' on device {device!r}' if device else ''}"

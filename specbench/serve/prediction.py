@@ -9,27 +9,23 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from specbench.methods import get_method, kind_method
-from specbench.models.spec import acceptance_label
 from specbench.types import SpecbenchError
 
 
 def predicted_settings(target: str, draft: Optional[str], methods: Sequence[str], ks: Sequence[int],
                        dtype: str = "float32") -> dict:
     """{"<method> k=<k>": {tokens_per_s, usd_per_mtok, device}} or {...: {"missing": why}} per setting."""
-    from specbench.hardware import device_name
-    from specbench.plan.explore import prediction_frame
+    from specbench.plan.explore import cached_pairs, prediction_frame
     from specbench.plan.library import load_library
     from specbench.plan.predict import LOOKUP_DRAFT, OperatingPoint
 
     profiles, references = load_library()
-    profiles = [p for p in profiles if p.dtype == dtype]
-    here = device_name("cpu")
     out = {}
     for name in methods:
         method = get_method(name)
         sizes = [0] if method.kind == "none" else list(ks)
         drafted_by = None if method.kind == "none" else LOOKUP_DRAFT if method.lookup else draft
-        pair = _pair(profiles, references, target, drafted_by, here)
+        pair = next(iter(cached_pairs(profiles, references, target, drafted_by, dtype=dtype)), None)
         for k in sizes:
             label = name if method.kind == "none" else f"{name} k={k}"
             if pair is None:
@@ -47,21 +43,3 @@ def predicted_settings(target: str, draft: Optional[str], methods: Sequence[str]
                           "usd_per_mtok": round(float(row["total_cost_usd_per_mtok"]), 4),
                           "device": target_profile.device}
     return out
-
-
-def _pair(profiles, references, target: str, drafted_by: Optional[str], here: str):
-    """(target profile, draft profile or None, reference or None), this machine's profile first."""
-    from specbench.plan.explore import matching_pairs
-    from specbench.plan.predict import LOOKUP_DRAFT
-
-    label = acceptance_label(target)
-    if drafted_by is None:
-        found = [(p, None, None) for p in profiles if p.model == target]
-    elif drafted_by == LOOKUP_DRAFT:
-        found = [(p, None, r) for r in references if r.target == label and r.draft == LOOKUP_DRAFT
-                 for p in profiles if p.model == target]
-    else:
-        found = [pair for pair in matching_pairs(profiles, references, target=label)
-                 if pair[1].model == drafted_by and pair[0].model == target]
-    found.sort(key=lambda pair: pair[0].device != here)
-    return found[0] if found else None
