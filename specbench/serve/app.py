@@ -119,9 +119,6 @@ def create_app(engine: Engine, predictions: Optional[dict] = None) -> FastAPI:
             except RuntimeError:  # the loop has closed (shutdown)
                 pass
 
-        def release() -> None:
-            slots.release()
-
         def work() -> None:
             try:
                 for event in engine.stream(job, cancelled):
@@ -131,7 +128,7 @@ def create_app(engine: Engine, predictions: Optional[dict] = None) -> FastAPI:
             finally:
                 put(None)
                 try:
-                    loop.call_soon_threadsafe(release)  # the slot frees when the generation has stopped
+                    loop.call_soon_threadsafe(slots.release)  # the slot frees when the generation has stopped
                 except RuntimeError:
                     pass
 

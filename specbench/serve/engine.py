@@ -41,11 +41,14 @@ class Event:
     """What one step added (`pieces`), or the end (`finish_reason` set, `records` complete)."""
 
     pieces: list[Piece] = field(default_factory=list)
-    record: Optional[StepRecord] = None
     finish_reason: Optional[str] = None
     records: list[StepRecord] = field(default_factory=list)
-    completion_tokens: int = 0
     prefill_s: float = 0.0
+
+    @property
+    def completion_tokens(self) -> int:
+        """Tokens generated: every emitted token of the recorded steps (a stop string cuts text, not steps)."""
+        return sum(record.emitted for record in self.records)
 
 
 class Engine:
@@ -58,7 +61,6 @@ class Engine:
         self.tokenizer = load_tokenizer(settings.target)
         self._worker = self._stop_worker = None
         endpoint = settings.worker or self._start_worker()
-        self.endpoint = endpoint
         pool_size = settings.limits.max_concurrent
         self._clients: queue.SimpleQueue = queue.SimpleQueue()
         for _ in range(pool_size):
@@ -68,8 +70,7 @@ class Engine:
         if settings.worker and served is not None and served.split("@")[0].split("+")[0] != settings.target:
             raise SpecbenchError(f"the worker at {endpoint} serves {served!r}, not {settings.target!r}: start "
                                  f"serve with --target {served} (text is tokenized here with the target's tokenizer)")
-        self.model_identity, self.vocab_size = probe.model_identity, probe.vocab_size
-        self.eos_token_ids = probe.eos_token_ids
+        self.vocab_size, self.eos_token_ids = probe.vocab_size, probe.eos_token_ids
         self._clients.put(probe)
         self._draft = self._load_draft()
         self._drafters: dict[str, queue.SimpleQueue] = {name: queue.SimpleQueue() for name in settings.methods}
@@ -79,9 +80,7 @@ class Engine:
         warm = self.tokenizer("Hello, world.")["input_ids"] if self.tokenizer is not None else [1, 2, 3]
         for name in settings.methods:  # every offered method runs here once: a bad one fails at start, and
             # the first user does not pay the first forwards' set-up (seconds on a CPU)
-            method = get_method(name)
-            for _ in self.stream(Job(warm, 2, Speculation(name, 1 if method.kind == "none" else settings.k)),
-                                 threading.Event()):
+            for _ in self.stream(Job(warm, 2, Speculation(name, settings.k)), threading.Event()):
                 pass
 
     # -- start and stop ----------------------------------------------------------------------------
@@ -190,10 +189,10 @@ class Engine:
             steps = generate_steps(client, drafter, job.prompt_ids, decoding, seed=seed,
                                    session=f"serve-{uuid.uuid4().hex[:12]}")
             text = TextStream(self.tokenizer, job.stop)
-            records, generated = [], 0
+            records = []
             while True:
                 if cancelled.is_set():
-                    yield Event(finish_reason="cancelled", records=records, completion_tokens=generated)
+                    yield Event(finish_reason="cancelled", records=records)
                     return
                 try:
                     record = next(steps)
@@ -201,20 +200,19 @@ class Engine:
                     finish = "stop" if done.value.output_ids and done.value.output_ids[-1] in self.eos_token_ids \
                         else "length"
                     yield Event(pieces=text.flush(), finish_reason=finish, records=records,
-                                completion_tokens=generated, prefill_s=done.value.prefill_s)
+                                prefill_s=done.value.prefill_s)
                     return
                 if record is None:
                     continue
                 records.append(record)
-                generated += record.emitted
                 sources = ["draft"] * min(record.accepted, record.emitted)
                 sources += ["target"] * (record.emitted - len(sources))
                 pieces, stopped = text.add(record.emitted_tokens, sources)
                 if stopped:
-                    yield Event(pieces=pieces, record=record)
-                    yield Event(finish_reason="stop", records=records, completion_tokens=generated)
+                    yield Event(pieces=pieces)
+                    yield Event(finish_reason="stop", records=records)
                     return
-                yield Event(pieces=pieces, record=record)
+                yield Event(pieces=pieces)
         except RequestError:
             raise
         except SpecbenchError as error:
