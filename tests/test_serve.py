@@ -162,6 +162,18 @@ def test_a_planned_server_picks_k_per_step_and_stays_lossless(remote, expected):
         Engine(ServeSettings(target=MODEL, methods=("target-only",), plan=True, worker=remote.worker_endpoint))
 
 
+def test_a_method_that_cannot_run_is_refused_at_start(remote):
+    """A chain without a draft model fails at start, naming the method; a self-draft (the target's own
+    weights) is not asked for one, and beside another process's worker it is refused for that reason."""
+    from specbench.serve.engine import Engine
+
+    ServeSettings(target=MODEL, methods=("self-draft", "substitute"))
+    with pytest.raises(SpecbenchError, match="'chain' cannot be served.*needs a draft model"):
+        Engine(ServeSettings(target=MODEL, methods=("target-only", "chain"), worker=remote.worker_endpoint))
+    with pytest.raises(SpecbenchError, match="'self-draft' cannot be served.*target in this process"):
+        Engine(ServeSettings(target=MODEL, methods=("self-draft",), worker=remote.worker_endpoint))
+
+
 def test_stream_carries_pieces_usage_and_timing(local):
     body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": TOKENS,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, **speculative("chain", 3)}

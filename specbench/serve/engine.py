@@ -78,10 +78,15 @@ class Engine:
         self.live = 0  # generations holding a worker session now (the tests count them)
         self._live_lock = threading.Lock()
         warm = self.tokenizer("Hello, world.")["input_ids"] if self.tokenizer is not None else [1, 2, 3]
-        for name in settings.methods:  # every offered method runs here once: a bad one fails at start, and
-            # the first user does not pay the first forwards' set-up (seconds on a CPU)
-            for _ in self.stream(Job(warm, 2, Speculation(name, settings.k)), threading.Event()):
-                pass
+        for name in settings.methods:  # every offered method runs here once: a bad one fails at start (its
+            # drafter is built as for a request: a chain without --draft, a self-draft beside another process's
+            # worker), and the first user does not pay the first forwards' set-up (seconds on a CPU)
+            try:
+                for _ in self.stream(Job(warm, 2, Speculation(name, settings.k)), threading.Event()):
+                    pass
+            except SpecbenchError as error:
+                self.close()
+                raise SpecbenchError(f"method {name!r} cannot be served: {error}") from None
 
     # -- start and stop ----------------------------------------------------------------------------
     def _start_worker(self) -> str:

@@ -73,21 +73,12 @@ class ServeSettings:
             method = get_method(name)
             if method.on_worker:
                 raise SpecbenchError(f"method {name!r} runs wholly on a worker; serve drafts here: offer another")
-            if method.kind != "none" and method.build is not None and _needs_model(name) and not self.draft:
-                raise SpecbenchError(f"method {name!r} drafts from a model: start the server with --draft")
         if not 1 <= self.k <= self.max_k:
             raise SpecbenchError(f"k must be in 1..max_k ({self.max_k}), got {self.k}")
 
     @property
     def default_method(self) -> str:
         return self.methods[0]
-
-
-def _needs_model(method: str) -> bool:
-    from specbench.methods import get_method
-
-    found = get_method(method)
-    return found.kind != "none" and not found.lookup
 
 
 @dataclass(frozen=True)
