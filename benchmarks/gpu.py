@@ -15,6 +15,7 @@ and the fast step through `decode/lean_forward.py` (the default) against Hugging
     python benchmarks/gpu.py                            # on CUDA: 0.5B, 1.5B, 7B in bf16
     python benchmarks/gpu.py --save-profiles            # also write profiles/ for notebook 03
     python benchmarks/gpu.py --device cpu --archs tiny --dtype float32 --backend static   # a check of the script
+    python benchmarks/gpu.py --archs qwen2.5-1.5b --kernels    # also the lean step's kernels, per layer
 """
 from __future__ import annotations
 
@@ -197,6 +198,10 @@ def main() -> None:
                         help="prompt lengths whose prefill is timed, eager and fast")
     parser.add_argument("--bandwidth-mib", type=int, default=1024, help="size of the copy that measures bandwidth")
     parser.add_argument("--save-profiles", action="store_true", help="write eager and fast profiles to profiles/")
+    parser.add_argument("--profiles-dir", default=None, help="where --save-profiles writes (default: profiles/)")
+    parser.add_argument("--no-pairs", action="store_true", help="skip the SD replays of the draft/target pairs")
+    parser.add_argument("--kernels", action="store_true",
+                        help="list the lean step's device kernels (torch.profiler): time and count per forward")
     parser.add_argument("--out", default=str(RESULTS / "gpu.json"))
     args = parser.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -223,7 +228,7 @@ def main() -> None:
     pair_rows = []
     fast_forwards = {arch: FastForward(model, capacity, fast) for arch, model in models.items()}
     for draft_arch, target_arch in PAIRS:
-        if draft_arch not in models or target_arch not in models:
+        if args.no_pairs or draft_arch not in models or target_arch not in models:
             continue
         for variant in ("eager", "fast"):
             chosen = (lambda arch: (models[arch], None if variant == "eager" else fast_forwards[arch]))
@@ -243,9 +248,13 @@ def main() -> None:
     if prefills:
         print("\nprefill (a prompt's forward, its last row of logits):")
         print(pd.DataFrame(prefills).round(3).to_string(index=False))
+    kernels = [row for arch, model in models.items() for row in kernel_rows(model, arch, args)] if args.kernels else []
+    if kernels:
+        print("\nthe lean step's device kernels (static backend: the kernels a captured graph replays), per forward:")
+        print(pd.DataFrame(kernels).round(4).to_string(index=False))
     report = {"device": device_name(args.device), "dtype": args.dtype, "backend": fast,
               "bandwidth_bytes_per_s": bytes_per_s, "trace": trace, "forwards": forward_rows, "pairs": pair_rows,
-              "steps": steps, "prefills": prefills, "args": vars(args)}
+              "steps": steps, "prefills": prefills, "kernels": kernels, "args": vars(args)}
     write_report(args.out, report)
     if args.save_profiles:
         save(profiles, models, args, fast)
@@ -319,6 +328,45 @@ def prefill_rows(model, arch: str, args, fast: str) -> list[dict]:
     return rows
 
 
+@torch.inference_mode()
+def kernel_rows(model, arch: str, args, top: int = 12) -> list[dict]:
+    """The lean step's device kernels for `--step-tokens`' largest n after `--batch-contexts[0]` tokens,
+    grouped by name: count and microseconds per forward, per layer, and share of the kernels' time. Run on
+    the `static` backend (the same kernels a captured graph replays, each launched on its own), so the
+    sum of kernel time is what a graph replay cannot go below. Empty where no device kernels are seen."""
+    context, n, forwards = args.batch_contexts[0], max(args.step_tokens), 5
+    forward = FastForward(model, rounded(context + 64), "static")
+    cache, prompt = forward.new_cache(), [(i * 7) % 500 + 10 for i in range(context)]
+    forward(cache, prompt, logits_to_keep=1)
+    for _ in range(3):
+        forward(cache, prompt[:n])
+        cache.set_length(context)
+    activities = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if str(forward.device).startswith("cuda") else [])
+    with torch.profiler.profile(activities=activities) as trace:
+        for _ in range(forwards):
+            forward(cache, prompt[:n])
+            cache.set_length(context)
+        if str(forward.device).startswith("cuda"):
+            torch.cuda.synchronize()
+    kernels: dict[str, list[float]] = {}
+    for event in trace.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.setdefault(event.name, []).append(event.time_range.elapsed_us())
+    total = sum(sum(times) for times in kernels.values()) or 1.0
+    layers = model.config.num_hidden_layers
+    ranked = sorted(kernels.items(), key=lambda item: -sum(item[1]))
+    rows = [{"arch": arch, "tokens": n, "context": context, "kernel": name[:80], "per_forward": len(times) / forwards,
+             "per_layer": len(times) / forwards / layers, "us_per_forward": sum(times) / forwards,
+             "share": sum(times) / total} for name, times in ranked[:top]]
+    if kernels:
+        rows.append({"arch": arch, "tokens": n, "context": context, "kernel": "(all kernels)",
+                     "per_forward": sum(len(t) for t in kernels.values()) / forwards,
+                     "per_layer": sum(len(t) for t in kernels.values()) / forwards / layers,
+                     "us_per_forward": total / forwards, "share": 1.0})
+    return rows
+
+
 def save(profiles, models, args, fast: str) -> None:
     """Each architecture's eager and fast grid as a LatencyProfile, under the catalog name it stands for."""
     from specbench.plan.library import PROFILES, save_profile  # the shipped profiles: curated here
@@ -332,7 +380,9 @@ def save(profiles, models, args, fast: str) -> None:
             forward="eager" if variant == "eager" else f"fast-{fast}",
             rows=tuple((r["tokens"], r["context"], r["median_s"], r["batch"]) for r in rows))
         path = save_profile(profile, {"weights": f"random {arch} architecture (latency depends on shapes)",
-                                      "repeats": args.repeats}, folder=PROFILES)
+                                      "repeats": args.repeats,
+                                      "step": "lean" if variant != "eager" else "Hugging Face's forward"},
+                            folder=args.profiles_dir or PROFILES)
         print(f"profile -> {path}")
 
 

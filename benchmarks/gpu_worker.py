@@ -10,6 +10,7 @@ loopback round trip, Python, the host side of a batch) leaves, and what batching
 
     python benchmarks/gpu_worker.py                       # on CUDA: qwen2.5-1.5b in bf16
     python benchmarks/gpu_worker.py --breakdown           # one client: a step's parts, local and through each worker
+    python benchmarks/gpu_worker.py --chain               # chain SD under load, measured vs predicted
     python benchmarks/gpu_worker.py --device cpu --arch tiny --dtype float32 --workers eager fast-static
 """
 from __future__ import annotations
@@ -35,16 +36,21 @@ WORKERS = {"eager": ["--fast", "off"], "eager-unbatched": ["--fast", "off", "--n
 
 
 def save_model(arch: str, dtype: torch.dtype, folder: str) -> None:
-    """The architecture with random weights and a 512-word tokenizer, as a directory `load_model` reads."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    """The architecture with random weights and a small byte-level BPE (the kind Qwen2's tokenizer class
+    reads), as a directory `load_model` reads."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     model = build(arch, dtype, "cpu")
     model.generation_config.eos_token_id = None  # random weights: decode every token asked for
     model.save_pretrained(folder)
-    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(512)}, unk_token="w0"))
-    words.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w0").save_pretrained(folder)
+    words = Tokenizer(models.BPE())
+    words.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    words.decoder = decoders.ByteLevel()
+    corpus = [f"w{i} " * 3 for i in range(512)] + ["the quick brown fox jumps over the lazy dog"] * 8
+    words.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=500, special_tokens=["<|endoftext|>"],
+                                                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    PreTrainedTokenizerFast(tokenizer_object=words, eos_token="<|endoftext|>").save_pretrained(folder)
 
 
 @contextlib.contextmanager
@@ -138,11 +144,21 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--breakdown", action="store_true", help="one client: each part of a step, local and remote")
     parser.add_argument("--breakdown-tokens", type=int, default=200)
+    parser.add_argument("--chain", action="store_true",
+                        help="chain SD with a trace-replayed draft under load: measured vs predicted tokens/s")
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--draft-ms", type=float, default=12.0,
+                        help="--chain: a client's drafting time per step (K forwards of its draft on its own device)")
     parser.add_argument("--out", default=str(RESULTS / "gpu-worker.json"))
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         save_model(args.arch, getattr(torch, args.dtype), folder)
+        if args.chain:
+            from gpu_chain_load import chain_load
+
+            chain_load(folder, args)
+            return
         if args.breakdown:
             rows = breakdown(folder, args)
             print(f"\n{device_name(args.device)}, {args.arch} {args.dtype}, ms per step:")

@@ -27,6 +27,7 @@ compiled step, its kernels fused, captured as "cudagraph" captures the plain one
 """
 from __future__ import annotations
 
+import os
 from typing import Optional, Sequence
 
 import torch
@@ -59,10 +60,13 @@ def check_fast_model(model) -> None:
 class FastForward:
     """Forwards of one model over `StaticKV` caches; `__call__` mirrors an eager cached forward."""
 
-    def __init__(self, model, capacity: int, backend: bool | str | None = None, lean: bool = True):
+    def __init__(self, model, capacity: int, backend: bool | str | None = None, lean: Optional[bool] = None):
         """`backend`: one of FAST_BACKENDS, or None / True / "auto" for the device's (cudagraph on CUDA).
         `lean`: steps through `lean_forward` where it supports the model (fewer kernels), else Hugging Face's
-        forward; False always Hugging Face's (to compare them)."""
+        forward; False always Hugging Face's (to compare them). None: lean unless the environment sets
+        SPECBENCH_LEAN_STEP=0, the switch that bisects a failure on a device without editing code."""
+        if lean is None:
+            lean = os.environ.get("SPECBENCH_LEAN_STEP", "1") != "0"
         check_fast_model(model)
         self.model = model
         self.capacity = capacity

@@ -276,8 +276,34 @@ def break_even_acceptance(target: LatencyProfile, draft: LatencyProfile, k: int,
     return sd_step / baseline_step - 1.0
 
 
+@dataclass(frozen=True)
+class HostCost:
+    """A shared worker's own work per verify round outside the forward (parsing, per-row checks and
+    verdicts, replies): `fixed_s` + `row_s` per row, as the worker fits it on its rounds (its `stats`:
+    `host_fixed_s`, `host_row_s`). Why: on a GPU a forward takes a few ms and this work, in Python, is a
+    large share of a loaded round (an H100 worker at 8 clients ran at a third of its profile's forecast);
+    on a CPU it is under 1% of a step."""
+
+    fixed_s: float = 0.0
+    row_s: float = 0.0
+
+    def at(self, rows: float) -> float:
+        return self.fixed_s + self.row_s * rows
+
+    def beyond_one(self) -> "HostCost":
+        """What a round of several rows costs over a lone one: for replaying records of a run through the
+        same worker alone, whose steps already hold a one-row round's work (in their `overhead_s`)."""
+        return HostCost(-self.row_s, self.row_s)
+
+    @classmethod
+    def from_stats(cls, stats: dict) -> "HostCost":
+        """From a worker's `stats` reply; nothing (0) while it has too few rounds of differing sizes to fit."""
+        return cls(float(stats.get("host_fixed_s") or 0.0), float(stats.get("host_row_s") or 0.0))
+
+
 def replay_speed(records, prompt_lengths: Sequence[int], target: LatencyProfile, clients: int = 1,
-                 network_s: float = 0.0, packed: bool = True, prefills: bool = False) -> float:
+                 network_s: float = 0.0, packed: bool = True, prefills: bool = False,
+                 host: HostCost = HostCost()) -> float:
     """Per-client tokens/s predicted for a measured run (a records frame, any number of prompts) replayed
     on a target shared by `clients`: each step's verify priced by the profile's batch grid at its
     context and at its batch's width, the client's own time (drafting, loop) as measured, plus
@@ -288,7 +314,8 @@ def replay_speed(records, prompt_lengths: Sequence[int], target: LatencyProfile,
     profile (prompt lookup) still get a concurrency forecast, ragged rows included. `prefills`: the
     clients decode prompt after prompt (steady load), so per prompt a client also waits for its own
     prefill and, on average, each other client's one (compute-bound, each blocks the target about as
-    long as alone: the `prefill_s` measured), plus a round trip to open the session and one to close it."""
+    long as alone: the `prefill_s` measured), plus a round trip to open the session and one to close it.
+    `host`: the worker's own work per round of `clients` rows, added to every step."""
     if prefills and "prefill_s" not in records:
         raise ValueError("prefills=True needs the records' prefill_s (a run's records carry it)")
     sizes = (1 + records["drafted"]).astype(int)
@@ -303,7 +330,7 @@ def replay_speed(records, prompt_lengths: Sequence[int], target: LatencyProfile,
         context = prompt_lengths[int(steps["prompt_index"].iloc[0])]
         for step in steps.sort_values("step").itertuples():
             verify_s = sum(p * target.forward_s(width, context, clients) for width, p in widths(1 + int(step.drafted)))
-            seconds += verify_s + step.draft_s + step.overhead_s + network_s
+            seconds += verify_s + step.draft_s + step.overhead_s + network_s + host.at(clients)
             context += step.emitted
             tokens += step.emitted
         if prefills:
@@ -312,7 +339,7 @@ def replay_speed(records, prompt_lengths: Sequence[int], target: LatencyProfile,
 
 
 def replay_together(records, prompt_lengths: Sequence[int], target: LatencyProfile, network_s: float = 0.0,
-                    packed: bool = True) -> float:
+                    packed: bool = True, host: HostCost = HostCost(), alone_verifies: bool = False) -> float:
     """Aggregate tokens/s predicted for the records' prompts decoded at once by as many clients on one
     shared target, each client replaying its own prompt's measured steps: in rounds, every client
     still decoding sends its next step, one forward verifies them all (priced like `replay_speed`'s
@@ -321,7 +348,11 @@ def replay_together(records, prompt_lengths: Sequence[int], target: LatencyProfi
     `replay_speed`'s steady state: a run that starts clients together ends with a tail where the
     clients that accept more have finished, so its last batches are part-full. The prompts'
     prefills (`prefill_s` as measured, where recorded) are added one after another: compute-bound,
-    they gain little from sharing a forward, and they weigh more in a run that decodes faster."""
+    they gain little from sharing a forward, and they weigh more in a run that decodes faster. `host`:
+    the worker's own work per round, at the round's rows. `alone_verifies`: the records are a run through
+    the same worker, one client at a time, so each step's server time as measured (`queue_s` + `verify_s`)
+    is kept with its lone forward swapped for the batched one (profile at the round's rows minus profile
+    alone); pass `host.beyond_one()`, since those steps already hold a one-row round's own work."""
     steps = {index: list(group.sort_values("step").itertuples())
              for index, group in records.groupby("prompt_index", sort=False)}
     context = {index: prompt_lengths[int(index)] for index in steps}
@@ -334,8 +365,10 @@ def replay_together(records, prompt_lengths: Sequence[int], target: LatencyProfi
         sizes = [1 + int(step.drafted) for _, step in rows]
         width = sum(sizes) / len(sizes) if packed else max(sizes)
         mean_context = round(mean(context[index] for index, _ in rows))
-        seconds += (max(step.draft_s + step.overhead_s for _, step in rows) + network_s
-                    + target.forward_s(width, mean_context, len(rows)))
+        measured = max(step.queue_s + step.verify_s - target.forward_s(1 + int(step.drafted), context[index], 1)
+                       for index, step in rows) if alone_verifies else 0.0
+        seconds += (max(step.draft_s + step.overhead_s for _, step in rows) + network_s + measured
+                    + target.forward_s(width, mean_context, len(rows)) + host.at(len(rows)))
         for index, step in rows:
             context[index] += step.emitted
             tokens += step.emitted

@@ -18,6 +18,8 @@ def add_serve(commands) -> None:
     serve.add_argument("--plan", action="store_true", help="a step planner from the cached profiles picks K per step")
     serve.add_argument("--worker", help="a worker endpoint serving the target (default: one started in this process)")
     serve.add_argument("--dtype", default="float32")
+    serve.add_argument("--device", default="cpu",
+                       help="cpu or cuda[:N]: the target (unless --worker) and the draft run there (default cpu)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=os.environ.get("SPECBENCH_API_KEY"),
@@ -52,7 +54,7 @@ def settings_from(args):
     limits = Limits(max_tokens=args.max_tokens, max_prompt_tokens=args.max_prompt_tokens,
                     max_concurrent=args.max_concurrent, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes)
     return ServeSettings(target=target, methods=methods, draft=draft, k=k, max_k=max(args.max_k, k), plan=args.plan,
-                         worker=args.worker, dtype=args.dtype, host=args.host, port=args.port, api_key=args.api_key,
+                         worker=args.worker, dtype=args.dtype, device=args.device, host=args.host, port=args.port, api_key=args.api_key,
                          limits=limits, **extra)
 
 

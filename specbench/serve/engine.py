@@ -77,7 +77,7 @@ class Engine:
         self._planners = self._build_planners()
         self.live = 0  # generations holding a worker session now (the tests count them)
         self._live_lock = threading.Lock()
-        warm = self.tokenizer("Hello, world.")["input_ids"] if self.tokenizer is not None else [1, 2, 3]
+        warm = (self.tokenizer("Hello, world.")["input_ids"] if self.tokenizer is not None else []) or [1, 2, 3]
         for name in settings.methods:  # every offered method runs here once: a bad one fails at start (its
             # drafter is built as for a request: a chain without --draft, a self-draft beside another process's
             # worker), and the first user does not pay the first forwards' set-up (seconds on a CPU)
@@ -95,7 +95,8 @@ class Engine:
         from specbench.worker.server import Worker, WorkerConfig
 
         endpoint = f"tcp://127.0.0.1:{free_port()}"
-        config = WorkerConfig(bind=endpoint, model=ModelSpec(self.settings.target, dtype=self.settings.dtype))
+        config = WorkerConfig(bind=endpoint, device=self.settings.device,
+                              model=ModelSpec(self.settings.target, dtype=self.settings.dtype, device=self.settings.device))
         self._worker = Worker(config, log=lambda line: self.log(f"worker: {line}"))
         stopped = threading.Event()
         self._stop_worker = stopped.set
@@ -118,9 +119,10 @@ class Engine:
     def _load_draft(self):
         if not self.settings.draft:
             return None
-        from specbench.models.loading import as_loaded
+        from specbench.models.loading import load_model
+        from specbench.models.spec import ModelSpec
 
-        return as_loaded(self.settings.draft, self.settings.dtype)
+        return load_model(ModelSpec(self.settings.draft, dtype=self.settings.dtype, device=self.settings.device))
 
     def _build_planners(self) -> dict:
         """With `plan`, a step planner per offered method a planner can steer, from the cached profiles

@@ -59,6 +59,7 @@ class ServeSettings:
     substitute_quantization: str = "8bit"
     worker: Optional[str] = None  # a worker endpoint; None: one started in this process
     dtype: str = "float32"
+    device: str = "cpu"  # where the worker started in this process runs the target, and a --draft runs
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: Optional[str] = field(default=None, repr=False)

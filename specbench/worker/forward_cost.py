@@ -4,7 +4,8 @@ Why: the fixed part is what running a late row in a forward of its own costs on 
 own tokens (reading the weights once more, launching once more), so it is the longest a batch may
 wait for a client expected back (`--batch-wait-ms auto`): a longer wait idles the worker for more
 than merging the row saves. Fitted on the worker's own batches, it needs no profile and follows
-the hardware, the dtype and the load it is under.
+the hardware, the dtype and the load it is under. The same line, over rows instead of tokens, fits a
+verify round's own work outside the forward (`Stats.host`), what predictions of a loaded worker add.
 """
 from __future__ import annotations
 
@@ -13,11 +14,12 @@ from typing import Optional
 
 
 class ForwardCost:
-    """A least-squares line through the last `window` batches' (tokens, seconds)."""
+    """A least-squares line through the last `window` batches' (size, seconds): size in tokens or rows."""
 
-    def __init__(self, window: int = 64, least: int = 8):
+    def __init__(self, window: int = 64, least: int = 8, spread: float = 1.0):
         self.samples: deque = deque(maxlen=window)
         self.least = least  # batches needed before the fit is trusted
+        self.spread = spread  # the sizes' variance needed to fit a slope (tokens: about a token apart)
 
     def add(self, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds > 0:
@@ -31,7 +33,7 @@ class ForwardCost:
         xs, ys = [x for x, _ in self.samples], [y for _, y in self.samples]
         mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
         spread = sum((x - mean_x) ** 2 for x in xs)
-        if spread < len(xs):  # sizes within about a token of each other: no slope to fit
+        if spread < self.spread * len(xs):  # sizes too alike: no slope to fit
             return None
         slope = max(0.0, sum((x - mean_x) * (y - mean_y) for x, y in self.samples) / spread)
         fixed = min(max(0.0, mean_y - slope * mean_x), min(ys))

@@ -30,6 +30,7 @@ class Message:
     curve_key: str = ""
     received: float = field(default_factory=time.perf_counter)  # when it arrived (read off the socket)
     started: Optional[float] = None  # when the worker took it up
+    host_s: float = 0.0  # the worker's own work on it outside the forward so far (parsing, checks)
     request_id: Optional[int] = None
 
 

@@ -172,12 +172,15 @@ class Ops:
     def stats_op(self, header, arrays, **_):
         s = self.stats
         fixed, per_token = s.forward.fit() or (None, None)  # a forward's cost, fitted on recent batches
+        host_fixed, host_row = s.host.fit() or (None, None)  # a round's own work outside it, per row
         return {"uptime_s": time.time() - s.started, "requests": s.requests, "errors": s.errors,
                 "bytes_in": s.bytes_in, "bytes_out": s.bytes_out, "sessions": len(self.sessions),
                 "expired": s.expired, "kv_bytes": self.kv_bytes(),
                 "prefill_tokens_batched": s.prefill_tokens_batched, "busy_s": dict(s.busy_s),
                 "longest_s": dict(s.longest_s),
-                "batch_wait_s": s.batch_wait_s, "forward_fixed_s": fixed, "forward_token_s": per_token}, None
+                "batch_wait_s": s.batch_wait_s, "forward_fixed_s": fixed, "forward_token_s": per_token,
+                "host_fixed_s": host_fixed, "host_row_s": host_row, "host_rounds": len(s.host.samples),
+                "host_mean_s": (sum(y for _, y in s.host.samples) / len(s.host.samples)) if s.host.samples else None}, None
 
     def load(self, header, arrays, *, connection, curve_key):
         spec = protocol.spec_from_wire(get(header, "model", dict))

@@ -71,6 +71,10 @@ class Stats:
     prefill_tokens_batched: int = 0  # prompt tokens fed inside verify batches rather than alone
     batch_wait_s: float = 0.0  # seconds spent gathering batches (waiting for sessions expected back)
     forward: ForwardCost = field(default_factory=ForwardCost)  # seconds = fixed + per token, recent batches
+    # a verify round's own work outside the forward (parsing, per-row checks and verdicts, replies):
+    # seconds = fixed + per row, recent rounds. On a GPU, where a forward takes a few ms, this is much of a
+    # loaded round, and what a prediction from forward profiles alone misses (`plan.predict.HostCost`)
+    host: ForwardCost = field(default_factory=lambda: ForwardCost(window=256, spread=0.1))
     # seconds the worker spent computing, per op ("verify": batches and lone verifies, with the prefill
     # chunks riding in them; "prefill", "generate", "profile": job slices): with uptime, how busy it was
     # and what on (a shared target's speedup from batching is capped by the work that does not batch)
@@ -238,6 +242,7 @@ class Worker:
                         batch = []
                     prepared = self.ops.prepare_verify(header, arrays, session)
                     if not isinstance(prepared, tuple):
+                        message.host_s = time.perf_counter() - message.started
                         batch.append((message, prepared))
                         continue
                     result = prepared  # a repeated step: its stored reply
@@ -342,6 +347,10 @@ class Worker:
                 result = (dict(result[0], batch_size=len(batch), queue_s=started - message.received), result[1])
                 request.session.replied_at = replied
             out.append((message, self._reply(message, result)))
+        if not riding and not any(isinstance(result, Exception) for result in results):
+            forward_s = float(results[0][0]["target_forward_s"])
+            self.stats.host.add(len(batch), time.perf_counter() - started - forward_s
+                                + sum(message.host_s for message, _ in batch))
         return out
 
     def _tokens(self, prepared: list, riding: list) -> int:
