@@ -20,6 +20,7 @@ and the fast step through `decode/lean_forward.py` (the default) against Hugging
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 
 import pandas as pd
@@ -200,6 +201,9 @@ def main() -> None:
     parser.add_argument("--save-profiles", action="store_true", help="write eager and fast profiles to profiles/")
     parser.add_argument("--profiles-dir", default=None, help="where --save-profiles writes (default: profiles/)")
     parser.add_argument("--no-pairs", action="store_true", help="skip the SD replays of the draft/target pairs")
+    parser.add_argument("--sdpa", nargs="*", default=[], choices=["math", "efficient_attention", "flash_attention",
+                                                                  "cudnn_attention"],
+                        help="also time the lean step with attention held to each of these kernels")
     parser.add_argument("--kernels", action="store_true",
                         help="list the lean step's device kernels (torch.profiler): time and count per forward")
     parser.add_argument("--out", default=str(RESULTS / "gpu.json"))
@@ -272,29 +276,54 @@ def grid(model, args, fast) -> list[dict]:
 
 def step_rows(model, arch: str, args, fast: str, bytes_per_s: float) -> list[dict]:
     """Median ms of a lone fast step of n tokens after `--batch-contexts[0]` cached ones: the lean forward
-    (the fast path's step where it supports the model) and Hugging Face's, alternated repeat by repeat."""
+    (the fast path's step where it supports the model) and Hugging Face's, alternated repeat by repeat; with
+    `--sdpa`, also the lean step with attention held to each named kernel (`torch.nn.attention.sdpa_kernel`,
+    in force while the graph is captured), to see which one a short query against a long cache wants."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     context = args.batch_contexts[0]
-    forwards = {lean: FastForward(model, rounded(context + 64), fast, lean=lean) for lean in (True, False)}
-    if forwards[True].lean is None:
+    variants = {"lean": (True, None), "hf_step": (False, None)}
+    variants.update({f"lean_{name}": (True, getattr(SDPBackend, name.upper())) for name in args.sdpa})
+    forwards = {variant: FastForward(model, rounded(context + 64), fast, lean=lean)
+                for variant, (lean, _) in variants.items()}
+    if forwards["lean"].lean is None:
         return []  # an architecture the lean forward does not take: both would be Hugging Face's
-    caches = {lean: forward.new_cache() for lean, forward in forwards.items()}
+
+    def held(variant):
+        kernel = variants[variant][1]
+        return sdpa_kernel([kernel]) if kernel is not None else contextlib.nullcontext()
+
+    caches = {variant: forward.new_cache() for variant, forward in forwards.items()}
     prompt = [(i * 7) % 500 + 10 for i in range(context)]
-    for lean, forward in forwards.items():
-        forward(caches[lean], prompt, logits_to_keep=1)
-    device, rows = forwards[True].device, []
+    for variant, forward in forwards.items():
+        forward(caches[variant], prompt, logits_to_keep=1)
+    device, rows, failed = forwards["lean"].device, [], {}
     for n in args.step_tokens:
-        samples = {True: [], False: []}
+        samples = {variant: [] for variant in forwards}
         for attempt in range(args.repeats + 1):  # the first captures (or compiles) the shape
-            for lean, forward in forwards.items():
-                start = device_time(device)
-                forward(caches[lean], prompt[:n])
+            for variant, forward in forwards.items():
+                if variant in failed:
+                    continue
+                try:
+                    with held(variant):
+                        start = device_time(device)
+                        forward(caches[variant], prompt[:n])
+                        seconds = device_time(device) - start
+                except RuntimeError as error:  # a kernel that cannot take this shape or mask: said, not fatal
+                    failed[variant] = str(error).splitlines()[0][:120]
+                    continue
                 if attempt:
-                    samples[lean].append(device_time(device) - start)
-                caches[lean].set_length(context)
-        lean_s, hf_s = statistics.median(samples[True]), statistics.median(samples[False])
+                    samples[variant].append(seconds)
+                caches[variant].set_length(context)
+        median = {variant: statistics.median(times) for variant, times in samples.items() if times}
         floor = floor_s(model, n, context, bytes_per_s)
-        rows.append({"arch": arch, "tokens": n, "context": context, "lean_ms": 1000 * lean_s, "hf_step_ms": 1000 * hf_s,
-                     "hf_over_lean": hf_s / lean_s, "floor_ms": 1000 * floor, "lean_over_floor": lean_s / floor})
+        row = {"arch": arch, "tokens": n, "context": context, "lean_ms": 1000 * median["lean"],
+               "hf_step_ms": 1000 * median["hf_step"], "hf_over_lean": median["hf_step"] / median["lean"],
+               "floor_ms": 1000 * floor, "lean_over_floor": median["lean"] / floor}
+        row.update({f"{variant}_ms": 1000 * median[variant] for variant in median if variant.startswith("lean_")})
+        rows.append(row)
+    for variant, error in failed.items():
+        print(f"{variant}: {error}")
     return rows
 
 

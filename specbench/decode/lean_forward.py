@@ -139,7 +139,9 @@ def _decoder_layer(layer: _Layer, hidden: torch.Tensor, cos, sin, grouped_mask, 
     keys, values = cache_layer.update(qk[:, heads:], values)
     queries = qk[:, :heads].reshape(rows, kv_heads, (heads // kv_heads) * n, head_dim)
     attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=grouped_mask, scale=layer.scaling)
-    attended = attended.view(rows, heads, n, head_dim).transpose(1, 2).reshape(rows * n, heads * head_dim)
+    # reshape, not view: on CUDA some attention kernels (fp32's memory-efficient one) return a layout whose
+    # kv-head and query-row dimensions cannot be merged without a copy
+    attended = attended.reshape(rows, heads, n, head_dim).transpose(1, 2).reshape(rows * n, heads * head_dim)
     flat = _residual_linear(hidden.reshape(rows * n, size), attended, layer.out, layer.out_bias)
     gate, up = F.linear(_rms_norm(flat, layer.norm_post, layer.eps_post), layer.gate_up,
                         layer.gate_up_bias).split(layer.inter, dim=-1)
