@@ -80,5 +80,10 @@ def test_a_worker_fits_its_own_batches():
             committed[name] = reply["committed"]
         expected.append(len(names) * (width + 1))
     assert [tokens for tokens, _ in worker.stats.forward.samples] == expected
+    # each round's own work outside the forward, by its rows: what a prediction of a loaded worker adds
+    assert [rows for rows, _ in worker.stats.host.samples] == [1 + step % 3 for step in range(12)]
+    assert all(seconds > 0 for _, seconds in worker.stats.host.samples)
     stats = worker.ops.stats_op({}, {})[0]
     assert stats["forward_fixed_s"] >= 0 and stats["forward_token_s"] >= 0, stats
+    assert stats["host_rounds"] == 12 and stats["host_fixed_s"] >= 0 and stats["host_row_s"] >= 0, stats
+    assert stats["host_mean_s"] > 0

@@ -219,6 +219,33 @@ def test_replay_together_runs_rounds_until_the_last_client_ends(packed):
         replay_speed(one, [10, 20], SHARED, clients=1, packed=packed))
 
 
+def test_replay_together_adds_the_workers_own_work_per_round_and_can_keep_the_measured_verifies():
+    """`HostCost`: a worker's own work per round (fixed + per row) is added to every round at its rows;
+    with `alone_verifies`, records of a run through the same worker keep their measured server time and
+    swap only the lone forward for the batched one, so one client reproduces its own run exactly."""
+    from specbench.plan.predict import HostCost, replay_together
+
+    records = two_prompts()
+    host = HostCost(fixed_s=0.001, row_s=0.0005)
+    plain = 6 / replay_together(records, [10, 20], SHARED, network_s=0.002)
+    # round 0 has 2 rows, round 1 one row
+    assert 6 / replay_together(records, [10, 20], SHARED, network_s=0.002, host=host) == pytest.approx(
+        plain + host.at(2) + host.at(1))
+    assert HostCost.from_stats({"host_fixed_s": 0.001, "host_row_s": None}) == HostCost(0.001, 0.0)
+    assert host.beyond_one().at(1) == pytest.approx(0) and host.beyond_one().at(3) == pytest.approx(0.001)
+    measured = records.assign(queue_s=[0.001, 0.002, 0.0], verify_s=[0.17, 0.12, 0.11])
+    one = measured[measured["prompt_index"] == 0]
+    step_s = (one["draft_s"] + one["overhead_s"] + one["queue_s"] + one["verify_s"] + 0.002).sum()
+    assert replay_together(one, [10, 20], SHARED, network_s=0.002, host=host.beyond_one(),
+                           alone_verifies=True) == pytest.approx(5 / step_s)
+    # together: round 0's server time is the slower row's measured one, less its lone forward, plus the batch's
+    first = max(0.001 + 0.17 - SHARED.forward_s(5, 10, 1), 0.0 + 0.11 - SHARED.forward_s(1, 20, 1))
+    rounds = (first + SHARED.forward_s(3, 15, 2) + host.beyond_one().at(2) + 0.01 + 0.002
+              + 0.002 + 0.12 + 0.01 + 0.002)
+    assert 6 / replay_together(measured, [10, 20], SHARED, network_s=0.002, host=host.beyond_one(),
+                               alone_verifies=True) == pytest.approx(rounds)
+
+
 def test_replay_speed_under_steady_load_pays_every_clients_prefills():
     """Prompt after prompt on a shared target: per prompt, a client waits for its own prefill and, on
     average, every other client's one (each blocks the target), plus a round trip to open and one to close."""

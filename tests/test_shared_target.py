@@ -107,6 +107,34 @@ def test_a_replayed_draft_proposes_what_the_draft_did_as_slowly_as_it_did(tiny_t
     assert got.output_ids == generate(target, None, other, Decoding(0, 20, kind="none")).output_ids
 
 
+def test_a_trace_drafter_accepts_as_its_trace_says_and_the_output_stays_the_targets(tiny_target):
+    """benchmarks' TraceDrafter (random-weight targets on a GPU): the target's own continuation for the trace's
+    accepted length, then a token the target does not choose; off that continuation, all wrong (a miss)."""
+    import sys
+    from pathlib import Path
+
+    from specbench.decode.loop import Decoding, generate
+    from specbench.decode.target import LocalTarget
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from replay_draft import TraceDrafter
+
+    target, prompt, k, accepts = LocalTarget(tiny_target), PROMPT_SET[3], 3, [2, 0, 4, 1, 3]
+    alone = generate(target, None, prompt, Decoding(0, 24, kind="none")).output_ids
+    drafter = TraceDrafter(prompt, alone, accepts, draft_s=0.001, vocab=tiny_target.vocab_size)
+    got = generate(target, drafter, prompt, Decoding(k, 24, method="chain"))
+    assert got.output_ids == alone and drafter.misses == 0
+    full = [(i, r) for i, r in enumerate(got.records) if r.drafted == k]  # (the last steps are capped shorter)
+    assert len(full) >= 5 and all(r.accepted == min(accepts[i % len(accepts)], k) for i, r in full)
+    assert all(r.draft_s >= 0.001 for r in got.records if r.drafted)
+    other = [token + 1 for token in prompt]
+    missing = TraceDrafter(prompt, alone, accepts, draft_s=0.0, vocab=tiny_target.vocab_size)
+    off = generate(target, missing, other, Decoding(k, 12, method="chain"))
+    assert missing.misses == sum(r.drafted > 0 for r in off.records) > 0
+    assert all(r.accepted == 0 for r in off.records if r.drafted)
+    assert off.output_ids == generate(target, None, other, Decoding(0, 12, kind="none")).output_ids
+
+
 def _keys(prompt, records, decoding, context_key):
     """The recorded proposals' keys of each step of a decode of `prompt` (the loop caps depth at what
     remains, less the bonus token)."""
