@@ -74,7 +74,7 @@ def target_groups(combos: Sequence[tuple]) -> dict[str, list[tuple]]:
     """(target, draft, reference) combos by target family, device, dtype, forward, prompt set and origin: the
     drafts and quantizations one Pareto view compares. Key example: `smollm2-135m (cpu-2t-AMD-EPYC, float32,
     bench) · shipped`; a fast forward's profiles, and a user's own, make views of their own:
-    `qwen2.5-coder-1.5b (NVIDIA-H100-80GB-HBM3, bfloat16, fast-cudagraph, bench) · shipped`,
+    `qwen2.5-coder-1.5b (NVIDIA-H200, bfloat16, fast-cudagraph, bench) · shipped`,
     `smollm2-135m (cpu-2t-AMD-EPYC, float32, bench) · own, 2026-11-25 vm`; a view with a profile taken
     on a busy machine says so (`· busy machine: spread 0.45`)."""
     chosen: dict[tuple, tuple] = {}
