@@ -97,3 +97,28 @@ def test_a_dataset_file_with_no_prompts_is_refused(tmp_path):
     empty.write_text("\n")
     with pytest.raises(SpecbenchError, match="no prompts"):
         tune(spec(prompts=str(empty)), tmp_path / "out", progress=False)
+
+
+@pytest.mark.parametrize("draft", ["model", "prompt-lookup"])
+def test_acceptance_replayed_from_target_only_outputs_is_what_sd_accepts(tiny_target, tiny_draft, draft):
+    """`tune/replay.py`: greedy SD emits the target's tokens, so each full chain step's accepted count follows
+    from the target-only output alone: a teacher-forced draft forward (or prompt lookup over the context)
+    gives exactly the counts a real SD run records, step for step."""
+    from specbench.api import outputs, run
+    from specbench.decode.drafters import PromptLookupDrafter
+    from specbench.tune.replay import chain_accepts, lookup_proposer, model_proposer
+
+    prompts, k = [list(p) for p in PROMPTS[:4]] + [[5, 6, 7, 5, 6, 7, 5, 6]], 4
+    alone = outputs(run(tiny_target, prompts, method="target-only", max_new_tokens=24, progress=False))
+    method = "chain" if draft == "model" else "prompt-lookup"
+    sd = run(tiny_target, prompts, method=method, draft=tiny_draft if draft == "model" else None, k=k,
+             max_new_tokens=24, progress=False)
+    replayed, recorded = [], []
+    for index, prompt in enumerate(prompts):
+        full = prompt + alone[("target-only", index)]
+        propose = model_proposer(full, tiny_draft) if draft == "model" else lookup_proposer(full, PromptLookupDrafter())
+        replayed += chain_accepts(full, len(prompt), propose, k)
+        steps = sd[(sd["prompt_index"] == index) & (sd["drafted"] == k)]
+        recorded += steps["accepted"].tolist()
+    assert len(recorded) >= 8 and replayed == recorded
+    assert 0 < sum(recorded) < k * len(recorded)  # both outcomes occur: the comparison can fail

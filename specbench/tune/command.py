@@ -22,7 +22,7 @@ def add_tune(commands) -> None:
     tune.add_argument("--k", type=int, nargs="+", default=[1, 2, 3, 4, 6], help="chain lengths to consider")
     tune.add_argument("--tree-budgets", type=int, nargs="*", default=[])
     tune.add_argument("--max-new-tokens", type=int, default=32)
-    tune.add_argument("--measure-top", type=int, default=3, help="predicted best points measured, besides each "
+    tune.add_argument("--measure-top", type=int, default=2, help="predicted best points measured, besides each "
                                                                 "candidate's best")
     tune.add_argument("--budget-minutes", type=float, default=15.0)
     tune.add_argument("--dtype", default="float32")

@@ -115,6 +115,8 @@ def measure(store: Store, target, candidate: Candidate, method: str, k: int, pro
                   substitute_quantization=candidate.quantization if candidate.method == "substitute" else "8bit",
                   dtype=spec.dtype, seed=spec.seed, warmup=False,
                   progress=f"tune: measure {candidate.name} {method} k={k}" if progress else False)
-    records = records.drop(columns=[c for c in ("emitted_tokens", "tree_widths") if c in records])
+    # target-only keeps its tokens: the held-back prompts' acceptance is replayed from them (`tune/replay.py`)
+    dropped = ("tree_widths",) if method == "target-only" else ("emitted_tokens", "tree_widths")
+    records = records.drop(columns=[c for c in dropped if c in records])
     store.save_measured(key, records)
     return records

@@ -96,9 +96,13 @@ def tune(spec: TuneSpec, folder: Optional[str | Path] = None, progress: bool = T
     baseline = phases.measure(store, runner, candidates[0], "target-only", 0, held, None, spec, progress)
     calibration_terms = _calibrate(baseline, target_profile, context)
     scale = calibration_terms["speed_factor"]
-    predicted = _predict(candidates, _scaled(target_profile, scale), {n: _scaled(p, scale) if p else None
-                                                                    for n, p in draft_profiles.items()},
-                         references, points, context, spec, overhead_s=calibration_terms["overhead_s"])
+    draft_scales = _draft_speeds(drafts, draft_profiles, context, spec, default=scale)
+    held_references = _held_back(references, candidates, drafts, held, baseline, tokenizer)
+    calibration_terms.update(draft_speed_factors=draft_scales, acceptance_replayed=sorted(
+        name for name in held_references if held_references[name] is not references[name]))
+    predicted = _predict(candidates, _scaled(target_profile, scale),
+                         {n: _scaled(p, draft_scales[n]) if p else None for n, p in draft_profiles.items()},
+                         held_references, points, context, spec, overhead_s=calibration_terms["overhead_s"])
     predicted["raw_tokens_per_s"] = raw["tokens_per_s"].values
     phase("calibration")
     measured = [_row("target-only", "target-only", 0, baseline, predicted, raw, spec, rtt_ms)]
@@ -210,6 +214,46 @@ def _calibrate(baseline: pd.DataFrame, target_profile, context: int) -> dict:
     return {"speed_factor": round(forward / profiled, 4) if profiled else 1.0,
             "overhead_s": round(float(baseline["overhead_s"].median()), 5),
             "measured_forward_ms": round(1000 * forward, 2), "profiled_forward_ms": round(1000 * profiled, 2)}
+
+
+def _draft_speeds(drafts: dict, draft_profiles: dict, context: int, spec: TuneSpec, default: float) -> dict:
+    """Each draft model's speed now against its profile (its 1-token forward timed again, in the window of
+    the target's calibration run): one factor for the whole machine mis-scaled drafts whose few-row
+    forwards drifted otherwise than the target's (the 2026-11-25 fidelity run). No model: the target's."""
+    from specbench.record import profile_model
+
+    factors = {}
+    for name, model in drafts.items():
+        profile = draft_profiles.get(name)
+        if model is None or profile is None:
+            factors[name] = default
+            continue
+        now, _ = profile_model(model, tokens=[1], contexts=[context], repeats=spec.repeats, progress=False)
+        profiled = profile.forward_s(1, context)
+        factors[name] = round(now.forward_s(1, context) / profiled, 4) if profiled else default
+    return factors
+
+
+def _held_back(references: dict, candidates, drafts: dict, held: list, baseline: pd.DataFrame, tokenizer) -> dict:
+    """Each candidate's reference with its chain acceptance replayed on the held-back prompts from the
+    target-only run's outputs (`tune/replay.py`); the calibration reference where that cannot be done."""
+    from specbench.api import encode_prompts
+    from specbench.decode.drafters import PromptLookupDrafter
+    from specbench.tune.replay import held_back_reference
+    from specbench.tune.spec import LOOKUP
+
+    if "emitted_tokens" not in baseline:
+        return dict(references)
+    outputs = [[token for tokens in steps.sort_values("step")["emitted_tokens"] for token in tokens]
+               for _, steps in baseline.groupby("prompt_index", sort=True)]
+    prompts_ids = encode_prompts(held, tokenizer)
+    replayed = {}
+    for candidate in candidates:
+        reference, lookup = references[candidate.name], candidate.method == LOOKUP
+        found = held_back_reference(reference, prompts_ids, outputs, drafter=PromptLookupDrafter() if lookup else None,
+                                    draft=None if lookup else drafts[candidate.name])
+        replayed[candidate.name] = found or reference
+    return replayed
 
 
 def _to_measure(predicted: pd.DataFrame, spec: TuneSpec) -> list[dict]:

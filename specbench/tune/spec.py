@@ -42,7 +42,7 @@ class TuneSpec:
     chain_ks: tuple[int, ...] = (1, 2, 3, 4, 6)
     tree_budgets: tuple[int, ...] = ()
     max_new_tokens: int = 32
-    measure_top: int = 3  # the predicted best points measured, besides each candidate's best
+    measure_top: int = 2  # the predicted best points measured, besides each candidate's best
     budget_minutes: float = 15.0
     dtype: str = "float32"
     draft_budget_mib: Optional[float] = None

@@ -1,0 +1,72 @@
+"""Acceptance on the held-back prompts, replayed from their target-only greedy outputs.
+
+Why: under greedy decoding, SD emits the target's own tokens, so how many drafts a step accepts depends
+on the target's output alone. A prompt-lookup draft proposes from the context; a model draft with the
+target's tokenizer proposes its argmax, which, as long as it agrees, is its argmax over the target's
+own prefix: one teacher-forced forward of the draft over prompt + output gives every step's proposal.
+So the target-only run that tune measures anyway (to calibrate speed) also gives each draft's acceptance
+on exactly the prompts measured, without running SD. Acceptance recorded on other prompts (the
+calibration split) shifts with the prompts: 20 prompts predicted 20 others' prompt lookup 32% off in
+the 2026-11-25 fidelity run. Sampled rules, trees and drafts with another tokenizer keep the
+calibration reference.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable, Sequence
+
+import torch
+
+from specbench.types import SamplingParams
+
+Proposer = Callable[[int, int], Sequence[int]]  # (position of the next token, budget) -> proposed tokens
+
+
+def chain_accepts(full: Sequence[int], start: int, propose: Proposer, k: int) -> list[int]:
+    """Accepted drafts of each full-length step of greedy chain SD at K over `full` (prompt + the target's
+    output, the output from `start`), as `record_reference` keeps them: steps that drafted fewer than K
+    (the output's last tokens, a lookup without a K-token match) are left out."""
+    accepts, position = [], start
+    while position < len(full):
+        budget = min(k, len(full) - position - 1)  # the loop drafts at most what remains less the bonus
+        proposal = list(propose(position, budget)) if budget >= 1 else []
+        accepted = 0
+        while accepted < len(proposal) and proposal[accepted] == full[position + accepted]:
+            accepted += 1
+        if len(proposal) == k:
+            accepts.append(accepted)
+        position += accepted + 1
+    return accepts
+
+
+def lookup_proposer(full: Sequence[int], drafter) -> Proposer:
+    """Prompt lookup's proposal at each position: the drafter itself, on the context so far."""
+    generator = torch.Generator().manual_seed(0)
+    return lambda position, budget: drafter.propose(list(full[:position]), budget, SamplingParams(),
+                                                    generator).tokens
+
+
+@torch.inference_mode()
+def model_proposer(full: Sequence[int], draft) -> Proposer:
+    """A model draft's greedy proposals at each position, from one teacher-forced forward over `full`."""
+    device = draft.model.get_input_embeddings().weight.device
+    logits = draft.model(input_ids=torch.tensor([list(full)], device=device)).logits[0]
+    guesses = logits.argmax(-1).tolist()  # guesses[t]: the draft's next token after full[:t + 1]
+    return lambda position, budget: guesses[position - 1:position - 1 + budget]
+
+
+def held_back_reference(reference, prompts_ids: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
+                        drafter=None, draft=None):
+    """`reference` with its chain acceptance replaced by the held-back prompts' own, replayed from the
+    target-only outputs (`drafter`: prompt lookup's; else `draft`, a model with the target's tokenizer);
+    None where it cannot be replayed (no chain steps in the reference, another tokenizer, a sampled rule)."""
+    if not reference.chain_accepts or reference.cross_tokenizer or reference.rule != "greedy":
+        return None
+    k, accepts = reference.max_chain, []
+    for prompt, output in zip(prompts_ids, outputs):
+        full = list(prompt) + list(output)
+        propose = lookup_proposer(full, drafter) if drafter is not None else model_proposer(full, draft)
+        accepts += chain_accepts(full, len(prompt), propose, k)
+    if not accepts:
+        return None
+    return replace(reference, chain_accepts=tuple(accepts), dataset=f"{reference.dataset} -> held-back replay")
