@@ -101,11 +101,23 @@ def record_reference(target: ModelLike, draft: ModelLike, prompts, dataset: str,
                         if cross and drafting["drafted"].sum() else 1.0)
     return AcceptanceReference(
         cross_tokenizer=",".join(cross), draft_per_target=draft_per_target,
+        chain_hits=_hits(chain, max_chain, max_new_tokens, lookup),
         draft=draft_name or (LOOKUP_DRAFT if lookup else acceptance_label(draft_loaded.spec.label)),
         target=target_name or acceptance_label(target_loaded.spec.label),
         dataset=dataset, rule=sampling.effective_rule, temperature=sampling.temperature, max_chain=max_chain,
         chain_accepts=tuple(int(a) for a in full["accepted"]), tree_accepts=tree_accepts,
         tree_depth=tree_depth, tree_width=tree_width)
+
+
+def _hits(chain, max_chain: int, max_new_tokens: int, lookup: bool) -> dict:
+    """Prompt lookup: the share of its steps asked for a full chain that found one (the rest verify the
+    bonus alone); model drafts always draft, so nothing is kept."""
+    if not lookup or "step_k" not in chain:
+        return {}
+    done = chain.groupby("prompt_index")["emitted"].cumsum() - chain["emitted"]  # tokens before each step
+    # steps whose output had room for a full chain (the loop caps the last ones at what remains)
+    asked = chain[(chain["step_k"] == max_chain) & (max_new_tokens - done - 1 >= max_chain)]
+    return {max_chain: round(float((asked["drafted"] == max_chain).mean()), 4)} if len(asked) else {}
 
 
 def profile_worker(endpoint: str, tokens: Sequence[int] = DEFAULT_TOKENS, contexts: Sequence[int] = DEFAULT_CONTEXTS,

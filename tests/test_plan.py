@@ -1,4 +1,5 @@
 """Cost formulas by hand, Pareto frontier vs brute force, the cost knob's extremes, replay prediction."""
+import dataclasses
 import random
 
 import pytest
@@ -217,6 +218,21 @@ def test_replay_together_runs_rounds_until_the_last_client_ends(packed):
     one = records[records["prompt_index"] == 0]
     assert replay_together(one, [10, 20], SHARED, packed=packed) == pytest.approx(
         replay_speed(one, [10, 20], SHARED, clients=1, packed=packed))
+
+
+def test_prompt_lookup_steps_without_a_match_verify_one_token_and_accept_none():
+    """`chain_hits`: the share of prompt-lookup steps that found a K-token chain; the rest verify the bonus
+    alone, so tokens per step and the verify's cost are priced with that share, not the matched steps' own."""
+    from specbench.plan.predict import AcceptanceReference, OperatingPoint, predict_step
+
+    matched = AcceptanceReference("prompt-lookup", "t", "d", max_chain=4, chain_accepts=(4, 2, 0, 2))
+    partly = dataclasses.replace(matched, chain_hits={4: 0.25})
+    point = OperatingPoint("prompt-lookup", k=4)
+    full, quarter = (predict_step(point, SHARED, None, ref, context=256) for ref in (matched, partly))
+    assert full.tokens_per_step == pytest.approx(1 + 2.0) and quarter.tokens_per_step == pytest.approx(1 + 0.5)
+    assert full.verify_s == pytest.approx(SHARED.forward_s(5, 256))
+    assert quarter.verify_s == pytest.approx(0.25 * SHARED.forward_s(5, 256) + 0.75 * SHARED.forward_s(1, 256))
+    assert partly.hit_rate(2) == 0.25 and matched.hit_rate(4) == 1.0  # an unknown K: the longest measured
 
 
 def test_replay_together_adds_the_workers_own_work_per_round_and_can_keep_the_measured_verifies():

@@ -122,3 +122,12 @@ def test_acceptance_replayed_from_target_only_outputs_is_what_sd_accepts(tiny_ta
         recorded += steps["accepted"].tolist()
     assert len(recorded) >= 8 and replayed == recorded
     assert 0 < sum(recorded) < k * len(recorded)  # both outcomes occur: the comparison can fail
+    if draft == "prompt-lookup":  # the share of steps that found a full chain, replayed and recorded alike
+        from specbench.record import _hits
+        from specbench.tune.replay import chain_steps
+
+        steps = [step for index, prompt in enumerate(prompts) for step in chain_steps(
+            prompt + alone[("target-only", index)], len(prompt),
+            lookup_proposer(prompt + alone[("target-only", index)], PromptLookupDrafter()), k)]
+        hit = sum(drafted == k for budget, drafted, _ in steps if budget == k) / sum(b == k for b, _, _ in steps)
+        assert 0 < hit < 1 and _hits(sd, k, 24, lookup=True) == {k: round(hit, 4)}

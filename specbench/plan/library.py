@@ -101,6 +101,8 @@ def save_reference(reference: AcceptanceReference, extra: Optional[dict] = None,
     metadata = {key: fields[key] for key in ("draft", "target", "dataset", "rule", "temperature", "max_chain")}
     if reference.cross_tokenizer:
         metadata.update(cross_tokenizer=reference.cross_tokenizer, draft_per_target=reference.draft_per_target)
+    if reference.chain_hits:
+        metadata.update(chain_hits={str(k): v for k, v in reference.chain_hits.items()})
     metadata = _stamped(metadata, extra)
     payload = {"chain_accepts": list(reference.chain_accepts),
                "tree_accepts": {str(k): list(v) for k, v in reference.tree_accepts.items()},
@@ -120,7 +122,7 @@ def load_references(folder: Path = REFERENCES, **match) -> list[AcceptanceRefere
             tree_depth={int(k): v for k, v in p["tree_depth"].items()},
             tree_width={int(k): v for k, v in p["tree_width"].items()},
             cross_tokenizer=m.get("cross_tokenizer", ""), draft_per_target=m.get("draft_per_target", 1.0),
-            origin=origin))
+            chain_hits={int(k): v for k, v in (m.get("chain_hits") or {}).items()}, origin=origin))
     return out
 
 

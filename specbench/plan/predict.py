@@ -108,7 +108,18 @@ class AcceptanceReference:
     # draft-model tokens it produced per target token it proposed (its chains), which prices its drafting
     cross_tokenizer: str = ""
     draft_per_target: float = 1.0
+    # prompt lookup: K -> share of its chain steps that found a K-token continuation to draft. The others
+    # verify the bonus token alone (`chain_accepts` keeps the full steps only, what a planner needs), so
+    # tokens per step and the verify's width are priced with this share; empty: every step drafts
+    chain_hits: dict = field(default_factory=dict)
     origin: str = field(default="", compare=False)  # "shipped" or "own", as for profiles
+
+    def hit_rate(self, k: int) -> float:
+        """Share of chain steps at K that draft K tokens (1 for model drafts, which always do)."""
+        if not self.chain_hits:
+            return 1.0
+        known = {int(key): float(value) for key, value in self.chain_hits.items()}
+        return known.get(k, known.get(self.max_chain, min(known.values())))
 
     def full_acceptance(self, k: int) -> float:
         """Share of chain steps of length K whose every draft token was accepted."""
@@ -180,19 +191,21 @@ def predict_step(point: OperatingPoint, target: LatencyProfile, draft: Optional[
         depth = float(reference.tree_depth.get(point.k) or reference.tree_depth.get(str(point.k)) or 1)
         width = int(reference.tree_width.get(point.k) or reference.tree_width.get(str(point.k)) or 1)
     full = reference.full_acceptance(point.k) if reference and point.kind == "chain" else 0.0
-    return step_cost(point, target, draft, accepted, context, overhead_s, bandwidth_mbps, depth, width,
-                     reference.draft_per_target if reference else 1.0, full)
+    hit = reference.hit_rate(point.k) if reference and point.kind == "chain" else 1.0
+    return step_cost(point, target, draft, accepted * hit, context, overhead_s, bandwidth_mbps, depth, width,
+                     reference.draft_per_target if reference else 1.0, full, hit)
 
 
 def step_cost(point: OperatingPoint, target: LatencyProfile, draft: Optional[LatencyProfile], accepted: float,
               context: int = 256, overhead_s: float = 0.0, bandwidth_mbps: float = 0.0,
               tree_depth: float = 1.0, tree_width: int = 1, draft_per_target: float = 1.0,
-              full_accept: float = 0.0) -> StepCost:
+              full_accept: float = 0.0, hit: float = 1.0) -> StepCost:
     """Seconds and bytes of one step at `point` when `accepted` drafts are accepted on average: the
     cost model that replay prediction and the per-step planner share. `draft_per_target`: draft-model
     tokens per proposed target token (1 unless the draft has another tokenizer); `full_accept`: the
     share of chain steps whose every draft token is accepted. No `draft` profile for a chain: drafting
-    costs the step nothing (prompt lookup copies tokens from the context)."""
+    costs the step nothing (prompt lookup copies tokens from the context). `hit`: the share of chain
+    steps that draft at all (prompt lookup's matches); the rest verify one token."""
     if point.kind == "chain" and draft is not None:
         # The draft's cache keeps the chain it fed (all but its last token), so its first forward
         # catches up on the bonus alone, or on its last token and the bonus after a fully accepted chain.
@@ -205,6 +218,8 @@ def step_cost(point: OperatingPoint, target: LatencyProfile, draft: Optional[Lat
         draft_s = 0.0
     # every client's verify in one batched forward: each waits for the whole batch
     verify_s = target.forward_s(1 + (point.k if point.kind != "none" else 0), context, point.clients)
+    if hit < 1.0 and point.kind == "chain":
+        verify_s = hit * verify_s + (1 - hit) * target.forward_s(1, context, point.clients)
     up, down = bytes_per_step(point)
     network_s = Network(point.rtt_ms, bandwidth_mbps).transfer_s(up, down) if point.where == "remote" else 0.0
     return StepCost(1.0 + accepted, draft_s, verify_s, network_s, overhead_s, up, down, point.clients)

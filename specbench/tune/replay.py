@@ -22,21 +22,26 @@ from specbench.types import SamplingParams
 Proposer = Callable[[int, int], Sequence[int]]  # (position of the next token, budget) -> proposed tokens
 
 
-def chain_accepts(full: Sequence[int], start: int, propose: Proposer, k: int) -> list[int]:
-    """Accepted drafts of each full-length step of greedy chain SD at K over `full` (prompt + the target's
-    output, the output from `start`), as `record_reference` keeps them: steps that drafted fewer than K
-    (the output's last tokens, a lookup without a K-token match) are left out."""
-    accepts, position = [], start
+def chain_steps(full: Sequence[int], start: int, propose: Proposer, k: int) -> list[tuple[int, int, int]]:
+    """(budget, drafted, accepted) of each step of greedy chain SD at K over `full` (prompt + the target's
+    output, the output from `start`); the budget is K, or less where the output ends (the loop drafts at most
+    what remains less the bonus token)."""
+    steps, position = [], start
     while position < len(full):
-        budget = min(k, len(full) - position - 1)  # the loop drafts at most what remains less the bonus
+        budget = min(k, len(full) - position - 1)
         proposal = list(propose(position, budget)) if budget >= 1 else []
         accepted = 0
         while accepted < len(proposal) and proposal[accepted] == full[position + accepted]:
             accepted += 1
-        if len(proposal) == k:
-            accepts.append(accepted)
+        steps.append((budget, len(proposal), accepted))
         position += accepted + 1
-    return accepts
+    return steps
+
+
+def chain_accepts(full: Sequence[int], start: int, propose: Proposer, k: int) -> list[int]:
+    """Accepted drafts of each full-length step, as `record_reference` keeps them: steps that drafted
+    fewer than K (the output's last tokens, a lookup without a K-token match) are left out."""
+    return [accepted for _, drafted, accepted in chain_steps(full, start, propose, k) if drafted == k]
 
 
 def lookup_proposer(full: Sequence[int], drafter) -> Proposer:
@@ -56,17 +61,23 @@ def model_proposer(full: Sequence[int], draft) -> Proposer:
 
 
 def held_back_reference(reference, prompts_ids: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
-                        drafter=None, draft=None):
+                        drafter=None, draft=None, ks: Sequence[int] = ()):
     """`reference` with its chain acceptance replaced by the held-back prompts' own, replayed from the
-    target-only outputs (`drafter`: prompt lookup's; else `draft`, a model with the target's tokenizer);
-    None where it cannot be replayed (no chain steps in the reference, another tokenizer, a sampled rule)."""
+    target-only outputs (`drafter`: prompt lookup's, whose share of steps finding a full chain is also
+    replayed at each K of `ks`; else `draft`, a model with the target's tokenizer); None where it cannot
+    be replayed (no chain steps in the reference, another tokenizer, a sampled rule)."""
     if not reference.chain_accepts or reference.cross_tokenizer or reference.rule != "greedy":
         return None
-    k, accepts = reference.max_chain, []
+    k, accepts, steps = reference.max_chain, [], {size: [] for size in ks if drafter is not None}
     for prompt, output in zip(prompts_ids, outputs):
         full = list(prompt) + list(output)
         propose = lookup_proposer(full, drafter) if drafter is not None else model_proposer(full, draft)
         accepts += chain_accepts(full, len(prompt), propose, k)
+        for size in steps:
+            steps[size] += [drafted == size for budget, drafted, _ in chain_steps(full, len(prompt), propose, size)
+                            if budget == size]
     if not accepts:
         return None
-    return replace(reference, chain_accepts=tuple(accepts), dataset=f"{reference.dataset} -> held-back replay")
+    hits = {size: round(sum(found) / len(found), 4) for size, found in steps.items() if found}
+    return replace(reference, chain_accepts=tuple(accepts), chain_hits=hits or reference.chain_hits,
+                   dataset=f"{reference.dataset} -> held-back replay")

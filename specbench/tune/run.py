@@ -97,7 +97,7 @@ def tune(spec: TuneSpec, folder: Optional[str | Path] = None, progress: bool = T
     calibration_terms = _calibrate(baseline, target_profile, context)
     scale = calibration_terms["speed_factor"]
     draft_scales = _draft_speeds(drafts, draft_profiles, context, spec, default=scale)
-    held_references = _held_back(references, candidates, drafts, held, baseline, tokenizer)
+    held_references = _held_back(references, candidates, drafts, held, baseline, tokenizer, spec.chain_ks)
     calibration_terms.update(draft_speed_factors=draft_scales, acceptance_replayed=sorted(
         name for name in held_references if held_references[name] is not references[name]))
     predicted = _predict(candidates, _scaled(target_profile, scale),
@@ -234,7 +234,8 @@ def _draft_speeds(drafts: dict, draft_profiles: dict, context: int, spec: TuneSp
     return factors
 
 
-def _held_back(references: dict, candidates, drafts: dict, held: list, baseline: pd.DataFrame, tokenizer) -> dict:
+def _held_back(references: dict, candidates, drafts: dict, held: list, baseline: pd.DataFrame, tokenizer,
+               ks) -> dict:
     """Each candidate's reference with its chain acceptance replayed on the held-back prompts from the
     target-only run's outputs (`tune/replay.py`); the calibration reference where that cannot be done."""
     from specbench.api import encode_prompts
@@ -251,7 +252,7 @@ def _held_back(references: dict, candidates, drafts: dict, held: list, baseline:
     for candidate in candidates:
         reference, lookup = references[candidate.name], candidate.method == LOOKUP
         found = held_back_reference(reference, prompts_ids, outputs, drafter=PromptLookupDrafter() if lookup else None,
-                                    draft=None if lookup else drafts[candidate.name])
+                                    draft=None if lookup else drafts[candidate.name], ks=ks)
         replayed[candidate.name] = found or reference
     return replayed
 
