@@ -97,7 +97,8 @@ def chain_load(folder: str, args) -> None:
         profile, _ = profile_worker(endpoint, tokens=list(range(1, args.k + 2)),
                                     contexts=[args.prompt_tokens, args.prompt_tokens + args.max_new_tokens],
                                     repeats=5, batches=sorted({1, *args.clients}))
-        print(f"alone and profiled in {time.perf_counter() - started:.1f} s; network {1000 * alone['network_s'].mean():.2f}"
+        print(f"alone and profiled in {time.perf_counter() - started:.1f} s; "
+              f"network {1000 * alone['network_s'].mean():.2f}"
               f" ms/step, client overhead {1000 * alone['overhead_s'].mean():.2f} ms/step", flush=True)
         context = multiprocessing.get_context("spawn")
         rows = []

@@ -93,8 +93,8 @@ def run_part(part: dict, limit: float, log, env: dict | None = None) -> dict:
     log.write(output)
     log.flush()
     lines = output.strip().splitlines()
-    tail = list(dict.fromkeys([line for line in lines if " PASSED" in line or " FAILED" in line or " ERROR" in line
-                               or " SKIPPED" in line] + lines[-6:])) if part["name"].startswith("cuda-tests") else lines[-12:]
+    verdicts = [line for line in lines if any(f" {word}" in line for word in ("PASSED", "FAILED", "ERROR", "SKIPPED"))]
+    tail = list(dict.fromkeys(verdicts + lines[-6:])) if part["name"].startswith("cuda-tests") else lines[-12:]
     result = {"name": part["name"], "what": part["what"], "status": status,
               "seconds": round(time.perf_counter() - started, 1), "tail": tail, "output": output}
     if part["json"] is not None and Path(part["json"]).exists():
@@ -113,7 +113,8 @@ def table(rows: list[dict], columns: list[str], digits: int = 3) -> list[str]:
 def summary(result: dict, cuda: bool) -> list[str]:
     """The part's figures in markdown: what the closing note and the results page quote."""
     lines = [f"## {result['name']}: {result['what']}", "",
-             f"{result['status']}, {result['seconds']} s" + ("" if cuda else " (CPU rehearsal: CUDA measurement skipped)"),
+             f"{result['status']}, {result['seconds']} s"
+             + ("" if cuda else " (CPU rehearsal: CUDA measurement skipped)"),
              ""]
     report = result.get("report") or {}
     if result["name"].startswith("cuda-tests"):

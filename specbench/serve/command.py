@@ -54,7 +54,8 @@ def settings_from(args):
     limits = Limits(max_tokens=args.max_tokens, max_prompt_tokens=args.max_prompt_tokens,
                     max_concurrent=args.max_concurrent, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes)
     return ServeSettings(target=target, methods=methods, draft=draft, k=k, max_k=max(args.max_k, k), plan=args.plan,
-                         worker=args.worker, dtype=args.dtype, device=args.device, host=args.host, port=args.port, api_key=args.api_key,
+                         worker=args.worker, dtype=args.dtype, device=args.device, host=args.host, port=args.port,
+                         api_key=args.api_key,
                          limits=limits, **extra)
 
 

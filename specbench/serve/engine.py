@@ -95,8 +95,9 @@ class Engine:
         from specbench.worker.server import Worker, WorkerConfig
 
         endpoint = f"tcp://127.0.0.1:{free_port()}"
-        config = WorkerConfig(bind=endpoint, device=self.settings.device,
-                              model=ModelSpec(self.settings.target, dtype=self.settings.dtype, device=self.settings.device))
+        settings = self.settings
+        config = WorkerConfig(bind=endpoint, device=settings.device,
+                              model=ModelSpec(settings.target, dtype=settings.dtype, device=settings.device))
         self._worker = Worker(config, log=lambda line: self.log(f"worker: {line}"))
         stopped = threading.Event()
         self._stop_worker = stopped.set

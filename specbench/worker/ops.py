@@ -180,7 +180,8 @@ class Ops:
                 "longest_s": dict(s.longest_s),
                 "batch_wait_s": s.batch_wait_s, "forward_fixed_s": fixed, "forward_token_s": per_token,
                 "host_fixed_s": host_fixed, "host_row_s": host_row, "host_rounds": len(s.host.samples),
-                "host_mean_s": (sum(y for _, y in s.host.samples) / len(s.host.samples)) if s.host.samples else None}, None
+                "host_mean_s": sum(y for _, y in s.host.samples) / len(s.host.samples) if s.host.samples else None
+                }, None
 
     def load(self, header, arrays, *, connection, curve_key):
         spec = protocol.spec_from_wire(get(header, "model", dict))
