@@ -26,12 +26,6 @@ from common import write_report
 PROMPT_SEED = 7
 
 
-def reference_trace(steps: int = 400) -> tuple[list[int], str]:
-    from gpu import reference_accepts
-
-    return reference_accepts(steps)
-
-
 def decode(remote, job: dict):
     from specbench.decode.loop import Decoding, generate
 
@@ -71,9 +65,10 @@ def chain_load(folder: str, args) -> None:
     from specbench.record import profile_worker
     from specbench.worker.client import RemoteTarget
 
+    from gpu import reference_accepts
     from gpu_worker import serving
 
-    accepts, trace = reference_trace()
+    accepts, trace = reference_accepts(400)
     generator = torch.Generator().manual_seed(PROMPT_SEED)
     most = max(args.clients)
     prompts = [torch.randint(2, 512, (args.prompt_tokens,), generator=generator).tolist() for _ in range(most)]

@@ -25,7 +25,7 @@ Proposer = Callable[[int, int], Sequence[int]]  # (position of the next token, b
 def chain_steps(full: Sequence[int], start: int, propose: Proposer, k: int) -> list[tuple[int, int, int]]:
     """(budget, drafted, accepted) of each step of greedy chain SD at K over `full` (prompt + the target's
     output, the output from `start`); the budget is K, or less where the output ends (the loop drafts at most
-    what remains less the bonus token)."""
+    what remains less the bonus token). A reference keeps the steps that drafted K (`record_reference`)."""
     steps, position = [], start
     while position < len(full):
         budget = min(k, len(full) - position - 1)
@@ -36,12 +36,6 @@ def chain_steps(full: Sequence[int], start: int, propose: Proposer, k: int) -> l
         steps.append((budget, len(proposal), accepted))
         position += accepted + 1
     return steps
-
-
-def chain_accepts(full: Sequence[int], start: int, propose: Proposer, k: int) -> list[int]:
-    """Accepted drafts of each full-length step, as `record_reference` keeps them: steps that drafted
-    fewer than K (the output's last tokens, a lookup without a K-token match) are left out."""
-    return [accepted for _, drafted, accepted in chain_steps(full, start, propose, k) if drafted == k]
 
 
 def lookup_proposer(full: Sequence[int], drafter) -> Proposer:
@@ -72,10 +66,10 @@ def held_back_reference(reference, prompts_ids: Sequence[Sequence[int]], outputs
     for prompt, output in zip(prompts_ids, outputs):
         full = list(prompt) + list(output)
         propose = lookup_proposer(full, drafter) if drafter is not None else model_proposer(full, draft)
-        accepts += chain_accepts(full, len(prompt), propose, k)
+        walked = {size: chain_steps(full, len(prompt), propose, size) for size in {k, *steps}}  # each K once
+        accepts += [accepted for _, drafted, accepted in walked[k] if drafted == k]
         for size in steps:
-            steps[size] += [drafted == size for budget, drafted, _ in chain_steps(full, len(prompt), propose, size)
-                            if budget == size]
+            steps[size] += [drafted == size for budget, drafted, _ in walked[size] if budget == size]
     if not accepts:
         return None
     hits = {size: round(sum(found) / len(found), 4) for size, found in steps.items() if found}

@@ -335,7 +335,8 @@ class Worker:
             results = [error] * len(batch)
         seconds = time.perf_counter() - started
         self.stats.add_busy("verify", seconds)
-        if not any(isinstance(result, Exception) for result in results):
+        succeeded = not any(isinstance(result, Exception) for result in results)
+        if succeeded:
             self.stats.forward.add(self._tokens(prepared, riding), seconds)
         self.stats.prefill_tokens_batched += sum(job.prefill.fed for job, _ in riding) - fed_before
         for job, _ in riding:
@@ -347,7 +348,7 @@ class Worker:
                 result = (dict(result[0], batch_size=len(batch), queue_s=started - message.received), result[1])
                 request.session.replied_at = replied
             out.append((message, self._reply(message, result)))
-        if not riding and not any(isinstance(result, Exception) for result in results):
+        if succeeded and not riding:
             forward_s = float(results[0][0]["target_forward_s"])
             self.stats.host.add(len(batch), time.perf_counter() - started - forward_s
                                 + sum(message.host_s for message, _ in batch))
