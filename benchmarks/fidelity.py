@@ -41,18 +41,22 @@ def exhaustive(spec: TuneSpec, result, progress: bool) -> tuple[pd.DataFrame, fl
     store = phases.Store(result.folder)
     drafts = {c.name: _draft_model(c, target, spec) for c in candidates}
     rows, seconds = [], 0.0
+    tuned = {row["label"]: row for row in result.measured.to_dict("records")}
     points = result.predicted[(result.predicted["clients"] == 1)]
     for row in points.to_dict("records"):
         candidate = next((c for c in candidates if c.name == row["candidate"]), candidates[0])
         method = ("target-only" if row["kind"] == "none" else candidate.method if row["kind"] == "chain"
                   else "prompt-lookup-tree" if candidate.method == "prompt-lookup" else "tree")
-        started = time.perf_counter()
+        # as the tune does: the point's widths re-timed just before it runs (the tune's own points keep theirs)
+        at_run = None if row["label"] in tuned else result.predict_now(
+            result.calibrator.refresh(candidate.name, int(row["k"])))
         records = phases.measure(store, runner, candidate, method, int(row["k"]), held, drafts[candidate.name], spec,
                                  progress)
         seconds += records["step_s"].sum() + records["prefill_s"].drop_duplicates().sum()
-        del started
-        rows.append(_row(row["candidate"], method, int(row["k"]), records, result.predicted, result.predicted.assign(
-            tokens_per_s=result.predicted["raw_tokens_per_s"]), spec, rtt_ms, label=row["label"]))
+        rows.append(tuned.get(row["label"]) or _row(
+            row["candidate"], method, int(row["k"]), records, result.predicted,
+            result.predicted.assign(tokens_per_s=result.predicted["raw_tokens_per_s"]), spec, rtt_ms,
+            label=row["label"], at_run=at_run))
     return pd.DataFrame(rows), seconds
 
 
@@ -63,6 +67,7 @@ def summary(frame: pd.DataFrame, column: str) -> pd.DataFrame:
     return pd.DataFrame({
         "points": grouped.size(),
         "median_err_before": grouped["error_before"].apply(lambda v: quantile(v, 0.5)),
+        "median_err_window": grouped["error_window"].apply(lambda v: quantile(v, 0.5)),
         "median_err_after": grouped["error_after"].apply(lambda v: quantile(v, 0.5)),
         "p90_err_after": grouped["error_after"].apply(lambda v: quantile(v, 0.9)),
     }).reset_index()
@@ -108,6 +113,8 @@ def main() -> None:
                "median_err_after": round(float(sweep["error_after"].abs().median()), 4),
                "p90_err_after": round(float(sweep["error_after"].abs().quantile(0.9)), 4),
                "median_err_before": round(float(sweep["error_before"].abs().median()), 4),
+               "median_err_window": round(float(sweep["error_window"].abs().median()), 4),
+               "p90_err_window": round(float(sweep["error_window"].abs().quantile(0.9)), 4),
                "calibration": result.calibration, "left_out": result.left_out}
         rows.append(row)
         summaries.append(summary(sweep, column).assign(dataset=dataset))

@@ -27,7 +27,9 @@ def test_tune_end_to_end_chooses_a_measured_point_and_writes_what_run_reads(tmp_
     result = tune(spec(), tmp_path, progress=False)
     measured = result.measured
     assert measured.iloc[0]["method"] == "target-only" and len(measured) >= 3
-    assert {"error_before", "error_after", "flag"} <= set(measured.columns)
+    assert {"error_before", "error_window", "error_after", "flag"} <= set(measured.columns)
+    assert set(result.calibration["width_factors"]) == {1, 2, 3, 5}  # every verify width re-timed
+    assert all(factor > 0 for factor in result.calibration["width_factors"].values())
     assert (measured["measured_tokens_per_s"] > 0).all() and (measured["predicted_tokens_per_s"] > 0).all()
     assert result.calibration["speed_factor"] > 0 and result.seconds["measurements"] >= 0
     best = measured.loc[measured["label"] == result.chosen["label"]].iloc[0]
@@ -130,3 +132,46 @@ def test_acceptance_replayed_from_target_only_outputs_is_what_sd_accepts(tiny_ta
             lookup_proposer(prompt + alone[("target-only", index)], PromptLookupDrafter()), k)]
         hit = sum(drafted == k for budget, drafted, _ in steps if budget == k) / sum(b == k for b, _, _ in steps)
         assert 0 < hit < 1 and _hits(sd, k, 24, lookup=True) == {k: round(hit, 4)}
+
+
+def test_width_factors_scale_each_forward_by_its_own_drift():
+    """A profile scaled by per-width factors: each row by its width's factor, linear between re-timed
+    widths, the nearest one's beyond them; the forward time at any width follows."""
+    from specbench.plan.predict import LatencyProfile
+    from specbench.tune.calibrate import factor_at, scaled
+
+    factors = {1: 0.8, 5: 0.9}
+    assert factor_at(factors, 1) == 0.8 and factor_at(factors, 3) == pytest.approx(0.85)
+    assert factor_at(factors, 8) == 0.9 and factor_at(factors, 0) == 0.8
+    profile = LatencyProfile(model="m", device="cpu", dtype="float32", quantization="none", weight_bytes=1,
+                             kv_bytes_per_token=1, rows=((1, 64, 0.100, 1), (3, 64, 0.120, 1), (5, 64, 0.150, 1),
+                                                         (5, 64, 0.300, 2)))
+    now = scaled(profile, factors)
+    assert now.forward_s(1, 64) == pytest.approx(0.080) and now.forward_s(3, 64) == pytest.approx(0.102)
+    assert now.forward_s(5, 64) == pytest.approx(0.135) and now.forward_s(5, 64, 2) == pytest.approx(0.270)
+
+
+def test_calibration_reads_the_runs_in_loop_forward_and_retimes_every_width(monkeypatch):
+    """The anchor carries the in-loop 1-token forward over the re-timed one to every width; a refresh
+    re-times the point's widths and keeps the calibration's other ones; a draft with no model takes
+    the target's factors."""
+    import pandas as pd
+
+    import specbench.tune.calibrate as calibrate
+    from specbench.plan.predict import LatencyProfile
+
+    profile = LatencyProfile(model="t", device="cpu", dtype="float32", quantization="none", weight_bytes=1,
+                             kv_bytes_per_token=1, rows=((1, 64, 0.100, 1), (5, 64, 0.200, 1)))
+    timed = {"now": {1: 0.9, 5: 0.7}}
+    monkeypatch.setattr(calibrate, "retime", lambda model, prof, widths, context, repeats: {
+        w: timed["now"][w] for w in widths})
+    baseline = pd.DataFrame({"target_forward_s": [0.099, 0.099], "overhead_s": [0.002, 0.002]})
+    calibrator = calibrate.Calibrator.from_baseline(baseline, object(), profile, {"lookup": None}, {"lookup": None},
+                                                    context=64, widths=[5], repeats=1)
+    assert calibrator.anchor == pytest.approx(0.099 / 0.090)
+    assert calibrator.target_factors == pytest.approx({1: 0.99, 5: 0.77})
+    target, drafts = calibrator.profiles()
+    assert target.forward_s(5, 64) == pytest.approx(0.154) and drafts == {"lookup": None}
+    timed["now"] = {1: 0.9, 5: 0.9}
+    target, _ = calibrator.refresh("lookup", 4)
+    assert target.forward_s(5, 64) == pytest.approx(0.200 * 0.9 * 0.099 / 0.090)

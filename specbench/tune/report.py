@@ -59,17 +59,21 @@ def write_report(path: Path, spec: TuneSpec, result) -> Path:
     column = cost_column(spec.objective)
     measured = result.measured.rename(columns={"measured_tokens_per_s": "tokens_per_s"})
     predicted = result.predicted.assign(variant=result.predicted["candidate"])
-    note = (f"Calibration (a target-only run measured in the same window as the held-back runs): this machine "
-            f"ran the target's forward {result.calibration.get('speed_factor', 1):g}x the profile's time, "
+    widths = ", ".join(f"{w} tokens {f:.3g}x" for w, f in (result.calibration.get("width_factors") or {}).items())
+    note = (f"Calibration (a target-only run measured in the same window as the held-back runs, every forward width "
+            f"re-timed then, and each measured point's widths again just before it ran): this machine ran the "
+            f"target's 1-token forward {result.calibration.get('speed_factor', 1):g}x the profile's time"
+            f"{f' (per width: {widths})' if widths else ''}, "
             f"{1000 * result.calibration.get('overhead_s', 0):.1f} ms of loop per step. Chosen: "
             f"{result.chosen['label']} at cs={spec.cs:g} ({spec.objective}).")
     page = write_pareto_report(path, [{"title": f"tune {spec.target}", "predicted": predicted,
                                        "measured": measured[["label", "tokens_per_s", column]], "cs": spec.cs}],
                                cost=spec.objective, note=note)
-    errors = result.measured[["label", "measured_tokens_per_s", "predicted_tokens_per_s", "calibrated_tokens_per_s",
-                              "error_before", "error_after", "flag"]]
+    errors = result.measured[["label", "measured_tokens_per_s", "predicted_tokens_per_s", "window_tokens_per_s",
+                              "calibrated_tokens_per_s", "error_before", "error_window", "error_after", "flag"]]
     extra = (f"<h2>Predicted vs measured (held-back prompts)</h2><p>Goal: |error| <= {GOAL_ERROR:.0%} after "
-             f"calibration. Median |error| before {_median(result.measured['error_before']):.1%}, after "
+             f"calibration. Median |error| before {_median(result.measured['error_before']):.1%}, at the "
+             f"calibration window {_median(result.measured['error_window']):.1%}, after (re-timed at the run) "
              f"{_median(result.measured['error_after']):.1%}.</p>"
              + errors.to_html(index=False, float_format=lambda v: f"{v:.4g}")
              + "<h2>Left out</h2><ul>" + "".join(f"<li>{html.escape(line)}</li>" for line in result.left_out)

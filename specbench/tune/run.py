@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from specbench.plan.costs import Power, Prices
 from specbench.plan.explore import cost_column, measured_points, operating_points, prediction_frame, recommend
 import specbench.tune.phases as phases
+from specbench.tune.calibrate import Calibrator
 from specbench.tune.candidates import check_drafts, resolve_candidates
 from specbench.tune.spec import GOAL_ERROR, TuneSpec, split_prompts
 from specbench.types import SpecbenchError
@@ -39,6 +40,8 @@ class TuneResult:
     calibration: dict = field(default_factory=dict)
     left_out: list = field(default_factory=list)
     seconds: dict = field(default_factory=dict)  # per phase
+    calibrator: Optional[Calibrator] = field(default=None, repr=False)  # re-times and re-predicts a point now
+    predict_now: Optional[object] = field(default=None, repr=False)  # profiles -> the prediction table
 
 
 def tune(spec: TuneSpec, folder: Optional[str | Path] = None, progress: bool = True) -> TuneResult:
@@ -94,15 +97,14 @@ def tune(spec: TuneSpec, folder: Optional[str | Path] = None, progress: bool = T
     raw = _predict(candidates, target_profile, draft_profiles, references, points, context, spec)
     phase("predictions")
     baseline = phases.measure(store, runner, candidates[0], "target-only", 0, held, None, spec, progress)
-    calibration_terms = _calibrate(baseline, target_profile, context)
-    scale = calibration_terms["speed_factor"]
-    draft_scales = _draft_speeds(drafts, draft_profiles, context, spec, default=scale)
+    calibrator = Calibrator.from_baseline(baseline, runner, target_profile, drafts, draft_profiles, context,
+                                          target_grid["tokens"], spec.repeats)
     held_references = _held_back(references, candidates, drafts, held, baseline, tokenizer, spec.chain_ks)
-    calibration_terms.update(draft_speed_factors=draft_scales, acceptance_replayed=sorted(
+    calibration_terms = dict(calibrator.terms, acceptance_replayed=sorted(
         name for name in held_references if held_references[name] is not references[name]))
-    predicted = _predict(candidates, _scaled(target_profile, scale),
-                         {n: _scaled(p, draft_scales[n]) if p else None for n, p in draft_profiles.items()},
-                         held_references, points, context, spec, overhead_s=calibration_terms["overhead_s"])
+    now = lambda profiles: _predict(candidates, *profiles, held_references, points, context, spec,  # noqa: E731
+                                    overhead_s=calibrator.overhead_s)
+    predicted = now(calibrator.profiles())
     predicted["raw_tokens_per_s"] = raw["tokens_per_s"].values
     phase("calibration")
     measured = [_row("target-only", "target-only", 0, baseline, predicted, raw, spec, rtt_ms)]
@@ -119,10 +121,11 @@ def tune(spec: TuneSpec, folder: Optional[str | Path] = None, progress: bool = T
         candidate = next(c for c in candidates if c.name == row["candidate"])
         method = candidate.method if row["kind"] == "chain" else ("prompt-lookup-tree" if candidate.method == "prompt-lookup"
                                                                   else "tree")
+        at_run = now(calibrator.refresh(candidate.name, int(row["k"])))  # the widths it uses, re-timed just before
         records = phases.measure(store, runner, candidate, method, int(row["k"]), held, drafts[candidate.name], spec,
                                  progress)
         measured.append(_row(candidate.name, method, int(row["k"]), records, predicted, raw, spec, rtt_ms,
-                             label=row["label"]))
+                             label=row["label"], at_run=at_run))
     phase("measurements")
     bar.close()
     table = pd.DataFrame(measured)
@@ -130,7 +133,8 @@ def tune(spec: TuneSpec, folder: Optional[str | Path] = None, progress: bool = T
     from specbench.tune.report import write_config, write_report
 
     result = TuneResult(predicted, table, chosen, folder, calibration=calibration_terms, left_out=left_out,
-                        seconds={name: round(value, 1) for name, value in seconds.items()})
+                        seconds={name: round(value, 1) for name, value in seconds.items()}, calibrator=calibrator,
+                        predict_now=now)
     result.config_path = write_config(folder / "tune.json", spec, chosen)
     result.report_path = write_report(folder / "report.html", spec, result)
     return result
@@ -201,39 +205,6 @@ def _predict(candidates, target_profile, draft_profiles, references, points, con
     return frame
 
 
-def _scaled(profile, factor: float):
-    """`profile` with every time multiplied by `factor`: this machine now, against when it was profiled."""
-    return replace(profile, rows=tuple((r[0], r[1], r[2] * factor, *r[3:]) for r in profile.rows))
-
-
-def _calibrate(baseline: pd.DataFrame, target_profile, context: int) -> dict:
-    """The terms a target-only run measured now corrects: the machine's speed against the profile's
-    (its forward time over the profile's 1-token forward) and the loop's own cost per step."""
-    forward = float(baseline["target_forward_s"].median())
-    profiled = target_profile.forward_s(1, context)
-    return {"speed_factor": round(forward / profiled, 4) if profiled else 1.0,
-            "overhead_s": round(float(baseline["overhead_s"].median()), 5),
-            "measured_forward_ms": round(1000 * forward, 2), "profiled_forward_ms": round(1000 * profiled, 2)}
-
-
-def _draft_speeds(drafts: dict, draft_profiles: dict, context: int, spec: TuneSpec, default: float) -> dict:
-    """Each draft model's speed now against its profile (its 1-token forward timed again, in the window of
-    the target's calibration run): one factor for the whole machine mis-scaled drafts whose few-row
-    forwards drifted otherwise than the target's (the 2026-11-25 fidelity run). No model: the target's."""
-    from specbench.record import profile_model
-
-    factors = {}
-    for name, model in drafts.items():
-        profile = draft_profiles.get(name)
-        if model is None or profile is None:
-            factors[name] = default
-            continue
-        now, _ = profile_model(model, tokens=[1], contexts=[context], repeats=spec.repeats, progress=False)
-        profiled = profile.forward_s(1, context)
-        factors[name] = round(now.forward_s(1, context) / profiled, 4) if profiled else default
-    return factors
-
-
 def _held_back(references: dict, candidates, drafts: dict, held: list, baseline: pd.DataFrame, tokenizer,
                ks) -> dict:
     """Each candidate's reference with its chain acceptance replayed on the held-back prompts from the
@@ -282,16 +253,22 @@ def _to_measure(predicted: pd.DataFrame, spec: TuneSpec) -> list[dict]:
 
 
 def _row(candidate: str, method: str, k: int, records: pd.DataFrame, predicted: pd.DataFrame, raw: pd.DataFrame,
-         spec: TuneSpec, rtt_ms: float, label: Optional[str] = None) -> dict:
+         spec: TuneSpec, rtt_ms: float, label: Optional[str] = None, at_run: Optional[pd.DataFrame] = None) -> dict:
+    """A measured point against its predictions: before calibration (`raw`), at the calibration window
+    (`predicted`) and, where given, with its widths re-timed just before it ran (`at_run`, the one the
+    error after calibration is taken from)."""
     where = "remote" if spec.endpoint else "local"
     priced = measured_points(records.assign(method=method, k=k), where=where, rtt_ms=rtt_ms).iloc[0]
     label = label or predicted.loc[predicted["kind"] == "none", "label"].iloc[0]
     at = predicted["label"] == label
-    calibrated, before = float(predicted.loc[at, "tokens_per_s"].iloc[0]), float(raw.loc[at.values, "tokens_per_s"].iloc[0])
+    value = lambda frame: float(frame.loc[(frame["label"] == label).values, "tokens_per_s"].iloc[0])  # noqa: E731
+    window, before = value(predicted), value(raw)
+    calibrated = value(at_run) if at_run is not None else window
     measured = float(priced["tokens_per_s"])
     row = {"label": label, "candidate": candidate, "method": method, "k": k, "measured_tokens_per_s": measured,
-           "predicted_tokens_per_s": before, "calibrated_tokens_per_s": calibrated,
-           "error_before": before / measured - 1, "error_after": calibrated / measured - 1,
+           "predicted_tokens_per_s": before, "window_tokens_per_s": window, "calibrated_tokens_per_s": calibrated,
+           "error_before": before / measured - 1, "error_window": window / measured - 1,
+           "error_after": calibrated / measured - 1,
            "measured_tokens_per_step": float(priced["tokens_per_step"]),
            "predicted_tokens_per_step": float(predicted.loc[at, "tokens_per_step"].iloc[0]),
            cost_column(spec.objective): float(priced[cost_column(spec.objective)]), "steps": int(priced["steps"]),

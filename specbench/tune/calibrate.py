@@ -1,0 +1,117 @@
+"""A tune's profiles brought to this machine's speed now, per forward width, and again before each run.
+
+Why per width and per run: a CPU's speed drifts within minutes, and not by one factor: on 2026-11-26
+the target's 1-token forward ran 22% faster than its profile said while its 5- and 7-token forwards ran
+7-18% faster, so one factor from the target-only run priced every verify wrongly. The calibration
+re-times every width the predictions use right after the target-only run (anchored to that run's
+in-loop 1-token forward, which includes what the loop adds around a forward), and each measured point
+re-times the widths it uses just before it runs: a prediction from profiles and acceptance, taken at the
+moment of the run it predicts, never from the run itself.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+import pandas as pd
+
+DRAFT_WIDTHS = (1, 2)  # a draft's forwards: one token per drafted position, the catch-up after a full accept
+
+
+def scaled(profile, factors: dict):
+    """`profile` with each row's time multiplied by its width's factor (`factor_at`)."""
+    return replace(profile, rows=tuple((r[0], r[1], r[2] * factor_at(factors, r[0]), *r[3:]) for r in profile.rows))
+
+
+def factor_at(factors: dict, width: int) -> float:
+    """The factor of `width`: linear between re-timed widths, the nearest one's beyond them.
+    Example: {1: 0.8, 5: 0.9} gives 0.85 at width 3 and 0.9 at width 8."""
+    widths = sorted(factors)
+    if width <= widths[0]:
+        return factors[widths[0]]
+    if width >= widths[-1]:
+        return factors[widths[-1]]
+    index = bisect.bisect_left(widths, width)
+    low, high = widths[index - 1], widths[index]
+    return factors[low] + (factors[high] - factors[low]) * (width - low) / (high - low)
+
+
+def retime(model, profile, widths, context: int, repeats: int) -> dict:
+    """{width: time now / profiled time} for `model` (a loaded model, or a RemoteTarget: its worker
+    re-times) at `context`, batch 1."""
+    from specbench.record import profile_model, profile_worker
+
+    widths = sorted(set(widths))
+    if hasattr(model, "verify_begin"):
+        now, _ = profile_worker(model.endpoint, tokens=widths, contexts=[context], repeats=repeats, batches=[1])
+    else:
+        now, _ = profile_model(model, tokens=widths, contexts=[context], repeats=repeats, progress=False)
+    return {w: now.forward_s(w, context) / profile.forward_s(w, context) for w in widths
+            if profile.forward_s(w, context) > 0}
+
+
+@dataclass
+class Calibrator:
+    """The profiles of a tune, and what a target-only run measured now says about them.
+
+    `target_factors` / `draft_factors`: per width, time now over profiled time (the target's anchored
+    to the run's in-loop forward); `refresh` re-times the widths one point uses."""
+
+    runner: object  # what runs the target: a loaded model, or a RemoteTarget
+    target_profile: object
+    drafts: dict  # candidate name -> loaded draft model (None: no model, e.g. prompt lookup)
+    draft_profiles: dict
+    context: int
+    repeats: int
+    overhead_s: float = 0.0
+    anchor: float = 1.0  # the in-loop 1-token forward over the re-timed one, both measured now
+    target_factors: dict = field(default_factory=dict)
+    draft_factors: dict = field(default_factory=dict)
+    terms: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_baseline(cls, baseline: pd.DataFrame, runner, target_profile, drafts: dict, draft_profiles: dict,
+                      context: int, widths, repeats: int) -> "Calibrator":
+        """Calibrate from the target-only run `baseline` (just measured) and every width re-timed now."""
+        calibrator = cls(runner, target_profile, drafts, draft_profiles, context, repeats,
+                         overhead_s=round(float(baseline["overhead_s"].median()), 5))
+        in_loop = float(baseline["target_forward_s"].median())
+        widths = sorted({1, *widths})
+        now = retime(runner, target_profile, widths, context, repeats)
+        retimed_one = now.get(1, 1.0) * target_profile.forward_s(1, context)
+        calibrator.anchor = in_loop / retimed_one if retimed_one else 1.0
+        calibrator.target_factors = {w: round(f * calibrator.anchor, 4) for w, f in now.items()}
+        for name in drafts:
+            calibrator.draft_factors[name] = calibrator._draft_now(name, {})
+        profiled_one = target_profile.forward_s(1, context)
+        calibrator.terms = {
+            "speed_factor": round(in_loop / profiled_one, 4) if profiled_one else 1.0,
+            "width_factors": calibrator.target_factors, "anchor": round(calibrator.anchor, 4),
+            "overhead_s": calibrator.overhead_s, "measured_forward_ms": round(1000 * in_loop, 2),
+            "profiled_forward_ms": round(1000 * profiled_one, 2),
+            "draft_speed_factors": {n: f.get(1) for n, f in calibrator.draft_factors.items()}}
+        return calibrator
+
+    def _draft_now(self, name: str, default: dict) -> dict:
+        model, profile = self.drafts.get(name), self.draft_profiles.get(name)
+        if model is None or profile is None:
+            return default
+        return {w: round(f, 4) for w, f in retime(model, profile, DRAFT_WIDTHS, self.context, self.repeats).items()}
+
+    def profiles(self, target_factors: Optional[dict] = None, draft_factors: Optional[dict] = None):
+        """(the target's profile, {name: draft profile}) at these factors (default: the calibration's);
+        a draft never re-timed takes the target's factors."""
+        target_factors = target_factors or self.target_factors
+        draft_factors = {**self.draft_factors, **(draft_factors or {})}
+        drafts = {name: scaled(profile, draft_factors.get(name) or target_factors) if profile else None
+                  for name, profile in self.draft_profiles.items()}
+        return scaled(self.target_profile, target_factors), drafts
+
+    def refresh(self, candidate: Optional[str], k: int):
+        """The profiles re-timed now at the widths a point of `candidate` at `k` uses (the target's
+        1- and (1 + k)-token forwards, its draft's), just before that point runs."""
+        now = retime(self.runner, self.target_profile, {1, 1 + k}, self.context, self.repeats)
+        target = {**self.target_factors, **{w: f * self.anchor for w, f in now.items()}}
+        drafts = {candidate: self._draft_now(candidate, {})} if candidate in self.drafts else {}
+        return self.profiles(target, {n: f for n, f in drafts.items() if f})
