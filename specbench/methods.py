@@ -171,6 +171,12 @@ def _substitute(source: DraftSource):
     return ModelDrafter(load_model(spec), source.target.vocab_size, name=f"substitute:{spec.label}")
 
 
+def _eagle(source: DraftSource):
+    from specbench.heads.drafter import head_drafter
+
+    return head_drafter(source)
+
+
 for _method in (
     Method("target-only", "none"),
     Method("chain", "chain", _chain, plannable=True, drafts_ahead=True),
@@ -180,6 +186,7 @@ for _method in (
     Method("prompt-lookup-tree", "tree", _prompt_lookup_tree, lookup=True),
     Method("self-draft", "chain", _self_draft, plannable=True, drafts_ahead=True),
     Method("substitute", "chain", _substitute, plannable=True, drafts_ahead=True),
+    Method("eagle", "chain", _eagle),  # a draft head over the target's own hidden states (`heads/`)
     Method("server-only", "chain", on_worker=True),  # AutoDraft's Server-Only: the worker drafts too
     Method("server-only-ar", "none", on_worker=True),  # AutoDraft's Server-Only-AR
 ):

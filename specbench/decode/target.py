@@ -104,6 +104,7 @@ class SessionState:
     cache: object
     committed: list[int]
     tail: list[int] = field(default_factory=list)
+    features: list = field(default_factory=list)  # per cached position, where a draft head's tap is on (heads/)
 
     def check_invariant(self) -> None:
         cached = cached_length(self.cache)
@@ -136,6 +137,8 @@ class PrefillJob:
         chunk = self.next_chunk(max_tokens)
         if chunk:
             self.target.forward(self.state, chunk, position_ids=None, attention_mask=None, logits_to_keep=1)
+            if self.target.tap is not None:
+                self.state.features += self.target.tap.rows(range(len(chunk)))
             clock.synchronize(self.target.device)  # a caller timing the prefill times the work, not its launch
             self.fed += len(chunk)
         if self.remaining:
@@ -164,6 +167,7 @@ class LocalTarget:
         self.tokenizer = loaded.tokenizer
         self.max_context = max_context or getattr(self.model.config, "max_position_embeddings", None)
         self.sessions: dict[str, SessionState] = {}
+        self.tap = None  # a draft head's FeatureTap (`heads/features.py`): sessions keep their features
         self.plain = plain_layers(self.model.config)  # full attention only (no sliding window)
         # fast: fixed-shape compiled / graph-captured forwards over a static cache per session
         # (`decode/fast_forward.py`); True picks the device's backend, a string names one; None: on where it
@@ -231,6 +235,8 @@ class LocalTarget:
             forward_s = clock.device_time(self.device) - forward_start
             generator = torch.Generator().manual_seed(seed)
             path, bonus = verify(tree, logits[num_prefix - 1:], sampling, generator)  # on the device
+            if self.tap is not None:
+                state.features += self.tap.rows(list(range(num_prefix)) + [num_prefix + i for i in path])
         except BaseException:
             crop_to(state.cache, past)  # a failed step leaves the session exactly as it was
             raise

@@ -1,0 +1,107 @@
+"""Drafting with a head from the target's features: chains, each token drawn from the q it reports.
+
+The drafter is bound to the target's session it drafts for (`bind`, called by the loop), reads the
+features the target kept for the committed positions, feeds the head those it has not seen, then
+drafts past them with its own outputs as features. Positions drafted past the features are dropped
+at the next step: the verify gives the real ones.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from specbench.heads.model import EagleHead, HeadCache
+from specbench.sampling.probs import draft_distribution, sample_sparse
+from specbench.sampling.streams import DraftDraws, draft_draws
+from specbench.types import DraftTree, SamplingParams, SparseDist, SpecbenchError
+
+
+class HeadDrafter:
+    def __init__(self, head: EagleHead, target, name: str = "eagle"):
+        self.head, self.target, self.name = head, target, name
+        self.vocab_limit = target.vocab_size
+        self.session: Optional[str] = None
+        self.cache = HeadCache()
+        self.fed: list[int] = []  # x_0 .. x_real: the tokens whose features the head has read
+        self.last: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (hidden, logits) at the last real position
+
+    def bind(self, target, session: str) -> None:
+        """Draft for `session` of `target` (the loop calls this before its prefill)."""
+        if target is not self.target:
+            raise SpecbenchError("a head drafts from the target it was attached to; this loop runs another")
+        self.session, self.cache, self.fed, self.last = session, HeadCache(), [], None
+
+    def propose(self, context: Sequence[int], k: int, sampling: SamplingParams,
+                draws: DraftDraws | torch.Generator, max_depth: Optional[int] = None) -> DraftTree:
+        if k < 1:
+            raise SpecbenchError(f"draft budget must be >= 1, got {k}")
+        k = k if max_depth is None else min(k, max_depth)
+        draws, context = draft_draws(draws), list(context)
+        if not self._sync(context):
+            return DraftTree()
+        hidden, logits = self.last
+        tokens, dists = [], []
+        position = len(context) - 1  # the head position that reads the first drafted token
+        for index in range(k):
+            dist = draft_distribution(self.head.target_logits(logits)[: self.vocab_limit].float().cpu(), sampling)
+            tokens.append(sample_sparse(dist, draws.at(len(context) + index)))
+            dists.append(dist)
+            if index + 1 < k:
+                hidden, logits = self._feed([tokens[-1]], hidden[None], position + index)
+                hidden, logits = hidden[-1], logits[-1]
+        return DraftTree.chain(tokens, dists)
+
+    @torch.inference_mode()
+    def _feed(self, tokens: list[int], features: torch.Tensor, start: int):
+        device = self.head.lm_head.weight.device
+        ids = torch.tensor(tokens, device=device)
+        positions = torch.arange(start, start + len(tokens), device=device)
+        return self.head(ids, features, positions, self.cache)
+
+    @torch.inference_mode()
+    def _sync(self, context: list[int]) -> bool:
+        """Feed the head every committed position it has not read (position t: token t + 1, feature t);
+        False when there is none to draft from (a one-token prompt)."""
+        if self.session is None:
+            raise SpecbenchError("a head drafter is bound to a session before it drafts (the loop's bind)")
+        rows = self.target.state(self.session).features
+        common = 0
+        for fed, token in zip(self.fed, context):
+            if fed != token:
+                break
+            common += 1
+        real = max(0, min(len(self.fed), common) - 1)  # head positions still valid
+        self.cache.keep(real)
+        self.fed = self.fed[:real + 1] if real else []
+        new = len(context) - 1 - real
+        if new > 0:
+            if len(rows) < len(context) - 1:
+                raise SpecbenchError(f"the target kept features for {len(rows)} positions of a context of "
+                                     f"{len(context)}: it was prefilled before the head's tap was attached")
+            features = self.head.fuse(torch.stack(rows[real:len(context) - 1]))
+            hidden, logits = self._feed(context[real + 1:], features, real)
+            self.last = (hidden[-1], logits[-1])
+            self.fed = list(context)
+        elif self.cache.length:
+            self.cache.keep(len(context) - 1)
+        return self.last is not None and len(context) > 1
+
+
+def head_drafter(source) -> HeadDrafter:
+    """The `eagle` method's drafter: the head `source.draft` names (a folder, a Hugging Face id, or an
+    EagleHead), reading the features of `source.target`, which must run here (a LocalTarget)."""
+    from specbench.heads.features import attach
+    from specbench.heads.layouts import load_head
+
+    target_model = source.own_weights("eagle")
+    if not hasattr(source.target, "sessions"):
+        raise SpecbenchError("method 'eagle' drafts from the target's hidden states, so the target runs in this "
+                             "process (a RemoteTarget's worker does not send them yet)")
+    if source.draft is None:
+        raise SpecbenchError("method 'eagle' needs a draft head: pass draft=<folder or id of an EAGLE-3 head>")
+    head = source.draft if isinstance(source.draft, EagleHead) else load_head(source.draft, target_model)
+    attach(source.target, head.config.layer_ids)
+    label = getattr(source.draft, "name", None) or (str(source.draft) if not isinstance(source.draft, EagleHead)
+                                                   else "head")
+    return HeadDrafter(head, source.target, name=f"eagle:{label}")

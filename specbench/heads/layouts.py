@@ -1,0 +1,176 @@
+"""Draft heads on disk, in the two layouts published heads come in, read and written here.
+
+- `eagle3`: EAGLE-3's own checkpoints as vLLM and SGLang read them: a Llama-style `config.json`
+  (`LlamaForCausalLMEagle3`, `draft_vocab_size`, `target_hidden_size`, `eagle_config` with the layer
+  ids) and weights `fc.*`, `midlayer.*`, `norm.*`, `lm_head.*`, `d2t`, `t2d` (embeddings optional).
+- `speculators`: vLLM's speculators format: `speculators_model_type: eagle3`, the decoder layer's
+  settings under `transformer_layer_config`, weights under `layers.0.*`, its own `embed_tokens`.
+
+A head that does not fit the target (hidden size, vocabulary, layers it reads) is refused by name.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from specbench.heads.config import HeadConfig
+from specbench.heads.model import EagleHead
+from specbench.types import SpecbenchError
+
+LAYOUTS = ("eagle3", "speculators")
+_SIZES = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
+          "rope_theta", "head_dim", "max_position_embeddings", "vocab_size")
+
+
+def save_head(head: EagleHead, folder: str | Path, layout: str = "eagle3", target_name: str = "") -> Path:
+    """Write `head` to `folder` in `layout`; its embeddings only when they are its own (speculators: always)."""
+    from safetensors.torch import save_file
+
+    if layout not in LAYOUTS:
+        raise SpecbenchError(f"unknown head layout {layout!r}; one of {LAYOUTS}")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = head.config
+    state = {name: tensor.detach().contiguous() for name, tensor in head.state_dict().items()
+             if not name.startswith("rotary.")}
+    if layout == "eagle3":
+        if getattr(head, "shares_embeddings", False):
+            state.pop("embed_tokens.weight", None)
+        state = {name.replace("layers.0.", "midlayer.", 1): tensor for name, tensor in state.items()}
+    layer = {key: getattr(config, key) for key in _SIZES if getattr(config, key) is not None}
+    layer.update(num_hidden_layers=1, model_type="llama", tie_word_embeddings=False,
+                 **{k: v for k, v in config.extra.items() if k in ("rope_scaling", "hidden_act")})
+    if layout == "eagle3":
+        document = {"architectures": ["LlamaForCausalLMEagle3"], **layer, "draft_vocab_size": config.draft_vocab_size,
+                    "target_hidden_size": config.features_size, "norm_before_residual": config.norm_before_residual,
+                    "eagle_config": {"use_aux_hidden_state": True,
+                                     "eagle_aux_hidden_state_layer_ids": list(config.layer_ids)}}
+    else:
+        document = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+                    "draft_vocab_size": config.draft_vocab_size, "norm_before_residual": config.norm_before_residual,
+                    "target_hidden_size": config.features_size,
+                    "eagle_aux_hidden_state_layer_ids": list(config.layer_ids), "transformer_layer_config": layer,
+                    "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
+                                           "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
+                                           "verifier": {"name_or_path": target_name, "architectures": []}}}
+    (folder / "config.json").write_text(json.dumps(document, indent=1) + "\n")
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt", "written_by": "specbench"})
+    return folder
+
+
+def read_config(folder: Path) -> tuple[HeadConfig, str]:
+    """The head's config and its layout, from `config.json`."""
+    path = folder / "config.json"
+    try:
+        document = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise SpecbenchError(f"cannot read a draft head's config at {path}: {error}") from None
+    if document.get("speculators_model_type") == "eagle3":
+        layout, layer = "speculators", dict(document.get("transformer_layer_config") or {})
+        ids = document.get("eagle_aux_hidden_state_layer_ids") or ()
+    elif any("eagle3" in name.lower() for name in document.get("architectures") or ()) or "draft_vocab_size" in document:
+        layout, layer = "eagle3", document
+        ids = (document.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or ()
+    else:
+        raise SpecbenchError(f"{path} is not a draft head specbench reads: neither EAGLE-3's layout "
+                             f"(LlamaForCausalLMEagle3, draft_vocab_size) nor speculators' (speculators_model_type "
+                             f"'eagle3'); architectures {document.get('architectures')}")
+    missing = [key for key in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size") if key not in layer]
+    if missing:
+        raise SpecbenchError(f"{path} ({layout} layout) lacks {missing}")
+    if int(layer.get("num_hidden_layers", 1)) != 1:
+        raise SpecbenchError(f"{path}: a head of {layer['num_hidden_layers']} decoder layers; specbench runs "
+                             f"EAGLE-3's one-layer head")
+    config = HeadConfig(
+        hidden_size=int(layer["hidden_size"]), intermediate_size=int(layer["intermediate_size"]),
+        num_attention_heads=int(layer["num_attention_heads"]),
+        num_key_value_heads=int(layer.get("num_key_value_heads") or layer["num_attention_heads"]),
+        vocab_size=int(layer["vocab_size"]),
+        draft_vocab_size=int(document.get("draft_vocab_size") or layer.get("draft_vocab_size") or layer["vocab_size"]),
+        target_hidden_size=document.get("target_hidden_size") or layer.get("target_hidden_size"),
+        layer_ids=tuple(int(i) for i in ids), rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(layer.get("rope_theta", 10000.0)), head_dim=layer.get("head_dim"),
+        max_position_embeddings=int(layer.get("max_position_embeddings", 4096)),
+        norm_before_residual=bool(document.get("norm_before_residual", False)),
+        extra={k: layer[k] for k in ("rope_scaling", "hidden_act") if layer.get(k) is not None})
+    return config, layout
+
+
+def _weights(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if files:
+        state = {}
+        for file in files:
+            state.update(load_file(str(file)))
+        return state
+    binary = folder / "pytorch_model.bin"
+    if binary.exists():
+        return torch.load(binary, map_location="cpu", weights_only=True)
+    raise SpecbenchError(f"no weights in {folder} (model.safetensors or pytorch_model.bin)")
+
+
+def _local(where: str | Path) -> Path:
+    path = Path(where).expanduser()
+    if path.is_dir():
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(str(where), allow_patterns=["*.json", "*.safetensors", "*.bin"]))
+    except Exception as error:  # noqa: BLE001 - offline, unknown id, no access: all say the same to a user
+        raise SpecbenchError(f"draft head {where!r}: not a folder here, and the Hugging Face hub did not give it "
+                             f"({type(error).__name__}: {str(error)[:200]})") from None
+
+
+def load_head(where: str | Path, target, dtype: Optional[torch.dtype] = None) -> EagleHead:
+    """The head at `where` (a folder or a Hugging Face id), checked against `target` (a LoadedModel) and
+    sharing its input embeddings unless the checkpoint has its own."""
+    folder = _local(where)
+    config, layout = read_config(folder)
+    model = target.model
+    target_config = model.config
+    layers = len(model.model.layers) if hasattr(getattr(model, "model", None), "layers") else target_config.num_hidden_layers
+    config = config.fitted(layers)
+    if config.vocab_size != target.vocab_size:
+        raise SpecbenchError(f"draft head {where}: its vocabulary has {config.vocab_size} ids, the target's "
+                             f"{target.vocab_size}; a head drafts in its target's ids")
+    if config.features_size != target_config.hidden_size:
+        raise SpecbenchError(f"draft head {where}: it reads features of size {config.features_size}, the target's "
+                             f"hidden size is {target_config.hidden_size}")
+    state = {_name(name): tensor for name, tensor in _weights(folder).items()}
+    own = "embed_tokens.weight" in state
+    if not own and config.hidden_size != target_config.hidden_size:
+        raise SpecbenchError(f"draft head {where}: no embeddings of its own, and its hidden size "
+                             f"{config.hidden_size} is not the target's {target_config.hidden_size}")
+    config = config if "fc.bias" not in state else _with(config, fc_bias=True)
+    head = EagleHead(config, embed_tokens=None if own else model.get_input_embeddings())
+    head.shares_embeddings = not own
+    expected = {name for name in head.state_dict() if not name.startswith("rotary.")}
+    if not own:
+        expected.discard("embed_tokens.weight")
+    missing, unknown = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unknown:
+        raise SpecbenchError(f"draft head {where} ({layout} layout): weights missing {missing[:6]}, "
+                             f"not understood {unknown[:6]}")
+    try:
+        head.load_state_dict(state, strict=False)
+    except RuntimeError as error:
+        raise SpecbenchError(f"draft head {where} ({layout} layout): {str(error).splitlines()[-1].strip()}") from None
+    return head.to(dtype or model.dtype).to(model.get_input_embeddings().weight.device).eval()
+
+
+def _name(name: str) -> str:
+    name = name[len("model."):] if name.startswith("model.") and not name.startswith("model.embed") else name
+    name = name.replace("model.embed_tokens.", "embed_tokens.")
+    return name.replace("midlayer.", "layers.0.", 1)
+
+
+def _with(config: HeadConfig, **changes) -> HeadConfig:
+    from dataclasses import replace
+
+    return replace(config, **changes)

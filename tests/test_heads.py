@@ -1,0 +1,176 @@
+"""Draft heads (EAGLE-3's shape): lossless drafting from the target's features, both published layouts
+written and read back, a head shaped like a published one, and heads that do not fit refused by name."""
+import json
+
+import pytest
+import torch
+
+from specbench.api import outputs, run
+from specbench.decode.target import LocalTarget
+from specbench.heads.build import new_head
+from specbench.heads.layouts import load_head, save_head
+from specbench.models.tiny import tiny_model
+from specbench.types import SamplingParams, SpecbenchError
+
+PROMPTS = [[(i * 7 + j * 5) % 90 + 3 for j in range(9)] for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model(seed=0, num_layers=4)
+
+
+def test_a_head_drafts_losslessly_and_reads_every_committed_position(target):
+    """Greedy SD with a head equals target-only token for token (fp32); the target keeps one feature row
+    per cached position, and the head reads them without a second target forward."""
+    head = new_head(target, seed=3)
+    local = LocalTarget(target)
+    records = run(local, PROMPTS, method=["target-only", "eagle"], draft=head, k=4, max_new_tokens=24,
+                  progress=False, warmup=False)
+    got = outputs(records)
+    for index in range(len(PROMPTS)):
+        assert got[("eagle", index)] == got[("target-only", index)]
+    steps = records[records["method"] == "eagle"]
+    assert (steps["drafted"] == 4).mean() > 0.5 and steps["drafted"].max() == 4
+    local.prefill("probe", PROMPTS[0])
+    assert len(local.state("probe").features) == len(PROMPTS[0]) - 1
+    assert local.state("probe").features[0].shape == (3 * 64,)
+
+
+def test_sampled_drafting_with_a_head_keeps_the_targets_distribution():
+    """Rejection sampling with the head's reported q (real caches, real features): the first two emitted
+    tokens follow the target's exact marginals (chi-square), with the head accepted often enough to
+    exercise acceptance."""
+    import numpy as np
+
+    from specbench.decode.loop import Decoding, generate
+    from specbench.methods import DraftSource, make_drafter
+    from tests.test_distributions import P_VALUE_FLOOR, chi_square_p, target_marginals
+
+    vocab = 16
+    target = tiny_model(seed=3, vocab_size=vocab)
+    sampling = SamplingParams(temperature=1.5, rule="rejection", draft_top_k=8)
+    local = LocalTarget(target)
+    drafter = make_drafter("eagle", DraftSource(local, target, new_head(target, seed=6)))
+    prompt = [1, 2, 14, 1, 2, 15, 1, 2, 5, 1, 2]
+    draws, accepted = 1500, 0
+    first_counts, second_counts = np.zeros(vocab), np.zeros(vocab)
+    for draw in range(draws):
+        result = generate(local, drafter, prompt, Decoding(3, 2, sampling), seed=5_000 + draw)
+        accepted += sum(r.accepted for r in result.records)
+        first_counts[result.output_ids[0]] += 1
+        second_counts[result.output_ids[1]] += 1
+    first_p, second_p = target_marginals(target, prompt, sampling, vocab)
+    assert accepted > draws // 10, "the head must be accepted often for the test to exercise acceptance"
+    assert chi_square_p(first_counts, first_p) > P_VALUE_FLOOR
+    assert chi_square_p(second_counts, second_p) > P_VALUE_FLOOR
+
+
+@pytest.mark.parametrize("layout", ["eagle3", "speculators"])
+def test_each_published_layout_writes_and_reads_back_the_same_head(target, tmp_path, layout):
+    head = new_head(target, draft_ids=range(0, 96, 2), seed=2)
+    folder = save_head(head, tmp_path / layout, layout=layout, target_name="tiny")
+    document = json.loads((folder / "config.json").read_text())
+    assert ("speculators_model_type" in document) == (layout == "speculators")
+    loaded = load_head(folder, target)
+    assert torch.equal(loaded.d2t, head.d2t) and torch.equal(loaded.t2d, head.t2d)
+    for name, tensor in head.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    records = run(LocalTarget(target), PROMPTS[:2], method=["target-only", "eagle"], draft=str(folder), k=3,
+                  max_new_tokens=12, progress=False, warmup=False)
+    got = outputs(records)
+    assert got[("eagle", 0)] == got[("target-only", 0)] and got[("eagle", 1)] == got[("target-only", 1)]
+    assert set(records.loc[records["method"] == "eagle", "drafted"]) - {0} <= {1, 2, 3}
+
+
+def test_a_head_shaped_like_a_published_config_loads_and_drafts(tmp_path):
+    """The config of a published EAGLE-3 head (yuhuili/EAGLE3-LLaMA3.1-Instruct-8B's fields: Llama-3.1
+    rope scaling, a 32K draft vocabulary of a 128K target, no embeddings of its own) with its sizes
+    scaled down to a matching tiny Llama target, random weights: it loads, maps draft ids to target ids,
+    and drafts losslessly."""
+    from safetensors.torch import save_file
+
+    target = tiny_model(seed=4, vocab_size=256, hidden_size=64, num_layers=6)
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "bos_token_id": 128000, "eos_token_id": 128001,
+              "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02, "intermediate_size": 128,
+              "max_position_embeddings": 2048, "model_type": "llama", "num_attention_heads": 4,
+              "num_key_value_heads": 2, "num_hidden_layers": 1, "pad_token_id": 0, "rms_norm_eps": 1e-05,
+              "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                               "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+              "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+              "transformers_version": "4.47.1", "use_cache": True, "vocab_size": 256, "draft_vocab_size": 64}
+    folder = tmp_path / "published"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    generator = torch.Generator().manual_seed(0)
+    shapes = {"fc.weight": (64, 192), "midlayer.hidden_norm.weight": (64,), "midlayer.input_layernorm.weight": (64,),
+              "midlayer.post_attention_layernorm.weight": (64,), "midlayer.self_attn.q_proj.weight": (64, 128),
+              "midlayer.self_attn.k_proj.weight": (32, 128), "midlayer.self_attn.v_proj.weight": (32, 128),
+              "midlayer.self_attn.o_proj.weight": (64, 64), "midlayer.mlp.gate_proj.weight": (128, 64),
+              "midlayer.mlp.up_proj.weight": (128, 64), "midlayer.mlp.down_proj.weight": (64, 128),
+              "norm.weight": (64,), "lm_head.weight": (64, 64)}
+    state = {name: torch.randn(shape, generator=generator) * 0.2 for name, shape in shapes.items()}
+    kept = torch.arange(0, 256, 4)
+    state["d2t"] = kept - torch.arange(64)
+    state["t2d"] = torch.zeros(256, dtype=torch.bool).index_fill(0, kept, True)
+    save_file(state, str(folder / "model.safetensors"))
+    head = load_head(folder, target)
+    assert head.config.layer_ids == (2, 3, 3) and head.config.draft_vocab_size == 64
+    assert torch.equal(head.draft_to_target, kept) and head.embed_tokens is target.model.get_input_embeddings()
+    records = run(LocalTarget(target), PROMPTS[:2], method=["target-only", "eagle"], draft=str(folder), k=4,
+                  max_new_tokens=16, progress=False, warmup=False)
+    got = outputs(records)
+    assert got[("eagle", 0)] == got[("target-only", 0)] and got[("eagle", 1)] == got[("target-only", 1)]
+    drafted = records[records["method"] == "eagle"]
+    assert drafted["drafted"].max() == 4
+
+
+def test_heads_that_do_not_fit_the_target_are_refused_by_name(target, tmp_path):
+    head = new_head(target, seed=2)
+    folder = save_head(head, tmp_path / "head")
+    other_vocab = tiny_model(seed=0, vocab_size=128, num_layers=4)
+    with pytest.raises(SpecbenchError, match="vocabulary has 96 ids, the target's 128"):
+        load_head(folder, other_vocab)
+    wider = tiny_model(seed=0, hidden_size=32, num_layers=4)
+    with pytest.raises(SpecbenchError, match="features of size 64, the target's hidden size is 32"):
+        load_head(folder, wider)
+    shallow = tiny_model(seed=0, num_layers=2)
+    with pytest.raises(SpecbenchError, match=r"reads target layers \[2, 2, 1\], but the target has 2"):
+        load_head(folder, shallow)
+    (tmp_path / "not-a-head").mkdir()
+    (tmp_path / "not-a-head" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(SpecbenchError, match="not a draft head specbench reads"):
+        load_head(tmp_path / "not-a-head", target)
+    with pytest.raises(SpecbenchError, match="not a folder here"):
+        load_head(tmp_path / "nowhere", target)
+    with pytest.raises(SpecbenchError, match="needs a draft head"):
+        run(LocalTarget(target), PROMPTS[:1], method="eagle", max_new_tokens=4, progress=False, warmup=False)
+
+
+def test_the_head_reads_position_t_with_token_t_plus_1_and_the_targets_layer_inputs_at_t(target):
+    """After a prefill and two verified steps, the drafter's incremental state (features kept by the tap
+    per verify, the head's cache fed piece by piece, drafted positions dropped) equals one pass of the
+    head over the whole context with the layer inputs Hugging Face reports (`hidden_states[i]`)."""
+    from specbench.heads.model import HeadCache
+    from specbench.methods import DraftSource, make_drafter
+    from specbench.sampling.streams import Streams
+
+    head = new_head(target, seed=7)
+    local = LocalTarget(target)
+    drafter = make_drafter("eagle", DraftSource(local, target, head))
+    drafter.bind(local, "s")
+    local.prefill("s", PROMPTS[1])
+    streams, greedy = Streams(0), SamplingParams()
+    for _ in range(2):
+        context = local.committed("s")
+        tree = drafter.propose(context, 3, greedy, streams.draft)
+        local.verify("s", tree, greedy, 0)
+    context = local.committed("s")
+    drafter.propose(context, 2, greedy, streams.draft)
+    with torch.no_grad():
+        states = target.model(torch.tensor([context]), output_hidden_states=True).hidden_states
+        raw = torch.cat([states[i][0] for i in head.config.layer_ids], dim=-1)[:-1]
+        positions = torch.arange(len(context) - 1)
+        _, logits = head(torch.tensor(context[1:]), head.fuse(raw), positions, HeadCache())
+    assert drafter.cache.length >= len(context) - 1
+    torch.testing.assert_close(drafter.last[1], logits[-1], rtol=1e-4, atol=1e-4)
