@@ -269,11 +269,13 @@ def build_parser() -> argparse.ArgumentParser:
                                  "cache fit, plain target steps beyond")
     run_parser.set_defaults(handler=_run)
 
+    from specbench.heads.command import add_train_draft
     from specbench.serve.command import add_serve
     from specbench.tune.command import add_tune
 
     add_tune(commands)
     add_serve(commands)
+    add_train_draft(commands)
     worker = commands.add_parser("worker", help="serve a target model over ZeroMQ (Ctrl-C stops it)")
     worker.add_argument("--bind", default="tcp://127.0.0.1:5555")
     worker.add_argument("--model", help="catalog name, Hugging Face id or path")

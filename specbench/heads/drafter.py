@@ -100,8 +100,7 @@ def head_drafter(source) -> HeadDrafter:
                              "process (a RemoteTarget's worker does not send them yet)")
     if source.draft is None:
         raise SpecbenchError("method 'eagle' needs a draft head: pass draft=<folder or id of an EAGLE-3 head>")
-    head = source.draft if isinstance(source.draft, EagleHead) else load_head(source.draft, target_model)
+    where = getattr(source.draft, "model", source.draft)  # a ModelSpec (the CLI's --draft) names a folder or id
+    head = source.draft if isinstance(source.draft, EagleHead) else load_head(where, target_model)
     attach(source.target, head.config.layer_ids)
-    label = getattr(source.draft, "name", None) or (str(source.draft) if not isinstance(source.draft, EagleHead)
-                                                   else "head")
-    return HeadDrafter(head, source.target, name=f"eagle:{label}")
+    return HeadDrafter(head, source.target, name=f"eagle:{'head' if isinstance(where, EagleHead) else where}")

@@ -1,0 +1,50 @@
+"""`specbench train-draft`: the command line of head training (parsing and dispatch only)."""
+from __future__ import annotations
+
+
+def add_train_draft(commands) -> None:
+    from specbench.heads.layouts import LAYOUTS
+    from specbench.heads.train import TrainSpec
+
+    defaults = TrainSpec(target="")
+    train = commands.add_parser("train-draft", help="train an EAGLE-3-style draft head for a target on a prompt set "
+                                                    "(resumable); run it with --method eagle --draft <out>/head")
+    train.add_argument("--target", required=True, help="catalog name, Hugging Face id or path")
+    train.add_argument("--prompts", default=defaults.prompts, help="a dataset name or a JSONL path (default %(default)s)")
+    train.add_argument("--prompt-count", type=int, default=defaults.prompt_count)
+    train.add_argument("--held-out", type=int, default=defaults.held_out,
+                       help="prompts kept out of training, for the acceptance shown while training")
+    train.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens,
+                       help="tokens of each target response trained on")
+    train.add_argument("--max-length", type=int, default=defaults.max_length)
+    train.add_argument("--teacher-forced", action="store_true", help="train on the prompts' text, no responses")
+    train.add_argument("--draft-vocab", type=int, default=defaults.draft_vocab)
+    train.add_argument("--ttt-steps", type=int, default=defaults.ttt_steps, help="training-time-test unroll")
+    train.add_argument("--epochs", type=float, default=defaults.epochs)
+    train.add_argument("--learning-rate", type=float, default=defaults.learning_rate)
+    train.add_argument("--batch", type=int, default=defaults.batch)
+    train.add_argument("--minutes", type=float, help="stop training after this long (the checkpoint is kept)")
+    train.add_argument("--layout", choices=LAYOUTS, default=defaults.layout)
+    train.add_argument("--dtype", default=defaults.dtype)
+    train.add_argument("--out", required=True, help="folder: data, checkpoint, and the head in <out>/head; a rerun "
+                                                    "there resumes")
+    train.set_defaults(handler=_train_draft)
+
+
+def _train_draft(args) -> int:
+    from specbench.heads.train import TrainSpec, train_head
+
+    spec = TrainSpec(target=args.target, prompts=args.prompts, prompt_count=args.prompt_count, held_out=args.held_out,
+                     max_new_tokens=args.max_new_tokens, max_length=args.max_length, teacher_forced=args.teacher_forced,
+                     draft_vocab=args.draft_vocab, ttt_steps=args.ttt_steps, epochs=args.epochs,
+                     learning_rate=args.learning_rate, batch=args.batch, minutes=args.minutes, layout=args.layout,
+                     dtype=args.dtype)
+    result = train_head(spec, args.out)
+    last = result.history.dropna(subset=["held_out_tokens_per_step"]).tail(1) if "held_out_tokens_per_step" in \
+        result.history else result.history.tail(0)
+    print(f"head written to {result.folder / 'head'} ({spec.layout} layout): {result.data['sequences']} sequences, "
+          f"{result.data['tokens']} tokens, draft vocabulary {result.data['draft_vocab']}, step "
+          f"{result.data['steps']} of {result.data['total_steps']}, final loss {result.history['loss_0'].iloc[-1]:.3f}"
+          + (f", held-out tokens per step {float(last['held_out_tokens_per_step'].iloc[0]):.2f}" if len(last) else "")
+          + f"; seconds {result.seconds}")
+    return 0

@@ -1,0 +1,300 @@
+"""`specbench train-draft`: train a head for a target on a prompt set, in the layout heads are read in.
+
+Why these choices, on a 2-core CPU for a 135M target within minutes:
+- Data: the target's own greedy responses to the prompts (what it will be asked to continue), made in
+  batches by Hugging Face's `generate` (not speculative: data only), or the prompts' text as it is
+  (`teacher_forced`). One target forward per sequence gives every position's features and the
+  target's own next-token choice: the head learns the target's choices, not the text's.
+- Draft vocabulary: the ids the target chose most often in the training data (EAGLE-3's reduced
+  vocabulary); the head's output layer and final norm start as the target's own rows for those ids,
+  so it starts as "the target's head over a fused, one-layer guess of its last hidden state".
+- Training-time test (EAGLE-3): each sequence is unrolled `ttt_steps` times: step j reads at base
+  position p the head's own output of step j - 1 as its feature, attending to the real positions up to
+  p and to its own earlier steps at p, which is exactly what drafting j tokens past p sees.
+- Resumable: the data and features are cached, and a checkpoint (the head in its layout, the
+  optimizer, the step) is written every `checkpoint_every` steps; a rerun continues from it.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+import pandas as pd
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from specbench.heads.model import EagleHead
+from specbench.types import SpecbenchError
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    target: str
+    prompts: str | tuple = "sharegpt"  # a dataset name, a JSONL path, or the prompts (texts or token ids)
+    prompt_count: int = 256
+    held_out: int = 8  # prompts kept out of training for the acceptance shown while training
+    max_new_tokens: int = 96  # of each target response
+    max_length: int = 384  # tokens per training sequence (prompt + response), cut beyond
+    teacher_forced: bool = False  # train on the prompts' text as it is, no responses generated
+    draft_vocab: int = 8192
+    ttt_steps: int = 3
+    epochs: float = 2.0
+    learning_rate: float = 1e-3
+    batch: int = 4  # sequences per optimizer step
+    minutes: Optional[float] = None  # stop training when this much time has passed (checkpoint kept)
+    checkpoint_every: int = 25
+    eval_every: int = 50
+    layout: str = "eagle3"
+    dtype: str = "float32"
+    seed: int = 0
+
+    def check(self) -> None:
+        if self.prompt_count < self.held_out + 2:
+            raise SpecbenchError(f"prompt_count {self.prompt_count} leaves nothing to train on after {self.held_out} "
+                                 f"held-out prompts")
+        if self.ttt_steps < 1 or self.draft_vocab < 2 or self.batch < 1 or self.epochs <= 0:
+            raise SpecbenchError("ttt_steps, batch and epochs must be positive and draft_vocab at least 2")
+
+
+def sequences(target, spec: TrainSpec, prompts: list, progress: bool) -> list[list[int]]:
+    """Token ids of each training sequence: the prompt (chat template applied) and the target's greedy
+    response, or the prompt alone when `teacher_forced`."""
+    from specbench.api import encode_prompts
+
+    encoded = [ids[-spec.max_length:] for ids in encode_prompts(prompts, target.tokenizer)]
+    if spec.teacher_forced:
+        return encoded
+    model, pad = target.model, (target.eos_token_ids or (0,))[0]
+    out, batch = [], 16
+    bar = tqdm(total=len(encoded), desc="train-draft: target responses", unit="prompt", disable=not progress)
+    for start in range(0, len(encoded), batch):
+        group = encoded[start:start + batch]
+        width = max(len(ids) for ids in group)
+        ids = torch.tensor([[pad] * (width - len(g)) + g for g in group])
+        mask = torch.tensor([[0] * (width - len(g)) + [1] * len(g) for g in group])
+        with torch.inference_mode():
+            generated = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=spec.max_new_tokens,
+                                       do_sample=False, pad_token_id=pad)
+        for row, prompt in zip(generated[:, width:].tolist(), group):
+            response = row
+            for index, token in enumerate(row):
+                if token in target.eos_token_ids:
+                    response = row[:index + 1]
+                    break
+            out.append((prompt + response)[:spec.max_length])
+        bar.update(len(group))
+    bar.close()
+    return out
+
+
+@torch.inference_mode()
+def target_pass(target, ids: list[int], layer_ids) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the concatenated inputs of `layer_ids` per position [n, layers x hidden], the target's greedy
+    choice after each position [n]) from one forward."""
+    output = target.model(input_ids=torch.tensor([ids]), output_hidden_states=True)
+    raw = torch.cat([output.hidden_states[i][0] for i in layer_ids], dim=-1)
+    return raw.to(torch.float16), output.logits[0].argmax(-1)
+
+
+def draft_ids(labels: list[torch.Tensor], size: int) -> list[int]:
+    """The `size` ids the target chose most often (ascending, as d2t wants)."""
+    counts = torch.bincount(torch.cat(labels))
+    size = min(size, int((counts > 0).sum()))
+    return sorted(counts.topk(size).indices.tolist())
+
+
+def unrolled_logits(head: EagleHead, ids: torch.Tensor, features: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """Draft-vocabulary logits per training-time-test step: step j [n - j, draft vocab] at base positions
+    p = 0 .. n - 1 - j, each predicting the token after x_{p + 1 + j}.
+
+    `ids` are x_0 .. x_n, `features` the fused target features of positions 0 .. n - 1. Step 0 is the
+    head over the real features; step j reads token x_{p + 1 + j} with step j - 1's output at p as its
+    feature, at position p + j, attending to the real positions 0 .. p and to steps 1 .. j at base p."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    layer = head.layers[0]
+    attention = layer.self_attn
+    n, group = features.shape[0], attention.heads // attention.kv_heads
+    base = torch.arange(n)
+    causal = base[None, :] <= base[:, None]  # query p sees real key q <= p
+    keys, values, out = [], [], []
+    feature = features
+    for step in range(steps):
+        count = n - step  # base positions that still have a token to read and a label
+        if count <= 0:
+            break
+        tokens = ids[1 + step:1 + step + count]
+        current = feature[:count]
+        if layer.norm_before_residual:
+            current = layer.hidden_norm(current)
+            residual = current
+        else:
+            residual, current = current, layer.hidden_norm(current)
+        x = torch.cat([layer.input_layernorm(head.embed_tokens(tokens).to(current.dtype)), current], dim=-1)
+        q = attention.q_proj(x).view(count, attention.heads, attention.dim).transpose(0, 1)
+        k = attention.k_proj(x).view(count, attention.kv_heads, attention.dim).transpose(0, 1)
+        v = attention.v_proj(x).view(count, attention.kv_heads, attention.dim).transpose(0, 1)
+        cos, sin = head.rotary(x[None], (base[:count] + step)[None])
+        q, k = apply_rotary_pos_emb(q[None], k[None], cos, sin)
+        q, k = q[0], k[0]
+        keys.append(k.repeat_interleave(group, dim=0))
+        values.append(v.repeat_interleave(group, dim=0))
+        scale = 1 / math.sqrt(attention.dim)
+        real = (q @ keys[0][:, :, :].transpose(1, 2)[:, :, :]) * scale  # [heads, count, n]
+        real = real.masked_fill(~causal[:count, :n], float("-inf"))
+        own = [(q * keys[i][:, :count]).sum(-1, keepdim=True) * scale for i in range(1, step + 1)]  # [heads, count, 1]
+        weights = torch.softmax(torch.cat([real, *own], dim=-1), dim=-1)
+        mixed = weights[..., :n] @ values[0]
+        for i in range(1, step + 1):
+            mixed = mixed + weights[..., n + i - 1:n + i] * values[i][:, :count]
+        hidden = residual + attention.o_proj(mixed.transpose(0, 1).reshape(count, attention.heads * attention.dim))
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        out.append(head.lm_head(head.norm(hidden)))
+        feature = hidden
+    return out
+
+
+def _initial_head(target, vocabulary: list[int], seed: int) -> EagleHead:
+    from specbench.heads.build import new_head
+
+    head = new_head(target, draft_ids=vocabulary, seed=seed)
+    with torch.no_grad():  # start from the target's own output rows and final norm
+        head.lm_head.weight.copy_(target.model.get_output_embeddings().weight[vocabulary])
+        final_norm = getattr(target.model.model, "norm", None)
+        if final_norm is not None and final_norm.weight.shape == head.norm.weight.shape:
+            head.norm.weight.copy_(final_norm.weight)
+    return head
+
+
+@dataclass
+class TrainResult:
+    head: EagleHead
+    folder: Path
+    history: pd.DataFrame  # per logged step: loss per TTT step, held-out tokens per step
+    seconds: dict
+    data: dict  # sequences, tokens, draft vocabulary
+
+
+def train_head(spec: TrainSpec, folder: str | Path, progress: bool = True) -> TrainResult:
+    """Train a head for `spec.target`; resumes from `folder`'s checkpoint. The head is written to
+    `folder/head` in `spec.layout` (what `run(method="eagle", draft=...)` reads)."""
+    from specbench.datasets import load_prompts
+    from specbench.heads.config import default_layer_ids
+    from specbench.heads.layouts import load_head, save_head
+    from specbench.models.loading import load_model
+    from specbench.models.spec import ModelSpec
+
+    spec.check()
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    started, seconds = time.monotonic(), {}
+    torch.manual_seed(spec.seed)
+    target = load_model(ModelSpec(spec.target, dtype=spec.dtype))
+    rows = (load_prompts(spec.prompts, limit=spec.prompt_count, seed=spec.seed) if isinstance(spec.prompts, str)
+            else [{"prompt": prompt} for prompt in spec.prompts[:spec.prompt_count]])
+    if len(rows) < spec.held_out + 2:
+        raise SpecbenchError(f"prompt set {spec.prompts!r} gave {len(rows)} prompts: too few to train on")
+    prompts = [row["prompt"] for row in rows]
+    held, training = prompts[:spec.held_out], prompts[spec.held_out:]
+    data_path = folder / "data.pt"
+    if data_path.exists():
+        data = torch.load(data_path, weights_only=False)
+    else:
+        data = {"sequences": sequences(target, spec, training, progress), "spec": asdict(spec)}
+        torch.save(data, data_path)
+    seconds["data"] = round(time.monotonic() - started, 1)
+    layer_ids = default_layer_ids(target.model.config.num_hidden_layers)
+    passes = [target_pass(target, ids, layer_ids) for ids in tqdm(
+        data["sequences"], desc="train-draft: target features", unit="sequence", disable=not progress)]
+    seconds["features"] = round(time.monotonic() - started - sum(seconds.values()), 1)
+    vocabulary = data.get("vocabulary") or draft_ids([labels for _, labels in passes], spec.draft_vocab)
+    if "vocabulary" not in data:
+        data["vocabulary"] = vocabulary
+        torch.save(data, data_path)
+    checkpoint = folder / "checkpoint.pt"
+    head_folder = folder / "head"
+    if checkpoint.exists() and (head_folder / "config.json").exists():
+        head = load_head(head_folder, target)
+        state = torch.load(checkpoint, weights_only=False)
+    else:
+        head, state = _initial_head(target, vocabulary, spec.seed), None
+    head.train()
+    trainable = [p for name, p in head.named_parameters() if not name.startswith("embed_tokens")]
+    optimizer = torch.optim.AdamW(trainable, lr=spec.learning_rate, weight_decay=0.0)
+    total_steps = max(1, int(spec.epochs * len(passes) / spec.batch))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20) * max(
+        0.05, 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps))))
+    step, history = 0, []
+    if state is not None:
+        optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["schedule"])
+        step, history = state["step"], state["history"]
+    to_draft = torch.full((target.vocab_size,), -100, dtype=torch.long)
+    to_draft[torch.tensor(vocabulary)] = torch.arange(len(vocabulary))
+    order = torch.randperm(len(passes), generator=torch.Generator().manual_seed(spec.seed + 1))
+    deadline = started + 60 * spec.minutes if spec.minutes else None
+    bar = tqdm(total=total_steps, initial=step, desc="train-draft: head", unit="step", disable=not progress)
+    last_acceptance = history[-1].get("held_out_tokens_per_step") if history else None
+    while step < total_steps and not (deadline and time.monotonic() > deadline):
+        optimizer.zero_grad()
+        losses = torch.zeros(spec.ttt_steps)
+        for slot in range(spec.batch):
+            raw, labels = passes[int(order[(step * spec.batch + slot) % len(passes)])]
+            ids = torch.tensor(data["sequences"][int(order[(step * spec.batch + slot) % len(passes)])])
+            features = head.fuse(raw[:-1].float())
+            total = torch.zeros(())
+            for j, logits in enumerate(unrolled_logits(head, ids, features, spec.ttt_steps)):
+                wanted = to_draft[labels[1 + j:1 + j + logits.shape[0]]]
+                if (wanted >= 0).any():
+                    loss = nn.functional.cross_entropy(logits, wanted, ignore_index=-100)
+                    total = total + loss * (0.8 ** j) / spec.batch  # later steps weigh less (EAGLE-3's decay)
+                    losses[j] += float(loss.detach()) / spec.batch
+            total.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        optimizer.step()
+        schedule.step()
+        step += 1
+        record = {"step": step, **{f"loss_{j}": round(float(v), 4) for j, v in enumerate(losses)}}
+        if step % spec.eval_every == 0 or step == total_steps:
+            last_acceptance = held_out_acceptance(head, target, held, spec)
+            record["held_out_tokens_per_step"] = last_acceptance
+        history.append(record)
+        bar.set_postfix_str(f"loss {float(losses[0]):.3f}" + (f", {last_acceptance:.2f} tok/step held out"
+                                                              if last_acceptance else ""))
+        bar.update()
+        if step % spec.checkpoint_every == 0 or step == total_steps:
+            _checkpoint(head, head_folder, checkpoint, optimizer, schedule, step, history, spec, save_head)
+    bar.close()
+    _checkpoint(head, head_folder, checkpoint, optimizer, schedule, step, history, spec, save_head)
+    seconds["training"] = round(time.monotonic() - started - sum(seconds.values()), 1)
+    head.eval()
+    tokens = sum(len(s) for s in data["sequences"])
+    return TrainResult(head, folder, pd.DataFrame(history), seconds,
+                       {"sequences": len(data["sequences"]), "tokens": tokens, "draft_vocab": len(vocabulary),
+                        "steps": step, "total_steps": total_steps})
+
+
+def _checkpoint(head, head_folder, checkpoint, optimizer, schedule, step, history, spec, save_head) -> None:
+    save_head(head, head_folder, layout=spec.layout, target_name=spec.target)
+    temporary = checkpoint.with_suffix(".tmp")
+    torch.save({"optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(), "step": step,
+                "history": history}, temporary)
+    temporary.replace(checkpoint)
+
+
+def held_out_acceptance(head: EagleHead, target, prompts: list, spec: TrainSpec, k: int = 4,
+                        max_new_tokens: int = 32) -> float:
+    """Tokens per step of greedy chains of `k` from the head on the held-out prompts (a real SD run)."""
+    from specbench.api import run
+    from specbench.decode.target import LocalTarget
+
+    was_training = head.training
+    head.eval()
+    records = run(LocalTarget(target), prompts, method="eagle", draft=head, k=k, max_new_tokens=max_new_tokens,
+                  progress=False, warmup=False)
+    head.train(was_training)
+    return round(float(records["emitted"].mean()), 3)
