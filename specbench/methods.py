@@ -177,6 +177,12 @@ def _eagle(source: DraftSource):
     return head_drafter(source)
 
 
+def _eagle_tree(source: DraftSource):
+    from specbench.heads.drafter import head_drafter
+
+    return head_drafter(source, tree=True)
+
+
 for _method in (
     Method("target-only", "none"),
     Method("chain", "chain", _chain, plannable=True, drafts_ahead=True),
@@ -187,6 +193,7 @@ for _method in (
     Method("self-draft", "chain", _self_draft, plannable=True, drafts_ahead=True),
     Method("substitute", "chain", _substitute, plannable=True, drafts_ahead=True),
     Method("eagle", "chain", _eagle),  # a draft head over the target's own hidden states (`heads/`)
+    Method("eagle-tree", "tree", _eagle_tree),  # its EAGLE-2 dynamic tree
     Method("server-only", "chain", on_worker=True),  # AutoDraft's Server-Only: the worker drafts too
     Method("server-only-ar", "none", on_worker=True),  # AutoDraft's Server-Only-AR
 ):

@@ -29,29 +29,13 @@ class _Node:
     q: SparseDist
 
 
-class TreeDrafter(ModelDrafter):
-    """A draft model proposing a token tree.
+class TreeGrowth:
+    """How a token tree grows, for any drafter that can give the root's logits (`_root_logits`), feed
+    one level of nodes (`_forward_level`) and drop the tree afterwards (`_forget_tree`): a draft model
+    (`TreeDrafter`) or a draft head (`heads/drafter.py`). Settings: `widths` (fixed shape) or `beam`,
+    `branch`, `max_depth`, `prune` (dynamic), and `vocab_limit`."""
 
-    Fixed shape (`widths=(4, 2, 1)`): every node at depth d gets widths[d] children. Under greedy
-    and sample-match verification the children are the draft's top tokens; under rejection they
-    are independent draws from q, which is what recursive rejection sampling needs to stay exact
-    (the shape never depends on which tokens were drawn).
-
-    Dynamic (`widths=None`): OPT-Tree / EAGLE-2 style. Each level expands the `beam` nodes with the
-    highest cumulative draft probability, each into its top `branch` children; at the end the
-    `budget` nodes with the highest cumulative probability are kept, which maximises the expected
-    accepted length sum(P(path to node)) under the draft's own model. Ancestors always score at
-    least as high as their descendants, so the kept set is a tree. Example: budget 3, root
-    children a (.6) and b (.3), a's children c (.5 -> .3) and d (.4 -> .24): keeps a, b, c (ties
-    favour the shallower node). Verify it with greedy or sample-match: the selection depends on
-    the tokens drawn, so multi-draft rejection would not be exact on it.
-    """
-
-    def __init__(self, draft: LoadedModel, target_vocab_size: int, widths: Optional[Sequence[int]] = None,
-                 max_depth: int = 6, beam: int = 4, branch: int = 4, name: str = "tree", prune: bool = True,
-                 fast=None):
-        super().__init__(draft, target_vocab_size, name=name, fast=fast)
-        check_full_attention(draft.model, f"drafting a tree with {draft.spec.label}")
+    def _set_shape(self, widths, max_depth: int, beam: int, branch: int, prune: bool) -> None:
         if widths is not None and (not widths or any(w < 1 for w in widths)):
             raise SpecbenchError(f"tree widths must be positive per depth, got {widths}")
         if max_depth < 1 or beam < 1 or branch < 1:
@@ -70,7 +54,9 @@ class TreeDrafter(ModelDrafter):
             raise SpecbenchError("dynamic trees pick nodes by their drawn tokens, so rejection sampling would be "
                                  "biased on them: use rule='sample-match' (lossless) or a fixed-width tree")
         context = list(context)
-        root_logits = self._sync(context)
+        root_logits = self._root_logits(context)
+        if root_logits is None:  # nothing to draft from (a head before any feature)
+            return DraftTree()
         nodes: list[_Node] = []
         frontier = [(-1, root_logits)]
         fed: list[int] = []
@@ -88,8 +74,7 @@ class TreeDrafter(ModelDrafter):
                 frontier = list(zip(expand, self._forward_level(context, nodes, fed, expand)))
                 fed += expand
         finally:
-            crop_to(self.cache, len(context))  # tree tokens are not a sequence: keep only the context
-            self.cached_ids = list(context)
+            self._forget_tree(context)
         keep = self._select(nodes, budget)
         return self._as_tree(nodes, keep, sampling)
 
@@ -111,30 +96,6 @@ class TreeDrafter(ModelDrafter):
             nodes.append(_Node(token, parent, depth, base + math.log(max(weights[token], 1e-30)), q))
             created.append(len(nodes) - 1)
         return created
-
-    @torch.inference_mode()
-    def _forward_level(self, context, nodes, fed, expand) -> list[torch.Tensor]:
-        """Feed `expand` nodes in one forward; each attends to the context, its fed ancestors and itself."""
-        past = len(context) + len(fed)
-        total = past + len(expand)
-        dtype = self.model.dtype
-        mask = torch.full((len(expand), total), torch.finfo(dtype).min, dtype=dtype)
-        mask[:, : len(context)] = 0.0
-        column = {node: len(context) + i for i, node in enumerate(fed)}
-        for row, node in enumerate(expand):
-            mask[row, past + row] = 0.0
-            ancestor = nodes[node].parent
-            while ancestor >= 0:
-                mask[row, column[ancestor]] = 0.0
-                ancestor = nodes[ancestor].parent
-        device = self.model.get_input_embeddings().weight.device
-        positions = torch.tensor([[len(context) - 1 + nodes[n].depth for n in expand]], device=device)
-        tokens, mask = [nodes[n].token for n in expand], mask.view(1, 1, len(expand), total).to(device)
-        if self.fast is not None:  # a level is a few nodes: a fixed-shape step like a verify's
-            return list(self.fast(self.cache, tokens, positions, mask).float().cpu())
-        output = self.model(input_ids=torch.tensor([tokens], device=device), past_key_values=self.cache,
-                            position_ids=positions, attention_mask=mask, use_cache=True)
-        return list(output.logits[0].float().cpu())
 
     def _worth_expanding(self, nodes, created, budget) -> list[int]:
         """The `beam` best new nodes, minus those whose children could never be kept.
@@ -177,3 +138,60 @@ class TreeDrafter(ModelDrafter):
         return DraftTree(tokens=tuple(nodes[i].token for i in keep),
                          parents=tuple(remap[nodes[i].parent] if nodes[i].parent >= 0 else -1 for i in keep),
                          draft_dists=dists, expected_accepted=expected)
+
+
+class TreeDrafter(TreeGrowth, ModelDrafter):
+    """A draft model proposing a token tree.
+
+    Fixed shape (`widths=(4, 2, 1)`): every node at depth d gets widths[d] children. Under greedy
+    and sample-match verification the children are the draft's top tokens; under rejection they
+    are independent draws from q, which is what recursive rejection sampling needs to stay exact
+    (the shape never depends on which tokens were drawn).
+
+    Dynamic (`widths=None`): OPT-Tree / EAGLE-2 style. Each level expands the `beam` nodes with the
+    highest cumulative draft probability, each into its top `branch` children; at the end the
+    `budget` nodes with the highest cumulative probability are kept, which maximises the expected
+    accepted length sum(P(path to node)) under the draft's own model. Ancestors always score at
+    least as high as their descendants, so the kept set is a tree. Example: budget 3, root
+    children a (.6) and b (.3), a's children c (.5 -> .3) and d (.4 -> .24): keeps a, b, c (ties
+    favour the shallower node). Verify it with greedy or sample-match: the selection depends on
+    the tokens drawn, so multi-draft rejection would not be exact on it.
+    """
+
+    def __init__(self, draft: LoadedModel, target_vocab_size: int, widths: Optional[Sequence[int]] = None,
+                 max_depth: int = 6, beam: int = 4, branch: int = 4, name: str = "tree", prune: bool = True,
+                 fast=None):
+        ModelDrafter.__init__(self, draft, target_vocab_size, name=name, fast=fast)
+        check_full_attention(draft.model, f"drafting a tree with {draft.spec.label}")
+        self._set_shape(widths, max_depth, beam, branch, prune)
+
+    def _root_logits(self, context: list[int]) -> Optional[torch.Tensor]:
+        return self._sync(context)
+
+    def _forget_tree(self, context: list[int]) -> None:
+        crop_to(self.cache, len(context))  # tree tokens are not a sequence: keep only the context
+        self.cached_ids = list(context)
+
+    @torch.inference_mode()
+    def _forward_level(self, context, nodes, fed, expand) -> list[torch.Tensor]:
+        """Feed `expand` nodes in one forward; each attends to the context, its fed ancestors and itself."""
+        past = len(context) + len(fed)
+        total = past + len(expand)
+        dtype = self.model.dtype
+        mask = torch.full((len(expand), total), torch.finfo(dtype).min, dtype=dtype)
+        mask[:, : len(context)] = 0.0
+        column = {node: len(context) + i for i, node in enumerate(fed)}
+        for row, node in enumerate(expand):
+            mask[row, past + row] = 0.0
+            ancestor = nodes[node].parent
+            while ancestor >= 0:
+                mask[row, column[ancestor]] = 0.0
+                ancestor = nodes[ancestor].parent
+        device = self.model.get_input_embeddings().weight.device
+        positions = torch.tensor([[len(context) - 1 + nodes[n].depth for n in expand]], device=device)
+        tokens, mask = [nodes[n].token for n in expand], mask.view(1, 1, len(expand), total).to(device)
+        if self.fast is not None:  # a level is a few nodes: a fixed-shape step like a verify's
+            return list(self.fast(self.cache, tokens, positions, mask).float().cpu())
+        output = self.model(input_ids=torch.tensor([tokens], device=device), past_key_values=self.cache,
+                            position_ids=positions, attention_mask=mask, use_cache=True)
+        return list(output.logits[0].float().cpu())

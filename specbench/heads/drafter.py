@@ -11,6 +11,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from specbench.decode.tree_drafters import TreeGrowth
 from specbench.heads.model import EagleHead, HeadCache
 from specbench.sampling.probs import draft_distribution, sample_sparse
 from specbench.sampling.streams import DraftDraws, draft_draws
@@ -88,7 +89,48 @@ class HeadDrafter:
         return self.last is not None and len(context) > 1
 
 
-def head_drafter(source) -> HeadDrafter:
+class HeadTreeDrafter(TreeGrowth, HeadDrafter):
+    """EAGLE-2's dynamic tree from a head: each level expands the nodes of highest cumulative draft
+    probability (`TreeGrowth`), the head reading each node's token with its parent's output as the
+    feature, attending to the verified positions, the node's ancestors and itself."""
+
+    def __init__(self, head: EagleHead, target, name: str = "eagle-tree", widths=None, max_depth: int = 6,
+                 beam: int = 4, branch: int = 4, prune: bool = True):
+        HeadDrafter.__init__(self, head, target, name=name)
+        self._set_shape(widths, max_depth, beam, branch, prune)
+        self.outputs: dict[int, torch.Tensor] = {}  # node -> the head's output there (-1: the last verified position)
+
+    def _root_logits(self, context: list[int]) -> Optional[torch.Tensor]:
+        if not self._sync(context):
+            return None
+        self.outputs = {-1: self.last[0]}
+        return self.head.target_logits(self.last[1])[: self.vocab_limit].float().cpu()
+
+    @torch.inference_mode()
+    def _forward_level(self, context, nodes, fed, expand) -> list[torch.Tensor]:
+        real, count = len(context) - 1, len(expand)
+        visible = torch.zeros(count, self.cache.length + count, dtype=torch.bool)
+        visible[:, :real] = True
+        column = {node: real + i for i, node in enumerate(fed)}
+        for row, node in enumerate(expand):
+            visible[row, self.cache.length + row] = True
+            ancestor = nodes[node].parent
+            while ancestor >= 0:
+                visible[row, column[ancestor]] = True
+                ancestor = nodes[ancestor].parent
+        device = self.head.lm_head.weight.device
+        features = torch.stack([self.outputs[nodes[n].parent] for n in expand])
+        positions = torch.tensor([real - 1 + nodes[n].depth for n in expand], device=device)
+        hidden, logits = self.head(torch.tensor([nodes[n].token for n in expand], device=device), features, positions,
+                                   self.cache, visible.to(device))
+        self.outputs.update({node: hidden[row] for row, node in enumerate(expand)})
+        return list(self.head.target_logits(logits)[:, : self.vocab_limit].float().cpu())
+
+    def _forget_tree(self, context: list[int]) -> None:
+        self.cache.keep(len(context) - 1)  # tree nodes are not a sequence: keep only the verified positions
+
+
+def head_drafter(source, tree: bool = False) -> HeadDrafter:
     """The `eagle` method's drafter: the head `source.draft` names (a folder, a Hugging Face id, or an
     EagleHead), reading the features of `source.target`, which must run here (a LocalTarget)."""
     from specbench.heads.features import attach
@@ -103,4 +145,9 @@ def head_drafter(source) -> HeadDrafter:
     where = getattr(source.draft, "model", source.draft)  # a ModelSpec (the CLI's --draft) names a folder or id
     head = source.draft if isinstance(source.draft, EagleHead) else load_head(where, target_model)
     attach(source.target, head.config.layer_ids)
-    return HeadDrafter(head, source.target, name=f"eagle:{'head' if isinstance(where, EagleHead) else where}")
+    name = f"eagle:{'head' if isinstance(where, EagleHead) else where}"
+    if tree:
+        shape = source.tree
+        return HeadTreeDrafter(head, source.target, name=f"{name}~tree", max_depth=shape.max_depth, beam=shape.beam,
+                               branch=shape.branch, prune=shape.prune)
+    return HeadDrafter(head, source.target, name=name)

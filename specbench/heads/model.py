@@ -135,14 +135,13 @@ class EagleHead(nn.Module):
         return self.fc(raw.to(self.fc.weight.dtype))
 
     def forward(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, cache: HeadCache,
-                visible_new: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                visible: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(the head's output before its final norm [T, hidden], draft-vocabulary logits [T, draft vocab])
-        for T new positions after `cache`; `visible_new` [T, T] which new positions each may see (default:
-        causal; a tree passes its ancestors)."""
+        for T new positions after `cache`; `visible` [T, cached + T] which positions each may see
+        (default: every cached one and the new ones causally; a tree passes its ancestors)."""
         count, past = tokens.shape[0], cache.length
-        if visible_new is None:
-            visible_new = torch.ones(count, count, dtype=torch.bool, device=tokens.device).tril()
-        visible = torch.cat([torch.ones(count, past, dtype=torch.bool, device=tokens.device), visible_new], dim=1)
+        if visible is None:
+            visible = torch.ones(count, past + count, dtype=torch.bool, device=tokens.device).tril(past)
         embeds = self.embed_tokens(tokens).to(features.dtype)
         rotary = self.rotary(features[None], positions[None])
         hidden = self.layers[0](embeds, features, rotary, cache, visible)
