@@ -81,6 +81,7 @@ def main() -> None:
     parser.add_argument("--prompt-count", type=int, default=40)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--k", type=int, nargs="+", default=[1, 2, 3, 4, 6])
+    parser.add_argument("--calibration", default="speed", choices=("speed", "widths", "per-point"))
     parser.add_argument("--worker")
     parser.add_argument("--clients", type=int, nargs="+", default=[1])
     parser.add_argument("--cs", type=float, default=0.5)
@@ -94,7 +95,8 @@ def main() -> None:
     for dataset in args.datasets:
         spec = TuneSpec(target=args.target, drafts=tuple(args.drafts), prompts=dataset, prompt_count=args.prompt_count,
                         endpoint=args.worker, clients=tuple(args.clients), objective=args.cost, cs=args.cs,
-                        chain_ks=tuple(args.k), max_new_tokens=args.max_new_tokens, budget_minutes=args.budget_minutes)
+                        chain_ks=tuple(args.k), max_new_tokens=args.max_new_tokens, budget_minutes=args.budget_minutes,
+                        calibration=args.calibration)
         started = time.perf_counter()
         result = tune(spec, f"{args.out_dir}/{args.target}-{dataset}")
         tune_s = time.perf_counter() - started

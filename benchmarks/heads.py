@@ -32,7 +32,8 @@ def trained(args) -> tuple[str, dict]:
     if not args.train_minutes:
         return args.head, {}
     spec = TrainSpec(target=args.target, prompts="sharegpt", prompt_count=args.train_prompts, held_out=4,
-                     minutes=args.train_minutes, epochs=args.epochs, draft_vocab=args.draft_vocab)
+                     minutes=args.train_minutes, epochs=args.epochs, draft_vocab=args.draft_vocab, max_new_tokens=64,
+                     max_length=192)
     started = time.perf_counter()
     result = train_head(spec, args.train_dir)
     last = result.history.dropna(subset=["held_out_tokens_per_step"]) if "held_out_tokens_per_step" in \
@@ -50,14 +51,14 @@ def main() -> None:
     parser.add_argument("--head", default=str(RESULTS / "heads" / "smollm2-135m" / "head"))
     parser.add_argument("--train-minutes", type=float, default=0.0, help="train (or resume) first, for this long")
     parser.add_argument("--train-dir", default=str(RESULTS / "heads" / "smollm2-135m"))
-    parser.add_argument("--train-prompts", type=int, default=600)
+    parser.add_argument("--train-prompts", type=int, default=244)
     parser.add_argument("--epochs", type=float, default=3.0)
     parser.add_argument("--draft-vocab", type=int, default=4096)
     parser.add_argument("--datasets", nargs="+", default=["mt-bench", "humaneval"])
-    parser.add_argument("--prompt-count", type=int, default=8)
-    parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--k", type=int, nargs="+", default=[2, 3, 4, 6])
-    parser.add_argument("--others", nargs="+", default=["prompt-lookup", "self-draft", "substitute"])
+    parser.add_argument("--prompt-count", type=int, default=6)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--k", type=int, nargs="+", default=[2, 4, 6])
+    parser.add_argument("--others", nargs="+", default=["prompt-lookup", "substitute"])
     parser.add_argument("--self-draft-layers", type=int, default=7)
     parser.add_argument("--out", default=str(RESULTS / "heads.json"))
     args = parser.parse_args()
@@ -68,7 +69,7 @@ def main() -> None:
     for dataset in args.datasets:
         prompts = [row["prompt"] for row in load_prompts(dataset, limit=args.prompt_count, seed=1)]
         for k in args.k:
-            methods = (["target-only"] if k == args.k[0] else []) + ["eagle", *args.others]
+            methods = (["target-only"] if k == args.k[0] else []) + ["eagle", "eagle-tree", *args.others]
             records = run(target, prompts, method=methods, draft=head, k=k, max_new_tokens=args.max_new_tokens,
                           self_draft_layers=args.self_draft_layers, substitute_quantization="int8-dynamic",
                           progress=f"heads: {dataset}, K={k}")

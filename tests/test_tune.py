@@ -28,8 +28,11 @@ def test_tune_end_to_end_chooses_a_measured_point_and_writes_what_run_reads(tmp_
     measured = result.measured
     assert measured.iloc[0]["method"] == "target-only" and len(measured) >= 3
     assert {"error_before", "error_window", "error_after", "flag"} <= set(measured.columns)
-    assert set(result.calibration["width_factors"]) == {1, 2, 3, 5}  # every verify width re-timed
-    assert all(factor > 0 for factor in result.calibration["width_factors"].values())
+    assert set(result.calibration["width_factors"]) == {1, 2, 3, 5}  # every verify width priced
+    assert len(set(result.calibration["width_factors"].values())) == 1  # "speed": one factor
+    retimed = tune(spec(calibration="per-point"), tmp_path / "per-point", progress=False)
+    assert all(factor > 0 for factor in retimed.calibration["width_factors"].values())
+    assert retimed.calibration["mode"] == "per-point" and "error_window" in retimed.measured
     assert (measured["measured_tokens_per_s"] > 0).all() and (measured["predicted_tokens_per_s"] > 0).all()
     assert result.calibration["speed_factor"] > 0 and result.seconds["measurements"] >= 0
     best = measured.loc[measured["label"] == result.chosen["label"]].iloc[0]
@@ -167,7 +170,7 @@ def test_calibration_reads_the_runs_in_loop_forward_and_retimes_every_width(monk
         w: timed["now"][w] for w in widths})
     baseline = pd.DataFrame({"target_forward_s": [0.099, 0.099], "overhead_s": [0.002, 0.002]})
     calibrator = calibrate.Calibrator.from_baseline(baseline, object(), profile, {"lookup": None}, {"lookup": None},
-                                                    context=64, widths=[5], repeats=1)
+                                                    context=64, widths=[5], repeats=1, mode="per-point")
     assert calibrator.anchor == pytest.approx(0.099 / 0.090)
     assert calibrator.target_factors == pytest.approx({1: 0.99, 5: 0.77})
     target, drafts = calibrator.profiles()

@@ -65,9 +65,10 @@ def sequences(target, spec: TrainSpec, prompts: list, progress: bool) -> list[li
     response, or the prompt alone when `teacher_forced`."""
     from specbench.api import encode_prompts
 
-    encoded = [ids[-spec.max_length:] for ids in encode_prompts(prompts, target.tokenizer)]
     if spec.teacher_forced:
-        return encoded
+        return [ids[-spec.max_length:] for ids in encode_prompts(prompts, target.tokenizer)]
+    room = max(1, spec.max_length - spec.max_new_tokens)  # the prompt's end, so the response always fits
+    encoded = [ids[-room:] for ids in encode_prompts(prompts, target.tokenizer)]
     model, pad = target.model, (target.eos_token_ids or (0,))[0]
     out, batch = [], 16
     bar = tqdm(total=len(encoded), desc="train-draft: target responses", unit="prompt", disable=not progress)

@@ -17,6 +17,7 @@ from typing import Optional
 import pandas as pd
 
 DRAFT_WIDTHS = (1, 2)  # a draft's forwards: one token per drafted position, the catch-up after a full accept
+MODES = ("speed", "widths", "per-point")  # what the calibration re-times: see `Calibrator`
 
 
 def scaled(profile, factors: dict):
@@ -56,7 +57,11 @@ class Calibrator:
     """The profiles of a tune, and what a target-only run measured now says about them.
 
     `target_factors` / `draft_factors`: per width, time now over profiled time (the target's anchored
-    to the run's in-loop forward); `refresh` re-times the widths one point uses."""
+    to the run's in-loop forward). `mode`: "speed" (the default) scales every target width by the run's
+    1-token forward over the profile's and each draft by its 1-token forward re-timed; "widths" re-times
+    every target width after the run; "per-point" also re-times a point's widths just before it runs
+    (`refresh`). On the 2-core box of 2026-11-26 the re-timed modes were the noisier ones (a few repeats
+    of one width move 5-15% on a busy VM): benchmarks/results/2026-11-26-tune-calibration.md."""
 
     runner: object  # what runs the target: a loaded model, or a RemoteTarget
     target_profile: object
@@ -65,6 +70,7 @@ class Calibrator:
     context: int
     repeats: int
     overhead_s: float = 0.0
+    mode: str = "speed"
     anchor: float = 1.0  # the in-loop 1-token forward over the re-timed one, both measured now
     target_factors: dict = field(default_factory=dict)
     draft_factors: dict = field(default_factory=dict)
@@ -72,32 +78,40 @@ class Calibrator:
 
     @classmethod
     def from_baseline(cls, baseline: pd.DataFrame, runner, target_profile, drafts: dict, draft_profiles: dict,
-                      context: int, widths, repeats: int) -> "Calibrator":
-        """Calibrate from the target-only run `baseline` (just measured) and every width re-timed now."""
+                      context: int, widths, repeats: int, mode: str = "speed") -> "Calibrator":
+        """Calibrate from the target-only run `baseline` (just measured), re-timing what `mode` says."""
+        from specbench.types import SpecbenchError
+
+        if mode not in MODES:
+            raise SpecbenchError(f"calibration mode {mode!r}: one of {MODES}")
         calibrator = cls(runner, target_profile, drafts, draft_profiles, context, repeats,
-                         overhead_s=round(float(baseline["overhead_s"].median()), 5))
+                         overhead_s=round(float(baseline["overhead_s"].median()), 5), mode=mode)
         in_loop = float(baseline["target_forward_s"].median())
         widths = sorted({1, *widths})
-        now = retime(runner, target_profile, widths, context, repeats)
-        retimed_one = now.get(1, 1.0) * target_profile.forward_s(1, context)
-        calibrator.anchor = in_loop / retimed_one if retimed_one else 1.0
-        calibrator.target_factors = {w: round(f * calibrator.anchor, 4) for w, f in now.items()}
-        for name in drafts:
-            calibrator.draft_factors[name] = calibrator._draft_now(name, {})
         profiled_one = target_profile.forward_s(1, context)
+        if mode == "speed":
+            speed = in_loop / profiled_one if profiled_one else 1.0
+            calibrator.target_factors = {w: round(speed, 4) for w in widths}
+        else:
+            now = retime(runner, target_profile, widths, context, repeats)
+            retimed_one = now.get(1, 1.0) * profiled_one
+            calibrator.anchor = in_loop / retimed_one if retimed_one else 1.0
+            calibrator.target_factors = {w: round(f * calibrator.anchor, 4) for w, f in now.items()}
+        for name in drafts:
+            calibrator.draft_factors[name] = calibrator._draft_now(name, {}, (1,) if mode == "speed" else DRAFT_WIDTHS)
         calibrator.terms = {
             "speed_factor": round(in_loop / profiled_one, 4) if profiled_one else 1.0,
             "width_factors": calibrator.target_factors, "anchor": round(calibrator.anchor, 4),
             "overhead_s": calibrator.overhead_s, "measured_forward_ms": round(1000 * in_loop, 2),
             "profiled_forward_ms": round(1000 * profiled_one, 2),
-            "draft_speed_factors": {n: f.get(1) for n, f in calibrator.draft_factors.items()}}
+            "draft_speed_factors": {n: f.get(1) for n, f in calibrator.draft_factors.items()}, "mode": mode}
         return calibrator
 
-    def _draft_now(self, name: str, default: dict) -> dict:
+    def _draft_now(self, name: str, default: dict, widths=DRAFT_WIDTHS) -> dict:
         model, profile = self.drafts.get(name), self.draft_profiles.get(name)
         if model is None or profile is None:
             return default
-        return {w: round(f, 4) for w, f in retime(model, profile, DRAFT_WIDTHS, self.context, self.repeats).items()}
+        return {w: round(f, 4) for w, f in retime(model, profile, widths, self.context, self.repeats).items()}
 
     def profiles(self, target_factors: Optional[dict] = None, draft_factors: Optional[dict] = None):
         """(the target's profile, {name: draft profile}) at these factors (default: the calibration's);
@@ -109,8 +123,11 @@ class Calibrator:
         return scaled(self.target_profile, target_factors), drafts
 
     def refresh(self, candidate: Optional[str], k: int):
-        """The profiles re-timed now at the widths a point of `candidate` at `k` uses (the target's
-        1- and (1 + k)-token forwards, its draft's), just before that point runs."""
+        """In mode "per-point": the profiles re-timed now at the widths a point of `candidate` at `k` uses
+        (the target's 1- and (1 + k)-token forwards, its draft's), just before that point runs; in the
+        other modes the calibration's profiles as they are."""
+        if self.mode != "per-point":
+            return self.profiles()
         now = retime(self.runner, self.target_profile, {1, 1 + k}, self.context, self.repeats)
         target = {**self.target_factors, **{w: f * self.anchor for w, f in now.items()}}
         drafts = {candidate: self._draft_now(candidate, {})} if candidate in self.drafts else {}

@@ -15,6 +15,9 @@ def add_tune(commands) -> None:
     tune.add_argument("--prompt-count", type=int, default=40)
     tune.add_argument("--calibration-share", type=float, default=0.5,
                       help="share of the prompts acceptance is recorded on; the rest are held back and measured")
+    tune.add_argument("--calibration", choices=("speed", "widths", "per-point"), default="speed",
+                      help="what is re-timed after the target-only run: its speed (default), every forward width, "
+                           "or also each measured point's widths just before it runs")
     tune.add_argument("--worker", help="the target's worker endpoint (its RTT is measured); default: run it here")
     tune.add_argument("--clients", type=int, nargs="+", default=[1], help="client counts to plan for (a worker)")
     tune.add_argument("--cost", default="total_cost", help="cost objective (plan/objectives.py)")
@@ -35,7 +38,7 @@ def _tune(args) -> int:
     from specbench.tune import TuneSpec, tune
 
     spec = TuneSpec(target=args.target, drafts=tuple(args.drafts), prompts=args.prompts, prompt_count=args.prompt_count,
-                    calibration_share=args.calibration_share, endpoint=args.worker, clients=tuple(args.clients),
+                    calibration_share=args.calibration_share, calibration=args.calibration, endpoint=args.worker, clients=tuple(args.clients),
                     objective=args.cost, cs=args.cs, chain_ks=tuple(args.k), tree_budgets=tuple(args.tree_budgets),
                     max_new_tokens=args.max_new_tokens, measure_top=args.measure_top,
                     budget_minutes=args.budget_minutes, dtype=args.dtype, draft_budget_mib=args.draft_budget_mib)

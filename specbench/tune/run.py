@@ -98,7 +98,7 @@ def tune(spec: TuneSpec, folder: Optional[str | Path] = None, progress: bool = T
     phase("predictions")
     baseline = phases.measure(store, runner, candidates[0], "target-only", 0, held, None, spec, progress)
     calibrator = Calibrator.from_baseline(baseline, runner, target_profile, drafts, draft_profiles, context,
-                                          target_grid["tokens"], spec.repeats)
+                                          target_grid["tokens"], spec.repeats, mode=spec.calibration)
     held_references = _held_back(references, candidates, drafts, held, baseline, tokenizer, spec.chain_ks)
     calibration_terms = dict(calibrator.terms, acceptance_replayed=sorted(
         name for name in held_references if held_references[name] is not references[name]))

@@ -47,6 +47,7 @@ class TuneSpec:
     dtype: str = "float32"
     draft_budget_mib: Optional[float] = None
     repeats: int = 3  # profile repeats per grid point
+    calibration: str = "speed"  # what is re-timed after the target-only run: speed | widths | per-point
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -55,8 +56,12 @@ class TuneSpec:
         from specbench.plan.objectives import get_objective
         from specbench.plan.costs import check_cs
 
+        from specbench.tune.calibrate import MODES
+
         get_objective(self.objective)
         check_cs(self.cs)
+        if self.calibration not in MODES:
+            raise SpecbenchError(f"calibration {self.calibration!r}: one of {MODES}")
         if not 0 < self.calibration_share < 1:
             raise SpecbenchError(f"calibration_share must be between 0 and 1, got {self.calibration_share}")
         if self.prompt_count < 2:
