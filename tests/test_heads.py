@@ -231,3 +231,17 @@ def test_train_draft_learns_what_drafting_asks_resumes_and_writes_a_loadable_hea
                   k=4, max_new_tokens=16, progress=False, warmup=False)
     got = outputs(records)
     assert all(got[("eagle", i)] == got[("target-only", i)] for i in range(3))
+
+
+@pytest.mark.real_model
+def test_a_head_on_smollm2_drafts_chains_and_trees_losslessly(smollm2, tmp_path):
+    """SmolLM2-135M (fp32) with a head of its own shape (random weights, written in the speculators layout
+    and read back, a 2,048-id draft vocabulary): greedy chains and trees equal target-only token for token."""
+    head = new_head(smollm2, draft_ids=range(0, 4096, 2), seed=0)
+    folder = save_head(head, tmp_path / "head", layout="speculators", target_name="smollm2-135m")
+    prompts = ["Write a Python function that reverses a string.", "Name three primary colours."]
+    records = run(LocalTarget(smollm2), prompts, method=["target-only", "eagle", "eagle-tree"], draft=str(folder), k=4,
+                  max_new_tokens=16, progress=False, warmup=False)
+    got = outputs(records)
+    for index in range(len(prompts)):
+        assert got[("eagle", index)] == got[("target-only", index)] == got[("eagle-tree", index)], index

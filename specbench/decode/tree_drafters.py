@@ -78,17 +78,21 @@ class TreeGrowth:
         keep = self._select(nodes, budget)
         return self._as_tree(nodes, keep, sampling)
 
+    def _distribution(self, logits: torch.Tensor, sampling: SamplingParams) -> SparseDist:
+        """q over the target's ids from a level's logits (a head maps its draft vocabulary)."""
+        return draft_distribution(logits[: self.vocab_limit], sampling)
+
     def _children(self, nodes, parent, depth, logits, sampling, generator) -> list[int]:
         width = self.widths[depth - 1] if self.widths else self.branch
         base = nodes[parent].log_prob if parent >= 0 else 0.0
         if sampling.effective_rule == "rejection":
-            q = draft_distribution(logits[: self.vocab_limit], sampling)
+            q = self._distribution(logits, sampling)
             tokens = [sample_sparse(q, generator) for _ in range(width)]
         else:
             # rank by the draft's tempered distribution (temperature 1 under greedy decoding)
             ranking = SamplingParams(temperature=sampling.temperature or 1.0, top_k=sampling.top_k,
                                      top_p=sampling.top_p, draft_top_k=max(width, 1))
-            q = draft_distribution(logits[: self.vocab_limit], ranking)
+            q = self._distribution(logits, ranking)
             tokens = list(q.ids[:width])
         weights = dict(zip(q.ids, q.probs))
         created = []

@@ -26,6 +26,7 @@ class HeadDrafter:
         self.cache = HeadCache()
         self.fed: list[int] = []  # x_0 .. x_real: the tokens whose features the head has read
         self.last: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (hidden, logits) at the last real position
+        self.target_ids = head.draft_to_target.tolist()  # draft id -> target id
 
     def bind(self, target, session: str) -> None:
         """Draft for `session` of `target` (the loop calls this before its prefill)."""
@@ -45,13 +46,19 @@ class HeadDrafter:
         tokens, dists = [], []
         position = len(context) - 1  # the head position that reads the first drafted token
         for index in range(k):
-            dist = draft_distribution(self.head.target_logits(logits)[: self.vocab_limit].float().cpu(), sampling)
+            dist = self._distribution(logits, sampling)
             tokens.append(sample_sparse(dist, draws.at(len(context) + index)))
             dists.append(dist)
             if index + 1 < k:
                 hidden, logits = self._feed([tokens[-1]], hidden[None], position + index)
                 hidden, logits = hidden[-1], logits[-1]
         return DraftTree.chain(tokens, dists)
+
+    def _distribution(self, logits: torch.Tensor, sampling: SamplingParams) -> SparseDist:
+        """q over the target's ids from draft-vocabulary logits: processed over the draft vocabulary and
+        its ids mapped (ids outside it have probability zero either way), without a full-vocabulary pass per token."""
+        dist = draft_distribution(logits.float().cpu(), sampling)
+        return SparseDist(tuple(self.target_ids[i] for i in dist.ids), dist.probs)
 
     @torch.inference_mode()
     def _feed(self, tokens: list[int], features: torch.Tensor, start: int):
@@ -100,11 +107,13 @@ class HeadTreeDrafter(TreeGrowth, HeadDrafter):
         self._set_shape(widths, max_depth, beam, branch, prune)
         self.outputs: dict[int, torch.Tensor] = {}  # node -> the head's output there (-1: the last verified position)
 
+    _distribution = HeadDrafter._distribution  # the head's draft vocabulary, not TreeGrowth's target-id logits
+
     def _root_logits(self, context: list[int]) -> Optional[torch.Tensor]:
         if not self._sync(context):
             return None
         self.outputs = {-1: self.last[0]}
-        return self.head.target_logits(self.last[1])[: self.vocab_limit].float().cpu()
+        return self.last[1]
 
     @torch.inference_mode()
     def _forward_level(self, context, nodes, fed, expand) -> list[torch.Tensor]:
@@ -124,7 +133,7 @@ class HeadTreeDrafter(TreeGrowth, HeadDrafter):
         hidden, logits = self.head(torch.tensor([nodes[n].token for n in expand], device=device), features, positions,
                                    self.cache, visible.to(device))
         self.outputs.update({node: hidden[row] for row, node in enumerate(expand)})
-        return list(self.head.target_logits(logits)[:, : self.vocab_limit].float().cpu())
+        return list(logits)
 
     def _forget_tree(self, context: list[int]) -> None:
         self.cache.keep(len(context) - 1)  # tree nodes are not a sequence: keep only the verified positions
