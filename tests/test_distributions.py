@@ -103,16 +103,24 @@ def test_end_to_end_two_token_marginals_match_target(method, rule, k):
     # a prompt with repeats, so prompt lookup finds several candidate continuations; the three
     # continuations of "1, 2" are ones the target itself rates likely (~70% together), so lookup
     # drafts get accepted often enough to exercise the acceptance path
-    prompt = [1, 2, 14, 1, 2, 15, 1, 2, 5, 1, 2]
-    draws = 1500
+    check_two_token_marginals(local, target, drafter, Decoding(k, 2, sampling), vocab)
+
+
+REPEATING_PROMPT = [1, 2, 14, 1, 2, 15, 1, 2, 5, 1, 2]
+
+
+def check_two_token_marginals(local, target, drafter, decoding, vocab: int, prompt=REPEATING_PROMPT,
+                              draws: int = 1500) -> None:
+    """The first two emitted tokens of `draws` seeded generations follow the target's exact marginals,
+    with the draft accepted often enough (a tenth of the draws) for the test to exercise acceptance."""
     first_counts, second_counts = np.zeros(vocab), np.zeros(vocab)
     accepted = 0
     for draw in range(draws):
-        result = generate(local, drafter, prompt, Decoding(k, 2, sampling), seed=5_000 + draw)
+        result = generate(local, drafter, prompt, decoding, seed=5_000 + draw)
         accepted += sum(r.accepted for r in result.records)
         first_counts[result.output_ids[0]] += 1
         second_counts[result.output_ids[1]] += 1
-    first_p, second_p = target_marginals(target, prompt, sampling, vocab)
+    first_p, second_p = target_marginals(target, prompt, decoding.sampling, vocab)
     assert accepted > draws // 10, "the draft must be accepted often for the test to exercise acceptance"
     assert chi_square_p(first_counts, first_p) > P_VALUE_FLOOR
     assert chi_square_p(second_counts, second_p) > P_VALUE_FLOOR
