@@ -37,6 +37,9 @@ def test_a_head_drafts_losslessly_and_reads_every_committed_position(target):
     local.prefill("probe", PROMPTS[0])
     assert len(local.state("probe").features) == len(PROMPTS[0]) - 1
     assert local.state("probe").features[0].shape == (3 * 64,)
+    local.close("probe")
+    run(local, PROMPTS[:1], method="target-only", max_new_tokens=4, progress=False, warmup=False)
+    assert local.tap is None  # other methods keep no features: the tap works only while a head drafts
 
 
 @pytest.mark.parametrize("method,rule", [("eagle", "rejection"), ("eagle-tree", "sample-match")])
