@@ -47,9 +47,9 @@ def exhaustive(spec: TuneSpec, result, progress: bool) -> tuple[pd.DataFrame, fl
         candidate = next((c for c in candidates if c.name == row["candidate"]), candidates[0])
         method = ("target-only" if row["kind"] == "none" else candidate.method if row["kind"] == "chain"
                   else "prompt-lookup-tree" if candidate.method == "prompt-lookup" else "tree")
-        # as the tune does: the point's widths re-timed just before it runs (the tune's own points keep theirs)
-        at_run = None if row["label"] in tuned else result.predict_now(
-            result.calibrator.refresh(candidate.name, int(row["k"])))
+        # as the tune does ("per-point": the point's widths re-timed just before it runs); its own points keep theirs
+        retimed = None if row["label"] in tuned else result.calibrator.refresh(candidate.name, int(row["k"]))
+        at_run = result.predict_now(retimed) if retimed is not None else None
         records = phases.measure(store, runner, candidate, method, int(row["k"]), held, drafts[candidate.name], spec,
                                  progress)
         seconds += records["step_s"].sum() + records["prefill_s"].drop_duplicates().sum()

@@ -10,7 +10,8 @@ def add_train_draft(commands) -> None:
     train = commands.add_parser("train-draft", help="train an EAGLE-3-style draft head for a target on a prompt set "
                                                     "(resumable); run it with --method eagle --draft <out>/head")
     train.add_argument("--target", required=True, help="catalog name, Hugging Face id or path")
-    train.add_argument("--prompts", default=defaults.prompts, help="a dataset name or a JSONL path (default %(default)s)")
+    train.add_argument("--prompts", default=defaults.prompts,
+                       help="a dataset name or a JSONL path (default %(default)s)")
     train.add_argument("--prompt-count", type=int, default=defaults.prompt_count)
     train.add_argument("--held-out", type=int, default=defaults.held_out,
                        help="prompts kept out of training, for the acceptance shown while training")

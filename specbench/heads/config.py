@@ -5,7 +5,7 @@ speculators) spell the same numbers differently; both are read into this and wri
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Optional
 
 from specbench.types import SpecbenchError
@@ -53,6 +53,3 @@ class HeadConfig:
             raise SpecbenchError(f"draft head reads target layers {list(ids)}, but the target has {target_layers} "
                                  f"layers (ids {bad} do not exist)")
         return replace(self, layer_ids=ids)
-
-    def to_dict(self) -> dict:
-        return asdict(self)

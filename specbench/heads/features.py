@@ -45,11 +45,6 @@ class FeatureTap:
         self.captured.clear()
         return list(joined[list(positions)].unbind(0))
 
-    def close(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
-
 
 def attach(target, layer_ids: Sequence[int]) -> FeatureTap:
     """`target`'s tap on `layer_ids` (a LocalTarget). One tap per model, kept on it: every target over

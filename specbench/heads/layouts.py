@@ -11,12 +11,14 @@ A head that does not fit the target (hidden size, vocabulary, layers it reads) i
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 from specbench.heads.config import HeadConfig
+from specbench.heads.features import decoder_layers
 from specbench.heads.model import EagleHead
 from specbench.types import SpecbenchError
 
@@ -71,14 +73,15 @@ def read_config(folder: Path) -> tuple[HeadConfig, str]:
     if document.get("speculators_model_type") == "eagle3":
         layout, layer = "speculators", dict(document.get("transformer_layer_config") or {})
         ids = document.get("eagle_aux_hidden_state_layer_ids") or ()
-    elif any("eagle3" in name.lower() for name in document.get("architectures") or ()) or "draft_vocab_size" in document:
+    elif "draft_vocab_size" in document or any("eagle3" in a.lower() for a in document.get("architectures") or ()):
         layout, layer = "eagle3", document
         ids = (document.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or ()
     else:
         raise SpecbenchError(f"{path} is not a draft head specbench reads: neither EAGLE-3's layout "
                              f"(LlamaForCausalLMEagle3, draft_vocab_size) nor speculators' (speculators_model_type "
                              f"'eagle3'); architectures {document.get('architectures')}")
-    missing = [key for key in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size") if key not in layer]
+    missing = [key for key in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
+               if key not in layer]
     if missing:
         raise SpecbenchError(f"{path} ({layout} layout) lacks {missing}")
     if int(layer.get("num_hidden_layers", 1)) != 1:
@@ -134,8 +137,7 @@ def load_head(where: str | Path, target, dtype: Optional[torch.dtype] = None) ->
     config, layout = read_config(folder)
     model = target.model
     target_config = model.config
-    layers = len(model.model.layers) if hasattr(getattr(model, "model", None), "layers") else target_config.num_hidden_layers
-    config = config.fitted(layers)
+    config = config.fitted(len(decoder_layers(model)))
     if config.vocab_size != target.vocab_size:
         raise SpecbenchError(f"draft head {where}: its vocabulary has {config.vocab_size} ids, the target's "
                              f"{target.vocab_size}; a head drafts in its target's ids")
@@ -147,7 +149,7 @@ def load_head(where: str | Path, target, dtype: Optional[torch.dtype] = None) ->
     if not own and config.hidden_size != target_config.hidden_size:
         raise SpecbenchError(f"draft head {where}: no embeddings of its own, and its hidden size "
                              f"{config.hidden_size} is not the target's {target_config.hidden_size}")
-    config = config if "fc.bias" not in state else _with(config, fc_bias=True)
+    config = config if "fc.bias" not in state else replace(config, fc_bias=True)
     head = EagleHead(config, embed_tokens=None if own else model.get_input_embeddings())
     head.shares_embeddings = not own
     expected = {name for name in head.state_dict() if not name.startswith("rotary.")}
@@ -165,12 +167,6 @@ def load_head(where: str | Path, target, dtype: Optional[torch.dtype] = None) ->
 
 
 def _name(name: str) -> str:
-    name = name[len("model."):] if name.startswith("model.") and not name.startswith("model.embed") else name
-    name = name.replace("model.embed_tokens.", "embed_tokens.")
+    """A checkpoint's weight name as the head calls it: no `model.` prefix, `midlayer.` as `layers.0.`."""
+    name = name[len("model."):] if name.startswith("model.") else name
     return name.replace("midlayer.", "layers.0.", 1)
-
-
-def _with(config: HeadConfig, **changes) -> HeadConfig:
-    from dataclasses import replace
-
-    return replace(config, **changes)

@@ -146,9 +146,3 @@ class EagleHead(nn.Module):
         rotary = self.rotary(features[None], positions[None])
         hidden = self.layers[0](embeds, features, rotary, cache, visible)
         return hidden, self.lm_head(self.norm(hidden))
-
-    def target_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits spread over the target's ids; ids outside the draft vocabulary get -inf."""
-        full = draft_logits.new_full((*draft_logits.shape[:-1], self.config.vocab_size), float("-inf"))
-        full[..., self.draft_to_target] = draft_logits
-        return full

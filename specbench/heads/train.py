@@ -185,7 +185,7 @@ def train_head(spec: TrainSpec, folder: str | Path, progress: bool = True) -> Tr
     `folder/head` in `spec.layout` (what `run(method="eagle", draft=...)` reads)."""
     from specbench.datasets import load_prompts
     from specbench.heads.config import default_layer_ids
-    from specbench.heads.layouts import load_head, save_head
+    from specbench.heads.layouts import load_head
     from specbench.models.loading import load_model
     from specbench.models.spec import ModelSpec
 
@@ -244,8 +244,8 @@ def train_head(spec: TrainSpec, folder: str | Path, progress: bool = True) -> Tr
         optimizer.zero_grad()
         losses = torch.zeros(spec.ttt_steps)
         for slot in range(spec.batch):
-            raw, labels = passes[int(order[(step * spec.batch + slot) % len(passes)])]
-            ids = torch.tensor(data["sequences"][int(order[(step * spec.batch + slot) % len(passes)])])
+            index = int(order[(step * spec.batch + slot) % len(passes)])
+            (raw, labels), ids = passes[index], torch.tensor(data["sequences"][index])
             features = head.fuse(raw[:-1].float())
             total = torch.zeros(())
             for j, logits in enumerate(unrolled_logits(head, ids, features, spec.ttt_steps)):
@@ -267,10 +267,11 @@ def train_head(spec: TrainSpec, folder: str | Path, progress: bool = True) -> Tr
         bar.set_postfix_str(f"loss {float(losses[0]):.3f}" + (f", {last_acceptance:.2f} tok/step held out"
                                                               if last_acceptance else ""))
         bar.update()
-        if step % spec.checkpoint_every == 0 or step == total_steps:
-            _checkpoint(head, head_folder, checkpoint, optimizer, schedule, step, history, spec, save_head)
+        if step % spec.checkpoint_every == 0:
+            _checkpoint(head, head_folder, checkpoint, optimizer, schedule, step, history, spec)
     bar.close()
-    _checkpoint(head, head_folder, checkpoint, optimizer, schedule, step, history, spec, save_head)
+    if not (checkpoint.exists() and step % spec.checkpoint_every == 0):  # the last step's, unless just written
+        _checkpoint(head, head_folder, checkpoint, optimizer, schedule, step, history, spec)
     seconds["training"] = round(time.monotonic() - started - sum(seconds.values()), 1)
     head.eval()
     tokens = sum(len(s) for s in data["sequences"])
@@ -279,7 +280,9 @@ def train_head(spec: TrainSpec, folder: str | Path, progress: bool = True) -> Tr
                         "steps": step, "total_steps": total_steps})
 
 
-def _checkpoint(head, head_folder, checkpoint, optimizer, schedule, step, history, spec, save_head) -> None:
+def _checkpoint(head, head_folder, checkpoint, optimizer, schedule, step, history, spec) -> None:
+    from specbench.heads.layouts import save_head
+
     save_head(head, head_folder, layout=spec.layout, target_name=spec.target)
     temporary = checkpoint.with_suffix(".tmp")
     torch.save({"optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(), "step": step,
@@ -291,6 +294,7 @@ def held_out_acceptance(head: EagleHead, target, prompts: list, spec: TrainSpec,
                         max_new_tokens: int = 32) -> float:
     """Tokens per step of greedy chains of `k` from the head on the held-out prompts (a real SD run)."""
     from specbench.api import run
+    from specbench.decode.metrics import tokens_per_step
     from specbench.decode.target import LocalTarget
 
     was_training = head.training
@@ -298,4 +302,4 @@ def held_out_acceptance(head: EagleHead, target, prompts: list, spec: TrainSpec,
     records = run(LocalTarget(target), prompts, method="eagle", draft=head, k=k, max_new_tokens=max_new_tokens,
                   progress=False, warmup=False)
     head.train(was_training)
-    return round(float(records["emitted"].mean()), 3)
+    return round(tokens_per_step(records), 3)

@@ -1,12 +1,13 @@
-"""A tune's profiles brought to this machine's speed now, per forward width, and again before each run.
+"""A tune's profiles brought to this machine's speed now, from a target-only run measured in the window
+of the runs they predict.
 
-Why per width and per run: a CPU's speed drifts within minutes, and not by one factor: on 2026-11-26
-the target's 1-token forward ran 22% faster than its profile said while its 5- and 7-token forwards ran
-7-18% faster, so one factor from the target-only run priced every verify wrongly. The calibration
-re-times every width the predictions use right after the target-only run (anchored to that run's
-in-loop 1-token forward, which includes what the loop adds around a forward), and each measured point
-re-times the widths it uses just before it runs: a prediction from profiles and acceptance, taken at the
-moment of the run it predicts, never from the run itself.
+Why: a CPU's speed drifts within hours, so a profile taken at another moment predicts another machine.
+By default (`speed`) one factor, the run's in-loop 1-token forward over the profile's, scales the
+target's profile, and each draft's 1-token forward is re-timed. Two finer modes re-time every forward
+width after the run (`widths`) and also each point's widths just before it runs (`per-point`); on the
+2-core VM of 2026-11-26 both predicted worse than one factor (a separately timed forward is not the
+loop's, and a few repeats carry more noise than the drift: benchmarks/results/2026-11-26-tune-calibration.md),
+so they are options. Every mode predicts from profiles and acceptance, never from the run it predicts.
 """
 from __future__ import annotations
 
@@ -125,9 +126,9 @@ class Calibrator:
     def refresh(self, candidate: Optional[str], k: int):
         """In mode "per-point": the profiles re-timed now at the widths a point of `candidate` at `k` uses
         (the target's 1- and (1 + k)-token forwards, its draft's), just before that point runs; in the
-        other modes the calibration's profiles as they are."""
+        other modes None: the calibration's own profiles, already priced, hold."""
         if self.mode != "per-point":
-            return self.profiles()
+            return None
         now = retime(self.runner, self.target_profile, {1, 1 + k}, self.context, self.repeats)
         target = {**self.target_factors, **{w: f * self.anchor for w, f in now.items()}}
         drafts = {candidate: self._draft_now(candidate, {})} if candidate in self.drafts else {}

@@ -38,7 +38,8 @@ def _tune(args) -> int:
     from specbench.tune import TuneSpec, tune
 
     spec = TuneSpec(target=args.target, drafts=tuple(args.drafts), prompts=args.prompts, prompt_count=args.prompt_count,
-                    calibration_share=args.calibration_share, calibration=args.calibration, endpoint=args.worker, clients=tuple(args.clients),
+                    calibration_share=args.calibration_share, calibration=args.calibration, endpoint=args.worker,
+                    clients=tuple(args.clients),
                     objective=args.cost, cs=args.cs, chain_ks=tuple(args.k), tree_budgets=tuple(args.tree_budgets),
                     max_new_tokens=args.max_new_tokens, measure_top=args.measure_top,
                     budget_minutes=args.budget_minutes, dtype=args.dtype, draft_budget_mib=args.draft_budget_mib)

@@ -59,11 +59,14 @@ def write_report(path: Path, spec: TuneSpec, result) -> Path:
     column = cost_column(spec.objective)
     measured = result.measured.rename(columns={"measured_tokens_per_s": "tokens_per_s"})
     predicted = result.predicted.assign(variant=result.predicted["candidate"])
+    mode = result.calibration.get("mode", "speed")
+    retimed = {"speed": "", "widths": ", every forward width re-timed then",
+               "per-point": ", every forward width re-timed then and each measured point's widths again just before "
+                            "it ran"}[mode]
     widths = ", ".join(f"{w} tokens {f:.3g}x" for w, f in (result.calibration.get("width_factors") or {}).items())
-    note = (f"Calibration (a target-only run measured in the same window as the held-back runs, every forward width "
-            f"re-timed then, and each measured point's widths again just before it ran): this machine ran the "
-            f"target's 1-token forward {result.calibration.get('speed_factor', 1):g}x the profile's time"
-            f"{f' (per width: {widths})' if widths else ''}, "
+    note = (f"Calibration (a target-only run measured in the same window as the held-back runs{retimed}): this "
+            f"machine ran the target's 1-token forward {result.calibration.get('speed_factor', 1):g}x the profile's "
+            f"time{f' (per width: {widths})' if widths and mode != 'speed' else ''}, "
             f"{1000 * result.calibration.get('overhead_s', 0):.1f} ms of loop per step. Chosen: "
             f"{result.chosen['label']} at cs={spec.cs:g} ({spec.objective}).")
     page = write_pareto_report(path, [{"title": f"tune {spec.target}", "predicted": predicted,
@@ -73,7 +76,7 @@ def write_report(path: Path, spec: TuneSpec, result) -> Path:
                               "calibrated_tokens_per_s", "error_before", "error_window", "error_after", "flag"]]
     extra = (f"<h2>Predicted vs measured (held-back prompts)</h2><p>Goal: |error| <= {GOAL_ERROR:.0%} after "
              f"calibration. Median |error| before {_median(result.measured['error_before']):.1%}, at the "
-             f"calibration window {_median(result.measured['error_window']):.1%}, after (re-timed at the run) "
+             f"calibration window {_median(result.measured['error_window']):.1%}, after "
              f"{_median(result.measured['error_after']):.1%}.</p>"
              + errors.to_html(index=False, float_format=lambda v: f"{v:.4g}")
              + "<h2>Left out</h2><ul>" + "".join(f"<li>{html.escape(line)}</li>" for line in result.left_out)

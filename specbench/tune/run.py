@@ -40,7 +40,7 @@ class TuneResult:
     calibration: dict = field(default_factory=dict)
     left_out: list = field(default_factory=list)
     seconds: dict = field(default_factory=dict)  # per phase
-    calibrator: Optional[Calibrator] = field(default=None, repr=False)  # re-times and re-predicts a point now
+    calibrator: Optional[Calibrator] = field(default=None, repr=False)  # re-times a point now ("per-point")
     predict_now: Optional[object] = field(default=None, repr=False)  # profiles -> the prediction table
 
 
@@ -121,7 +121,8 @@ def tune(spec: TuneSpec, folder: Optional[str | Path] = None, progress: bool = T
         candidate = next(c for c in candidates if c.name == row["candidate"])
         method = candidate.method if row["kind"] == "chain" else ("prompt-lookup-tree" if candidate.method == "prompt-lookup"
                                                                   else "tree")
-        at_run = now(calibrator.refresh(candidate.name, int(row["k"])))  # the widths it uses, re-timed just before
+        retimed = calibrator.refresh(candidate.name, int(row["k"]))  # "per-point": its widths, just before it runs
+        at_run = now(retimed) if retimed is not None else None
         records = phases.measure(store, runner, candidate, method, int(row["k"]), held, drafts[candidate.name], spec,
                                  progress)
         measured.append(_row(candidate.name, method, int(row["k"]), records, predicted, raw, spec, rtt_ms,
@@ -255,8 +256,8 @@ def _to_measure(predicted: pd.DataFrame, spec: TuneSpec) -> list[dict]:
 def _row(candidate: str, method: str, k: int, records: pd.DataFrame, predicted: pd.DataFrame, raw: pd.DataFrame,
          spec: TuneSpec, rtt_ms: float, label: Optional[str] = None, at_run: Optional[pd.DataFrame] = None) -> dict:
     """A measured point against its predictions: before calibration (`raw`), at the calibration window
-    (`predicted`) and, where given, with its widths re-timed just before it ran (`at_run`, the one the
-    error after calibration is taken from)."""
+    (`predicted`) and, in mode "per-point", with its widths re-timed just before it ran (`at_run`); the
+    error after calibration is taken from `at_run` where given, else from the window's."""
     where = "remote" if spec.endpoint else "local"
     priced = measured_points(records.assign(method=method, k=k), where=where, rtt_ms=rtt_ms).iloc[0]
     label = label or predicted.loc[predicted["kind"] == "none", "label"].iloc[0]
