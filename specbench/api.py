@@ -99,8 +99,6 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
     device = str(target.device) if target_model else None  # a remote worker's peak is its own
     for chosen in methods:
         bar.set_postfix_str(f"{chosen.name}, k={k}, {max_new_tokens} tokens")
-        if getattr(target, "tap", None) is not None:
-            target.tap = None  # a draft head's feature tap works only while a head drafts (its builder attaches it)
         drafter = chosen.build(source) if chosen.build else None
         memory = {"target_weight_bytes": target_bytes,  # as loaded; a remote worker reports its own
                   "draft_weight_bytes": drafter.draft.weight_bytes if isinstance(getattr(drafter, "draft", None),

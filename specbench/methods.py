@@ -116,6 +116,8 @@ class Method:
     plannable: bool = False  # a step planner may choose its K per step
     drafts_ahead: bool = False  # proactive drafting applies: a chain from a draft model
     on_worker: bool = False  # runs wholly on a RemoteTarget's worker (only finished tokens travel)
+    # an on-worker method whose worker drafts with a head (`heads/`): built there per request; None: a draft model
+    worker_build: Optional[Callable[[DraftSource], Any]] = None
     lookup: bool = False  # drafts by looking up the context: no draft model, so nothing to profile or price
 
     def __post_init__(self):
@@ -196,6 +198,9 @@ for _method in (
     Method("eagle-tree", "tree", _eagle_tree),  # its EAGLE-2 dynamic tree
     Method("server-only", "chain", on_worker=True),  # AutoDraft's Server-Only: the worker drafts too
     Method("server-only-ar", "none", on_worker=True),  # AutoDraft's Server-Only-AR
+    # a draft head on the worker (the server-side placement): only finished tokens travel, no features
+    Method("eagle-server", "chain", on_worker=True, worker_build=_eagle),
+    Method("eagle-tree-server", "tree", on_worker=True, worker_build=_eagle_tree),
 ):
     register(_method)
 

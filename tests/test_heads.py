@@ -34,12 +34,50 @@ def test_a_head_drafts_losslessly_and_reads_every_committed_position(target):
     assert trees["drafted"].max() == 4 and (trees["tree_depth"] < 4).any()  # a tree: siblings, not only a chain
     steps = records[records["method"] == "eagle"]
     assert (steps["drafted"] == 4).mean() > 0.5 and steps["drafted"].max() == 4
+    local.keep_features("probe", head.config.layer_ids)
     local.prefill("probe", PROMPTS[0])
-    assert len(local.state("probe").features) == len(PROMPTS[0]) - 1
-    assert local.state("probe").features[0].shape == (3 * 64,)
-    local.close("probe")
-    run(local, PROMPTS[:1], method="target-only", max_new_tokens=4, progress=False, warmup=False)
-    assert local.tap is None  # other methods keep no features: the tap works only while a head drafts
+    local.prefill("other", PROMPTS[1])
+    assert len(local.features("probe")) == len(PROMPTS[0]) - 1
+    assert local.features("probe")[0].shape == (3 * 64,)
+    assert local.state("other").features is None  # only the sessions a head drafts for keep features
+    with pytest.raises(SpecbenchError, match="keeps no features"):
+        local.features("other")
+
+
+def test_batched_verifies_keep_each_sessions_features_as_one_forward_over_its_tokens(target):
+    """Features kept through batched verifies (packed into one sequence, and padded), with a prefill
+    chunk riding along, equal those of one forward over each session's committed tokens."""
+    from specbench.decode.batch import VerifyRequest, verify_batch
+    from specbench.types import DraftTree
+
+    head = new_head(target, seed=3)
+    for kv_pool in (True, False):
+        local = LocalTarget(target, kv_pool=kv_pool)
+        for index, prompt in enumerate(PROMPTS[:3]):
+            local.keep_features(f"s{index}", head.config.layer_ids)
+            local.prefill(f"s{index}", prompt)
+        local.prefill("plain", PROMPTS[3])
+        job = None
+        if local.packed:
+            local.keep_features("chunked", head.config.layer_ids)
+            job = local.prefill_job("chunked", PROMPTS[3] + PROMPTS[0])
+        for step in range(3):
+            requests = [VerifyRequest(f"s{i}", DraftTree.chain([(i + step) % 90 + 3, 5 + step]), SamplingParams(), 0)
+                        for i in range(3)] + [VerifyRequest("plain", DraftTree.chain([7]), SamplingParams(), 0)]
+            verdicts = verify_batch(local, requests, [(job, 4)] if job else ())
+            assert not any(isinstance(v, Exception) for v in verdicts)
+        if job:
+            job.advance(64)
+        reference = LocalTarget(target, kv_pool=False)
+        for name in ["s0", "s1", "s2"] + (["chunked"] if job else []):
+            committed = local.committed(name)
+            reference.keep_features("again", head.config.layer_ids)
+            reference.prefill("again", committed)
+            expected, got = torch.stack(reference.features("again")), torch.stack(local.features(name))
+            assert got.shape == expected.shape == (len(committed) - 1, 3 * 64)
+            torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+            reference.close("again")
+        assert local.state("plain").features is None
 
 
 @pytest.mark.parametrize("method,rule", [("eagle", "rejection"), ("eagle-tree", "sample-match")])
@@ -225,12 +263,87 @@ def test_train_draft_learns_what_drafting_asks_resumes_and_writes_a_loadable_hea
 @pytest.mark.real_model
 def test_a_head_on_smollm2_drafts_chains_and_trees_losslessly(smollm2, tmp_path):
     """SmolLM2-135M (fp32) with a head of its own shape (random weights, written in the speculators layout
-    and read back, a 2,048-id draft vocabulary): greedy chains and trees equal target-only token for token."""
+    and read back, a 2,048-id draft vocabulary): greedy chains and trees equal target-only token for token,
+    here and through a worker with the head on either side."""
+    from specbench.models.spec import ModelSpec
+    from specbench.worker.client import RemoteTarget
+    from tests.worker_helpers import ThreadWorker
+
     head = new_head(smollm2, draft_ids=range(0, 4096, 2), seed=0)
     folder = save_head(head, tmp_path / "head", layout="speculators", target_name="smollm2-135m")
     prompts = ["Write a Python function that reverses a string.", "Name three primary colours."]
     records = run(LocalTarget(smollm2), prompts, method=["target-only", "eagle", "eagle-tree"], draft=str(folder), k=4,
                   max_new_tokens=16, progress=False, warmup=False)
     got = outputs(records)
+    running = ThreadWorker(model=ModelSpec("smollm2-135m", dtype="float32"), draft=None, allow_load=(str(folder),))
+    try:
+        remote = RemoteTarget(running.endpoint, tokenizer=smollm2.tokenizer)
+        got.update(outputs(run(remote, prompts, method=["eagle", "eagle-server", "eagle-tree-server"],
+                               draft=str(folder), k=4, max_new_tokens=16, progress=False, warmup=False)))
+    finally:
+        running.stop()
     for index in range(len(prompts)):
-        assert got[("eagle", index)] == got[("target-only", index)] == got[("eagle-tree", index)], index
+        for method in ("eagle", "eagle-tree", "eagle-server", "eagle-tree-server"):
+            assert got[(method, index)] == got[("target-only", index)], (method, index)
+
+
+@pytest.mark.parametrize("batching", [True, False])
+def test_a_head_drafts_through_a_worker_on_either_side_losslessly(tmp_path, batching):
+    """Client-side (the worker sends each step's feature rows; the head, with its own copy of the
+    embeddings, drafts here) and server-side (`eagle-server`: the worker drafts, only tokens travel):
+    greedy output equals target-only, and the client side's bytes per step grow by a row per
+    committed position."""
+    from specbench.models.loading import load_model
+    from specbench.models.spec import ModelSpec
+    from specbench.worker.client import RemoteTarget
+    from tests.worker_helpers import TARGET, ThreadWorker
+
+    model = load_model(ModelSpec(TARGET))
+    head = new_head(model, seed=3)
+    shared = save_head(head, tmp_path / "shared")
+    own = save_head(head, tmp_path / "own", embeddings=True)
+    running = ThreadWorker(allow_load=(str(shared),), batching=batching)
+    try:
+        remote = RemoteTarget(running.endpoint)
+        with pytest.raises(SpecbenchError, match="shares its target's embeddings"):
+            run(remote, PROMPTS[:1], method="eagle", draft=str(shared), k=3, max_new_tokens=4, progress=False)
+        client = run(remote, PROMPTS, method=["target-only", "eagle", "eagle-tree"], draft=str(own), k=4,
+                     max_new_tokens=20, progress=False, warmup=False)
+        server = run(remote, PROMPTS, method=["eagle-server", "eagle-tree-server"], draft=str(shared), k=4,
+                     max_new_tokens=20, progress=False, warmup=False)
+        local = run(LocalTarget(model), PROMPTS, method=["target-only", "eagle"], draft=head, k=4, max_new_tokens=20,
+                    progress=False, warmup=False)
+    finally:
+        running.stop()
+    got, reference = {**outputs(client), **outputs(server)}, outputs(local)
+    for index in range(len(PROMPTS)):
+        for method in ("target-only", "eagle", "eagle-tree", "eagle-server", "eagle-tree-server"):
+            assert got[(method, index)] == reference[("target-only", index)], (method, index)
+    drafted = client[client["method"] == "eagle"]
+    assert (drafted["drafted"] > 0).mean() > 0.8
+    plain = client.loc[client["method"] == "target-only", "bytes_down"].median()
+    width = 2 * 3 * model.model.config.hidden_size  # float16 rows of three layers' inputs
+    for _, step in drafted.iterrows():  # a row per committed position (the accepted path's and the old tail's)
+        assert abs(step["bytes_down"] - plain - width * (step["accepted"] + 1) - 4 * step["accepted"]) < 64
+    assert set(server["method"]) == {"eagle-server", "eagle-tree-server"}
+
+
+def test_the_cost_model_prices_each_placements_wire_bytes():
+    """Client side: a feature row per committed position comes back with each verify; server side: one
+    round trip per request, the emitted tokens only, so no RTT per step."""
+    from specbench.plan.predict import REPLY_BYTES, LatencyProfile, OperatingPoint, bytes_per_step, step_cost
+
+    row = 3 * 4096 * 2  # Llama-3.1-8B's three float16 feature rows
+    client = OperatingPoint("eagle", k=4, where="remote", rtt_ms=50, feature_bytes=row)
+    assert bytes_per_step(client, accepted=2.5)[1] == REPLY_BYTES + 2 * 4 + row * 3.5
+    assert bytes_per_step(OperatingPoint("eagle", k=4, where="remote", rtt_ms=50), accepted=2.5)[1] == REPLY_BYTES + 8
+    server = OperatingPoint("eagle-server", k=4, where="remote", rtt_ms=50)
+    assert bytes_per_step(server, accepted=2.5) == (0.0, 4 * 3.5)
+    target = LatencyProfile("t", "cpu", rows=((1, 256, 0.05), (5, 256, 0.06)))
+    draft = LatencyProfile("d", "cpu", rows=((1, 256, 0.002), (4, 256, 0.003)))
+    near, far = (step_cost(OperatingPoint("eagle", k=4, where="remote", rtt_ms=rtt, feature_bytes=row), target, draft,
+                           2.5, bandwidth_mbps=10) for rtt in (5, 100))
+    assert far.network_s - near.network_s == pytest.approx(0.095)
+    assert near.network_s > 3.5 * row * 8 / 10e6  # the rows' transfer at 10 Mbit/s is priced
+    served = step_cost(server, target, draft, 2.5, bandwidth_mbps=10)
+    assert served.network_s < 1e-4 and served.verify_s == near.verify_s

@@ -54,6 +54,7 @@ class _Row:
     mask: torch.Tensor  # [n, past + n] additive, as a lone verify builds it
     positions: list[int]
     job: Optional[PrefillJob] = None  # the prefill a chunk row feeds
+    features: Optional[torch.Tensor] = None  # [inputs, layers x hidden], for a session a draft head reads
 
 
 def verify_batch(target: LocalTarget, requests: Sequence[VerifyRequest],
@@ -87,10 +88,13 @@ def verify_batch(target: LocalTarget, requests: Sequence[VerifyRequest],
             rows = sorted(rows + chunks, key=lambda row: row.state.cache.slot)
         logits = (_forward_fast if target.fast is not None else _forward_packed if packed else _forward)(target, rows)
         forward_s = device_time(target.device) - started
+        _take_features(target, rows, packed)
         choices = _greedy_choices(rows, logits)
         for row, judged in zip(rows, logits):
             if row.request is None:
                 row.job.fed += len(row.inputs)
+                if row.features is not None:
+                    row.state.features += list(row.features.unbind(0))
             else:
                 results[row.index] = _finish(target, row, judged, forward_s, started, choices.get(row.index))
     return results
@@ -184,6 +188,19 @@ def _forward_fast(target: LocalTarget, rows: list[_Row]) -> list[torch.Tensor]:
     return [judged[len(row.state.tail) - 1:] for judged, row in zip(logits, rows)]
 
 
+def _take_features(target: LocalTarget, rows: list[_Row], packed: bool) -> None:
+    """Each row's slice of the forward's features, for the sessions a draft head reads (packed: the rows
+    are one sequence in order; padded: a batch row each, inputs first)."""
+    if target.tap is None or all(row.state.features is None for row in rows):
+        return
+    joined, start = target.tap.joined(), 0
+    for index, row in enumerate(rows):
+        n = len(row.inputs)
+        if row.state.features is not None:
+            row.features = joined[0, start:start + n] if packed else joined[index, :n]
+        start += n
+
+
 def _padded_inputs(rows: list[_Row], width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's input ids and positions, zero-padded on the right to `width`."""
     input_ids = torch.zeros((len(rows), width), dtype=torch.long)
@@ -236,6 +253,8 @@ def _finish(target: LocalTarget, row: _Row, logits: torch.Tensor, forward_s: flo
         keep_positions(state.cache, list(range(row.past)))
         return error
     keep_positions(state.cache, list(range(row.past + num_prefix)) + [row.past + num_prefix + i for i in path])
+    if state.features is not None:
+        state.features += list(row.features[list(range(num_prefix)) + [num_prefix + i for i in path]].unbind(0))
     state.committed += [request.tree.tokens[i] for i in path] + [bonus]
     state.tail = [bonus]
     state.check_invariant()

@@ -104,7 +104,7 @@ class SessionState:
     cache: object
     committed: list[int]
     tail: list[int] = field(default_factory=list)
-    features: list = field(default_factory=list)  # per cached position, where a draft head's tap is on (heads/)
+    features: Optional[list] = None  # a row per cached position, for a session a draft head reads (heads/)
 
     def check_invariant(self) -> None:
         cached = cached_length(self.cache)
@@ -121,7 +121,8 @@ class PrefillJob:
 
     def __init__(self, target: "LocalTarget", session: str, ids: list[int]):
         self.target, self.session, self.ids, self.fed = target, session, ids, 0
-        self.state = SessionState(cache=target.new_cache(), committed=list(ids), tail=ids[-1:])
+        self.state = SessionState(cache=target.new_cache(), committed=list(ids), tail=ids[-1:],
+                                  features=[] if session in target.featured else None)
 
     @property
     def remaining(self) -> int:
@@ -137,7 +138,7 @@ class PrefillJob:
         chunk = self.next_chunk(max_tokens)
         if chunk:
             self.target.forward(self.state, chunk, position_ids=None, attention_mask=None, logits_to_keep=1)
-            if self.target.tap is not None:
+            if self.state.features is not None:
                 self.state.features += self.target.tap.rows(range(len(chunk)))
             clock.synchronize(self.target.device)  # a caller timing the prefill times the work, not its launch
             self.fed += len(chunk)
@@ -167,7 +168,8 @@ class LocalTarget:
         self.tokenizer = loaded.tokenizer
         self.max_context = max_context or getattr(self.model.config, "max_position_embeddings", None)
         self.sessions: dict[str, SessionState] = {}
-        self.tap = None  # a draft head's FeatureTap (`heads/features.py`): sessions keep their features
+        self.tap = None  # a draft head's FeatureTap (`heads/features.py`), attached by `keep_features`
+        self.featured: set[str] = set()  # sessions whose features are kept (a head drafts for them)
         self.plain = plain_layers(self.model.config)  # full attention only (no sliding window)
         # fast: fixed-shape compiled / graph-captured forwards over a static cache per session
         # (`decode/fast_forward.py`); True picks the device's backend, a string names one; None: on where it
@@ -235,7 +237,7 @@ class LocalTarget:
             forward_s = clock.device_time(self.device) - forward_start
             generator = torch.Generator().manual_seed(seed)
             path, bonus = verify(tree, logits[num_prefix - 1:], sampling, generator)  # on the device
-            if self.tap is not None:
+            if state.features is not None:
                 state.features += self.tap.rows(list(range(num_prefix)) + [num_prefix + i for i in path])
         except BaseException:
             crop_to(state.cache, past)  # a failed step leaves the session exactly as it was
@@ -250,7 +252,24 @@ class LocalTarget:
     def verify_begin(self, session: str, tree: DraftTree, sampling: SamplingParams, seed: int) -> Finished:
         return Finished(self.verify(session, tree, sampling, seed))
 
+    def keep_features(self, session: str, layer_ids: Sequence[int]) -> None:
+        """Keep the inputs of `layer_ids` per cached position of `session` from its next prefill on (what a
+        draft head reads, `features`); other sessions keep none."""
+        from specbench.heads.features import attach
+
+        attach(self, layer_ids)
+        self.featured.add(session)
+
+    def features(self, session: str) -> list:
+        """The feature rows of `session`'s cached positions (`keep_features` before its prefill)."""
+        rows = self.state(session).features
+        if rows is None:
+            raise SpecbenchError(f"session {session!r} keeps no features: it was prefilled before a draft head "
+                                 f"asked for them (keep_features)")
+        return rows
+
     def close(self, session: str) -> None:
+        self.featured.discard(session)
         state = self.sessions.pop(session, None)
         if state is not None and self.fast is not None:
             self.fast.forget(state.cache)

@@ -1,9 +1,11 @@
 """Drafting with a head from the target's features: chains, each token drawn from the q it reports.
 
-The drafter is bound to the target's session it drafts for (`bind`, called by the loop), reads the
-features the target kept for the committed positions, feeds the head those it has not seen, then
-drafts past them with its own outputs as features. Positions drafted past the features are dropped
-at the next step: the verify gives the real ones.
+The drafter is bound to the target's session it drafts for (`bind`, called by the loop, asks the
+target to keep that session's features), reads the features of the committed positions, feeds the
+head those it has not seen, then drafts past them with its own outputs as features. Positions
+drafted past the features are dropped at the next step: the verify gives the real ones. The target
+is a LocalTarget (features read in this process) or a RemoteTarget (the worker sends each step's rows:
+the client-side placement; `eagle-server` drafts on the worker instead).
 """
 from __future__ import annotations
 
@@ -29,9 +31,10 @@ class HeadDrafter:
         self.target_ids = head.draft_to_target.tolist()  # draft id -> target id
 
     def bind(self, target, session: str) -> None:
-        """Draft for `session` of `target` (the loop calls this before its prefill)."""
+        """Draft for `session` of `target` (the loop calls this before its prefill, so its features are kept)."""
         if target is not self.target:
             raise SpecbenchError("a head drafts from the target it was attached to; this loop runs another")
+        target.keep_features(session, self.head.config.layer_ids)
         self.session, self.cache, self.fed, self.last = session, HeadCache(), [], None
 
     def propose(self, context: Sequence[int], k: int, sampling: SamplingParams,
@@ -73,7 +76,7 @@ class HeadDrafter:
         False when there is none to draft from (a one-token prompt)."""
         if self.session is None:
             raise SpecbenchError("a head drafter is bound to a session before it drafts (the loop's bind)")
-        rows = self.target.state(self.session).features
+        rows = self.target.features(self.session)
         common = 0
         for fed, token in zip(self.fed, context):
             if fed != token:
@@ -87,7 +90,8 @@ class HeadDrafter:
             if len(rows) < len(context) - 1:
                 raise SpecbenchError(f"the target kept features for {len(rows)} positions of a context of "
                                      f"{len(context)}: it was prefilled before the head's tap was attached")
-            features = self.head.fuse(torch.stack(rows[real:len(context) - 1]))
+            weight = self.head.lm_head.weight
+            features = self.head.fuse(torch.stack(rows[real:len(context) - 1]).to(weight.device, weight.dtype))
             hidden, logits = self._feed(context[real + 1:], features, real)
             self.last = (hidden[-1], logits[-1])
             self.fed = list(context)
@@ -141,19 +145,21 @@ class HeadTreeDrafter(TreeGrowth, HeadDrafter):
 
 def head_drafter(source, tree: bool = False) -> HeadDrafter:
     """The `eagle` method's drafter: the head `source.draft` names (a folder, a Hugging Face id, or an
-    EagleHead), reading the features of `source.target`, which must run here (a LocalTarget)."""
+    EagleHead), reading the features of `source.target`: in this process (a LocalTarget), or sent by its
+    worker each step (a RemoteTarget: the head drafts here, the client-side placement)."""
     from specbench.heads.features import attach
     from specbench.heads.layouts import load_head
 
-    target_model = source.own_weights("eagle")
-    if not hasattr(source.target, "sessions"):
-        raise SpecbenchError("method 'eagle' drafts from the target's hidden states, so the target runs in this "
-                             "process (a RemoteTarget's worker does not send them yet)")
+    remote = not hasattr(source.target, "sessions")
     if source.draft is None:
         raise SpecbenchError("method 'eagle' needs a draft head: pass draft=<folder or id of an EAGLE-3 head>")
     where = getattr(source.draft, "model", source.draft)  # a ModelSpec (the CLI's --draft) names a folder or id
-    head = source.draft if isinstance(source.draft, EagleHead) else load_head(where, target_model)
-    attach(source.target, head.config.layer_ids)
+    if isinstance(where, EagleHead):
+        head = where
+    else:
+        head = load_head(where, source.target if remote else source.own_weights("eagle"))
+    if not remote:
+        attach(source.target, head.config.layer_ids)  # refused here (a fast target, another head's layers)
     name = f"eagle:{'head' if isinstance(where, EagleHead) else where}"
     if tree:
         shape = source.tree

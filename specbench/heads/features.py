@@ -2,7 +2,8 @@
 
 Why hooks: the target's verify forward already computes every layer's input; a pre-forward hook on the
 chosen layers keeps them, so the head never runs a second target forward. A target with a tap keeps
-the rows of its committed positions per session (`SessionState.features`).
+the rows of the committed positions of the sessions a head drafts for (`LocalTarget.keep_features`),
+in a lone forward or a batch of several sessions (`decode/batch.py`).
 """
 from __future__ import annotations
 
@@ -36,14 +37,18 @@ class FeatureTap:
     def _keep(self, index: int, module, args, kwargs) -> None:
         self.captured[index] = args[0] if args else kwargs["hidden_states"]
 
-    def rows(self, positions: Sequence[int]) -> list[torch.Tensor]:
-        """The last forward's features at `positions` of its inputs: one [layers x hidden] row each."""
+    def joined(self) -> torch.Tensor:
+        """The last forward's features, [batch, inputs, layers x hidden]; read once."""
         if len(self.captured) != len(set(self.layer_ids)):
             raise SpecbenchError("the target's last forward left no features for the draft head (a forward "
                                  "that bypassed its layers, e.g. a captured graph)")
-        joined = torch.cat([self.captured[i][0] for i in self.layer_ids], dim=-1)
+        joined = torch.cat([self.captured[i] for i in self.layer_ids], dim=-1)
         self.captured.clear()
-        return list(joined[list(positions)].unbind(0))
+        return joined
+
+    def rows(self, positions: Sequence[int]) -> list[torch.Tensor]:
+        """The last (batch-1) forward's features at `positions` of its inputs: one [layers x hidden] row each."""
+        return list(self.joined()[0, list(positions)].unbind(0))
 
 
 def attach(target, layer_ids: Sequence[int]) -> FeatureTap:
@@ -56,9 +61,6 @@ def attach(target, layer_ids: Sequence[int]) -> FeatureTap:
     if tap is not None and tap.layer_ids != tuple(layer_ids):
         raise SpecbenchError(f"this target model already feeds a head from layers {list(tap.layer_ids)}; a head "
                              f"reading layers {list(layer_ids)} needs a model of its own")
-    if target.tap is None and target.sessions:
-        raise SpecbenchError("a draft head's tap is attached before any session starts (sessions prefilled "
-                             "without it have no features)")
     if tap is None:
         tap = FeatureTap(target.model, layer_ids)
         target.model._specbench_feature_tap = tap

@@ -11,7 +11,7 @@ A head that does not fit the target (hidden size, vocabulary, layers it reads) i
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
@@ -27,8 +27,11 @@ _SIZES = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_va
           "rope_theta", "head_dim", "max_position_embeddings", "vocab_size")
 
 
-def save_head(head: EagleHead, folder: str | Path, layout: str = "eagle3", target_name: str = "") -> Path:
-    """Write `head` to `folder` in `layout`; its embeddings only when they are its own (speculators: always)."""
+def save_head(head: EagleHead, folder: str | Path, layout: str = "eagle3", target_name: str = "",
+              embeddings: bool = False) -> Path:
+    """Write `head` to `folder` in `layout`; its embeddings only when they are its own, or `embeddings`
+    asks for a copy of the target's (a head drafting on a worker's client has no target weights there;
+    speculators: always)."""
     from safetensors.torch import save_file
 
     if layout not in LAYOUTS:
@@ -39,7 +42,7 @@ def save_head(head: EagleHead, folder: str | Path, layout: str = "eagle3", targe
     state = {name: tensor.detach().contiguous() for name, tensor in head.state_dict().items()
              if not name.startswith("rotary.")}
     if layout == "eagle3":
-        if getattr(head, "shares_embeddings", False):
+        if getattr(head, "shares_embeddings", False) and not embeddings:
             state.pop("embed_tokens.weight", None)
         state = {name.replace("layers.0.", "midlayer.", 1): tensor for name, tensor in state.items()}
     layer = {key: getattr(config, key) for key in _SIZES if getattr(config, key) is not None}
@@ -131,26 +134,30 @@ def _local(where: str | Path) -> Path:
 
 
 def load_head(where: str | Path, target, dtype: Optional[torch.dtype] = None) -> EagleHead:
-    """The head at `where` (a folder or a Hugging Face id), checked against `target` (a LoadedModel) and
-    sharing its input embeddings unless the checkpoint has its own."""
+    """The head at `where` (a folder or a Hugging Face id), checked against `target` (a LoadedModel, or a
+    RemoteTarget when the head drafts on the client of a worker) and sharing its input embeddings unless
+    the checkpoint has its own (a remote target's are not here: such a head must have its own)."""
     folder = _local(where)
     config, layout = read_config(folder)
-    model = target.model
-    target_config = model.config
-    config = config.fitted(len(decoder_layers(model)))
-    if config.vocab_size != target.vocab_size:
+    shape = _TargetShape.of(target)
+    config = config.fitted(shape.layers)
+    if config.vocab_size != shape.vocab_size:
         raise SpecbenchError(f"draft head {where}: its vocabulary has {config.vocab_size} ids, the target's "
-                             f"{target.vocab_size}; a head drafts in its target's ids")
-    if config.features_size != target_config.hidden_size:
+                             f"{shape.vocab_size}; a head drafts in its target's ids")
+    if config.features_size != shape.hidden_size:
         raise SpecbenchError(f"draft head {where}: it reads features of size {config.features_size}, the target's "
-                             f"hidden size is {target_config.hidden_size}")
+                             f"hidden size is {shape.hidden_size}")
     state = {_name(name): tensor for name, tensor in _weights(folder).items()}
     own = "embed_tokens.weight" in state
-    if not own and config.hidden_size != target_config.hidden_size:
+    if not own and shape.embeddings is None:
+        raise SpecbenchError(f"draft head {where} shares its target's embeddings, and the target runs on a worker: "
+                             f"draft with it there (method 'eagle-server'), or write it with its own "
+                             f"(save_head(..., embeddings=True), `specbench train-draft --own-embeddings`)")
+    if not own and config.hidden_size != shape.hidden_size:
         raise SpecbenchError(f"draft head {where}: no embeddings of its own, and its hidden size "
-                             f"{config.hidden_size} is not the target's {target_config.hidden_size}")
+                             f"{config.hidden_size} is not the target's {shape.hidden_size}")
     config = config if "fc.bias" not in state else replace(config, fc_bias=True)
-    head = EagleHead(config, embed_tokens=None if own else model.get_input_embeddings())
+    head = EagleHead(config, embed_tokens=None if own else shape.embeddings)
     head.shares_embeddings = not own
     expected = {name for name in head.state_dict() if not name.startswith("rotary.")}
     if not own:
@@ -163,7 +170,33 @@ def load_head(where: str | Path, target, dtype: Optional[torch.dtype] = None) ->
         head.load_state_dict(state, strict=False)
     except RuntimeError as error:
         raise SpecbenchError(f"draft head {where} ({layout} layout): {str(error).splitlines()[-1].strip()}") from None
-    return head.to(dtype or model.dtype).to(model.get_input_embeddings().weight.device).eval()
+    return head.to(dtype or shape.dtype).to(shape.device).eval()
+
+
+@dataclass(frozen=True)
+class _TargetShape:
+    """What a head is checked against and borrows: from a model here, or a worker's description."""
+
+    vocab_size: int
+    hidden_size: int
+    layers: int
+    embeddings: Optional[torch.nn.Module]
+    dtype: torch.dtype
+    device: torch.device | str
+
+    @classmethod
+    def of(cls, target) -> "_TargetShape":
+        info = getattr(target, "info", None)
+        if isinstance(info, dict):  # a RemoteTarget: the worker says its sizes
+            if info.get("hidden_size") is None or info.get("num_hidden_layers") is None:
+                raise SpecbenchError("the worker does not say its model's hidden size and layers (an older worker): "
+                                     "a head cannot be checked against it")
+            return cls(int(info["vocab_size"]), int(info["hidden_size"]), int(info["num_hidden_layers"]), None,
+                       torch.float32, "cpu")
+        model = target.model
+        embeddings = model.get_input_embeddings()
+        return cls(target.vocab_size, model.config.hidden_size, len(decoder_layers(model)), embeddings, model.dtype,
+                   embeddings.weight.device)
 
 
 def _name(name: str) -> str:

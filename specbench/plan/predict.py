@@ -157,6 +157,9 @@ class OperatingPoint:
     rtt_ms: float = 0.0
     rule: str = "greedy"
     clients: int = 1  # clients sharing the target, their verifies batched into one forward
+    # a draft head drafting on the client of a remote target: bytes of one position's feature row, sent
+    # back for each position a verify commits (layers x hidden x 2 in float16)
+    feature_bytes: int = 0
 
     @property
     def kind(self) -> str:
@@ -170,13 +173,18 @@ class OperatingPoint:
         return f"{self.method}{size} ({place}{shared})"
 
 
-def bytes_per_step(point: OperatingPoint, draft_top_k: int = 32) -> tuple[float, float]:
-    """Wire bytes up and down for one verify: tokens int32 + parents int16 (+ sparse q for rejection)."""
+def bytes_per_step(point: OperatingPoint, draft_top_k: int = 32, accepted: float = 0.0) -> tuple[float, float]:
+    """Wire bytes up and down for one verify: tokens int32 + parents int16 (+ sparse q for rejection), and
+    a client-side head's feature rows for the `accepted` + 1 positions it commits. A method that runs on
+    the worker sends its emitted tokens only (int32 each), once per request."""
     if point.where == "local":
         return 0.0, 0.0
+    if get_method(point.method).on_worker:
+        return 0.0, 4.0 * (1.0 + accepted)
     nodes = point.k if point.kind != "none" else 0
     q_bytes = nodes * (2 + draft_top_k * 8 + 2) if point.rule == "rejection" else 0
-    return float(REQUEST_HEADER_BYTES + nodes * 6 + q_bytes), float(REPLY_BYTES + 2 * nodes)
+    features = point.feature_bytes * (1.0 + accepted)
+    return float(REQUEST_HEADER_BYTES + nodes * 6 + q_bytes), float(REPLY_BYTES + 2 * nodes + features)
 
 
 def predict_step(point: OperatingPoint, target: LatencyProfile, draft: Optional[LatencyProfile],
@@ -220,8 +228,11 @@ def step_cost(point: OperatingPoint, target: LatencyProfile, draft: Optional[Lat
     verify_s = target.forward_s(1 + (point.k if point.kind != "none" else 0), context, point.clients)
     if hit < 1.0 and point.kind == "chain":
         verify_s = hit * verify_s + (1 - hit) * target.forward_s(1, context, point.clients)
-    up, down = bytes_per_step(point)
-    network_s = Network(point.rtt_ms, bandwidth_mbps).transfer_s(up, down) if point.where == "remote" else 0.0
+    up, down = bytes_per_step(point, accepted=accepted)
+    # a worker-side method pays one round trip per request, not per step: priced as its bytes' transfer alone
+    on_worker = point.where == "remote" and get_method(point.method).on_worker
+    network_s = (Network(0.0 if on_worker else point.rtt_ms, bandwidth_mbps).transfer_s(up, down)
+                 if point.where == "remote" else 0.0)
     return StepCost(1.0 + accepted, draft_s, verify_s, network_s, overhead_s, up, down, point.clients)
 
 

@@ -70,6 +70,8 @@ class _Session:
     wire: str  # the session's name on the worker: unique per prefill, so a late close never hits a new one
     tokens: list[int]  # every committed token, so the session can be rebuilt anywhere
     epoch: int = 0  # prefills sent; the worker refuses requests of an older epoch
+    features: Optional[list] = None  # per cached position, for a client-side draft head (`keep_features`)
+    wish: Optional[tuple] = None  # (layer ids, wire dtype) of those features
 
 
 class RemoteTarget:
@@ -95,6 +97,7 @@ class RemoteTarget:
         self.socket = None
         self._ids = itertools.count()
         self._sessions: dict[str, _Session] = {}
+        self._featured: dict[str, tuple[list[int], str]] = {}  # session -> (layer ids, wire dtype) a head reads
         self.reconnects = 0
         self._connect()
         self.info = self._request({"op": "hello", "version": PROTOCOL_VERSION})[0]
@@ -114,9 +117,23 @@ class RemoteTarget:
         if not ids:
             raise SpecbenchError("empty prompt: at least one token is needed to condition on")
         wire = f"{uuid.uuid4().hex[:12]}-{re.sub(r'[^A-Za-z0-9_.:@+-]', '_', session)}"[:128]
-        self._sessions[session] = _Session(wire, list(ids))
+        wish = self._featured.get(session)
+        self._sessions[session] = _Session(wire, list(ids), features=[] if wish else None, wish=wish)
         self._prefill_wire(self._sessions[session])
         return len(ids)
+
+    def keep_features(self, session: str, layer_ids: Sequence[int], dtype: str = "float16") -> None:
+        """From `session`'s next prefill on, the worker sends the inputs of `layer_ids` for every position
+        it commits (a draft head on this side reads them, `features`): [positions, layers x hidden] in
+        `dtype` per reply, so the bytes per step grow with the accepted tokens and the hidden size."""
+        self._featured[session] = (list(layer_ids), dtype)
+
+    def features(self, session: str) -> list:
+        rows = self._state(session).features
+        if rows is None:
+            raise SpecbenchError(f"session {session!r} keeps no features: it was prefilled before a draft head "
+                                 f"asked for them (keep_features)")
+        return rows
 
     def verify(self, session: str, tree: DraftTree, sampling: SamplingParams, seed: int) -> Verdict:
         return self.verify_begin(session, tree, sampling, seed).result()
@@ -132,6 +149,7 @@ class RemoteTarget:
     def close(self, session: str) -> None:
         """Sent without waiting: closing is idempotent and the worker expires idle sessions anyway."""
         state = self._sessions.pop(session, None)
+        self._featured.pop(session, None)
         if state is not None and self.socket is not None:
             self._launch({"op": "close", "session": state.wire}, None)
 
@@ -181,9 +199,13 @@ class RemoteTarget:
     def _prefill_wire(self, state: _Session) -> None:
         """(Re)build the session on the worker from the tokens held here, in a new epoch."""
         state.epoch += 1
-        reply = self._request({"op": "prefill", "session": state.wire, "epoch": state.epoch,
-                               "model": self.model_identity}, {"tokens": np.asarray(state.tokens, dtype=np.int32)})[0]
+        header = {"op": "prefill", "session": state.wire, "epoch": state.epoch, "model": self.model_identity}
+        if state.wish is not None:
+            header.update(features=state.wish[0], feature_dtype=state.wish[1])
+        reply, arrays = self._request(header, {"tokens": np.asarray(state.tokens, dtype=np.int32)})
         self._confirm(reply, len(state.tokens))
+        if state.wish is not None:  # a rebuilt session's rows replace what was held
+            state.features = _feature_rows(arrays, len(state.tokens) - 1)
 
     def _confirm(self, reply: dict, committed: int) -> None:
         """The worker's view of the session must be this client's; otherwise stop, loudly."""
@@ -297,6 +319,17 @@ def _worker_error(op: str, reply: dict) -> WorkerError:
     return kind(f"worker refused {op} ({code}): {reply.get('error')}", code)
 
 
+def _feature_rows(arrays: dict, count: int) -> list:
+    """The reply's feature rows (float32 tensors), checked to be the `count` positions it committed."""
+    import torch
+
+    rows = arrays.get("features")
+    if rows is None or rows.ndim != 2 or rows.shape[0] != count:
+        raise SessionStateError(f"the worker sent {None if rows is None else rows.shape} feature rows for a step "
+                                f"that committed {count} positions", "state-mismatch")
+    return list(torch.from_numpy(rows.astype(np.float32)).unbind(0))
+
+
 @dataclass
 class _Flight:
     request_id: int
@@ -327,6 +360,8 @@ class PendingVerify:
         bonus = int(reply["bonus"])
         state = self.client._state(self.session)
         self.client._confirm(reply, len(state.tokens) + len(path) + 1)
+        if state.features is not None:
+            state.features += _feature_rows(arrays, len(path) + 1)
         state.tokens += [self.tree.tokens[i] for i in path] + [bonus]
         return Verdict(path, bonus, Timing(
             target_forward_s=float(reply["target_forward_s"]), verify_s=float(reply["verify_s"]),

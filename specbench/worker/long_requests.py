@@ -64,8 +64,6 @@ def generate(ops, header: dict, arrays: dict, curve_key: str):
     prompt goes in `--slice-tokens` at a time and then a step per slice; a resend of the same request
     (its `request` key) joins the job under way or gets its stored reply, so it runs once."""
     from specbench.decode.loop import Decoding, generate_steps
-    from specbench.methods import DraftSource
-    from specbench.models.loading import load_model
 
     method = get(header, "method", str)
     if method not in METHODS or not METHODS[method].on_worker:
@@ -100,11 +98,7 @@ def generate(ops, header: dict, arrays: dict, curve_key: str):
         if draft_spec is None:
             raise SpecbenchError("server-only needs a draft model: start the worker with --draft or send one")
         ops.policy.check(draft_spec)
-        if ops.draft is None or ops.draft.draft.spec != draft_spec:
-            ops.log(f"loading draft {draft_spec.label}")
-            # through the method table, so a draft with another tokenizer is translated, not misread
-            ops.draft = DraftSource(target, target.loaded, load_model(draft_spec)).model_drafter("server-draft")
-        drafter = ops.draft
+        drafter = _server_drafter(ops, target, METHODS[method], draft_spec)
     decoding = Decoding(k, max_new_tokens, sampling, method=method, kind=METHODS[method].kind)
     steps = generate_steps(target, drafter, prompt.tolist(), decoding, seed=seed,
                            session=f"generate/{ops.stats.requests}", prefill_chunk=ops.config.slice_tokens)
@@ -120,6 +114,29 @@ def generate(ops, header: dict, arrays: dict, curve_key: str):
         return reply, out
 
     return Job(run(), key=key, principal=principal, op="generate", busy=ops.stats.add_busy)
+
+
+def _server_drafter(ops, target, method, draft_spec):
+    """The worker's drafter for a generate: the draft model's (kept between requests; the prompt it drafts
+    for is in its context), or, for a head method, a drafter of its own over the kept head (a head drafter
+    is bound to one session, and generates of several clients interleave)."""
+    from specbench.methods import DraftSource
+    from specbench.models.loading import load_model
+
+    if method.worker_build is not None:
+        from specbench.heads.layouts import load_head
+
+        head = ops.heads.get(draft_spec)
+        if head is None:
+            ops.log(f"loading draft head {draft_spec.label}")
+            head = load_head(draft_spec.model, target.loaded)
+            ops.heads = {draft_spec: head}  # one head kept, like one draft model
+        return method.worker_build(DraftSource(target, target.loaded, head))
+    if ops.draft is None or ops.draft.draft.spec != draft_spec:
+        ops.log(f"loading draft {draft_spec.label}")
+        # through the method table, so a draft with another tokenizer is translated, not misread
+        ops.draft = DraftSource(target, target.loaded, load_model(draft_spec)).model_drafter("server-draft")
+    return ops.draft
 
 
 def _generate_key(header: dict, arrays: dict, principal: str) -> Optional[tuple]:

@@ -44,6 +44,7 @@ class Ops:
         self.target: Optional[LocalTarget] = None
         self.identity: Optional[str] = None
         self.draft = None
+        self.heads: dict = {}  # the draft head server-side head methods draft with, by its spec
         self.kv_budget = self.limits.max_kv_bytes or _half_free_memory(config.device)
         self.handlers = {"hello": self.hello, "info": self.info, "health": self.health, "stats": self.stats_op,
                          "load": self.load, "prefill": self.prefill, "verify": self.verify, "close": self.close,
@@ -74,7 +75,7 @@ class Ops:
             pool = self.target.fast.pool  # rows for a few clients now: a growing pool moves (shapes recompile)
             rows = FAST_ROWS + (self.target.fast.backend != "compile")  # captured batches pad into a scratch row
             pool.reserve_slots(min(rows, self.kv_budget // pool.slot_bytes if self.kv_budget else rows))
-        self.draft = None  # a server-side drafter is bound to the target it was built for
+        self.draft, self.heads = None, {}  # a server-side drafter is bound to the target it was built for
         self.jobs.cancel_all(SessionEndedError(f"the worker's model changed from {old} to {identity} ({reason}) "
                                                f"while this request ran"))
         if live:
@@ -145,6 +146,9 @@ class Ops:
                 "quantization": loaded.spec.quantization if loaded else None,
                 "weight_bytes": loaded.weight_bytes if loaded else None,
                 "kv_bytes_per_token": loaded.kv_bytes_per_token if loaded else None,
+                # what a client-side draft head checks itself against
+                "hidden_size": getattr(loaded.model.config, "hidden_size", None) if loaded else None,
+                "num_hidden_layers": getattr(loaded.model.config, "num_hidden_layers", None) if loaded else None,
                 "torch": torch.__version__, "sessions": len(self.sessions),
                 "kv_pool": _pool_description(self.target),
                 # batches run packed (no padding) or padded: what `replay_speed` needs to price them
@@ -240,7 +244,11 @@ class Ops:
                                               f"(epoch {epoch})"))
                 existing = self.sessions.sessions.get((owner, name))
         self.check_kv(incoming=len(tokens), replacing=existing.committed if existing else 0)
+        features = self._feature_request(header, target)
         session = self.sessions.admit(owner, name, principal, connection, self.identity)
+        session.feature_dtype = features and features[1]
+        if features:
+            target.keep_features(session.key, features[0])
         job = target.prefill_job(session.key, ids)
         chunk = self.config.slice_tokens if self.config.batching else len(tokens)
         if existing is None:
@@ -256,11 +264,30 @@ class Ops:
                 raise
             session.epoch, session.committed = epoch, len(job.ids)
             reply = {"session": name, "epoch": epoch, "committed": session.committed, "model": session.model}
-            session.replay = (key, reply, None)
-            return reply, None
+            out = _features_out(session, job.state.features)
+            session.replay = (key, reply, out)
+            return reply, out
 
         return Job(run(), session_key=session.key, key=key, principal=principal, prefill=job, op="prefill",
                    busy=self.stats.add_busy)
+
+    def _feature_request(self, header, target) -> Optional[tuple[list[int], str]]:
+        """(layer ids, wire dtype) of a prefill whose client drafts with a head (`features`), checked
+        against the model before any session exists; None when it asks for none."""
+        if "features" not in header:
+            return None
+        layers = protocol.int_list(header, "features", 0)
+        count = target.model.config.num_hidden_layers
+        if not 1 <= len(layers) <= 8 or max(layers) >= count:
+            raise ProtocolError(f"field 'features' names the decoder layers a head reads: 1..8 ids below {count}, "
+                                f"got {layers}")
+        dtype = get(header, "feature_dtype", str, "float16")
+        if dtype not in ("float16", "float32"):
+            raise ProtocolError(f"field 'feature_dtype' is float16 or float32, got {dtype!r}")
+        from specbench.heads.features import attach
+
+        attach(target, layers)  # refused (another head's layers, a fast target) before a session exists
+        return layers, dtype
 
     def verify(self, header, arrays, *, connection, curve_key):
         """One verify alone (batching off, or a batch of one)."""
@@ -308,6 +335,9 @@ class Ops:
                  "verify_s": verdict.timing.verify_s, "epoch": prepared.epoch, "committed": session.committed,
                  "model": session.model}
         path = {"path": np.asarray(verdict.accepted_path, dtype=np.int32)}
+        if session.feature_dtype:  # this step's new rows: the old tail's position and the accepted path's
+            rows = self.target.state(session.key).features[-(len(verdict.accepted_path) + 1):]
+            path.update(_features_out(session, rows))
         session.replay = (prepared.key, reply, path)
         return reply, path
 
@@ -330,6 +360,15 @@ class Ops:
         # idempotent (a resent close is fine), but says whether it closed anything: a name that is not the
         # caller's session (never opened, expired, or another client's) closes nothing
         return {"session": name, "closed": session is not None}, None
+
+
+def _features_out(session: Session, rows) -> Optional[dict]:
+    """A client-side head's feature rows as a reply array, in the dtype its client asked for."""
+    if not session.feature_dtype:
+        return None
+    width = rows[0].shape[-1] if rows else 0
+    stacked = torch.stack(rows).float() if rows else torch.zeros(0, width)
+    return {"features": stacked.numpy().astype(session.feature_dtype)}
 
 
 FAST_ROWS = 8  # static pool rows (+ 1 where batches pad) a fast worker holds from the start: graphs are per pool size

@@ -21,7 +21,7 @@ from specbench.models.spec import ModelSpec
 from specbench.types import DraftTree, SamplingParams, SparseDist, SpecbenchError
 
 PROTOCOL_VERSION = 2
-ALLOWED_DTYPES = ("int16", "int32", "int64", "float32", "float64", "uint16", "uint32")
+ALLOWED_DTYPES = ("int16", "int32", "int64", "float16", "float32", "float64", "uint16", "uint32")
 MAX_RANK = 2
 MAX_SEED = 2**63 - 1  # seeds, epochs and committed lengths fit a signed 64-bit int
 MAX_DIMENSION = 1 << 30  # elements along one axis, and in all: above any message a worker accepts (`limits.py`)

@@ -52,6 +52,7 @@ class Session:
     # network): when it is expected back, so a batch can wait for a drafting client rather than split
     replied_at: Optional[float] = None
     turnaround_s: Optional[float] = None
+    feature_dtype: Optional[str] = None  # a client-side draft head's: the features of each step travel back
 
     def arrived(self, received: float) -> None:
         """A verify from this session arrived at `received`: one more turnaround sample."""
