@@ -232,6 +232,23 @@ def test_the_training_time_test_unroll_sees_what_drafting_sees(target):
                 torch.testing.assert_close(steps[j][base], logits[0], rtol=1e-4, atol=1e-4)
 
 
+def test_soft_labels_are_the_targets_distribution_over_what_the_head_can_draft():
+    """Soft cross-entropy: equal to the hard one for a one-hot target; the target's probability outside
+    the draft vocabulary renormalized away; rows with nothing draftable left out."""
+    from specbench.heads.train import soft_cross_entropy
+
+    logits = torch.randn(3, 5, generator=torch.Generator().manual_seed(0))
+    ids = torch.tensor([[2, 0], [4, -100], [-100, -100]])
+    one_hot = torch.tensor([[1.0, 0.0], [0.6, 0.4], [0.5, 0.5]])
+    expected = torch.nn.functional.cross_entropy(logits[:2], torch.tensor([2, 4]))
+    torch.testing.assert_close(soft_cross_entropy(logits, ids, one_hot), expected)
+    mixed = torch.tensor([[0.3, 0.1], [0.9, 0.1], [1.0, 0.0]])
+    log_q = torch.log_softmax(logits, -1)
+    manual = -((0.75 * log_q[0, 2] + 0.25 * log_q[0, 0]) + log_q[1, 4]) / 2
+    torch.testing.assert_close(soft_cross_entropy(logits, ids, mixed), manual)
+    assert soft_cross_entropy(logits[2:], ids[2:], mixed[2:]) is None
+
+
 def test_train_draft_learns_what_drafting_asks_resumes_and_writes_a_loadable_head(tmp_path):
     """On a tiny random target (a chaotic function a one-layer head cannot learn in general), a head
     trained for many epochs on a few sequences of the target's own responses learns them: drafting on
@@ -242,7 +259,7 @@ def test_train_draft_learns_what_drafting_asks_resumes_and_writes_a_loadable_hea
 
     prompts = tuple([(i * 11 + j * 7) % 90 + 3 for j in range(6 + i % 5)] for i in range(14))
     spec = TrainSpec(target="tiny-random:seed=0,layers=4", prompts=prompts, prompt_count=14, held_out=2,
-                     max_new_tokens=16, draft_vocab=96, ttt_steps=3, epochs=60, learning_rate=3e-3, batch=4,
+                     max_new_tokens=16, draft_vocab=96, labels="greedy", ttt_steps=3, epochs=60, learning_rate=3e-3, batch=4,
                      checkpoint_every=20, eval_every=10_000)
     first = train_head(TrainSpec(**{**spec.__dict__, "epochs": 30}), tmp_path, progress=False)
     assert first.data["steps"] == first.data["total_steps"] == 90

@@ -114,6 +114,41 @@ def sharegpt_rows(path: Path, compact: Path) -> list[dict]:
     return parse_jsonl(compact, default_set="sharegpt")
 
 
+def load_conversations(name_or_path: str, limit: Optional[int] = None, seed: int = 0) -> list[list[dict]]:
+    """Whole exchanges, [{"role": "user" | "assistant", "content": ...}, ...] each: ShareGPT's human and
+    gpt turns in order (what a draft head trains on teacher-forced, as EAGLE did), or a JSONL path whose
+    lines hold {"messages": [...]}. Sampled like `load_prompts` (same seed, same conversations)."""
+    if name_or_path == "sharegpt":
+        compact = cache_root() / "datasets" / "sharegpt" / "conversations.jsonl"
+        if not compact.exists():
+            items = _json_array_items(fetch_dataset("sharegpt"))
+            partial = compact.with_suffix(".partial")
+            with open(partial, "w", encoding="utf-8") as out:
+                for item in items:
+                    messages = [{"role": {"human": "user", "gpt": "assistant"}[m["from"]], "content": m["value"]}
+                                for m in (item.get("conversations") or []) if isinstance(m, dict)
+                                and m.get("from") in ("human", "gpt") and isinstance(m.get("value"), str)]
+                    if len(messages) >= 2 and messages[0]["role"] == "user" and messages[0]["content"].strip():
+                        out.write(json.dumps({"messages": messages}) + "\n")
+            partial.replace(compact)
+        path = compact
+    else:
+        path = Path(name_or_path).expanduser()
+        if not path.exists():
+            raise DatasetError(f"conversations come from 'sharegpt' or a JSONL file of {{\"messages\": [...]}} "
+                               f"lines; {name_or_path!r} is neither")
+    rows = []
+    with open(path, encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if line.strip():
+                try:
+                    messages = json.loads(line)["messages"]
+                except (ValueError, KeyError, TypeError):
+                    raise DatasetError(f"{path}:{number}: not a {{\"messages\": [...]}} line") from None
+                rows.append(messages)
+    return sample_rows(rows, limit, seed)
+
+
 def _json_array_items(path: Path) -> list:
     """Items of a top-level JSON array, keeping the complete ones when the file is cut short."""
     try:

@@ -19,6 +19,10 @@ def add_train_draft(commands) -> None:
                        help="tokens of each target response trained on")
     train.add_argument("--max-length", type=int, default=defaults.max_length)
     train.add_argument("--teacher-forced", action="store_true", help="train on the prompts' text, no responses")
+    train.add_argument("--labels", choices=("soft", "greedy"), default=defaults.labels,
+                       help="the target's top-k distribution per position (soft) or its argmax (greedy)")
+    train.add_argument("--own-embeddings", action="store_true",
+                       help="write a copy of the target's embeddings with the head (to draft on a worker's client)")
     train.add_argument("--draft-vocab", type=int, default=defaults.draft_vocab)
     train.add_argument("--ttt-steps", type=int, default=defaults.ttt_steps, help="training-time-test unroll")
     train.add_argument("--epochs", type=float, default=defaults.epochs)
@@ -37,6 +41,7 @@ def _train_draft(args) -> int:
 
     spec = TrainSpec(target=args.target, prompts=args.prompts, prompt_count=args.prompt_count, held_out=args.held_out,
                      max_new_tokens=args.max_new_tokens, max_length=args.max_length, teacher_forced=args.teacher_forced,
+                     labels=args.labels, own_embeddings=args.own_embeddings,
                      draft_vocab=args.draft_vocab, ttt_steps=args.ttt_steps, epochs=args.epochs,
                      learning_rate=args.learning_rate, batch=args.batch, minutes=args.minutes, layout=args.layout,
                      dtype=args.dtype)

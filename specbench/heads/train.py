@@ -2,16 +2,19 @@
 
 Why these choices, on a 2-core CPU for a 135M target within minutes:
 - Data: the target's own greedy responses to the prompts (what it will be asked to continue), made in
-  batches by Hugging Face's `generate` (not speculative: data only), or the prompts' text as it is
-  (`teacher_forced`). One target forward per sequence gives every position's features and the
-  target's own next-token choice: the head learns the target's choices, not the text's.
+  batches by Hugging Face's `generate` (not speculative: data only), or text as it is (`teacher_forced`:
+  ShareGPT's exchanges, a user turn's end and the assistant's reply, as EAGLE trained; any other prompt
+  set's prompts). One target forward per sequence gives every position's features and the target's
+  own next-token distribution: the head learns the target's choices, not the text's.
+- Labels: the target's top `soft_top` probabilities per position (`labels="soft"`, EAGLE-3's distillation
+  of the distribution, more signal per token than its argmax alone), or its argmax (`"greedy"`).
 - Draft vocabulary: the ids the target chose most often in the training data (EAGLE-3's reduced
   vocabulary); the head's output layer and final norm start as the target's own rows for those ids,
   so it starts as "the target's head over a fused, one-layer guess of its last hidden state".
 - Training-time test (EAGLE-3): each sequence is unrolled `ttt_steps` times: step j reads at base
   position p the head's own output of step j - 1 as its feature, attending to the real positions up to
   p and to its own earlier steps at p, which is exactly what drafting j tokens past p sees.
-- Resumable: the data and features are cached, and a checkpoint (the head in its layout, the
+- Resumable: the data and the target's features and labels are cached, and a checkpoint (the head in its layout, the
   optimizer, the step) is written every `checkpoint_every` steps; a rerun continues from it.
 """
 from __future__ import annotations
@@ -39,7 +42,10 @@ class TrainSpec:
     held_out: int = 8  # prompts kept out of training for the acceptance shown while training
     max_new_tokens: int = 96  # of each target response
     max_length: int = 384  # tokens per training sequence (prompt + response), cut beyond
-    teacher_forced: bool = False  # train on the prompts' text as it is, no responses generated
+    teacher_forced: bool = False  # train on text as it is (ShareGPT: its exchanges), no responses generated
+    labels: str = "soft"  # soft: the target's top-`soft_top` distribution; greedy: its argmax
+    soft_top: int = 16
+    own_embeddings: bool = False  # write a copy of the target's embeddings with the head (to draft on a worker's client)
     draft_vocab: int = 8192
     ttt_steps: int = 3
     epochs: float = 2.0
@@ -56,8 +62,10 @@ class TrainSpec:
         if self.prompt_count < self.held_out + 2:
             raise SpecbenchError(f"prompt_count {self.prompt_count} leaves nothing to train on after {self.held_out} "
                                  f"held-out prompts")
-        if self.ttt_steps < 1 or self.draft_vocab < 2 or self.batch < 1 or self.epochs <= 0:
-            raise SpecbenchError("ttt_steps, batch and epochs must be positive and draft_vocab at least 2")
+        if self.ttt_steps < 1 or self.draft_vocab < 2 or self.batch < 1 or self.epochs <= 0 or self.soft_top < 1:
+            raise SpecbenchError("ttt_steps, batch, epochs and soft_top must be positive and draft_vocab at least 2")
+        if self.labels not in ("soft", "greedy"):
+            raise SpecbenchError(f"labels is 'soft' or 'greedy', got {self.labels!r}")
 
 
 def sequences(target, spec: TrainSpec, prompts: list, progress: bool) -> list[list[int]]:
@@ -66,6 +74,8 @@ def sequences(target, spec: TrainSpec, prompts: list, progress: bool) -> list[li
     from specbench.api import encode_prompts
 
     if spec.teacher_forced:
+        if prompts and isinstance(prompts[0], list) and prompts[0] and isinstance(prompts[0][0], dict):
+            return [exchange_ids(target.tokenizer, messages, spec.max_length) for messages in prompts]
         return [ids[-spec.max_length:] for ids in encode_prompts(prompts, target.tokenizer)]
     room = max(1, spec.max_length - spec.max_new_tokens)  # the prompt's end, so the response always fits
     encoded = [ids[-room:] for ids in encode_prompts(prompts, target.tokenizer)]
@@ -92,18 +102,46 @@ def sequences(target, spec: TrainSpec, prompts: list, progress: bool) -> list[li
     return out
 
 
+def exchange_ids(tokenizer, messages: list[dict], max_length: int, context: int = 96) -> list[int]:
+    """A user turn's last `context` tokens and the assistant's reply after it, through the chat template:
+    the reply is what drafting will be asked to continue."""
+    exchange = messages[:2]
+    asked = tokenizer.apply_chat_template(exchange[:1], tokenize=False, add_generation_prompt=True)
+    whole = tokenizer.apply_chat_template(exchange, tokenize=False)
+    prompt_ids = tokenizer(asked, add_special_tokens=False)["input_ids"]
+    ids = tokenizer(whole, add_special_tokens=False)["input_ids"]
+    start = max(0, len(prompt_ids) - context)
+    return ids[start:start + max_length]
+
+
 @torch.inference_mode()
-def target_pass(target, ids: list[int], layer_ids) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the concatenated inputs of `layer_ids` per position [n, layers x hidden], the target's greedy
-    choice after each position [n]) from one forward."""
+def target_pass(target, ids: list[int], layer_ids, top: int = 16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the concatenated inputs of `layer_ids` per position [n, layers x hidden], the target's `top` most
+    likely next ids after each position [n, top] (its greedy choice first) and their probabilities) from
+    one forward."""
     output = target.model(input_ids=torch.tensor([ids]), output_hidden_states=True)
     raw = torch.cat([output.hidden_states[i][0] for i in layer_ids], dim=-1)
-    return raw.to(torch.float16), output.logits[0].argmax(-1)
+    probs, choices = torch.softmax(output.logits[0].float(), dim=-1).topk(top, dim=-1)
+    return raw.to(torch.float16), choices.to(torch.int32), probs.to(torch.float16)
+
+
+def soft_cross_entropy(logits: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor) -> Optional[torch.Tensor]:
+    """Cross-entropy of draft-vocabulary `logits` [n, draft vocab] against the target's top probabilities
+    (`ids` [n, top] as draft ids, -100 outside the draft vocabulary), renormalized over the ids the head
+    can draft; rows with none are left out (None when every row is)."""
+    valid = ids >= 0
+    rows = valid.any(-1)
+    if not rows.any():
+        return None
+    weights = probs.float() * valid
+    weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-9)
+    log_q = torch.log_softmax(logits.float(), dim=-1).gather(-1, ids.clamp_min(0).long())
+    return -(weights * log_q).sum(-1)[rows].mean()
 
 
 def draft_ids(labels: list[torch.Tensor], size: int) -> list[int]:
     """The `size` ids the target chose most often (ascending, as d2t wants)."""
-    counts = torch.bincount(torch.cat(labels))
+    counts = torch.bincount(torch.cat(labels).long())
     size = min(size, int((counts > 0).sum()))
     return sorted(counts.topk(size).indices.tolist())
 
@@ -195,24 +233,41 @@ def train_head(spec: TrainSpec, folder: str | Path, progress: bool = True) -> Tr
     started, seconds = time.monotonic(), {}
     torch.manual_seed(spec.seed)
     target = load_model(ModelSpec(spec.target, dtype=spec.dtype))
-    rows = (load_prompts(spec.prompts, limit=spec.prompt_count, seed=spec.seed) if isinstance(spec.prompts, str)
-            else [{"prompt": prompt} for prompt in spec.prompts[:spec.prompt_count]])
-    if len(rows) < spec.held_out + 2:
-        raise SpecbenchError(f"prompt set {spec.prompts!r} gave {len(rows)} prompts: too few to train on")
-    prompts = [row["prompt"] for row in rows]
-    held, training = prompts[:spec.held_out], prompts[spec.held_out:]
+    if spec.teacher_forced and spec.prompts == "sharegpt":  # whole exchanges, not the first turns alone
+        from specbench.datasets.loaders import load_conversations
+
+        conversations = load_conversations(spec.prompts, limit=spec.prompt_count, seed=spec.seed)
+        held = [messages[0]["content"] for messages in conversations[:spec.held_out]]
+        training = conversations[spec.held_out:]
+        count = len(conversations)
+    else:
+        rows = (load_prompts(spec.prompts, limit=spec.prompt_count, seed=spec.seed) if isinstance(spec.prompts, str)
+                else [{"prompt": prompt} for prompt in spec.prompts[:spec.prompt_count]])
+        prompts = [row["prompt"] for row in rows]
+        held, training, count = prompts[:spec.held_out], prompts[spec.held_out:], len(rows)
+    if count < spec.held_out + 2:
+        raise SpecbenchError(f"prompt set {spec.prompts!r} gave {count} prompts: too few to train on")
     data_path = folder / "data.pt"
     if data_path.exists():
         data = torch.load(data_path, weights_only=False)
+        fields = ("prompts", "prompt_count", "held_out", "max_new_tokens", "max_length", "teacher_forced", "seed")
+        changed = [name for name in fields if data["spec"].get(name) != asdict(spec).get(name)]
+        if changed:
+            raise SpecbenchError(f"{folder} holds training data made with other {changed}: resume with the same "
+                                 f"settings, or train into a new folder")
     else:
         data = {"sequences": sequences(target, spec, training, progress), "spec": asdict(spec)}
         torch.save(data, data_path)
     seconds["data"] = round(time.monotonic() - started, 1)
     layer_ids = default_layer_ids(target.model.config.num_hidden_layers)
-    passes = [target_pass(target, ids, layer_ids) for ids in tqdm(
-        data["sequences"], desc="train-draft: target features", unit="sequence", disable=not progress)]
+    features_path = folder / "features.pt"
+    passes = torch.load(features_path, weights_only=False) if features_path.exists() else None
+    if passes is None or len(passes) != len(data["sequences"]) or passes[0][1].shape[-1] != spec.soft_top:
+        passes = [target_pass(target, ids, layer_ids, spec.soft_top) for ids in tqdm(
+            data["sequences"], desc="train-draft: target features", unit="sequence", disable=not progress)]
+        torch.save(passes, features_path)
     seconds["features"] = round(time.monotonic() - started - sum(seconds.values()), 1)
-    vocabulary = data.get("vocabulary") or draft_ids([labels for _, labels in passes], spec.draft_vocab)
+    vocabulary = data.get("vocabulary") or draft_ids([choices[:, 0] for _, choices, _ in passes], spec.draft_vocab)
     if "vocabulary" not in data:
         data["vocabulary"] = vocabulary
         torch.save(data, data_path)
@@ -245,16 +300,22 @@ def train_head(spec: TrainSpec, folder: str | Path, progress: bool = True) -> Tr
         losses = torch.zeros(spec.ttt_steps)
         for slot in range(spec.batch):
             index = int(order[(step * spec.batch + slot) % len(passes)])
-            (raw, labels), ids = passes[index], torch.tensor(data["sequences"][index])
+            (raw, choices, probs), ids = passes[index], torch.tensor(data["sequences"][index])
             features = head.fuse(raw[:-1].float())
             total = torch.zeros(())
             for j, logits in enumerate(unrolled_logits(head, ids, features, spec.ttt_steps)):
-                wanted = to_draft[labels[1 + j:1 + j + logits.shape[0]]]
-                if (wanted >= 0).any():
-                    loss = nn.functional.cross_entropy(logits, wanted, ignore_index=-100)
+                span = slice(1 + j, 1 + j + logits.shape[0])
+                wanted = to_draft[choices[span].long()]
+                if spec.labels == "soft":
+                    loss = soft_cross_entropy(logits, wanted, probs[span])
+                else:
+                    loss = (nn.functional.cross_entropy(logits, wanted[:, 0], ignore_index=-100)
+                            if (wanted[:, 0] >= 0).any() else None)
+                if loss is not None:
                     total = total + loss * (0.8 ** j) / spec.batch  # later steps weigh less (EAGLE-3's decay)
                     losses[j] += float(loss.detach()) / spec.batch
-            total.backward()
+            if total.requires_grad:
+                total.backward()
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         optimizer.step()
         schedule.step()
@@ -283,7 +344,7 @@ def train_head(spec: TrainSpec, folder: str | Path, progress: bool = True) -> Tr
 def _checkpoint(head, head_folder, checkpoint, optimizer, schedule, step, history, spec) -> None:
     from specbench.heads.layouts import save_head
 
-    save_head(head, head_folder, layout=spec.layout, target_name=spec.target)
+    save_head(head, head_folder, layout=spec.layout, target_name=spec.target, embeddings=spec.own_embeddings)
     temporary = checkpoint.with_suffix(".tmp")
     torch.save({"optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(), "step": step,
                 "history": history}, temporary)
