@@ -7,6 +7,12 @@ tokens/s against target-only, on MT-bench and HumanEval slices (the head trains 
 
     python benchmarks/heads.py --train-minutes 30           # train (or resume) the head, then compare
     python benchmarks/heads.py --head results/heads/smollm2-135m/head
+    python benchmarks/heads.py --head ... --placements   # also through a worker, the head on either side
+
+With `--placements`, the same head drafts through a `specbench worker` on this machine on the client
+(the worker sends feature rows) and on the worker (`eagle-server`): measured bytes per step and per
+token, and the speed each would have at other RTTs and uplinks (the measured compute, the loopback's
+network time replaced by RTT + bytes / bandwidth).
 """
 from __future__ import annotations
 
@@ -45,6 +51,41 @@ def trained(args) -> tuple[str, dict]:
         "spec": spec.__dict__}
 
 
+RTTS_MS, UPLINKS_MBPS = (5, 30, 100), (1, 10, 100)
+
+
+def placements(args, head: str, prompts: list) -> tuple[list[dict], list[dict]]:
+    """Both placements through a worker: measured wire bytes, and tok/s priced at other networks."""
+    from specbench.models.loading import load_tokenizer
+    from specbench.worker.client import RemoteTarget
+    from specbench.worker.launch import free_port, spawn_worker
+
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    process = spawn_worker(endpoint, "--model", args.target, "--allow-load", head, timeout_s=300)
+    try:
+        remote = RemoteTarget(endpoint, tokenizer=load_tokenizer(args.target))
+        records = run(remote, prompts, method=["target-only", "eagle", "eagle-server"], draft=head, k=4,
+                      max_new_tokens=args.max_new_tokens, progress="heads: placements through a worker")
+    finally:
+        process.terminate()
+    measured, priced = [], []
+    for method, group in records.groupby("method", sort=False):
+        tokens = group["emitted"].sum() if "emitted" in group else group["emitted_tokens"].map(len).sum()
+        wire = group["bytes_up"].sum() + group["bytes_down"].sum()
+        compute = (group["step_s"] - group["network_s"]).sum()
+        trips = group["prompt_index"].nunique() if method == "eagle-server" else len(group)  # round trips made
+        measured.append({"method": method, "steps": len(group), "tokens": int(tokens),
+                         "tokens_per_step": tokens / len(group), "round_trips": int(trips),
+                         "bytes_up_per_step": group["bytes_up"].mean(), "bytes_down_per_step": group["bytes_down"].mean(),
+                         "bytes_per_token": wire / tokens, "compute_s": compute,
+                         "loopback_tokens_per_s": tokens / group["step_s"].sum()})
+        for rtt in RTTS_MS:
+            for uplink in UPLINKS_MBPS:  # the same link both ways
+                seconds = compute + trips * rtt / 1000 + wire * 8 / (uplink * 1e6)
+                priced.append({"method": method, "rtt_ms": rtt, "mbps": uplink, "tokens_per_s": tokens / seconds})
+    return measured, priced
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="smollm2-135m")
@@ -60,13 +101,16 @@ def main() -> None:
     parser.add_argument("--k", type=int, nargs="+", default=[2, 4, 6])
     parser.add_argument("--others", nargs="+", default=["prompt-lookup", "substitute"])
     parser.add_argument("--self-draft-layers", type=int, default=7)
+    parser.add_argument("--placements", action="store_true", help="also through a worker, the head on either side")
+    parser.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
+                        help="the local comparison per K (--no-compare: placements only)")
     parser.add_argument("--out", default=str(RESULTS / "heads.json"))
     args = parser.parse_args()
 
     head, training = trained(args)
-    target = LocalTarget(load_model(ModelSpec(args.target)))
+    target = LocalTarget(load_model(ModelSpec(args.target))) if args.compare else None
     rows, positions = [], []
-    for dataset in args.datasets:
+    for dataset in args.datasets if args.compare else ():
         prompts = [row["prompt"] for row in load_prompts(dataset, limit=args.prompt_count, seed=1)]
         for k in args.k:
             methods = (["target-only"] if k == args.k[0] else []) + ["eagle", "eagle-tree", *args.others]
@@ -85,14 +129,24 @@ def main() -> None:
                     positions.append({"dataset": dataset, "method": row["method"], "k": k,
                                       **{f"p{j}": round(v, 3) for j, v in rates.items()}})
     table = pd.DataFrame(rows)
-    base = table[table["method"] == "target-only"].set_index("dataset")["tokens_per_s"]
-    table["speedup_vs_target_only"] = table["tokens_per_s"] / table["dataset"].map(base)
-    columns = ["dataset", "method", "k", "tokens_per_step", "acceptance_rate", "draft_cost_per_token", "tokens_per_s",
-               "speedup_vs_target_only"]
-    print(table[columns].round(3).to_string(index=False))
-    print(pd.DataFrame(positions).to_string(index=False))
+    if len(table):
+        base = table[table["method"] == "target-only"].set_index("dataset")["tokens_per_s"]
+        table["speedup_vs_target_only"] = table["tokens_per_s"] / table["dataset"].map(base)
+        columns = ["dataset", "method", "k", "tokens_per_step", "acceptance_rate", "draft_cost_per_token",
+                   "tokens_per_s", "speedup_vs_target_only"]
+        print(table[columns].round(3).to_string(index=False))
+        print(pd.DataFrame(positions).to_string(index=False))
+    measured, priced = [], []
+    if args.placements:
+        prompts = [row["prompt"] for dataset in args.datasets
+                   for row in load_prompts(dataset, limit=max(2, args.prompt_count // 2), seed=1)]
+        measured, priced = placements(args, head, prompts)
+        print(pd.DataFrame(measured).round(3).to_string(index=False))
+        print(pd.DataFrame(priced).pivot_table(index=["rtt_ms", "mbps"], columns="method",
+                                               values="tokens_per_s").round(2).to_string())
     write_report(args.out, {"target": args.target, "head": head, "training": training, "rows": table.to_dict("records"),
-                            "per_position": positions, "settings": vars(args)})
+                            "per_position": positions, "placements": measured, "placements_priced": priced,
+                            "settings": vars(args)})
 
 
 if __name__ == "__main__":

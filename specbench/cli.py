@@ -85,6 +85,15 @@ def _profile(args) -> int:
     grid = dict(tokens=args.tokens, contexts=args.contexts, repeats=args.repeats, batches=args.batches)
     if args.worker:
         profile, extra = profile_worker(args.worker, **grid)
+    elif args.head:  # a draft head's own forward, loaded against its target (--model)
+        from specbench.heads.layouts import load_head
+        from specbench.heads.profile import head_label, profile_head
+        from specbench.models.loading import load_model
+        from specbench.models.spec import ModelSpec
+
+        head = load_head(args.head, load_model(ModelSpec(args.model, dtype=args.dtype)))
+        profile, extra = profile_head(head, head_label(args.head), tokens=args.tokens, contexts=args.contexts,
+                                      repeats=args.repeats, progress=True)
     else:
         from specbench.models.loading import as_loaded
         from specbench.models.spec import ModelSpec
@@ -116,8 +125,10 @@ def _reference(args) -> int:
         from specbench.models.self_draft import truncated_view
 
         draft = truncated_view(target, args.self_draft_layers)
-    elif args.draft:  # a model, or prompt lookup's chains
-        draft = LOOKUP_DRAFT if args.draft == LOOKUP_DRAFT else as_loaded(
+    elif args.draft:  # a model, a draft head's folder, or prompt lookup's chains
+        from specbench.heads.profile import is_head
+
+        draft = LOOKUP_DRAFT if args.draft == LOOKUP_DRAFT else args.draft if is_head(args.draft) else as_loaded(
             ModelSpec(args.draft, dtype=args.dtype, quantization=args.draft_quant), args.dtype)
     else:
         raise SpecbenchError("give --draft MODEL or --self-draft-layers N")
@@ -316,6 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--quant", default="none", choices=list(QUANTIZATIONS))
     profile.add_argument("--kernels", default="default", choices=list(KERNELS), help=KERNELS_HELP)
     profile.add_argument("--self-draft-layers", type=int, help="profile the first N layers of --model")
+    profile.add_argument("--head", help="a draft head's folder: profile its forward (--model names its target)")
     profile.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 24, 32, 48, 64])
     profile.add_argument("--contexts", type=int, nargs="+", default=[128, 512])
     profile.add_argument("--repeats", type=int, default=5)
@@ -328,7 +340,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     reference = commands.add_parser("reference", help="record per-step acceptance of a pair on a prompt set")
     reference.add_argument("--target", required=True)
-    reference.add_argument("--draft", help="a draft model, or prompt-lookup (its chains, no model)")
+    reference.add_argument("--draft", help="a draft model, a draft head's folder (its eagle chains and trees), or "
+                                           "prompt-lookup (its chains, no model)")
     reference.add_argument("--draft-quant", default="none", choices=list(QUANTIZATIONS))
     reference.add_argument("--target-quant", default="none", choices=list(QUANTIZATIONS))
     reference.add_argument("--self-draft-layers", type=int)

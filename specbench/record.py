@@ -65,14 +65,17 @@ def record_reference(target: ModelLike, draft: ModelLike, prompts, dataset: str,
     target token, which prices its drafting; `draft` "prompt-lookup": prompt lookup's own chains and trees).
     `progress`: a bar per run (the chain, each tree budget), labelled with the pair or the string given."""
     sampling = sampling or SamplingParams()
+    from specbench.heads.profile import head_label, is_head
+
     target_loaded = as_loaded(target, dtype)
     lookup = draft == LOOKUP_DRAFT  # prompt lookup's chains and trees, copied from the context: no draft model
-    draft_loaded = None if lookup else as_loaded(draft, dtype)
-    chain_method, tree_method = ((lookup_method("chain"), lookup_method("tree")) if lookup
-                                 else (kind_method("chain"), kind_method("tree")))
+    head = not lookup and is_head(draft)  # a draft head (a folder or an EagleHead): its own chains and trees
+    draft_loaded = None if lookup else draft if head else as_loaded(draft, dtype)
+    chain_method, tree_method = ((lookup_method("chain"), lookup_method("tree")) if lookup else ("eagle", "eagle-tree")
+                                 if head else (kind_method("chain"), kind_method("tree")))
+    draft_label = draft_name or (LOOKUP_DRAFT if lookup else head_label(draft) if head else None)
     pair = progress if isinstance(progress, str) else (
-        f"reference {draft_name or (LOOKUP_DRAFT if lookup else draft_loaded.spec.label)} -> "
-        f"{target_name or target_loaded.spec.label}")
+        f"reference {draft_label or draft_loaded.spec.label} -> {target_name or target_loaded.spec.label}")
     label = (lambda what: f"{pair}: {what}") if progress else (lambda what: False)  # noqa: E731
     chain = run(target_loaded, prompts, method=chain_method, draft=draft_loaded, k=max_chain,
                 max_new_tokens=max_new_tokens, sampling=sampling, progress=label(f"chain K={max_chain}"),
@@ -102,7 +105,7 @@ def record_reference(target: ModelLike, draft: ModelLike, prompts, dataset: str,
     return AcceptanceReference(
         cross_tokenizer=",".join(cross), draft_per_target=draft_per_target,
         chain_hits=_hits(chain, max_chain, max_new_tokens, lookup),
-        draft=draft_name or (LOOKUP_DRAFT if lookup else acceptance_label(draft_loaded.spec.label)),
+        draft=draft_label or acceptance_label(draft_loaded.spec.label),
         target=target_name or acceptance_label(target_loaded.spec.label),
         dataset=dataset, rule=sampling.effective_rule, temperature=sampling.temperature, max_chain=max_chain,
         chain_accepts=tuple(int(a) for a in full["accepted"]), tree_accepts=tree_accepts,

@@ -364,3 +364,33 @@ def test_the_cost_model_prices_each_placements_wire_bytes():
     assert near.network_s > 3.5 * row * 8 / 10e6  # the rows' transfer at 10 Mbit/s is priced
     served = step_cost(server, target, draft, 2.5, bandwidth_mbps=10)
     assert served.network_s < 1e-4 and served.verify_s == near.verify_s
+
+
+def test_a_head_is_profiled_recorded_and_predicted_like_any_draft(tmp_path):
+    """A head gets a latency profile of its own forward and an acceptance reference of its chains and
+    trees; the predictor prices `eagle` from them, and its tokens per step replay the measured run's
+    (a 16-id vocabulary, so a random head is accepted now and then)."""
+    from specbench.heads.profile import profile_head
+    from specbench.plan.predict import OperatingPoint, predict
+    from specbench.record import profile_model, record_reference
+
+    target = tiny_model(seed=3, vocab_size=16, num_layers=4)
+    head = new_head(target, seed=6)
+    folder = save_head(head, tmp_path / "tiny-head")
+    prompts = [[token % 16 for token in prompt] for prompt in PROMPTS]
+    reference = record_reference(target, str(folder), prompts, dataset="tiny", max_chain=4, tree_budgets=(4,),
+                                 max_new_tokens=16)
+    assert reference.draft == "eagle:tiny-head" and reference.max_chain == 4 and 4 in reference.tree_accepts
+    profile, meta = profile_head(head, reference.draft, tokens=(1, 2, 5), contexts=(16,), repeats=2)
+    assert profile.model == reference.draft and [row[:2] for row in profile.rows] == [(1, 16), (2, 16), (5, 16)]
+    assert all(row[2] > 0 for row in profile.rows) and profile.weight_bytes < 2 * sum(
+        p.numel() * 4 for n, p in head.named_parameters() if not n.startswith("embed_tokens"))
+    target_profile, _ = profile_model(target, tokens=(1, 5), contexts=(16,), repeats=2)
+    rows = predict([OperatingPoint("eagle", k=4), OperatingPoint("eagle-tree", k=4)], target_profile, profile,
+                   reference, context=16)
+    measured = run(LocalTarget(target), prompts, method="eagle", draft=str(folder), k=4, max_new_tokens=16,
+                   progress=False, warmup=False)
+    full = measured[measured["drafted"] == 4]
+    assert full["accepted"].sum() > 0
+    assert rows[0]["tokens_per_step"] == pytest.approx(1 + full["accepted"].mean())
+    assert rows[0]["tokens_per_s"] > 0 and rows[1]["tokens_per_step"] >= 1

@@ -31,9 +31,11 @@ def operating_points(reference: Optional[AcceptanceReference], chain_ks: Sequenc
         raise SpecbenchError("choose local, remote or both")
     sizes: list[tuple[str, int]] = [("target-only", 0)]
     if reference is not None:
+        # a draft head's chains and trees are its own methods (same kinds, priced alike)
+        chain, tree = ("eagle", "eagle-tree") if reference.draft.startswith("eagle:") else ("chain", "tree")
         # a reference without a full chain step (prompt lookup that never matched K tokens) predicts no chain
-        sizes += [("chain", k) for k in chain_ks if 1 <= k <= reference.max_chain and reference.chain_accepts]
-        sizes += [("tree", int(b)) for b in sorted(int(b) for b in reference.tree_accepts)]
+        sizes += [(chain, k) for k in chain_ks if 1 <= k <= reference.max_chain and reference.chain_accepts]
+        sizes += [(tree, int(b)) for b in sorted(int(b) for b in reference.tree_accepts)]
     return [OperatingPoint(method, k, where, rtt, rule, n) for where, rtt in places for method, k in sizes
             for n in (clients if where == "remote" else (1,))]
 
@@ -305,7 +307,7 @@ def concurrency_frame(target: LatencyProfile, draft: LatencyProfile, reference: 
         base = frame.loc[frame["kind"] == "none", "tokens_per_s"].iloc[0]
         for row in frame[frame["kind"] != "none"].itertuples():
             rows.append({"clients": n, "method": row.method, "k": row.k,
-                         "series": f"{row.method} {'K' if row.method == 'chain' else 'budget'}={row.k}",
+                         "series": f"{row.method} {'K' if row.kind == 'chain' else 'budget'}={row.k}",
                          "tokens_per_s": row.tokens_per_s, "aggregate_tokens_per_s": row.aggregate_tokens_per_s,
                          "target_only_tokens_per_s": base, "speedup": row.tokens_per_s / base})
     return pd.DataFrame(rows)
