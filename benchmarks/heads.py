@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import pandas as pd
 
@@ -101,6 +102,8 @@ def main() -> None:
     parser.add_argument("--k", type=int, nargs="+", default=[2, 4, 6])
     parser.add_argument("--others", nargs="+", default=["prompt-lookup", "substitute"])
     parser.add_argument("--self-draft-layers", type=int, default=7)
+    parser.add_argument("--drafts", nargs="*", default=[],
+                        help="draft model folders (e.g. `train-draft --distil`'s <out>/draft) run as chains per K too")
     parser.add_argument("--placements", action="store_true", help="also through a worker, the head on either side")
     parser.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
                         help="the local comparison per K (--no-compare: placements only)")
@@ -117,6 +120,11 @@ def main() -> None:
             records = run(target, prompts, method=methods, draft=head, k=k, max_new_tokens=args.max_new_tokens,
                           self_draft_layers=args.self_draft_layers, substitute_quantization="int8-dynamic",
                           progress=f"heads: {dataset}, K={k}")
+            for folder in args.drafts:  # right after, on the same prompts
+                extra = run(target, prompts, method="chain", draft=folder, k=k, max_new_tokens=args.max_new_tokens,
+                            progress=f"heads: {dataset}, K={k}, {folder}")
+                extra["method"] = f"chain:{Path(folder).parent.name if Path(folder).name == 'draft' else folder}"
+                records = pd.concat([records, extra], ignore_index=True)
             table = summarize(records)
             forward = records.loc[records["method"] != "target-only", "target_forward_s"].mean()
             for row in table.to_dict("records"):

@@ -30,6 +30,9 @@ def add_train_draft(commands) -> None:
     train.add_argument("--batch", type=int, default=defaults.batch)
     train.add_argument("--minutes", type=float, help="stop training after this long (the checkpoint is kept)")
     train.add_argument("--layout", choices=LAYOUTS, default=defaults.layout)
+    train.add_argument("--distil", type=int, metavar="LAYERS",
+                       help="instead of a head, distil a draft model of the target's first LAYERS layers "
+                            "(written to <out>/draft; run it with --method chain --draft <out>/draft)")
     train.add_argument("--dtype", default=defaults.dtype)
     train.add_argument("--out", required=True, help="folder: data, checkpoint, and the head in <out>/head; a rerun "
                                                     "there resumes")
@@ -45,6 +48,14 @@ def _train_draft(args) -> int:
                      draft_vocab=args.draft_vocab, ttt_steps=args.ttt_steps, epochs=args.epochs,
                      learning_rate=args.learning_rate, batch=args.batch, minutes=args.minutes, layout=args.layout,
                      dtype=args.dtype)
+    if args.distil:
+        from specbench.heads.distil import distil_draft
+
+        result = distil_draft(spec, args.distil, args.out)
+        print(f"draft written to {result.folder / 'draft'}: {result.data['sequences']} sequences, "
+              f"{result.data['tokens']} tokens, {args.distil} layers, step {result.data['steps']} of "
+              f"{result.data['total_steps']}, final loss {result.history['loss_0'].iloc[-1]:.3f}; seconds {result.seconds}")
+        return 0
     result = train_head(spec, args.out)
     last = result.history.dropna(subset=["held_out_tokens_per_step"]).tail(1) if "held_out_tokens_per_step" in \
         result.history else result.history.tail(0)

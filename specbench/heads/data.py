@@ -1,0 +1,140 @@
+"""Training data for a draft head or a distilled draft: sequences, and one target pass over each.
+
+The sequences are the target's own greedy responses to the prompts, or text as it is
+(`teacher_forced`; ShareGPT: its exchanges). One target forward per sequence gives what both trainings
+read: the inputs of the head's layers per position and the target's top next-token probabilities.
+All of it is cached in the training folder, so a resume does not pay for it again.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from specbench.types import SpecbenchError
+
+
+def sequences(target, spec, prompts: list, progress: bool) -> list[list[int]]:
+    """Token ids of each training sequence: the prompt (chat template applied) and the target's greedy
+    response, or the prompt alone when `teacher_forced`."""
+    from specbench.api import encode_prompts
+
+    if spec.teacher_forced:
+        if prompts and isinstance(prompts[0], list) and prompts[0] and isinstance(prompts[0][0], dict):
+            return [exchange_ids(target.tokenizer, messages, spec.max_length) for messages in prompts]
+        return [ids[-spec.max_length:] for ids in encode_prompts(prompts, target.tokenizer)]
+    room = max(1, spec.max_length - spec.max_new_tokens)  # the prompt's end, so the response always fits
+    encoded = [ids[-room:] for ids in encode_prompts(prompts, target.tokenizer)]
+    model, pad = target.model, (target.eos_token_ids or (0,))[0]
+    out, batch = [], 16
+    bar = tqdm(total=len(encoded), desc="train-draft: target responses", unit="prompt", disable=not progress)
+    for start in range(0, len(encoded), batch):
+        group = encoded[start:start + batch]
+        width = max(len(ids) for ids in group)
+        ids = torch.tensor([[pad] * (width - len(g)) + g for g in group])
+        mask = torch.tensor([[0] * (width - len(g)) + [1] * len(g) for g in group])
+        with torch.inference_mode():
+            generated = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=spec.max_new_tokens,
+                                       do_sample=False, pad_token_id=pad)
+        for row, prompt in zip(generated[:, width:].tolist(), group):
+            response = row
+            for index, token in enumerate(row):
+                if token in target.eos_token_ids:
+                    response = row[:index + 1]
+                    break
+            out.append((prompt + response)[:spec.max_length])
+        bar.update(len(group))
+    bar.close()
+    return out
+
+
+def exchange_ids(tokenizer, messages: list[dict], max_length: int, context: int = 96) -> list[int]:
+    """A user turn's last `context` tokens and the assistant's reply after it, through the chat template:
+    the reply is what drafting will be asked to continue."""
+    exchange = messages[:2]
+    asked = tokenizer.apply_chat_template(exchange[:1], tokenize=False, add_generation_prompt=True)
+    whole = tokenizer.apply_chat_template(exchange, tokenize=False)
+    prompt_ids = tokenizer(asked, add_special_tokens=False)["input_ids"]
+    ids = tokenizer(whole, add_special_tokens=False)["input_ids"]
+    start = max(0, len(prompt_ids) - context)
+    return ids[start:start + max_length]
+
+
+@torch.inference_mode()
+def target_pass(target, ids: list[int], layer_ids, top: int = 16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the concatenated inputs of `layer_ids` per position [n, layers x hidden], the target's `top` most
+    likely next ids after each position [n, top] (its greedy choice first) and their probabilities) from
+    one forward."""
+    output = target.model(input_ids=torch.tensor([ids]), output_hidden_states=bool(layer_ids))
+    raw = (torch.cat([output.hidden_states[i][0] for i in layer_ids], dim=-1) if layer_ids
+           else torch.zeros(len(ids), 0))  # a distilled draft reads no features
+    probs, choices = torch.softmax(output.logits[0].float(), dim=-1).topk(top, dim=-1)
+    return raw.to(torch.float16), choices.to(torch.int32), probs.to(torch.float16)
+
+
+@dataclass
+class Prepared:
+    """What both trainings read: the target, the sequences, one target pass per sequence (features,
+    its top ids and probabilities), the held-out prompts, and the seconds each phase took."""
+
+    target: object
+    folder: Path
+    data: dict
+    passes: list
+    held: list
+    seconds: dict
+    started: float
+
+
+def prepare(spec, folder: str | Path, layer_ids_of, progress: bool) -> Prepared:
+    """The training data of `spec` in `folder`: made (and cached) on the first run, read on a resume.
+    `layer_ids_of(layers)`: the target layers whose inputs are kept (a head's; a distilled draft needs none,
+    and reads a head's cached data as it is)."""
+    from specbench.datasets import load_prompts
+    from specbench.models.loading import load_model
+    from specbench.models.spec import ModelSpec
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    started, seconds = time.monotonic(), {}
+    torch.manual_seed(spec.seed)
+    target = load_model(ModelSpec(spec.target, dtype=spec.dtype))
+    if spec.teacher_forced and spec.prompts == "sharegpt":  # whole exchanges, not the first turns alone
+        from specbench.datasets.loaders import load_conversations
+
+        conversations = load_conversations(spec.prompts, limit=spec.prompt_count, seed=spec.seed)
+        held = [messages[0]["content"] for messages in conversations[:spec.held_out]]
+        training = conversations[spec.held_out:]
+        count = len(conversations)
+    else:
+        rows = (load_prompts(spec.prompts, limit=spec.prompt_count, seed=spec.seed) if isinstance(spec.prompts, str)
+                else [{"prompt": prompt} for prompt in spec.prompts[:spec.prompt_count]])
+        prompts = [row["prompt"] for row in rows]
+        held, training, count = prompts[:spec.held_out], prompts[spec.held_out:], len(rows)
+    if count < spec.held_out + 2:
+        raise SpecbenchError(f"prompt set {spec.prompts!r} gave {count} prompts: too few to train on")
+    data_path = folder / "data.pt"
+    if data_path.exists():
+        data = torch.load(data_path, weights_only=False)
+        fields = ("prompts", "prompt_count", "held_out", "max_new_tokens", "max_length", "teacher_forced", "seed")
+        changed = [name for name in fields if data["spec"].get(name) != asdict(spec).get(name)]
+        if changed:
+            raise SpecbenchError(f"{folder} holds training data made with other {changed}: resume with the same "
+                                 f"settings, or train into a new folder")
+    else:
+        data = {"sequences": sequences(target, spec, training, progress), "spec": asdict(spec)}
+        torch.save(data, data_path)
+    seconds["data"] = round(time.monotonic() - started, 1)
+    layer_ids = layer_ids_of(target.model.config.num_hidden_layers)
+    features_path = folder / "features.pt"
+    passes = torch.load(features_path, weights_only=False) if features_path.exists() else None
+    if (passes is None or len(passes) != len(data["sequences"]) or passes[0][1].shape[-1] != spec.soft_top
+            or (layer_ids and passes[0][0].shape[-1] != len(layer_ids) * target.model.config.hidden_size)):
+        passes = [target_pass(target, ids, layer_ids, spec.soft_top) for ids in tqdm(
+            data["sequences"], desc="train-draft: target features", unit="sequence", disable=not progress)]
+        torch.save(passes, features_path)
+    seconds["features"] = round(time.monotonic() - started - sum(seconds.values()), 1)
+    return Prepared(target, folder, data, passes, held, seconds, started)

@@ -1,0 +1,126 @@
+"""`specbench train-draft --distil N`: a small draft model distilled from the target (SpecDecode's
+distillation), for the same comparison as a head.
+
+Why this shape: a target with no smaller sibling (SmolLM2-135M) still has a draft to distil, its own
+first N layers with its final norm and output layer, copied and trained so that its next-token
+distribution matches the target's (the target's top-16 probabilities renormalized, as heads learn).
+The embeddings and output layer stay frozen (tied in most small models). The result is an ordinary
+model folder (`<out>/draft`): it drafts chains and trees, here, through a worker and on it, like any
+draft model, and is profiled and recorded like one.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+
+from specbench.heads.train import TrainResult, TrainSpec
+from specbench.types import SpecbenchError
+
+
+def distil_draft(spec: TrainSpec, layers: int, folder: str | Path, progress: bool = True) -> TrainResult:
+    """Distil the target's first `layers` layers into a draft model; resumes from `folder`'s checkpoint.
+    The draft is written to `folder/draft` (what `run(method="chain", draft=...)` reads)."""
+    from transformers import AutoModelForCausalLM
+
+    from specbench.heads.data import prepare
+    from specbench.models.loaded import LoadedModel
+    from specbench.models.self_draft import truncated_view
+
+    spec.check()
+    prepared = prepare(spec, folder, lambda count: (), progress)  # no head: no features kept
+    target, data, passes, seconds, started = (prepared.target, prepared.data, prepared.passes, prepared.seconds,
+                                              prepared.started)
+    folder = prepared.folder
+    draft_folder, checkpoint = folder / "draft", folder / "draft-checkpoint.pt"
+    if checkpoint.exists() and (draft_folder / "config.json").exists():
+        model = AutoModelForCausalLM.from_pretrained(draft_folder, dtype=target.model.dtype)
+        if model.config.num_hidden_layers != layers:
+            raise SpecbenchError(f"{draft_folder} holds a draft of {model.config.num_hidden_layers} layers, not "
+                                 f"{layers}: resume with the same --distil, or train into a new folder")
+        state = torch.load(checkpoint, weights_only=False)
+    else:  # its own copy: training must not move the target's weights
+        model, state = copy.deepcopy(truncated_view(target, layers).model), None
+    model.train()
+    frozen = {id(model.get_input_embeddings().weight), id(model.get_output_embeddings().weight)}
+    trainable = [p for p in model.parameters() if id(p) not in frozen]
+    for parameter in model.parameters():
+        parameter.requires_grad_(id(parameter) not in frozen)
+    optimizer = torch.optim.AdamW(trainable, lr=spec.learning_rate, weight_decay=0.0)
+    total_steps = max(1, int(spec.epochs * len(passes) / spec.batch))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20) * max(
+        0.05, 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps))))
+    step, history = 0, []
+    if state is not None:
+        optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["schedule"])
+        step, history = state["step"], state["history"]
+    order = torch.randperm(len(passes), generator=torch.Generator().manual_seed(spec.seed + 1))
+    deadline = started + 60 * spec.minutes if spec.minutes else None
+    loaded = LoadedModel(spec=target.spec.with_(model=str(draft_folder)), model=model, tokenizer=target.tokenizer)
+    bar = tqdm(total=total_steps, initial=step, desc=f"train-draft: distil {layers} layers", unit="step",
+               disable=not progress)
+    last_acceptance = history[-1].get("held_out_tokens_per_step") if history else None
+    while step < total_steps and not (deadline and time.monotonic() > deadline):
+        optimizer.zero_grad()
+        loss_sum = 0.0
+        for slot in range(spec.batch):
+            index = int(order[(step * spec.batch + slot) % len(passes)])
+            (_, choices, probs), ids = passes[index], torch.tensor(data["sequences"][index])
+            logits = model(input_ids=ids[None]).logits[0]
+            weights = probs.float() / probs.float().sum(-1, keepdim=True)
+            loss = -(weights * torch.log_softmax(logits.float(), -1).gather(-1, choices.long())).sum(-1).mean()
+            (loss / spec.batch).backward()
+            loss_sum += float(loss.detach()) / spec.batch
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        optimizer.step()
+        schedule.step()
+        step += 1
+        record = {"step": step, "loss_0": round(loss_sum, 4)}
+        if step % spec.eval_every == 0 or step == total_steps:
+            last_acceptance = _held_out(loaded, target, prepared.held)
+            record["held_out_tokens_per_step"] = last_acceptance
+        history.append(record)
+        bar.set_postfix_str(f"loss {loss_sum:.3f}" + (f", {last_acceptance:.2f} tok/step held out"
+                                                      if last_acceptance else ""))
+        bar.update()
+        if step % spec.checkpoint_every == 0:
+            _checkpoint(model, target, draft_folder, checkpoint, optimizer, schedule, step, history)
+    bar.close()
+    if not (checkpoint.exists() and step % spec.checkpoint_every == 0):
+        _checkpoint(model, target, draft_folder, checkpoint, optimizer, schedule, step, history)
+    seconds["training"] = round(time.monotonic() - started - sum(seconds.values()), 1)
+    model.eval()
+    tokens = sum(len(s) for s in data["sequences"])
+    return TrainResult(model, folder, pd.DataFrame(history), seconds,
+                       {"sequences": len(data["sequences"]), "tokens": tokens, "layers": layers, "steps": step,
+                        "total_steps": total_steps})
+
+
+def _checkpoint(model, target, draft_folder, checkpoint, optimizer, schedule, step, history) -> None:
+    model.save_pretrained(draft_folder)
+    if target.tokenizer is not None:
+        target.tokenizer.save_pretrained(draft_folder)
+    temporary = checkpoint.with_suffix(".tmp")
+    torch.save({"optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(), "step": step,
+                "history": history}, temporary)
+    temporary.replace(checkpoint)
+
+
+def _held_out(draft, target, prompts: list, k: int = 4, max_new_tokens: int = 32) -> float:
+    """Tokens per step of greedy chains of `k` from the draft on the held-out prompts (a real SD run)."""
+    from specbench.api import run
+    from specbench.decode.metrics import tokens_per_step
+    from specbench.decode.target import LocalTarget
+
+    was_training = draft.model.training
+    draft.model.eval()
+    records = run(LocalTarget(target), prompts, method="chain", draft=draft, k=k, max_new_tokens=max_new_tokens,
+                  progress=False, warmup=False)
+    draft.model.train(was_training)
+    return round(tokens_per_step(records), 3)
