@@ -9,7 +9,7 @@ from specbench.api import ModelLike, TreeShape, run
 from specbench.methods import kind_method, lookup_method
 from specbench.models.loading import as_loaded
 from specbench.models.spec import acceptance_label
-from specbench.decode.profile import forward_latency_points
+from specbench.decode.profile import forward_latency_points, spread
 from specbench.hardware import device_name, measure_power
 from specbench.plan.predict import LOOKUP_DRAFT, AcceptanceReference, LatencyProfile
 from specbench.types import SamplingParams
@@ -41,17 +41,6 @@ def profile_model(model: ModelLike, tokens: Sequence[int] = DEFAULT_TOKENS,
     power = measure_power(device)
     return profile, {"power_watts": power["watts"], "power_source": power["source"], "repeats": repeats,
                      "threads": torch.get_num_threads(), "batches": list(batches)}
-
-
-def spread(rows: Sequence[dict]) -> Optional[float]:
-    """How much a profile's repeats spread: the median over its points of (max - min) / median.
-    Example: points timed (min, median, max) = (50, 51, 53) and (80, 90, 140) ms spread 0.06 and 0.67:
-    0.36, a busy machine (`plan.library.NOISY_SPREAD`). None for rows without min/max."""
-    import statistics
-
-    ratios = [(r["max_s"] - r["min_s"]) / r["median_s"] for r in rows
-              if r.get("median_s") and "min_s" in r and "max_s" in r]
-    return round(statistics.median(ratios), 4) if ratios else None
 
 
 def record_reference(target: ModelLike, draft: ModelLike, prompts, dataset: str, max_chain: int = 8,

@@ -114,3 +114,14 @@ def _fast_points(model, tokens, contexts, repeats, warmup, batches, backend, sli
                    "min_s": samples[0], "max_s": samples[-1], "repeats": repeats, "forward": f"fast-{forward.backend}"}
         for cache in caches:
             cache.free()
+
+
+def spread(rows: Sequence[dict]) -> Optional[float]:
+    """How much a profile's repeats spread: the median over its points of (max - min) / median.
+    Example: points timed (min, median, max) = (50, 51, 53) and (80, 90, 140) ms spread 0.06 and 0.67:
+    0.36, a busy machine (`plan.library.NOISY_SPREAD`). None for rows without min/max."""
+    import statistics
+
+    ratios = [(r["max_s"] - r["min_s"]) / r["median_s"] for r in rows
+              if r.get("median_s") and "min_s" in r and "max_s" in r]
+    return round(statistics.median(ratios), 4) if ratios else None

@@ -35,7 +35,7 @@ def profile_head(head: EagleHead, label: str, tokens: Sequence[int] = (1, 2, 3, 
     from tqdm.auto import tqdm
 
     from specbench.hardware import device_name
-    from specbench.record import spread
+    from specbench.decode.profile import spread
 
     weight = head.lm_head.weight
     width = head.fc.in_features
