@@ -328,6 +328,11 @@ def test_a_head_drafts_through_a_worker_on_either_side_losslessly(tmp_path, batc
                      max_new_tokens=20, progress=False, warmup=False)
         server = run(remote, PROMPTS, method=["eagle-server", "eagle-tree-server"], draft=str(shared), k=4,
                      max_new_tokens=20, progress=False, warmup=False)
+        remote.keep_features("held", head.config.layer_ids)
+        remote.prefill("held", PROMPTS[0])
+        kept = (len(PROMPTS[0]) - 1) * 3 * model.model.config.hidden_size * 4  # float32 rows on the worker
+        assert remote.stats()["kv_bytes"] == remote.info["kv_bytes_per_token"] * len(PROMPTS[0]) + kept
+        remote.close("held")
         local = run(LocalTarget(model), PROMPTS, method=["target-only", "eagle"], draft=head, k=4, max_new_tokens=20,
                     progress=False, warmup=False)
     finally:

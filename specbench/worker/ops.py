@@ -101,7 +101,7 @@ class Ops:
         target = self.target
         per_token = self.kv_per_token
         held = sum(len(s.committed) for s in target.sessions.values()) - replacing
-        needed = per_token * (held + incoming)
+        needed = per_token * (held + incoming) + _feature_bytes(target)  # a client-side head's rows count too
         if self.kv_budget and needed > self.kv_budget:
             raise LimitError(f"KV cache: {what} needs {needed} bytes in all ({incoming} new tokens x "
                              f"{per_token} bytes, with what the worker holds) and exceeds the worker's limit of "
@@ -110,7 +110,8 @@ class Ops:
     def kv_bytes(self) -> int:
         if self.target is None:
             return 0
-        return self.kv_per_token * sum(len(s.committed) for s in self.target.sessions.values())
+        return self.kv_per_token * sum(len(s.committed) for s in self.target.sessions.values()) + _feature_bytes(
+            self.target)
 
     def release_idle_memory(self) -> None:
         """Once no session is open and no request under way, give the KV pool's memory back (and the
@@ -360,6 +361,12 @@ class Ops:
         # idempotent (a resent close is fine), but says whether it closed anything: a name that is not the
         # caller's session (never opened, expired, or another client's) closes nothing
         return {"session": name, "closed": session is not None}, None
+
+
+def _feature_bytes(target: LocalTarget) -> int:
+    """Bytes of the feature rows the worker keeps for sessions whose head drafts on the client."""
+    return sum(len(state.features) * state.features[0].numel() * state.features[0].element_size()
+               for state in target.sessions.values() if state.features)
 
 
 def _features_out(session: Session, rows) -> Optional[dict]:
