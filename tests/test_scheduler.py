@@ -16,6 +16,8 @@ from specbench.worker.client import RemoteTarget
 from conftest import PROMPTS
 from worker_helpers import RawClient, decode_in_process, process_worker
 
+pytestmark = pytest.mark.serial  # its tests time how long one tenant waits for another
+
 LONG_PROMPT = [int(t) for t in np.random.default_rng(0).integers(0, 96, 480)]
 
 

@@ -532,6 +532,7 @@ def test_secret_keys_are_private(tmp_path):
     assert stat.S_IMODE(os.stat(tmp_path / "keys").st_mode) == 0o700
 
 
+@pytest.mark.serial
 def test_no_retries_waits_one_timeout(worker):
     """Defect 8: with retries=0 a verify to a frozen worker waited twice the timeout it reported."""
     import signal

@@ -226,6 +226,7 @@ def _longest_requests(vocab: int) -> dict:
     }
 
 
+@pytest.mark.serial
 def test_one_tenants_longest_requests_hold_a_decoding_tenant_one_slice_at_most():
     """The fairness bound, on SmolLM2: beside another client's profile point (20 repeats of 256 tokens),
     a server-only generate (a 768-token prompt, k 8) and a 1,536-token prefill, sent together, a
