@@ -11,7 +11,6 @@ draft model, and is profiled and recorded like one.
 from __future__ import annotations
 
 import copy
-import math
 import time
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from specbench.heads.train import TrainResult, TrainSpec
+from specbench.heads.train import TrainResult, TrainSpec, optimization
 from specbench.types import SpecbenchError
 
 
@@ -51,15 +50,8 @@ def distil_draft(spec: TrainSpec, layers: int, folder: str | Path, progress: boo
     trainable = [p for p in model.parameters() if id(p) not in frozen]
     for parameter in model.parameters():
         parameter.requires_grad_(id(parameter) not in frozen)
-    optimizer = torch.optim.AdamW(trainable, lr=spec.learning_rate, weight_decay=0.0)
     total_steps = max(1, int(spec.epochs * len(passes) / spec.batch))
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20) * max(
-        0.05, 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps))))
-    step, history = 0, []
-    if state is not None:
-        optimizer.load_state_dict(state["optimizer"])
-        schedule.load_state_dict(state["schedule"])
-        step, history = state["step"], state["history"]
+    optimizer, schedule, step, history = optimization(trainable, spec, total_steps, state)
     order = torch.randperm(len(passes), generator=torch.Generator().manual_seed(spec.seed + 1))
     deadline = started + 60 * spec.minutes if spec.minutes else None
     loaded = LoadedModel(spec=target.spec.with_(model=str(draft_folder)), model=model, tokenizer=target.tokenizer)

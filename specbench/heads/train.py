@@ -161,6 +161,19 @@ class TrainResult:
     data: dict  # sequences, tokens, draft vocabulary
 
 
+def optimization(trainable: list, spec: TrainSpec, total_steps: int, state: Optional[dict]):
+    """(AdamW, its warm-up-then-cosine schedule, the step reached, the history so far), from `state` on a
+    resume: what a head's training and a distillation share."""
+    optimizer = torch.optim.AdamW(trainable, lr=spec.learning_rate, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20) * max(
+        0.05, 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps))))
+    if state is None:
+        return optimizer, schedule, 0, []
+    optimizer.load_state_dict(state["optimizer"])
+    schedule.load_state_dict(state["schedule"])
+    return optimizer, schedule, state["step"], state["history"]
+
+
 def train_head(spec: TrainSpec, folder: str | Path, progress: bool = True) -> TrainResult:
     """Train a head for `spec.target`; resumes from `folder`'s checkpoint. The head is written to
     `folder/head` in `spec.layout` (what `run(method="eagle", draft=...)` reads)."""
@@ -186,15 +199,8 @@ def train_head(spec: TrainSpec, folder: str | Path, progress: bool = True) -> Tr
         head, state = _initial_head(target, vocabulary, spec.seed), None
     head.train()
     trainable = [p for name, p in head.named_parameters() if not name.startswith("embed_tokens")]
-    optimizer = torch.optim.AdamW(trainable, lr=spec.learning_rate, weight_decay=0.0)
     total_steps = max(1, int(spec.epochs * len(passes) / spec.batch))
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20) * max(
-        0.05, 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps))))
-    step, history = 0, []
-    if state is not None:
-        optimizer.load_state_dict(state["optimizer"])
-        schedule.load_state_dict(state["schedule"])
-        step, history = state["step"], state["history"]
+    optimizer, schedule, step, history = optimization(trainable, spec, total_steps, state)
     to_draft = torch.full((target.vocab_size,), -100, dtype=torch.long)
     to_draft[torch.tensor(vocabulary)] = torch.arange(len(vocabulary))
     order = torch.randperm(len(passes), generator=torch.Generator().manual_seed(spec.seed + 1))
