@@ -53,16 +53,21 @@ def record_reference(target: ModelLike, draft: ModelLike, prompts, dataset: str,
     (counted in target tokens; a draft with another tokenizer also records its draft tokens per
     target token, which prices its drafting; `draft` "prompt-lookup": prompt lookup's own chains and trees).
     `progress`: a bar per run (the chain, each tree budget), labelled with the pair or the string given."""
-    sampling = sampling or SamplingParams()
     from specbench.heads.profile import head_label, is_head
 
+    sampling = sampling or SamplingParams()
     target_loaded = as_loaded(target, dtype)
     lookup = draft == LOOKUP_DRAFT  # prompt lookup's chains and trees, copied from the context: no draft model
-    head = not lookup and is_head(draft)  # a draft head (a folder or an EagleHead): its own chains and trees
-    draft_loaded = None if lookup else draft if head else as_loaded(draft, dtype)
-    chain_method, tree_method = ((lookup_method("chain"), lookup_method("tree")) if lookup else ("eagle", "eagle-tree")
-                                 if head else (kind_method("chain"), kind_method("tree")))
-    draft_label = draft_name or (LOOKUP_DRAFT if lookup else head_label(draft) if head else None)
+    if lookup:
+        draft_loaded, draft_label = None, LOOKUP_DRAFT
+        chain_method, tree_method = lookup_method("chain"), lookup_method("tree")
+    elif is_head(draft):  # a draft head (a folder or an EagleHead): its own chains and trees
+        draft_loaded, draft_label = draft, head_label(draft)
+        chain_method, tree_method = "eagle", "eagle-tree"
+    else:
+        draft_loaded, draft_label = as_loaded(draft, dtype), None
+        chain_method, tree_method = kind_method("chain"), kind_method("tree")
+    draft_label = draft_name or draft_label
     pair = progress if isinstance(progress, str) else (
         f"reference {draft_label or draft_loaded.spec.label} -> {target_name or target_loaded.spec.label}")
     label = (lambda what: f"{pair}: {what}") if progress else (lambda what: False)  # noqa: E731

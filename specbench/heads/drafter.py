@@ -23,7 +23,6 @@ from specbench.types import DraftTree, SamplingParams, SparseDist, SpecbenchErro
 class HeadDrafter:
     def __init__(self, head: EagleHead, target, name: str = "eagle"):
         self.head, self.target, self.name = head, target, name
-        self.vocab_limit = target.vocab_size
         self.session: Optional[str] = None
         self.cache = HeadCache()
         self.fed: list[int] = []  # x_0 .. x_real: the tokens whose features the head has read

@@ -98,16 +98,15 @@ class Ops:
         return f"{curve_key}:{token}", curve_key or token
 
     def check_kv(self, incoming: int, replacing: int = 0, what: str = "this request") -> None:
-        target = self.target
         per_token = self.kv_per_token
-        held = sum(len(s.committed) for s in target.sessions.values()) - replacing
-        needed = per_token * (held + incoming) + _feature_bytes(target)  # a client-side head's rows count too
+        needed = self.kv_bytes() + per_token * (incoming - replacing)
         if self.kv_budget and needed > self.kv_budget:
             raise LimitError(f"KV cache: {what} needs {needed} bytes in all ({incoming} new tokens x "
                              f"{per_token} bytes, with what the worker holds) and exceeds the worker's limit of "
                              f"{self.kv_budget} bytes (--max-kv-gib)")
 
     def kv_bytes(self) -> int:
+        """What the sessions hold: their KV, and the feature rows kept for client-side heads."""
         if self.target is None:
             return 0
         return self.kv_per_token * sum(len(s.committed) for s in self.target.sessions.values()) + _feature_bytes(
