@@ -64,7 +64,7 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
         self_draft_layers: Optional[int] = None, substitute_quantization: str = "8bit",
         dtype: str = "float32", chat: bool = True, warmup: bool = True, progress: bool | str = True,
         tokenizer=None, tree: TreeShape = TreeShape(), proactive: bool = False, planner=None,
-        cross_tokenizer: str = "auto", fast: bool | str | None = None) -> pd.DataFrame:
+        cross_tokenizer: str = "auto", fast: bool | str | None = None, suffix=None) -> pd.DataFrame:
     """Run each method over each prompt and return one row per speculative step.
 
     `target` is a catalog name, Hugging Face id, path, ModelSpec, LoadedModel, LocalTarget or
@@ -81,6 +81,9 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
     `fast` (True, or a backend: compile, cudagraph, compiled-graph, static) runs the target and a chain draft
     model in fixed-shape steps over static caches (`decode/fast_forward.py`): the same tokens, less overhead;
     the default (None) does so for unquantized CUDA models only, False or "off" never.
+    `suffix` (a `SuffixSettings`) shapes the suffix methods, whose `k` is a cap: their counts choose each step's
+    draft, and their cache of earlier outputs is shared per process by default (`cache="drafter"`: within
+    this call's prompts only; "off": each prompt drafts from itself).
     """
     sampling = sampling or SamplingParams()
     methods = [get_method(name) for name in ([method] if isinstance(method, str) else method)]
@@ -89,7 +92,7 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
         _check(chosen, target, planner)
     prompt_ids = encode_prompts(prompts, tokenizer or target.tokenizer, chat)
     source = DraftSource(target, target_model, draft, dtype, self_draft_layers, substitute_quantization, tree,
-                         cross_tokenizer, fast)
+                         cross_tokenizer, fast, suffix)
     rows = []
     label = progress if isinstance(progress, str) else f"run {len(methods)} methods x {len(prompt_ids)} prompts"
     bar = tqdm(total=len(methods) * len(prompt_ids), desc=label, unit="prompt", disable=not progress)

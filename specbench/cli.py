@@ -157,7 +157,8 @@ def _worker(args) -> int:
                           idle_timeout_s=args.idle_timeout, limits=limits, curve_keys=args.curve_keys,
                           insecure=args.insecure, batching=not args.no_batching,
                           batch_window_ms=args.batch_window_ms, batch_wait_ms=args.batch_wait_ms,
-                          max_batch=args.max_batch, slice_tokens=args.slice_tokens, fast=args.fast)
+                          max_batch=args.max_batch, slice_tokens=args.slice_tokens, fast=args.fast,
+                          suffix_cache=args.suffix_cache)
     Worker(config, log=log).serve()
     return 0
 
@@ -253,6 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--slice-tokens", "--prefill-chunk", dest="slice_tokens", type=int, default=256,
                         help="new tokens one slice of a long request computes (a prefill chunk, a profile piece): "
                              "other clients' steps run between slices (default %(default)s)")
+    worker.add_argument("--suffix-cache", choices=("tenant", "shared", "off"), default="tenant",
+                        help="suffix-server's cache of earlier outputs: one per tenant (default), one for all, or none")
     defaults = WorkerLimits()
     for name, (flag, what) in LIMIT_FLAGS.items():
         if name == "max_kv_bytes":

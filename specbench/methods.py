@@ -46,8 +46,13 @@ class DraftSource:
     cross_tokenizer: str = "auto"  # a draft with another tokenizer: auto | text | shared-vocab | off (refuse it)
     # model drafts (chains, trees, self-draft views) run fixed-shape steps (decode/fast_forward.py); None: on CUDA
     fast: bool | str | None = None
+    suffix: Any = None  # SuffixSettings: suffix decoding's knobs and where its cache is shared; None: the defaults
 
     def __post_init__(self):
+        if self.suffix is None:
+            from specbench.decode.suffix_drafter import SuffixSettings
+
+            object.__setattr__(self, "suffix", SuffixSettings())
         if self.cross_tokenizer not in CROSS_TOKENIZER:
             raise SpecbenchError(f"cross_tokenizer must be one of {CROSS_TOKENIZER}, got {self.cross_tokenizer!r}")
 
@@ -155,6 +160,23 @@ def _prompt_lookup_tree(source: DraftSource):
     return PromptLookupDrafter(max_candidates=source.tree.lookup_candidates, name="prompt-lookup-tree")
 
 
+def _suffix(source: DraftSource, tree: bool = False, key: tuple = ()):
+    from specbench.decode.suffix_drafter import SuffixDrafter, process_cache
+
+    settings = source.suffix
+    cache = process_cache(_target_key(source) + key, settings) if settings.cache == "process" else None
+    return SuffixDrafter(settings, cache, tree=tree, name="suffix-tree" if tree else "suffix")
+
+
+def _target_key(source: DraftSource) -> tuple:
+    """What tells targets apart for a process-wide cache: outputs of one model never draft for another's."""
+    loaded = source.target_model
+    if loaded is not None:
+        return (loaded.spec.label, source.target.vocab_size)
+    info = getattr(source.target, "info", None)
+    return (info.get("model") if isinstance(info, dict) else type(source.target).__name__, source.target.vocab_size)
+
+
 def _self_draft(source: DraftSource):
     from specbench.decode.drafters import ModelDrafter
     from specbench.models.self_draft import truncated_view
@@ -194,6 +216,13 @@ for _method in (
     Method("prompt-lookup-tree", "tree", _prompt_lookup_tree, lookup=True),
     Method("self-draft", "chain", _self_draft, plannable=True, drafts_ahead=True),
     Method("substitute", "chain", _substitute, plannable=True, drafts_ahead=True),
+    # suffix decoding: the prompt's, and earlier outputs', continuations weighted by their counts; k is a cap
+    Method("suffix", "chain", _suffix, lookup=True),
+    Method("suffix-tree", "tree", lambda source: _suffix(source, tree=True), lookup=True),
+    # suffix decoding on the worker: its cache there (per tenant unless the worker is told otherwise)
+    Method("suffix-server", "chain", on_worker=True, lookup=True, worker_build=_suffix),
+    Method("suffix-tree-server", "tree", on_worker=True, lookup=True,
+           worker_build=lambda source, key=(): _suffix(source, tree=True, key=key)),
     Method("eagle", "chain", _eagle),  # a draft head over the target's own hidden states (`heads/`)
     Method("eagle-tree", "tree", _eagle_tree),  # its EAGLE-2 dynamic tree
     Method("server-only", "chain", on_worker=True),  # AutoDraft's Server-Only: the worker drafts too

@@ -98,6 +98,8 @@ def generate_steps(target: Target, drafter: Optional[Drafter], prompt_ids: Seque
                 break
     finally:
         target.close(session)
+        if hasattr(drafter, "finish"):  # a drafter that keeps outputs (suffix decoding's cache) takes the last tokens
+            drafter.finish(context)
     return Generation(prompt_index, list(prompt_ids), context[len(prompt_ids):], prefill_s, records)
 
 

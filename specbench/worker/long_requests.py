@@ -94,7 +94,9 @@ def generate(ops, header: dict, arrays: dict, curve_key: str):
     target.check_prompt(prompt.tolist())
     ops.check_kv(incoming=len(prompt) + max_new_tokens + k)
     drafter = None
-    if METHODS[method].kind != "none":  # the worker drafts too
+    if METHODS[method].lookup:  # suffix decoding on the worker: no draft model
+        drafter = _suffix_drafter(ops, target, METHODS[method], principal)
+    elif METHODS[method].kind != "none":  # the worker drafts too
         if draft_spec is None:
             raise SpecbenchError("server-only needs a draft model: start the worker with --draft or send one")
         ops.policy.check(draft_spec)
@@ -137,6 +139,18 @@ def _server_drafter(ops, target, method, draft_spec):
         # through the method table, so a draft with another tokenizer is translated, not misread
         ops.draft = DraftSource(target, target.loaded, load_model(draft_spec)).model_drafter("server-draft")
     return ops.draft
+
+
+def _suffix_drafter(ops, target, method, principal: str):
+    """A suffix drafter per request over the worker's cache of earlier outputs: one per tenant by default
+    (`--suffix-cache tenant`), one for all (`shared`), or none (`off`)."""
+    from specbench.decode.suffix_drafter import SuffixSettings
+    from specbench.methods import DraftSource
+
+    scope = ops.config.suffix_cache
+    settings = SuffixSettings(cache="off" if scope == "off" else "process")
+    key = ("worker", ops.identity) + (() if scope == "shared" else (principal,))
+    return method.worker_build(DraftSource(target, target.loaded, suffix=settings), key)
 
 
 def _generate_key(header: dict, arrays: dict, principal: str) -> Optional[tuple]:

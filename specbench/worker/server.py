@@ -56,6 +56,9 @@ class WorkerConfig:
     # prompt chunk): between slices other clients' batches run, so it bounds how long one tenant holds all
     slice_tokens: int = 256
     fast: bool | str | None = None  # the target's fixed-shape steps (`--fast`; None: on CUDA; decode/fast_forward.py)
+    # suffix-server's cache of earlier outputs: per tenant (one user's outputs never shape another's drafts),
+    # shared by every tenant, or off (each request drafts from itself)
+    suffix_cache: str = "tenant"
     curve_keys: Optional[str] = None
     insecure: bool = False
 

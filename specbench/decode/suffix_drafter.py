@@ -1,0 +1,222 @@
+"""Suffix decoding: draft from the request's own prompt and output, and from earlier requests' outputs.
+
+Each request's context (prompt, then its output as it grows) is indexed for its own drafts; its output
+also goes into a `SuffixCache` of earlier outputs, bounded in requests and tokens (the oldest output is
+evicted first), so a later request that repeats what an earlier one said (agentic loops, resent files,
+multi-turn chats) drafts it. Each step proposes from whichever of the two scores higher: the expected
+number of accepted tokens, from how often each continuation was seen. Proposals are deterministic given
+the context and the cache, so each node's q is a point mass: exact under every verification rule.
+
+Where the cache is shared is configured (`SuffixSettings.cache`): "process" (every suffix drafter of this
+process over the same target, e.g. one notebook's runs, or one worker tenant's requests), "drafter" (this
+drafter's requests only: one `run` call) or "off" (each request drafts from itself only).
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from specbench.decode.suffix_index import SuffixDraft, SuffixIndex
+from specbench.types import DraftTree, SparseDist, SpecbenchError
+
+CACHE_SCOPES = ("process", "drafter", "off")
+
+
+@dataclass(frozen=True)
+class SuffixSettings:
+    """Suffix decoding's knobs. A step proposes at most min(k, factor * matched tokens + offset) tokens
+    (a long match earns a long draft), none with an estimated probability under `min_prob`; `depth`
+    bounds both the match and the draft. The cache keeps at most `cache_requests` outputs and
+    `cache_tokens` tokens."""
+
+    depth: int = 24
+    factor: float = 1.0
+    offset: float = 0.0
+    min_prob: float = 0.1
+    cache: str = "process"
+    cache_requests: int = 1000
+    cache_tokens: int = 200_000
+
+    def __post_init__(self):
+        if self.cache not in CACHE_SCOPES:
+            raise SpecbenchError(f"suffix cache must be one of {CACHE_SCOPES}, got {self.cache!r}")
+        if self.cache_requests < 1 or self.cache_tokens < 1:
+            raise SpecbenchError(f"the suffix cache needs room: cache_requests {self.cache_requests} and "
+                                 f"cache_tokens {self.cache_tokens} must be >= 1 (cache='off' turns it off)")
+        if not 0.0 <= self.min_prob <= 1.0:
+            raise SpecbenchError(f"min_prob must be in [0, 1], got {self.min_prob}")
+        if self.factor <= 0 or self.offset < 0:
+            raise SpecbenchError(f"need factor > 0 and offset >= 0, got {self.factor}, {self.offset}")
+
+
+class SuffixCache:
+    """Earlier requests' outputs, indexed together, evicting the oldest past `max_requests` outputs or
+    `max_tokens` tokens. Safe to share between threads (a worker's requests)."""
+
+    def __init__(self, depth: int = 24, max_requests: int = 1000, max_tokens: int = 200_000):
+        self.index = SuffixIndex(depth)
+        self.max_requests, self.max_tokens = max_requests, max_tokens
+        self._order: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self._tokens = 0
+        self._next = 0
+        self.evicted = 0
+        self.lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    @property
+    def tokens(self) -> int:
+        return self._tokens
+
+    def open(self) -> int:
+        """A new output's id (evicting the oldest when the cache holds `max_requests`)."""
+        with self.lock:
+            while len(self._order) >= self.max_requests:
+                self._evict()
+            self._next += 1
+            self._order[self._next] = None
+            self.index.extend(self._next, ())
+            return self._next
+
+    def extend(self, output: int, tokens: Sequence[int]) -> None:
+        """Append to an output (dropped silently once evicted: a long-running request outlived it)."""
+        with self.lock:
+            if output not in self._order or not tokens:
+                return
+            tokens = list(tokens)
+            self.index.extend(output, tokens)
+            self._tokens += len(tokens)
+            while self._tokens > self.max_tokens:
+                self._evict()
+
+    def speculate(self, context: Sequence[int], budget: int, **options) -> SuffixDraft:
+        with self.lock:
+            return self.index.speculate(context, budget, **options)
+
+    def clear(self) -> None:
+        with self.lock:
+            while self._order:
+                self._evict()
+
+    def _evict(self) -> None:
+        oldest, _ = self._order.popitem(last=False)
+        self._tokens -= self.index.tokens(oldest)
+        self.index.remove(oldest)
+        self.evicted += 1
+
+
+_PROCESS_CACHES: dict[tuple, SuffixCache] = {}
+_PROCESS_LOCK = threading.Lock()
+
+
+def process_cache(key: tuple, settings: SuffixSettings) -> SuffixCache:
+    """The process's cache for `key` (a target's identity, and a tenant's on a worker), made on first use."""
+    with _PROCESS_LOCK:
+        full_key = (key, settings.depth, settings.cache_requests, settings.cache_tokens)
+        if full_key not in _PROCESS_CACHES:
+            _PROCESS_CACHES[full_key] = SuffixCache(settings.depth, settings.cache_requests, settings.cache_tokens)
+        return _PROCESS_CACHES[full_key]
+
+
+class _Request:
+    __slots__ = ("seen", "prompt_length", "index", "output")
+
+    def __init__(self, prompt: list[int], depth: int, output: Optional[int]):
+        self.seen, self.prompt_length = list(prompt), len(prompt)
+        self.index = SuffixIndex(depth)
+        self.index.extend(0, prompt)
+        self.output = output  # its id in the shared cache, None without one
+
+
+class SuffixDrafter:
+    """Suffix decoding (see module doc). `k` caps a step's draft; the counts choose how much of it to
+    use, so steps draft anywhere from nothing to k tokens. `tree`: a tree of the most probable
+    continuations instead of one chain. Requests are told apart by their contexts (a context that
+    extends one seen before continues that request), so several may interleave; `finish` (called by
+    the loop when a generation ends) takes in the last tokens and frees the request's own index."""
+
+    def __init__(self, settings: SuffixSettings = SuffixSettings(), cache: Optional[SuffixCache] = None,
+                 tree: bool = False, name: str = "suffix", max_active: int = 64):
+        self.settings, self.tree, self.name = settings, tree, name
+        if cache is None and settings.cache == "drafter":
+            cache = SuffixCache(settings.depth, settings.cache_requests, settings.cache_tokens)
+        self.cache = None if settings.cache == "off" else cache
+        self.max_active = max_active
+        self._active: OrderedDict[int, _Request] = OrderedDict()  # least recently drafted for first
+        self._ids = 0
+        self.last: Optional[SuffixDraft] = None  # the last step's proposal and where it came from, for records
+        self.last_source = ""
+
+    def propose(self, context: Sequence[int], k: int, sampling, draws, max_depth: Optional[int] = None) -> DraftTree:
+        if k < 1:
+            raise SpecbenchError(f"draft budget must be >= 1, got {k}")
+        context = list(context)
+        request = self._request(context)
+        chain_cap = k if max_depth is None else min(k, max_depth)
+        budget = k if self.tree else chain_cap  # a tree keeps its node budget and is cut to max_depth below
+        options = dict(tree=self.tree, min_prob=self.settings.min_prob, factor=self.settings.factor,
+                       offset=self.settings.offset)
+        found, self.last_source = request.index.speculate(context, budget, **options), "request"
+        if self.cache is not None:
+            shared = self.cache.speculate(context, budget, **options)
+            if shared.score > found.score:
+                found, self.last_source = shared, "cache"
+        if max_depth is not None and self.tree:
+            found = _within_depth(found, max_depth)
+        self.last = found
+        return DraftTree(found.tokens, found.parents, tuple(SparseDist((t,), (1.0,)) for t in found.tokens),
+                         expected_accepted=found.score)
+
+    def finish(self, context: Sequence[int]) -> None:
+        """A generation ended with `context`: its last tokens go into the cache, its own index is freed."""
+        context = list(context)
+        for key, request in list(self._active.items()):
+            if _extends(context, request.seen):
+                self._take(request, context)
+                del self._active[key]
+                return
+
+    def _request(self, context: list[int]) -> _Request:
+        """The active request `context` continues (its new tokens taken in), or a new one."""
+        for key in reversed(self._active):
+            request = self._active[key]
+            if _extends(context, request.seen):
+                self._active.move_to_end(key)
+                self._take(request, context)
+                return request
+        while len(self._active) >= self.max_active:
+            self._active.popitem(last=False)
+        self._ids += 1
+        request = self._active[self._ids] = _Request(
+            context, self.settings.depth, self.cache.open() if self.cache is not None else None)
+        return request
+
+    def _take(self, request: _Request, context: list[int]) -> None:
+        new = context[len(request.seen):]
+        if not new:
+            return
+        request.index.extend(0, new)
+        if request.output is not None:
+            self.cache.extend(request.output, new)
+        request.seen += new
+
+
+def _extends(context: list[int], seen: list[int]) -> bool:
+    return len(context) >= len(seen) and context[:len(seen)] == seen
+
+
+def _within_depth(found: SuffixDraft, max_depth: int) -> SuffixDraft:
+    """The tree's nodes no deeper than `max_depth` (parents come first, so indices only shift down)."""
+    depths, keep = [], []
+    for parent in found.parents:
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+    keep = [i for i, depth in enumerate(depths) if depth <= max_depth]
+    if len(keep) == len(found.tokens):
+        return found
+    where = {old: new for new, old in enumerate(keep)}
+    parents = tuple(-1 if found.parents[i] < 0 else where[found.parents[i]] for i in keep)
+    probs = tuple(found.probs[i] for i in keep)
+    return SuffixDraft(tuple(found.tokens[i] for i in keep), parents, probs, found.match_length, sum(probs))

@@ -1,0 +1,202 @@
+"""Suffix decoding: the index against a brute-force count on random strings, the cache's bounds and
+scopes, and lossless decoding (greedy token for token, sampled by chi-square)."""
+import random
+
+import pytest
+
+from specbench.api import outputs, run
+from specbench.decode.loop import Decoding
+from specbench.decode.suffix_drafter import SuffixCache, SuffixDrafter, SuffixSettings
+from specbench.decode.suffix_index import SuffixIndex
+from specbench.types import SamplingParams, SpecbenchError
+
+from conftest import PROMPTS
+
+
+def _count(sequences, pattern, depth):
+    """How often `pattern` occurs in the sequences (a pattern longer than the depth is never indexed)."""
+    if len(pattern) > depth:
+        return 0
+    n = len(pattern)
+    return sum(1 for s in sequences for i in range(len(s) - n + 1) if s[i:i + n] == pattern)
+
+
+def _brute_chain(sequences, context, budget, depth, min_prob, factor):
+    """Suffix decoding's chain by definition: for each match length, follow the most frequent next token
+    (ties: the smaller id) while the path probability holds; the highest sum of probabilities wins,
+    a tie going to the longer match."""
+    best = ((), 0.0, 0)
+    for length in range(1, min(len(context), depth - 1) + 1):
+        pattern = list(context[len(context) - length:])
+        if _count(sequences, pattern, depth) == 0:
+            break
+        limit = min(budget, int(length * factor + 1e-6))
+        tokens, probs, prob, path = [], [], 1.0, pattern
+        while len(tokens) < limit:
+            here = _count(sequences, path, depth)
+            nexts = {t: _count(sequences, path + [t], depth) for t in {tok for s in sequences for tok in s}}
+            nexts = {t: c for t, c in nexts.items() if c}
+            if not nexts:
+                break
+            token = min(nexts, key=lambda t: (-nexts[t], t))
+            prob *= nexts[token] / here
+            if prob < min_prob:
+                break
+            tokens.append(token)
+            probs.append(prob)
+            path = path + [token]
+        if probs and sum(probs) >= best[1]:
+            best = (tuple(tokens), sum(probs), length)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_index_chain_matches_brute_force_on_random_strings(seed):
+    rng = random.Random(seed)
+    alphabet, depth = rng.choice([2, 3, 5]), rng.choice([3, 5, 8])
+    index, sequences = SuffixIndex(depth), {}
+    for sequence in range(4):
+        tokens = [rng.randrange(alphabet) for _ in range(rng.randrange(5, 40))]
+        for start in range(0, len(tokens), 7):  # appended piece by piece, as a response grows
+            index.extend(sequence, tokens[start:start + 7])
+        sequences[sequence] = tokens
+    index.remove(1)  # an evicted output takes its counts with it
+    del sequences[1]
+    checked = 0
+    for _ in range(40):
+        context = [rng.randrange(alphabet) for _ in range(rng.randrange(1, 10))]
+        budget, min_prob, factor = rng.choice([1, 3, 8]), rng.choice([0.0, 0.1, 0.4]), rng.choice([1.0, 2.0])
+        got = index.speculate(context, budget, min_prob=min_prob, factor=factor)
+        want = _brute_chain(list(sequences.values()), context, budget, depth, min_prob, factor)
+        assert (got.tokens, got.match_length) == (want[0], want[2] if want[0] else 0), (context, budget)
+        assert got.score == pytest.approx(want[1])
+        checked += bool(got.tokens)
+    assert checked > 5, "most random contexts must find a continuation, or the test checks nothing"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_index_tree_takes_the_most_probable_paths(seed):
+    rng = random.Random(100 + seed)
+    index, sequences = SuffixIndex(8), []
+    for sequence in range(3):
+        tokens = [rng.randrange(3) for _ in range(30)]
+        index.extend(sequence, tokens)
+        sequences.append(tokens)
+    for _ in range(20):
+        context = [rng.randrange(3) for _ in range(4)]
+        found = index.speculate(context, 6, tree=True, min_prob=0.05, factor=3.0)
+        if not found.tokens:
+            continue
+        pattern = context[len(context) - found.match_length:]
+        paths = []
+        for node, parent in enumerate(found.parents):
+            paths.append((paths[parent] if parent >= 0 else []) + [found.tokens[node]])
+            want = _count(sequences, pattern + paths[-1], 8) / _count(sequences, pattern, 8)
+            assert found.probs[node] == pytest.approx(want)  # a node's estimate is its path's share
+            assert parent < node
+        frontier = [path + [t] for path in [[]] + paths for t in range(3)
+                    if path + [t] not in paths and _count(sequences, pattern + path + [t], 8)]
+        best_left = max((_count(sequences, pattern + p, 8) / _count(sequences, pattern, 8) for p in frontier),
+                        default=0.0)
+        assert min(found.probs) >= best_left - 1e-12  # best first: nothing left out beats what was taken
+
+
+def test_removing_every_sequence_leaves_an_empty_index():
+    index = SuffixIndex(6)
+    rng = random.Random(1)
+    for sequence in range(5):
+        index.extend(sequence, [rng.randrange(4) for _ in range(50)])
+    for sequence in range(5):
+        index.remove(sequence)
+    assert index.nodes == 1 and index.root.count == 0 and not index.root.all()
+
+
+def test_cache_stays_within_its_limits_and_forgets_the_oldest_first():
+    cache = SuffixCache(depth=6, max_requests=3, max_tokens=100)
+    rng = random.Random(2)
+    outputs_ = []
+    for _ in range(10):
+        output = cache.open()
+        cache.extend(output, [rng.randrange(20) for _ in range(30)])
+        outputs_.append(output)
+        assert len(cache) <= 3 and cache.tokens <= 100
+    assert cache.evicted == 7
+    assert outputs_[-1] in cache.index and outputs_[0] not in cache.index
+    cache.clear()
+    assert cache.index.nodes == 1 and cache.tokens == 0
+
+
+def test_settings_refuse_nonsense_by_name():
+    with pytest.raises(SpecbenchError, match="suffix cache must be one of"):
+        SuffixSettings(cache="everywhere")
+    with pytest.raises(SpecbenchError, match="cache_tokens"):
+        SuffixSettings(cache_tokens=0)
+    with pytest.raises(SpecbenchError, match="depth must be >= 2"):
+        SuffixIndex(1)
+
+
+def test_an_earlier_output_drafts_a_later_request_only_where_the_cache_is_shared():
+    """Two requests in one drafter: the second repeats the first's output, which only a cache carries."""
+    first, second = [7, 1, 2, 3, 4, 5, 6, 8, 9], [11, 12]
+    for scope, expect_cache in (("drafter", True), ("off", False)):
+        drafter = SuffixDrafter(SuffixSettings(depth=8, cache=scope, min_prob=0.0, factor=4.0))
+        drafter.propose([7], 4, SamplingParams(), None)
+        drafter.finish(first)  # request one's output: 1..9
+        tree = drafter.propose(second + [1, 2, 3], 4, SamplingParams(), None)
+        if expect_cache:
+            assert tree.tokens == (4, 5, 6, 8) and drafter.last_source == "cache"
+        else:
+            assert tree.tokens == ()
+    drafter = SuffixDrafter(SuffixSettings(depth=8, cache="off", factor=4.0))
+    assert drafter.propose([3, 4, 5, 3, 4], 4, SamplingParams(), None).tokens == (5, 3, 4)  # its own context
+
+
+@pytest.mark.parametrize("k", [1, 4, 16])
+def test_suffix_greedy_matches_target_only(tiny_target, k):
+    methods = ["target-only", "suffix", "suffix-tree"]
+    records = run(tiny_target, PROMPTS, method=methods, k=k, max_new_tokens=40, progress=False,
+                  suffix=SuffixSettings(cache="drafter"))
+    produced = outputs(records)
+    for method in methods[1:]:
+        for index in range(len(PROMPTS)):
+            assert produced[(method, index)] == produced[("target-only", index)], (method, index, k)
+        drafted = records[records.method == method]
+        assert 0 < drafted["accepted"].sum() <= drafted["drafted"].sum()
+    if k > 1:  # the counts choose each step's length: not always k
+        assert records[records.method == "suffix"]["drafted"].nunique() > 1
+
+
+def test_suffix_through_a_worker_on_either_side(tiny_target):
+    """Client side: the drafter and its cache in the client, the worker verifies; server side
+    (`suffix-server`): the worker drafts from its own cache, only finished tokens travel."""
+    from specbench.worker.client import RemoteTarget
+    from worker_helpers import ThreadWorker
+
+    running = ThreadWorker()
+    try:
+        remote = RemoteTarget(running.endpoint)
+        methods = ["suffix", "suffix-tree", "suffix-server", "suffix-tree-server"]
+        got = outputs(run(remote, PROMPTS[:3], method=methods, k=6, max_new_tokens=24, progress=False))
+    finally:
+        running.stop()
+    local = outputs(run(tiny_target, PROMPTS[:3], method="target-only", max_new_tokens=24, progress=False))
+    for method in methods:
+        assert [got[(method, i)] for i in range(3)] == [local[("target-only", i)] for i in range(3)], method
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_suffix_sampling_follows_the_target(tree):
+    """Point-mass proposals from counts: the first two sampled tokens follow the target exactly."""
+    from specbench.decode.target import LocalTarget
+    from specbench.models.tiny import tiny_model
+    from test_distributions import REPEATING_PROMPT, check_two_token_marginals
+
+    vocab = 16
+    target = tiny_model(seed=3, vocab_size=vocab)
+    drafter = SuffixDrafter(SuffixSettings(depth=6, cache="off", min_prob=0.0, factor=3.0), tree=tree)
+    # a chain proposes the one most seen continuation (14 here, which the target samples ~54% of the time);
+    # a tree proposes the three seen after "1, 2" as siblings
+    prompt = REPEATING_PROMPT if tree else [4, 14, 4, 14, 4]
+    check_two_token_marginals(LocalTarget(target), target, drafter,
+                              Decoding(6, 2, SamplingParams(temperature=1.5, rule="rejection")), vocab, prompt=prompt)
+    assert not drafter._active  # the loop calls finish() at each generation's end: no request is left open
