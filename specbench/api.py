@@ -1,6 +1,7 @@
 """The three-line notebook API: `run(target=..., draft=..., method=..., prompts=...) -> DataFrame`."""
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, replace
 from typing import Iterable, Optional, Sequence, Union
 
@@ -64,7 +65,8 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
         self_draft_layers: Optional[int] = None, substitute_quantization: str = "8bit",
         dtype: str = "float32", chat: bool = True, warmup: bool = True, progress: bool | str = True,
         tokenizer=None, tree: TreeShape = TreeShape(), proactive: bool = False, planner=None,
-        cross_tokenizer: str = "auto", fast: bool | str | None = None, suffix=None) -> pd.DataFrame:
+        cross_tokenizer: str = "auto", fast: bool | str | None = None, suffix=None, router=None,
+        families: Optional[Sequence[str]] = None) -> pd.DataFrame:
     """Run each method over each prompt and return one row per speculative step.
 
     `target` is a catalog name, Hugging Face id, path, ModelSpec, LoadedModel, LocalTarget or
@@ -84,13 +86,22 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
     `suffix` (a `SuffixSettings`) shapes the suffix methods, whose `k` is a cap: their counts choose each step's
     draft, and their cache of earlier outputs is shared per process by default (`cache="drafter"`: within
     this call's prompts only; "off": each prompt drafts from itself).
+    Method "auto" routes each prompt to the method and K a `router` (`specbench.route`) predicts fastest for it
+    (`families`: each prompt's family, when known, which the router may use); its rows say what was chosen.
     """
     sampling = sampling or SamplingParams()
-    methods = [get_method(name) for name in ([method] if isinstance(method, str) else method)]
+    names = [method] if isinstance(method, str) else list(method)
+    if "auto" in names and router is None:
+        raise SpecbenchError("method 'auto' routes each prompt to a method and K: pass router=... (a Router from "
+                             "specbench.route.auto.train_router, or Router.load(path))")
+    methods = [None if name == "auto" else get_method(name) for name in names]
     target, target_model = as_target(target, dtype, fast)
     for chosen in methods:
-        _check(chosen, target, planner)
+        if chosen is not None:
+            _check(chosen, target, planner)
     prompt_ids = encode_prompts(prompts, tokenizer or target.tokenizer, chat)
+    if families is not None and len(families) != len(prompt_ids):
+        raise SpecbenchError(f"families name {len(families)} prompts' families for {len(prompt_ids)} prompts")
     source = DraftSource(target, target_model, draft, dtype, self_draft_layers, substitute_quantization, tree,
                          cross_tokenizer, fast, suffix)
     rows = []
@@ -100,30 +111,91 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
     target_bytes = target_model.weight_bytes if target_model else (
         described.get("weight_bytes") if isinstance(described, dict) else None)
     device = str(target.device) if target_model else None  # a remote worker's peak is its own
+    shared = dict(target=target, source=source, prompt_ids=prompt_ids, k=k, max_new_tokens=max_new_tokens,
+                  sampling=sampling, seed=seed, warmup=warmup, draft=draft, bar=bar, device=device,
+                  target_bytes=target_bytes)
     for chosen in methods:
-        bar.set_postfix_str(f"{chosen.name}, k={k}, {max_new_tokens} tokens")
-        drafter = chosen.build(source) if chosen.build else None
-        memory = {"target_weight_bytes": target_bytes,  # as loaded; a remote worker reports its own
-                  "draft_weight_bytes": drafter.draft.weight_bytes if isinstance(getattr(drafter, "draft", None),
-                                                                             LoadedModel) else None}
-        planned = planner if chosen.plannable else None  # baselines in the same call run as they are
-        decoding = Decoding(k, max_new_tokens, sampling, f"{chosen.name}+planner" if planned else chosen.name,
-                            chosen.kind, planned)
-        one = dict(target=target, method=chosen, drafter=drafter, decoding=decoding, draft=draft,
-                   proactive=proactive and chosen.drafts_ahead)
-        if warmup:
-            _generate_one(prompt_ids[0], 0, seed, **dict(one, decoding=replace(decoding, max_new_tokens=min(8, max_new_tokens))))
-        for index, ids in enumerate(prompt_ids):
-            if planned is not None:
-                planned.reset()
-            reset_peak_memory(device)
-            result = _generate_one(ids, index, seed * 1_000_003 + index, **one)
-            peak = {"device_peak_bytes": peak_memory_bytes(device)}
-            rows += [{**asdict(record), "k": 0 if chosen.kind == "none" else k, "prompt_tokens": len(ids),
-                      "prefill_s": result.prefill_s, **memory, **peak} for record in result.records]
-            bar.update()
+        if chosen is None:
+            rows += _run_auto(router, families, **shared)
+        else:
+            rows += _run_method(chosen, planner, proactive, **shared)
     bar.close()
     return pd.DataFrame(rows)
+
+
+def _run_method(chosen, planner, proactive, *, target, source, prompt_ids, k, max_new_tokens, sampling, seed, warmup,
+                draft, bar, device, target_bytes) -> list[dict]:
+    bar.set_postfix_str(f"{chosen.name}, k={k}, {max_new_tokens} tokens")
+    drafter = chosen.build(source) if chosen.build else None
+    planned = planner if chosen.plannable else None  # baselines in the same call run as they are
+    decoding = Decoding(k, max_new_tokens, sampling, f"{chosen.name}+planner" if planned else chosen.name,
+                        chosen.kind, planned)
+    one = dict(target=target, method=chosen, drafter=drafter, decoding=decoding, draft=draft,
+               proactive=proactive and chosen.drafts_ahead)
+    if warmup:
+        _generate_one(prompt_ids[0], 0, seed, **dict(one, decoding=replace(decoding, max_new_tokens=min(8, max_new_tokens))))
+    rows = []
+    for index, ids in enumerate(prompt_ids):
+        if planned is not None:
+            planned.reset()
+        result = _measured(ids, index, seed, device, one)
+        rows += _rows(result, ids, 0 if chosen.kind == "none" else k, _memory(drafter, target_bytes))
+        bar.update()
+    return rows
+
+
+def _run_auto(router, families, *, target, source, prompt_ids, k, max_new_tokens, sampling, seed, warmup, draft, bar,
+              device, target_bytes) -> list[dict]:
+    """Each prompt through the method and K the router predicts best for it; each row says what was chosen,
+    how long choosing took, and every candidate's predicted tokens/s (the reason)."""
+    import json
+
+    bar.set_postfix_str(f"auto over {len(router.candidates)} candidates, {max_new_tokens} tokens")
+    built: dict = {}
+
+    def prepared(candidate):
+        if candidate not in built:
+            method = get_method(candidate.method)
+            _check(method, target, None)
+            decoding = Decoding(max(1, candidate.k), max_new_tokens, sampling, "auto", method.kind)
+            built[candidate] = one = dict(target=target, method=method, decoding=decoding, draft=draft,
+                                          drafter=method.build(source) if method.build else None, proactive=False)
+            if warmup:
+                _generate_one(prompt_ids[0], 0, seed, **dict(one, decoding=replace(decoding, max_new_tokens=min(
+                    8, max_new_tokens))))
+        return built[candidate]
+
+    rows = []
+    for index, ids in enumerate(prompt_ids):
+        started = time.perf_counter()
+        candidate, table = router.choose(ids, families[index] if families is not None else None)
+        route_s = time.perf_counter() - started
+        one = prepared(candidate)
+        result = _measured(ids, index, seed, device, one)
+        why = json.dumps({row.candidate: round(row.tokens_per_s, 3) for row in table.itertuples()})
+        rows += [dict(row, method="auto", chosen=candidate.label, route_s=route_s, route_predicted=why)
+                 for row in _rows(result, ids, candidate.k if one["method"].kind != "none" else 0,
+                                  _memory(one["drafter"], target_bytes))]
+        bar.update()
+    return rows
+
+
+def _measured(ids, index, seed, device, one):
+    reset_peak_memory(device)
+    result = _generate_one(ids, index, seed * 1_000_003 + index, **one)
+    result.peak = peak_memory_bytes(device)
+    return result
+
+
+def _rows(result, ids, k, memory) -> list[dict]:
+    return [{**asdict(record), "k": k, "prompt_tokens": len(ids), "prefill_s": result.prefill_s, **memory,
+             "device_peak_bytes": result.peak} for record in result.records]
+
+
+def _memory(drafter, target_bytes) -> dict:
+    return {"target_weight_bytes": target_bytes,  # as loaded; a remote worker reports its own
+            "draft_weight_bytes": drafter.draft.weight_bytes if isinstance(getattr(drafter, "draft", None),
+                                                                         LoadedModel) else None}
 
 
 def _check(method: Method, target: Target, planner) -> None:

@@ -61,12 +61,22 @@ def _run(args) -> int:
     records = run(target, args.prompt or DEMO_PROMPTS, method=args.method, draft=draft, k=args.k,
                   max_new_tokens=args.max_new_tokens, sampling=sampling, dtype=args.dtype, planner=planner,
                   substitute_quantization=args.substitute_quant, cross_tokenizer=args.cross_tokenizer,
-                  fast=args.fast, self_draft_layers=getattr(args, "self_draft_layers", None))
+                  fast=args.fast, self_draft_layers=getattr(args, "self_draft_layers", None), router=_router(args))
     print(summarize(records).round(3).to_string(index=False))
     if args.out:
         records.to_csv(args.out, index=False)
         print(f"per-step records: {args.out}")
     return 0
+
+
+def _router(args):
+    if "auto" not in args.method:
+        return None
+    if not args.router:
+        raise SpecbenchError("--method auto needs --router FILE (train one with `specbench route`)")
+    from specbench.route.router import Router
+
+    return Router.load(args.router)
 
 
 def _demo(args) -> int:
@@ -224,13 +234,17 @@ def build_parser() -> argparse.ArgumentParser:
     run_parser.add_argument("--draft-budget-mib", type=float, default=None,
                             help="with --plan: the draft device's memory; K only where the draft's weights and "
                                  "cache fit, plain target steps beyond")
+    run_parser.add_argument("--router", help="method auto: the router file (`specbench route`) that picks each "
+                                             "prompt's method and K")
     run_parser.set_defaults(handler=_run)
 
     from specbench.heads.command import add_train_draft
     from specbench.serve.command import add_serve
+    from specbench.route.command import add_route
     from specbench.tune.command import add_tune
 
     add_tune(commands)
+    add_route(commands)
     add_serve(commands)
     add_train_draft(commands)
     worker = commands.add_parser("worker", help="serve a target model over ZeroMQ (Ctrl-C stops it)")

@@ -1,0 +1,36 @@
+"""`specbench route`: train a per-prompt router on a dataset and write it where `run --router` reads it."""
+from __future__ import annotations
+
+
+def add_route(commands) -> None:
+    route = commands.add_parser("route", help="train a per-prompt router (method and K per prompt) on calibration "
+                                              "prompts; `specbench run --method auto --router FILE` uses it")
+    route.add_argument("--target", required=True, help="catalog name, Hugging Face id or path")
+    route.add_argument("--draft", help="the draft model of model-drafting candidates")
+    route.add_argument("--candidates", nargs="+", default=["target-only", "prompt-lookup:4", "suffix:16"],
+                       help="method or method:K each (default %(default)s)")
+    route.add_argument("--prompts", default="bench", help="a dataset name or a JSONL path (its families kept)")
+    route.add_argument("--prompt-count", type=int, default=40)
+    route.add_argument("--max-new-tokens", type=int, default=64)
+    route.add_argument("--objective", choices=("speed", "verify_tokens"), default="speed")
+    route.add_argument("--dtype", default="float32")
+    route.add_argument("--out", default="router.json")
+    route.set_defaults(handler=_route)
+
+
+def _route(args) -> int:
+    from specbench.datasets import load_prompts
+    from specbench.models.spec import ModelSpec
+    from specbench.route.auto import candidates_from, train_router
+
+    candidates = candidates_from(args.candidates)  # refused by name before anything loads
+    rows = load_prompts(args.prompts, limit=args.prompt_count)
+    draft = ModelSpec(args.draft, dtype=args.dtype) if args.draft else None
+    router, records = train_router(ModelSpec(args.target, dtype=args.dtype), [row["prompt"] for row in rows],
+                                   candidates, draft=draft, families=[row["set"] for row in rows],
+                                   objective=args.objective, max_new_tokens=args.max_new_tokens, dtype=args.dtype)
+    path = router.save(args.out)
+    counts = records.groupby("method")["emitted"].sum() / records.groupby("method")["step_s"].sum()
+    print("calibration tokens/s: " + ", ".join(f"{method} {speed:.2f}" for method, speed in counts.items()))
+    print(f"router: {path} ({len(candidates)} candidates, families {router.families or 'none'})")
+    return 0

@@ -1,0 +1,165 @@
+"""A per-prompt router (SpecDecode's idea): pick the method and K each prompt should get.
+
+Trained on per-prompt records of every candidate run over calibration prompts: per candidate, a ridge
+regression from the prompt's features (`route/features.py`) to its tokens per step and draft tokens per
+step (acceptance), and a step cost fitted on the same records (seconds = fixed + per verified token:
+the target's forward at that width, plus the drafting). The predicted tokens/s of a candidate on a
+prompt is tokens per step over the cost of such a step, so the router optimises speed, or the cost
+objective `verify_tokens` (target tokens verified per output token: what a per-token verify service
+bills), not acceptance alone. Each choice keeps its reason: every candidate's predicted figures.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+import pandas as pd
+
+from specbench.route.features import feature_names, prompt_features
+from specbench.types import SpecbenchError
+
+OBJECTIVES = ("speed", "verify_tokens")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A method at one K (a tree's node budget; suffix decoding's cap)."""
+
+    method: str
+    k: int = 4
+
+    @property
+    def drafts(self) -> bool:
+        from specbench.methods import get_method
+
+        return get_method(self.method).kind != "none"
+
+    @property
+    def label(self) -> str:
+        return f"{self.method} k={self.k}" if self.drafts else self.method
+
+
+@dataclass
+class _Fit:
+    tokens: np.ndarray  # ridge weights: features (+1) -> tokens emitted per step
+    drafted: np.ndarray  # -> draft tokens (nodes) verified per step
+    fixed_s: float  # a step's seconds: fixed_s + per_token_s * (1 + drafted)
+    per_token_s: float
+
+
+@dataclass
+class Router:
+    candidates: list[Candidate]
+    families: list[str] = field(default_factory=list)
+    objective: str = "speed"
+    mean: Optional[np.ndarray] = None
+    scale: Optional[np.ndarray] = None
+    fits: dict[str, _Fit] = field(default_factory=dict)
+
+    def predict(self, ids: Sequence[int], family: Optional[str] = None) -> pd.DataFrame:
+        """Each candidate's predicted tokens per step, draft tokens per step, step seconds, tokens/s and
+        verified tokens per output token on this prompt."""
+        if not self.fits:
+            raise SpecbenchError("this router is not trained: use train_router(...) or Router.load(path)")
+        x = np.append((prompt_features(ids, family, self.families) - self.mean) / self.scale, 1.0)
+        rows = []
+        for candidate in self.candidates:
+            fit = self.fits[candidate.label]
+            tokens = max(1.0, float(x @ fit.tokens))
+            drafted = 0.0 if not candidate.drafts else min(float(candidate.k), max(0.0, x @ fit.drafted))
+            tokens = min(tokens, 1.0 + drafted)  # a step emits at most what it verified
+            step_s = fit.fixed_s + fit.per_token_s * (1.0 + drafted)
+            rows.append({"candidate": candidate.label, "method": candidate.method, "k": candidate.k,
+                         "tokens_per_step": tokens, "drafted_per_step": drafted, "step_s": step_s,
+                         "tokens_per_s": tokens / step_s, "verify_tokens": (1.0 + drafted) / tokens})
+        return pd.DataFrame(rows)
+
+    def choose(self, ids: Sequence[int], family: Optional[str] = None) -> tuple[Candidate, pd.DataFrame]:
+        """The best candidate under the objective, and every candidate's predictions (the reason)."""
+        table = self.predict(ids, family)
+        best = table["tokens_per_s"].idxmax() if self.objective == "speed" else table["verify_tokens"].idxmin()
+        return self.candidates[int(best)], table
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        body = {"candidates": [[c.method, c.k] for c in self.candidates], "families": self.families,
+                "objective": self.objective, "mean": self.mean.tolist(), "scale": self.scale.tolist(),
+                "features": feature_names(self.families),
+                "fits": {label: {"tokens": fit.tokens.tolist(), "drafted": fit.drafted.tolist(),
+                                 "fixed_s": fit.fixed_s, "per_token_s": fit.per_token_s}
+                         for label, fit in self.fits.items()}}
+        path.write_text(json.dumps(body, indent=1))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Router":
+        try:
+            body = json.loads(Path(path).read_text())
+            return cls([Candidate(m, int(k)) for m, k in body["candidates"]], list(body["families"]),
+                       body["objective"], np.asarray(body["mean"]), np.asarray(body["scale"]),
+                       {label: _Fit(np.asarray(f["tokens"]), np.asarray(f["drafted"]), f["fixed_s"], f["per_token_s"])
+                        for label, f in body["fits"].items()})
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise SpecbenchError(f"{path}: not a router file ({type(error).__name__}: {error}); "
+                                 f"train one with train_router(...) and save it") from None
+
+
+def fit_router(records: pd.DataFrame, prompts: Sequence[Sequence[int]], candidates: Sequence[Candidate],
+               families: Optional[Sequence[Optional[str]]] = None, objective: str = "speed",
+               ridge: float = 1.0) -> Router:
+    """A router from `run` records of each candidate over `prompts` (rows labelled by method and k;
+    `families[i]` is prompt i's family, when known)."""
+    if objective not in OBJECTIVES:
+        raise SpecbenchError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    if not prompts:
+        raise SpecbenchError("a router needs calibration prompts: got none")
+    families = list(families) if families is not None else [None] * len(prompts)
+    known = sorted({f for f in families if f})
+    features = np.stack([prompt_features(ids, family, known) for ids, family in zip(prompts, families)])
+    mean, scale = features.mean(axis=0), features.std(axis=0)
+    scale[scale == 0] = 1.0
+    x = np.hstack([(features - mean) / scale, np.ones((len(prompts), 1))])
+    router = Router(list(candidates), known, objective, mean, scale)
+    for candidate in candidates:
+        rows = _rows_of(records, candidate)
+        per_prompt = rows.groupby("prompt_index").agg(tokens=("emitted", "mean"), drafted=("drafted", "mean"))
+        missing = sorted(set(range(len(prompts))) - set(per_prompt.index))
+        if missing:
+            raise SpecbenchError(f"records of {candidate.label} lack prompts {missing[:5]}: run every candidate "
+                                 f"over every calibration prompt")
+        per_prompt = per_prompt.sort_index()
+        fixed, per_token = _step_cost(rows)
+        router.fits[candidate.label] = _Fit(_ridge(x, per_prompt["tokens"].to_numpy(), ridge),
+                                            _ridge(x, per_prompt["drafted"].to_numpy(), ridge), fixed, per_token)
+    return router
+
+
+def _rows_of(records: pd.DataFrame, candidate: Candidate) -> pd.DataFrame:
+    rows = records[records["method"] == candidate.method]
+    if candidate.drafts:
+        rows = rows[rows["k"] == candidate.k]
+    if rows.empty:
+        raise SpecbenchError(f"no records of candidate {candidate.label}; methods recorded: "
+                             f"{sorted(set(records['method']))}")
+    return rows
+
+
+def _step_cost(rows: pd.DataFrame) -> tuple[float, float]:
+    """seconds per step = fixed + per_token * verified tokens, least squares over the steps (both >= 0)."""
+    verified = 1.0 + rows["drafted"].to_numpy(dtype=float)
+    seconds = rows["step_s"].to_numpy(dtype=float)
+    if np.ptp(verified) == 0:
+        return float(np.median(seconds)), 0.0
+    per_token, fixed = np.polyfit(verified, seconds, 1)
+    if per_token < 0 or fixed < 0:  # noise swamped the width's cost: a flat step
+        return float(np.median(seconds)), 0.0
+    return float(fixed), float(per_token)
+
+
+def _ridge(x: np.ndarray, y: np.ndarray, strength: float) -> np.ndarray:
+    penalty = strength * np.eye(x.shape[1])
+    penalty[-1, -1] = 0.0  # the intercept is not shrunk
+    return np.linalg.solve(x.T @ x + penalty, x.T @ y)

@@ -1,0 +1,116 @@
+"""The per-prompt router: it learns which candidate is fastest where, method "auto" stays lossless and
+says what it chose and why, and bad inputs are refused by name."""
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from specbench.api import outputs, run
+from specbench.route.auto import candidates_from, train_router
+from specbench.route.features import repeat_share
+from specbench.route.router import Candidate, Router, fit_router
+from specbench.types import SpecbenchError
+
+from conftest import PROMPTS
+
+REPETITIVE = [[5, 6, 7, 8] * 6 + [5, 6], [9, 3, 9, 3, 9, 3, 9, 3, 9], [1, 2, 1, 2, 1, 2, 1, 2, 1, 2, 1]]
+PLAIN = [[11, 40, 73, 2, 95, 17], [60, 21, 88, 4, 33, 70, 12], [31, 77, 5, 64, 90, 43, 28, 9]]
+
+
+def _records(prompts, lookup_tokens):
+    """Synthetic records: target-only emits 1 token per 10 ms step; lookup verifies 5 tokens (14 ms a step)
+    and emits `lookup_tokens(prompt)` per step."""
+    rows = []
+    for index, ids in enumerate(prompts):
+        for step in range(6):
+            rows.append(dict(method="target-only", k=0, prompt_index=index, emitted=1, drafted=0, step_s=0.010))
+            rows.append(dict(method="prompt-lookup", k=4, prompt_index=index, emitted=lookup_tokens(ids),
+                             drafted=4, step_s=0.014 + 0.0002 * (step % 2)))
+    return pd.DataFrame(rows)
+
+
+def test_router_learns_where_lookup_pays():
+    prompts = REPETITIVE + PLAIN
+    candidates = [Candidate("target-only"), Candidate("prompt-lookup", 4)]
+    records = _records(prompts, lambda ids: 4 if repeat_share(ids, 2) > 0.3 else 1)
+    router = fit_router(records, prompts, candidates, ridge=0.01)
+    assert router.choose([4, 4, 7, 4, 4, 7, 4, 4, 7, 4, 4])[0].method == "prompt-lookup"
+    chosen, table = router.choose([50, 81, 3, 66, 12, 97, 25])
+    assert chosen.method == "target-only"
+    assert set(table["candidate"]) == {"target-only", "prompt-lookup k=4"}  # the reason: every candidate's figures
+    # verified tokens per output token as the objective: lookup costs 5 per 1 on a plain prompt
+    frugal = fit_router(records, prompts, candidates, objective="verify_tokens", ridge=0.01)
+    assert frugal.choose([50, 81, 3, 66, 12, 97, 25])[0].method == "target-only"
+
+
+def test_router_uses_a_family_when_features_do_not_tell():
+    prompts = PLAIN + [list(reversed(p)) for p in PLAIN]
+    families = ["code"] * 3 + ["chat"] * 3
+    records = _records(prompts, lambda ids: 4 if prompts.index(ids) < 3 else 1)
+    router = fit_router(records, prompts, [Candidate("target-only"), Candidate("prompt-lookup", 4)], families,
+                        ridge=0.01)
+    assert router.choose([8, 13, 21], "code")[0].method == "prompt-lookup"
+    assert router.choose([8, 13, 21], "chat")[0].method == "target-only"
+
+
+def test_router_round_trips_and_refuses_a_corrupt_file(tmp_path):
+    prompts = REPETITIVE + PLAIN
+    router = fit_router(_records(prompts, lambda ids: 2), prompts, [Candidate("target-only"),
+                                                                      Candidate("prompt-lookup", 4)])
+    path = router.save(tmp_path / "router.json")
+    again = Router.load(path)
+    pd.testing.assert_frame_equal(router.predict(PROMPTS[0]), again.predict(PROMPTS[0]))
+    (tmp_path / "bad.json").write_text(json.dumps({"candidates": "nope"}))
+    with pytest.raises(SpecbenchError, match="not a router file"):
+        Router.load(tmp_path / "bad.json")
+
+
+def test_bad_router_inputs_are_refused_by_name(tiny_target):
+    with pytest.raises(SpecbenchError, match="unknown method"):
+        candidates_from(["suffix:16", "telepathy"])
+    with pytest.raises(SpecbenchError, match="whole number"):
+        candidates_from(["suffix:many"])
+    with pytest.raises(SpecbenchError, match="calibration prompts"):
+        train_router(tiny_target, [], candidates_from(["target-only"]))
+    with pytest.raises(SpecbenchError, match="pass draft"):
+        train_router(tiny_target, PROMPTS, candidates_from(["chain:4"]))
+    with pytest.raises(SpecbenchError, match="lack prompts"):
+        fit_router(_records(PLAIN[:2], lambda ids: 1), PLAIN, [Candidate("target-only")])
+    with pytest.raises(SpecbenchError, match="router="):
+        run(tiny_target, PROMPTS[:1], method="auto", progress=False)
+
+
+def test_auto_is_lossless_and_says_what_it_chose(tiny_target, tiny_draft):
+    candidates = candidates_from(["target-only", "prompt-lookup:4", "suffix:8", "chain:3"])
+    router, records = train_router(tiny_target, PROMPTS, candidates, draft=tiny_draft, max_new_tokens=24,
+                                   progress=False)
+    assert set(records["method"]) == {"target-only", "prompt-lookup", "suffix", "chain"}
+    got = run(tiny_target, PROMPTS, method=["target-only", "auto"], router=router, draft=tiny_draft,
+              max_new_tokens=24, progress=False)
+    produced = outputs(got)
+    for index in range(len(PROMPTS)):
+        assert produced[("auto", index)] == produced[("target-only", index)]
+    auto = got[got["method"] == "auto"]
+    assert set(auto["chosen"]) <= {c.label for c in candidates}
+    reasons = json.loads(auto["route_predicted"].iloc[0])
+    assert set(reasons) == {c.label for c in candidates} and all(np.isfinite(list(reasons.values())))
+    assert (auto["route_s"] < 0.05).all()
+
+
+def test_auto_routes_to_worker_methods(tiny_target):
+    """Candidates that run wholly on a worker (the worker's own suffix cache, its draft model) are routed to
+    from the client: only the choice is made here."""
+    from specbench.worker.client import RemoteTarget
+    from worker_helpers import ThreadWorker
+
+    running = ThreadWorker()
+    try:
+        remote = RemoteTarget(running.endpoint)
+        candidates = candidates_from(["server-only-ar", "suffix-server:8", "server-only:3"])
+        router, _ = train_router(remote, PROMPTS[:3], candidates, max_new_tokens=16, progress=False)
+        got = outputs(run(remote, PROMPTS[:3], method="auto", router=router, max_new_tokens=16, progress=False))
+    finally:
+        running.stop()
+    local = outputs(run(tiny_target, PROMPTS[:3], method="target-only", max_new_tokens=16, progress=False))
+    assert [got[("auto", i)] for i in range(3)] == [local[("target-only", i)] for i in range(3)]
