@@ -108,7 +108,8 @@ def _pareto(args) -> int:
 
     prices = Prices(target_usd_per_hour=args.usd_per_hour, draft_usd_per_kwh=args.usd_per_kwh, usd_per_gb_down=args.usd_per_gb)
     power = Power(draft_watts=args.draft_watts, target_watts=args.target_watts)
-    sections = pair_predictions(load_profiles(args.profiles or PROFILES), load_references(args.references or REFERENCES),
+    references = load_references(args.references or REFERENCES, args.by_family)
+    sections = pair_predictions(load_profiles(args.profiles or PROFILES), references,
                                 rtts_ms=args.rtt, target=args.target, prices=prices, power=power, context=args.context,
                                 cost=args.cost, draft_budget_bytes=args.draft_budget_mib * 2**20 if args.draft_budget_mib else None)
     for section in sections:
@@ -325,6 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
     pareto = commands.add_parser("pareto", help="write an HTML latency-cost Pareto report from the caches")
     pareto.add_argument("--out", default="reports/pareto.html")
     pareto.add_argument("--target", help="only references with this target")
+    pareto.add_argument("--by-family", action="store_true",
+                        help="also a section per family of references that recorded their prompts' families")
     pareto.add_argument("--rtt", type=float, nargs="*", default=[10.0, 50.0, 100.0],
                         help="also predict a remote target at these RTTs (ms)")
     pareto.add_argument("--cs", type=float, default=0.5, help="cost weight in [0, 1]: 0 fastest, 1 cheapest")

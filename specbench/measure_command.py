@@ -60,11 +60,13 @@ def reference(args) -> int:
             ModelSpec(args.draft, dtype=args.dtype, quantization=args.draft_quant), args.dtype)
     else:
         raise SpecbenchError("give --draft MODEL or --self-draft-layers N")
-    prompts = [row["prompt"] for row in load_prompts(args.dataset, limit=args.prompts)]
+    rows = load_prompts(args.dataset, limit=args.prompts)
+    prompts = [row["prompt"] for row in rows]
     sampling = SamplingParams(temperature=args.temperature, rule=args.rule)
     reference = record_reference(target, draft, prompts, dataset=args.dataset_label or args.dataset,
                                  max_chain=args.max_chain, tree_budgets=args.tree_budgets,
-                                 max_new_tokens=args.max_new_tokens, sampling=sampling, cross_tokenizer=args.cross_tokenizer)
+                                 max_new_tokens=args.max_new_tokens, sampling=sampling,
+                                 cross_tokenizer=args.cross_tokenizer, families=[row["set"] for row in rows])
     path = save_reference(reference, {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens},
                           folder=args.out_dir or OWN_REFERENCES)
     print(f"{reference.draft} -> {reference.target} on {reference.dataset}: {len(reference.chain_accepts)} chain "

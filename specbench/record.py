@@ -48,11 +48,13 @@ def record_reference(target: ModelLike, draft: ModelLike, prompts, dataset: str,
                      sampling: Optional[SamplingParams] = None, tree: TreeShape = TreeShape(),
                      target_name: Optional[str] = None, draft_name: Optional[str] = None,
                      dtype: str = "float32", cross_tokenizer: str = "auto",
-                     progress: bool | str = False) -> AcceptanceReference:
+                     progress: bool | str = False, families: Optional[Sequence[str]] = None) -> AcceptanceReference:
     """Run the pair with a long chain (and trees at each budget) and keep per-step acceptance
     (counted in target tokens; a draft with another tokenizer also records its draft tokens per
     target token, which prices its drafting; `draft` "prompt-lookup": prompt lookup's own chains and trees).
-    `progress`: a bar per run (the chain, each tree budget), labelled with the pair or the string given."""
+    `progress`: a bar per run (the chain, each tree budget), labelled with the pair or the string given.
+    Each step keeps its prompt's index, and `families` (one per prompt) its family, so the reference can be
+    narrowed to one family (`AcceptanceReference.for_family`)."""
     from specbench.heads.profile import head_label, is_head
 
     sampling = sampling or SamplingParams()
@@ -78,7 +80,7 @@ def record_reference(target: ModelLike, draft: ModelLike, prompts, dataset: str,
     # found a full chain: without a match it verifies one token whatever K is, so its planner's choice
     # of K matters only where a match is, and that is the acceptance the planner needs.
     full = chain[chain["drafted"] == max_chain]
-    tree_accepts, tree_depth, tree_width = {}, {}, {}
+    tree_accepts, tree_depth, tree_width, tree_prompts = {}, {}, {}, {}
     for budget in tree_budgets:
         records = run(target_loaded, prompts, method=tree_method, draft=draft_loaded, k=budget, tree=tree,
                       max_new_tokens=max_new_tokens, sampling=SamplingParams(
@@ -90,6 +92,7 @@ def record_reference(target: ModelLike, draft: ModelLike, prompts, dataset: str,
         if steps.empty:  # e.g. prompt lookup never found that many candidates: nothing measured at this budget
             continue
         tree_accepts[budget] = tuple(int(a) for a in steps["accepted"])
+        tree_prompts[budget] = tuple(int(p) for p in steps["prompt_index"])
         tree_depth[budget] = float(steps["tree_depth"].mean())
         tree_width[budget] = min(tree.beam, budget)
     drafting = chain[chain["drafted"] > 0]
@@ -103,7 +106,8 @@ def record_reference(target: ModelLike, draft: ModelLike, prompts, dataset: str,
         target=target_name or acceptance_label(target_loaded.spec.label),
         dataset=dataset, rule=sampling.effective_rule, temperature=sampling.temperature, max_chain=max_chain,
         chain_accepts=tuple(int(a) for a in full["accepted"]), tree_accepts=tree_accepts,
-        tree_depth=tree_depth, tree_width=tree_width)
+        tree_depth=tree_depth, tree_width=tree_width, chain_prompts=tuple(int(p) for p in full["prompt_index"]),
+        tree_prompts=tree_prompts, prompt_families=tuple(str(f) for f in families) if families else ())
 
 
 def _hits(chain, max_chain: int, max_new_tokens: int, lookup: bool) -> dict:

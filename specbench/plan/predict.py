@@ -13,8 +13,10 @@ from statistics import mean
 from typing import Optional, Sequence
 
 from specbench.plan.costs import Network, Power, Prices, StepCost, cost_knob, check_cs
-from specbench.methods import KINDS, get_method
+from specbench.methods import get_method
 from specbench.plan.objectives import by_column, cost_columns
+# their home is plan/reference.py; many modules import them from here
+from specbench.plan.reference import LOOKUP_DRAFT, AcceptanceReference  # noqa: F401
 from specbench.types import SpecbenchError
 
 REPLY_BYTES = 110  # verify reply: msgpack header (ok, id, bonus, timings) + accepted path frame
@@ -81,69 +83,6 @@ def _linear(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
     index = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
     x0, x1, y0, y1 = xs[index - 1], xs[index], ys[index - 1], ys[index]
     return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
-
-
-LOOKUP_DRAFT = "prompt-lookup"  # a reference's draft when prompt lookup drafted: no model, so no draft profile
-
-
-@dataclass(frozen=True)
-class AcceptanceReference:
-    """Per-step acceptance traces of a draft/target pair on a dataset.
-
-    `chain_accepts[i]` is how many leading tokens of a `max_chain`-token draft step i accepted;
-    `tree_accepts[budget]` lists accepted depths per step of dynamic trees at that node budget.
-    """
-
-    draft: str
-    target: str
-    dataset: str
-    rule: str = "greedy"
-    temperature: float = 0.0
-    max_chain: int = 8
-    chain_accepts: tuple[int, ...] = ()
-    tree_accepts: dict = field(default_factory=dict)
-    tree_depth: dict = field(default_factory=dict)  # budget -> mean tree depth drafted
-    tree_width: dict = field(default_factory=dict)  # budget -> draft tokens per draft forward (beam)
-    # a draft with another tokenizer: the rule that carried it ("text" or "shared-vocab"), and the
-    # draft-model tokens it produced per target token it proposed (its chains), which prices its drafting
-    cross_tokenizer: str = ""
-    draft_per_target: float = 1.0
-    # prompt lookup: K -> share of its chain steps that found a K-token continuation to draft. The others
-    # verify the bonus token alone (`chain_accepts` keeps the full steps only, what a planner needs), so
-    # tokens per step and the verify's width are priced with this share; empty: every step drafts
-    chain_hits: dict = field(default_factory=dict)
-    origin: str = field(default="", compare=False)  # "shipped" or "own", as for profiles
-
-    def hit_rate(self, k: int) -> float:
-        """Share of chain steps at K that draft K tokens (1 for model drafts, which always do)."""
-        if not self.chain_hits:
-            return 1.0
-        known = {int(key): float(value) for key, value in self.chain_hits.items()}
-        return known.get(k, known.get(self.max_chain, min(known.values())))
-
-    def full_acceptance(self, k: int) -> float:
-        """Share of chain steps of length K whose every draft token was accepted."""
-        return mean(a >= k for a in self.chain_accepts) if self.chain_accepts else 0.0
-
-    def accepted(self, method: str, k: int) -> float:
-        """Expected accepted draft tokens per step of `method` (a method of the table, or its kind)."""
-        kind = method if method in KINDS else get_method(method).kind
-        if kind == "none":
-            return 0.0
-        if kind == "chain":
-            if not 1 <= k <= self.max_chain:
-                raise SpecbenchError(f"reference chains were {self.max_chain} long; cannot predict K={k}")
-            if not self.chain_accepts:
-                raise SpecbenchError("reference has no chain steps")
-            return mean(min(a, k) for a in self.chain_accepts)
-        if kind == "tree":
-            steps = self.tree_accepts.get(k) or self.tree_accepts.get(str(k))
-            if not steps:
-                measured = sorted(int(b) for b in self.tree_accepts)
-                raise SpecbenchError(f"no measured tree steps at budget {k} (measured: {measured}); "
-                                     f"record a reference at that budget rather than interpolate")
-            return mean(steps)
-        raise SpecbenchError(f"cannot predict method {method!r} of kind {kind!r}")
 
 
 @dataclass(frozen=True)

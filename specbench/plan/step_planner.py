@@ -164,11 +164,13 @@ def planner_from_caches(target: str, draft: str, dataset: Optional[str] = None, 
     `draft_budget_mib` bounds the draft's memory (weights + its cache), see `StepPlanner`. Without a
     `device`, this machine's profiles are preferred where they exist. `draft`
     "prompt-lookup" plans prompt lookup: only the target's profile is needed, and under a shared
-    worker's load it is what shortens the lookups (every drafted token widens the batched verify)."""
+    worker's load it is what shortens the lookups (every drafted token widens the batched verify).
+    `dataset` "<name>/<family>": the reference narrowed to one family's prompts."""
     from specbench.plan.explore import cached_pairs
     from specbench.plan.library import load_profiles, load_references
 
-    pairs = cached_pairs(load_profiles(), load_references(target=acceptance_label(target),
+    # a dataset "<name>/<family>" names one family of a reference that recorded its prompts' families
+    pairs = cached_pairs(load_profiles(), load_references(by_family=bool(dataset), target=acceptance_label(target),
                                                           draft=acceptance_label(draft)),
                          target, draft, dataset=dataset, device=device, dtype=dtype)
     if not pairs:

@@ -1,0 +1,178 @@
+"""Which draft pays depends on the prompt: fixed methods, suffix decoding and a per-prompt router, per family.
+
+One run. Requests: Spec-Bench's 13 families (its question file, by path), and multi-turn sessions whose
+later requests repeat earlier outputs (the project's `agentic` set: self-refinement, code edits, tool
+calls; and ShareGPT conversations), scripted with the target's own greedy answers. Each family's
+prompts are split: the router trains on the calibration half (every candidate run over it) and is judged
+on the held-out half, where every candidate, `auto`, and the per-prompt oracle (the best candidate for
+each prompt, from those same runs) are compared. Held-out runs go family by family, the methods of a
+family back to back (their order reversed every other family, so a drifting machine favours none), each
+suffix method with its own cache (named), which sees only that method's earlier requests.
+
+    python benchmarks/workload.py --spec-bench ~/.cache/specbench/datasets/spec-bench/question.jsonl
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pandas as pd
+
+from specbench.api import encode_prompts, run
+from specbench.datasets import load_prompts
+from specbench.datasets.loaders import load_conversations
+from specbench.datasets.sessions import script_sessions
+from specbench.decode.suffix_drafter import SuffixSettings
+from specbench.decode.target import LocalTarget
+from specbench.models.loading import load_model
+from specbench.models.spec import ModelSpec
+from specbench.route.auto import candidates_from
+from specbench.route.router import fit_router
+
+from common import RESULTS, write_report
+
+MULTI_TURN = ("self-refine", "code-edit", "tool-call", "sharegpt-multiturn")
+
+
+def requests(args, target) -> list[dict]:
+    """Every request {session, set, turn, ids}: scripted sessions, then Spec-Bench's sampled per family."""
+    rows = list(load_prompts("agentic"))
+    if args.sharegpt_sessions:
+        for number, messages in enumerate(load_conversations("sharegpt", limit=args.sharegpt_sessions * 4, seed=1)):
+            turns = [m["content"][:1200] for m in messages if m["role"] == "user" and m["content"].strip()][:3]
+            if len(turns) >= 2 and sum(r["set"] == "sharegpt-multiturn" for r in rows) < args.sharegpt_sessions:
+                rows.append({"id": f"sharegpt-{number}", "set": "sharegpt-multiturn", "turns": turns})
+    found = script_sessions(target, rows, max_new_tokens=args.max_new_tokens)
+    if args.spec_bench:
+        by_family = defaultdict(list)
+        for row in load_prompts(args.spec_bench):
+            by_family[row["set"]].append(row)
+        for family, members in sorted(by_family.items()):
+            chosen = random.Random(0).sample(members, min(args.per_family, len(members)))
+            for row, ids in zip(chosen, encode_prompts([r["prompt"] for r in chosen], target.tokenizer)):
+                found.append({"session": f"spec-bench-{row['id']}", "set": family, "turn": 0, "ids": ids})
+    return found
+
+
+def split(found: list[dict]) -> tuple[list[dict], list[dict]]:
+    """Calibration and held-out halves: alternate sessions within each family (a session's turns stay together)."""
+    order = defaultdict(dict)
+    for request in found:
+        order[request["set"]].setdefault(request["session"], len(order[request["set"]]))
+    calibration = [r for r in found if order[r["set"]][r["session"]] % 2 == 0]
+    held = [r for r in found if order[r["set"]][r["session"]] % 2 == 1]
+    return calibration, held
+
+
+def per_prompt(records: pd.DataFrame) -> pd.DataFrame:
+    """Tokens and seconds (prefill + steps, and the router's own time under auto) per (method, prompt)."""
+    grouped = records.groupby(["method", "prompt_index"])
+    table = grouped.agg(tokens=("emitted", "sum"), step_s=("step_s", "sum"), prefill_s=("prefill_s", "first"))
+    table["route_s"] = grouped["route_s"].first() if "route_s" in records else 0.0
+    table["route_s"] = table["route_s"].fillna(0.0)
+    table["seconds"] = table["step_s"] + table["prefill_s"] + table["route_s"]
+    return table.reset_index()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="smollm2-135m")
+    parser.add_argument("--spec-bench", help="Spec-Bench's data/spec_bench/question.jsonl (13 families)")
+    parser.add_argument("--per-family", type=int, default=4, help="Spec-Bench prompts per family")
+    parser.add_argument("--sharegpt-sessions", type=int, default=6)
+    parser.add_argument("--candidates", nargs="+",
+                        default=["target-only", "prompt-lookup:4", "suffix:16", "suffix-tree:16", "chain:4"])
+    parser.add_argument("--draft-quant", default="8bit", help="chain candidates' draft: the target at this "
+                                                              "quantization (the substitute draft), loaded once")
+    parser.add_argument("--max-new-tokens", type=int, default=40)
+    parser.add_argument("--out", default=str(RESULTS / "workload.json"))
+    args = parser.parse_args()
+
+    started = time.perf_counter()
+    loaded = load_model(ModelSpec(args.target))
+    target = LocalTarget(loaded)
+    draft = load_model(ModelSpec(args.target, quantization=args.draft_quant)) if any(
+        c.startswith(("chain", "tree")) for c in args.candidates) else None
+    candidates = candidates_from(args.candidates)
+    found = requests(args, target)
+    scripted_s = time.perf_counter() - started
+    calibration, held = split(found)
+    print(f"{len(found)} requests ({len(calibration)} calibration, {len(held)} held out) in "
+          f"{len(set(r['set'] for r in found))} families; scripted in {scripted_s:.0f} s")
+
+    def one(method, k, prompts, families, cache, **extra):
+        return run(target, [r["ids"] for r in prompts], method=method, k=k, draft=draft,
+                   max_new_tokens=args.max_new_tokens, warmup=False, progress=False, families=families,
+                   suffix=SuffixSettings(name=cache), **extra)
+
+    # warm every candidate once (its cache a throwaway one), then calibrate the router
+    for c in candidates:
+        one(c.method, c.k, calibration[:1], None, "warm")
+    calibration_records = []
+    for c in candidates:
+        records = one(c.method, c.k, calibration, None, f"calibration {c.label}")
+        calibration_records.append(records)
+        print(f"calibration {c.label}: {records['emitted'].sum() / records['step_s'].sum():.2f} tok/s (steps)")
+    router = fit_router(pd.concat(calibration_records), [r["ids"] for r in calibration], candidates,
+                        [r["set"] for r in calibration])
+    router.save(Path(args.out).with_suffix(".router.json"))
+
+    rows = []
+    families = sorted(set(r["set"] for r in held), key=lambda f: (f not in MULTI_TURN, f))
+    for number, family in enumerate(families):
+        prompts = [r for r in held if r["set"] == family]
+        order = [(c.method, c.k, c.label) for c in candidates] + [("auto", 4, "auto")]
+        for method, k, label in (order if number % 2 == 0 else order[::-1]):
+            records = one(method, k, prompts, [family] * len(prompts), f"held-out {label}",
+                          **({"router": router} if method == "auto" else {}))
+            table = per_prompt(records)
+            for item in table.itertuples():
+                rows.append({"family": family, "label": label, "prompt": f"{family}/{item.prompt_index}",
+                             "tokens": item.tokens, "seconds": item.seconds, "route_s": item.route_s,
+                             "chosen": (records[records.prompt_index == item.prompt_index]["chosen"].iloc[0]
+                                        if method == "auto" else label)})
+        print(f"held out {family}: done ({len(prompts)} prompts)")
+    report = summarise(pd.DataFrame(rows), [c.label for c in candidates])
+    report.update({"args": vars(args), "requests": len(found), "calibration": len(calibration), "held_out": len(held),
+                   "seconds": round(time.perf_counter() - started, 1),
+                   "router_features": json.loads(Path(args.out).with_suffix(".router.json").read_text())["features"]})
+    write_report(args.out, report)
+
+
+def summarise(rows: pd.DataFrame, fixed: list[str]) -> dict:
+    """Per family and overall: tok/s of each candidate, auto and the oracle; the goals' ratios."""
+    best_per_prompt = rows[rows.label.isin(fixed)].assign(speed=lambda d: d.tokens / d.seconds) \
+        .sort_values("speed").groupby("prompt").tail(1)
+    table = []
+    for family, members in list(rows.groupby("family")) + [("all", rows)]:
+        line = {"family": family, "prompts": members["prompt"].nunique()}
+        for label, chunk in members.groupby("label"):
+            line[label] = chunk.tokens.sum() / chunk.seconds.sum()
+        oracle = best_per_prompt[best_per_prompt.prompt.isin(members.prompt)]
+        line["oracle"] = oracle.tokens.sum() / oracle.seconds.sum()
+        line["best fixed"] = max(fixed, key=lambda label: line.get(label, 0.0))
+        table.append(line)
+    frame = pd.DataFrame(table)
+    print(frame.round(2).to_string(index=False))
+    overall = frame[frame.family == "all"].iloc[0]
+    multi = rows[rows.family.isin(MULTI_TURN)]
+    speed = {label: chunk.tokens.sum() / chunk.seconds.sum() for label, chunk in multi.groupby("label")}
+    auto = rows[rows.label == "auto"]
+    goals = {
+        "multi_turn_suffix_over_lookup": speed.get("suffix k=16", 0) / speed.get("prompt-lookup k=4", 1),
+        "auto_over_best_fixed": overall["auto"] / overall[overall["best fixed"]],
+        "auto_over_oracle": overall["auto"] / overall["oracle"],
+        "router_share_of_time": auto.route_s.sum() / auto.seconds.sum(),
+        "auto_choices": auto.groupby("chosen").prompt.nunique().to_dict(),
+        "oracle_choices": best_per_prompt.groupby("label").prompt.nunique().to_dict(),
+    }
+    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in goals.items()}, indent=1))
+    return {"table": table, "goals": goals, "rows": rows.to_dict("records")}
+
+
+if __name__ == "__main__":
+    main()

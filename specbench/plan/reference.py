@@ -1,0 +1,95 @@
+"""Acceptance references: per-step acceptance of a draft/target pair on a dataset, what the predictor replays."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from statistics import mean
+
+from specbench.methods import KINDS, get_method
+from specbench.types import SpecbenchError
+
+LOOKUP_DRAFT = "prompt-lookup"  # a reference's draft when prompt lookup drafted: no model, so no draft profile
+
+
+@dataclass(frozen=True)
+class AcceptanceReference:
+    """Per-step acceptance traces of a draft/target pair on a dataset.
+
+    `chain_accepts[i]` is how many leading tokens of a `max_chain`-token draft step i accepted;
+    `tree_accepts[budget]` lists accepted depths per step of dynamic trees at that node budget.
+    """
+
+    draft: str
+    target: str
+    dataset: str
+    rule: str = "greedy"
+    temperature: float = 0.0
+    max_chain: int = 8
+    chain_accepts: tuple[int, ...] = ()
+    tree_accepts: dict = field(default_factory=dict)
+    tree_depth: dict = field(default_factory=dict)  # budget -> mean tree depth drafted
+    tree_width: dict = field(default_factory=dict)  # budget -> draft tokens per draft forward (beam)
+    # a draft with another tokenizer: the rule that carried it ("text" or "shared-vocab"), and the
+    # draft-model tokens it produced per target token it proposed (its chains), which prices its drafting
+    cross_tokenizer: str = ""
+    draft_per_target: float = 1.0
+    # prompt lookup: K -> share of its chain steps that found a K-token continuation to draft. The others
+    # verify the bonus token alone (`chain_accepts` keeps the full steps only, what a planner needs), so
+    # tokens per step and the verify's width are priced with this share; empty: every step drafts
+    chain_hits: dict = field(default_factory=dict)
+    # per-prompt rows: the prompt index of each chain step and of each tree step per budget, and each
+    # prompt's family (e.g. Spec-Bench's category); empty in references recorded before they were kept
+    chain_prompts: tuple[int, ...] = ()
+    tree_prompts: dict = field(default_factory=dict)
+    prompt_families: tuple[str, ...] = ()
+    origin: str = field(default="", compare=False)  # "shipped" or "own", as for profiles
+
+    def families(self) -> list[str]:
+        return sorted(set(self.prompt_families))
+
+    def for_family(self, family: str) -> "AcceptanceReference":
+        """The reference over one family's prompts only, named "<dataset>/<family>": a planner and the
+        explorer then show how a recommendation moves with the workload."""
+        if family not in self.prompt_families:
+            raise SpecbenchError(f"reference {self.draft} -> {self.target} on {self.dataset} has no family "
+                                 f"{family!r}; its families: {self.families() or 'none recorded'}")
+        mine = {i for i, f in enumerate(self.prompt_families) if f == family}
+        chain = tuple(a for a, p in zip(self.chain_accepts, self.chain_prompts) if p in mine)
+        trees = {b: tuple(a for a, p in zip(steps, self.tree_prompts.get(b, ())) if p in mine)
+                 for b, steps in self.tree_accepts.items()}
+        trees = {b: steps for b, steps in trees.items() if steps}
+        return replace(self, dataset=f"{self.dataset}/{family}", chain_accepts=chain,
+                       chain_prompts=tuple(p for p in self.chain_prompts if p in mine), tree_accepts=trees,
+                       tree_prompts={b: tuple(p for p in self.tree_prompts[b] if p in mine) for b in trees},
+                       tree_depth={b: v for b, v in self.tree_depth.items() if b in trees},
+                       tree_width={b: v for b, v in self.tree_width.items() if b in trees})
+
+    def hit_rate(self, k: int) -> float:
+        """Share of chain steps at K that draft K tokens (1 for model drafts, which always do)."""
+        if not self.chain_hits:
+            return 1.0
+        known = {int(key): float(value) for key, value in self.chain_hits.items()}
+        return known.get(k, known.get(self.max_chain, min(known.values())))
+
+    def full_acceptance(self, k: int) -> float:
+        """Share of chain steps of length K whose every draft token was accepted."""
+        return mean(a >= k for a in self.chain_accepts) if self.chain_accepts else 0.0
+
+    def accepted(self, method: str, k: int) -> float:
+        """Expected accepted draft tokens per step of `method` (a method of the table, or its kind)."""
+        kind = method if method in KINDS else get_method(method).kind
+        if kind == "none":
+            return 0.0
+        if kind == "chain":
+            if not 1 <= k <= self.max_chain:
+                raise SpecbenchError(f"reference chains were {self.max_chain} long; cannot predict K={k}")
+            if not self.chain_accepts:
+                raise SpecbenchError("reference has no chain steps")
+            return mean(min(a, k) for a in self.chain_accepts)
+        if kind == "tree":
+            steps = self.tree_accepts.get(k) or self.tree_accepts.get(str(k))
+            if not steps:
+                measured = sorted(int(b) for b in self.tree_accepts)
+                raise SpecbenchError(f"no measured tree steps at budget {k} (measured: {measured}); "
+                                     f"record a reference at that budget rather than interpolate")
+            return mean(steps)
+        raise SpecbenchError(f"cannot predict method {method!r} of kind {kind!r}")
