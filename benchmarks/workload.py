@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from specbench.api import encode_prompts, run
+from specbench.api import encode_prompts, outputs, run
 from specbench.datasets import load_prompts
 from specbench.datasets.loaders import load_conversations
 from specbench.datasets.sessions import script_sessions
@@ -40,7 +40,8 @@ MULTI_TURN = ("self-refine", "code-edit", "tool-call", "sharegpt-multiturn")
 
 def requests(args, target) -> list[dict]:
     """Every request {session, set, turn, ids}: scripted sessions, then Spec-Bench's sampled per family."""
-    rows = list(load_prompts("agentic"))
+    rows = [row for row in load_prompts("agentic")
+            if args.sessions is None or int(row["id"].rsplit("-", 1)[1]) < args.sessions]
     if args.sharegpt_sessions:
         for number, messages in enumerate(load_conversations("sharegpt", limit=args.sharegpt_sessions * 4, seed=1)):
             turns = [m["content"][:1200] for m in messages if m["role"] == "user" and m["content"].strip()][:3]
@@ -71,7 +72,9 @@ def split(found: list[dict]) -> tuple[list[dict], list[dict]]:
 def per_prompt(records: pd.DataFrame) -> pd.DataFrame:
     """Tokens and seconds (prefill + steps, and the router's own time under auto) per (method, prompt)."""
     grouped = records.groupby(["method", "prompt_index"])
-    table = grouped.agg(tokens=("emitted", "sum"), step_s=("step_s", "sum"), prefill_s=("prefill_s", "first"))
+    table = grouped.agg(tokens=("emitted", "sum"), steps=("emitted", "size"), verified=("drafted", "sum"),
+                        step_s=("step_s", "sum"), prefill_s=("prefill_s", "first"))
+    table["verified"] += table["steps"]  # each step verifies its drafts and the bonus position
     table["route_s"] = grouped["route_s"].first() if "route_s" in records else 0.0
     table["route_s"] = table["route_s"].fillna(0.0)
     table["seconds"] = table["step_s"] + table["prefill_s"] + table["route_s"]
@@ -83,10 +86,11 @@ def main() -> None:
     parser.add_argument("--target", default="smollm2-135m")
     parser.add_argument("--spec-bench", help="Spec-Bench's data/spec_bench/question.jsonl (13 families)")
     parser.add_argument("--per-family", type=int, default=4, help="Spec-Bench prompts per family")
+    parser.add_argument("--sessions", type=int, help="agentic sessions per family (default: all)")
     parser.add_argument("--sharegpt-sessions", type=int, default=6)
     parser.add_argument("--candidates", nargs="+",
                         default=["target-only", "prompt-lookup:4", "suffix:16", "suffix-tree:16", "chain:4"])
-    parser.add_argument("--draft-quant", default="8bit", help="chain candidates' draft: the target at this "
+    parser.add_argument("--draft-quant", default="int8-dynamic", help="chain candidates' draft: the target at this "
                                                               "quantization (the substitute draft), loaded once")
     parser.add_argument("--max-new-tokens", type=int, default=40)
     parser.add_argument("--out", default=str(RESULTS / "workload.json"))
@@ -119,6 +123,10 @@ def main() -> None:
         print(f"calibration {c.label}: {records['emitted'].sum() / records['step_s'].sum():.2f} tok/s (steps)")
     router = fit_router(pd.concat(calibration_records), [r["ids"] for r in calibration], candidates,
                         [r["set"] for r in calibration])
+    if "target-only" in args.candidates:  # the calibration prompts with the target's own outputs, for replays
+        produced = outputs(calibration_records[args.candidates.index("target-only")])
+        Path(args.out).with_suffix(".calibration.json").write_text(json.dumps(
+            [dict(r, output=produced[("target-only", i)]) for i, r in enumerate(calibration)]))
     router.save(Path(args.out).with_suffix(".router.json"))
 
     rows = []
@@ -133,6 +141,7 @@ def main() -> None:
             for item in table.itertuples():
                 rows.append({"family": family, "label": label, "prompt": f"{family}/{item.prompt_index}",
                              "tokens": item.tokens, "seconds": item.seconds, "route_s": item.route_s,
+                             "steps": item.steps, "verified": item.verified,
                              "chosen": (records[records.prompt_index == item.prompt_index]["chosen"].iloc[0]
                                         if method == "auto" else label)})
         print(f"held out {family}: done ({len(prompts)} prompts)")
@@ -154,6 +163,8 @@ def summarise(rows: pd.DataFrame, fixed: list[str]) -> dict:
             line[label] = chunk.tokens.sum() / chunk.seconds.sum()
         oracle = best_per_prompt[best_per_prompt.prompt.isin(members.prompt)]
         line["oracle"] = oracle.tokens.sum() / oracle.seconds.sum()
+        for label, chunk in members.groupby("label"):  # tokens per step: exact under greedy, no timing noise in it
+            line[f"{label} tok/step"] = chunk.tokens.sum() / chunk.steps.sum()
         line["best fixed"] = max(fixed, key=lambda label: line.get(label, 0.0))
         table.append(line)
     frame = pd.DataFrame(table)

@@ -203,8 +203,9 @@ def _measured(ids, index, seed, device, one):
 
 
 def _rows(result, ids, k, memory) -> list[dict]:
+    route = getattr(result, "route", None) or {}  # a worker that routed the prompt says what it chose
     return [{**asdict(record), "k": k, "prompt_tokens": len(ids), "prefill_s": result.prefill_s, **memory,
-             "device_peak_bytes": result.peak} for record in result.records]
+             "device_peak_bytes": result.peak, **route} for record in result.records]
 
 
 def _memory(drafter, target_bytes) -> dict:

@@ -153,6 +153,11 @@ def _worker(args) -> int:
     from specbench.worker.limits import LIMIT_FLAGS, WorkerLimits
     from specbench.worker.server import Worker, WorkerConfig
 
+    if args.router:  # a router file that cannot be read is refused before the worker serves anyone
+        from specbench.route.router import Router
+
+        Router.load(args.router)
+
     def log(line: str) -> None:
         print(f"{datetime.now().isoformat(timespec='seconds')} {line}", flush=True)
 
@@ -169,7 +174,7 @@ def _worker(args) -> int:
                           insecure=args.insecure, batching=not args.no_batching,
                           batch_window_ms=args.batch_window_ms, batch_wait_ms=args.batch_wait_ms,
                           max_batch=args.max_batch, slice_tokens=args.slice_tokens, fast=args.fast,
-                          suffix_cache=args.suffix_cache)
+                          suffix_cache=args.suffix_cache, router=args.router)
     Worker(config, log=log).serve()
     return 0
 
@@ -271,6 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "other clients' steps run between slices (default %(default)s)")
     worker.add_argument("--suffix-cache", choices=("tenant", "shared", "off"), default="tenant",
                         help="suffix-server's cache of earlier outputs: one per tenant (default), one for all, or none")
+    worker.add_argument("--router", help="a router file (`specbench route`): method auto-server routes each "
+                                         "prompt to a worker method and K with it")
     defaults = WorkerLimits()
     for name, (flag, what) in LIMIT_FLAGS.items():
         if name == "max_kv_bytes":

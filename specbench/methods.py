@@ -220,7 +220,8 @@ for _method in (
     Method("suffix", "chain", _suffix, lookup=True),
     Method("suffix-tree", "tree", lambda source: _suffix(source, tree=True), lookup=True),
     # suffix decoding on the worker: its cache there (per tenant unless the worker is told otherwise)
-    Method("suffix-server", "chain", on_worker=True, lookup=True, worker_build=_suffix),
+    Method("suffix-server", "chain", on_worker=True, lookup=True,
+           worker_build=lambda source, key=(): _suffix(source, key=key)),
     Method("suffix-tree-server", "tree", on_worker=True, lookup=True,
            worker_build=lambda source, key=(): _suffix(source, tree=True, key=key)),
     Method("eagle", "chain", _eagle),  # a draft head over the target's own hidden states (`heads/`)
@@ -228,6 +229,8 @@ for _method in (
     Method("server-only", "chain", on_worker=True),  # AutoDraft's Server-Only: the worker drafts too
     Method("server-only-ar", "none", on_worker=True),  # AutoDraft's Server-Only-AR
     # a draft head on the worker (the server-side placement): only finished tokens travel, no features
+    # the worker's router (`specbench worker --router FILE`) picks each prompt's worker method and K
+    Method("auto-server", "chain", on_worker=True),
     Method("eagle-server", "chain", on_worker=True, worker_build=_eagle),
     Method("eagle-tree-server", "tree", on_worker=True, worker_build=_eagle_tree),
 ):

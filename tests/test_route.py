@@ -116,6 +116,29 @@ def test_auto_routes_to_worker_methods(tiny_target):
     assert [got[("auto", i)] for i in range(3)] == [local[("target-only", i)] for i in range(3)]
 
 
+def test_a_worker_routes_with_its_own_router(tiny_target, tiny_draft, tmp_path):
+    """auto-server: the worker picks each prompt's worker method with the router it was started with."""
+    from specbench.worker.client import RemoteTarget, WorkerError
+    from worker_helpers import ThreadWorker
+
+    candidates = candidates_from(["target-only", "suffix:8", "chain:3"])  # run on the worker as their -server forms
+    router, _ = train_router(tiny_target, PROMPTS, candidates, draft=tiny_draft, max_new_tokens=16, progress=False)
+    path = router.save(tmp_path / "router.json")
+    plain = ThreadWorker()
+    routed = ThreadWorker(router=str(path))
+    try:
+        with pytest.raises(WorkerError, match="--router"):
+            run(RemoteTarget(plain.endpoint), PROMPTS[:1], method="auto-server", max_new_tokens=8, progress=False)
+        got = run(RemoteTarget(routed.endpoint), PROMPTS, method="auto-server", max_new_tokens=16, progress=False)
+    finally:
+        plain.stop()
+        routed.stop()
+    local = outputs(run(tiny_target, PROMPTS, method="target-only", max_new_tokens=16, progress=False))
+    assert [outputs(got)[("auto-server", i)] for i in range(4)] == [local[("target-only", i)] for i in range(4)]
+    assert set(got["chosen"]) <= {"server-only-ar k=4", "suffix-server k=8", "server-only k=3"}
+    assert set(json.loads(got["route_predicted"].iloc[0])) == {c.label for c in candidates}
+
+
 def test_references_keep_per_prompt_rows_and_narrow_to_a_family(tiny_target, tiny_draft, tmp_path):
     from specbench.plan.library import load_references, save_reference
     from specbench.record import record_reference

@@ -212,3 +212,27 @@ def test_warm_up_leaves_the_cache_as_it_was(tiny_target):
     run(tiny_target, PROMPTS[:1], method="suffix", k=8, max_new_tokens=12, progress=False, suffix=settings)
     cache = process_cache(_target_key(DraftSource(LocalTarget(tiny_target), tiny_target)), settings)
     assert len(cache) == 1 and cache.tokens == 12  # the measured prompt's output only
+
+
+@pytest.mark.parametrize("scope", ["tenant", "shared"])
+def test_worker_keeps_each_tenants_outputs_apart_unless_told_to_share(scope):
+    """suffix-server: two clients (two tenants) each generate once; per tenant, each worker cache holds one
+    output, none of the other's; shared, one cache holds both."""
+    from specbench.decode import suffix_drafter
+    from specbench.worker.client import RemoteTarget
+    from worker_helpers import ThreadWorker
+
+    running = ThreadWorker(suffix_cache=scope)
+    try:
+        for prompt in PROMPTS[:2]:  # a client each: each RemoteTarget is a tenant of its own
+            run(RemoteTarget(running.endpoint), [prompt], method="suffix-server", k=6, max_new_tokens=12,
+                progress=False, warmup=False)
+    finally:
+        running.stop()
+    # process caches by key (target label, vocabulary, "worker", worker model[, tenant]), most recent last
+    worker = [(key[0], cache) for key, cache in suffix_drafter._PROCESS_CACHES.items() if "worker" in key[0]]
+    if scope == "tenant":
+        recent = [cache for key, cache in worker if len(key) == 5][-2:]
+        assert [len(cache) for cache in recent] == [1, 1]
+    else:
+        assert len([cache for key, cache in worker if len(key) == 4][-1]) == 2

@@ -110,16 +110,21 @@ class SuffixCache:
         self.evicted += 1
 
 
-_PROCESS_CACHES: dict[tuple, SuffixCache] = {}
+_PROCESS_CACHES: OrderedDict[tuple, SuffixCache] = OrderedDict()  # least recently used first
 _PROCESS_LOCK = threading.Lock()
+MAX_PROCESS_CACHES = 16  # a worker with many tenants keeps the caches of its 16 most recent only
 
 
 def process_cache(key: tuple, settings: SuffixSettings) -> SuffixCache:
-    """The process's cache for `key` (a target's identity, and a tenant's on a worker), made on first use."""
+    """The process's cache for `key` (a target's identity, and a tenant's on a worker), made on first use;
+    past `MAX_PROCESS_CACHES` the least recently used cache is dropped whole."""
     with _PROCESS_LOCK:
         full_key = (key, settings.name, settings.depth, settings.cache_requests, settings.cache_tokens)
         if full_key not in _PROCESS_CACHES:
             _PROCESS_CACHES[full_key] = SuffixCache(settings.depth, settings.cache_requests, settings.cache_tokens)
+            while len(_PROCESS_CACHES) > MAX_PROCESS_CACHES:
+                _PROCESS_CACHES.popitem(last=False)
+        _PROCESS_CACHES.move_to_end(full_key)
         return _PROCESS_CACHES[full_key]
 
 

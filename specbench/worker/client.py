@@ -175,7 +175,12 @@ class RemoteTarget:
                            emulated_network_s=emulated, step_s=fields["step_s"] + share,
                            bytes_up=timing["bytes_up"] if i == 0 else 0, bytes_down=timing["bytes_down"] if i == 0 else 0)
                    for i, fields in enumerate(reply["records"])]
-        return Generation(prompt_index, list(prompt_ids), arrays["output"].tolist(), float(reply["prefill_s"]), records)
+        if "chosen" in reply:  # the worker routed it: rows keep the method asked for, and say what ran
+            records = [replace(record, method=method) for record in records]
+        generation = Generation(prompt_index, list(prompt_ids), arrays["output"].tolist(), float(reply["prefill_s"]),
+                                records)
+        generation.route = {key: reply[key] for key in ("chosen", "route_predicted") if key in reply}
+        return generation
 
     def profile(self, tokens=(1, 2, 4, 8, 16), contexts=(128, 512), repeats: int = 5, batches=(1,)) -> dict:
         return self._request({"op": "profile", "tokens": list(tokens), "contexts": list(contexts),

@@ -65,7 +65,10 @@ def generate(ops, header: dict, arrays: dict, curve_key: str):
     (its `request` key) joins the job under way or gets its stored reply, so it runs once."""
     from specbench.decode.loop import Decoding, generate_steps
 
-    method = get(header, "method", str)
+    method, chosen = get(header, "method", str), {}
+    if method == "auto-server":  # the worker's router picks the method and K for this prompt
+        method, k_chosen, chosen = _routed(ops, protocol.array(arrays, "tokens").tolist())
+        header = dict(header, k=k_chosen)
     if method not in METHODS or not METHODS[method].on_worker:
         on_worker = [name for name, m in METHODS.items() if m.on_worker]
         raise ProtocolError(f"generate runs the worker methods {on_worker}, not {method!r}")
@@ -109,7 +112,7 @@ def generate(ops, header: dict, arrays: dict, curve_key: str):
     def run():  # a prompt chunk or a speculative step per slice; closing it closes the target session
         result = yield from steps
         reply = {"records": [asdict(record) for record in result.records], "prefill_s": result.prefill_s,
-                 "model": identity}
+                 "model": identity, **chosen}
         out = {"output": np.asarray(result.output_ids, dtype=np.int32)}
         if key is not None:
             ops.generated.store(key, reply, out)
@@ -141,6 +144,30 @@ def _server_drafter(ops, target, method, draft_spec):
     return ops.draft
 
 
+# a method that runs in the client, as the worker runs it itself
+ON_WORKER = {"target-only": "server-only-ar", "chain": "server-only", "suffix": "suffix-server",
+             "suffix-tree": "suffix-tree-server", "eagle": "eagle-server", "eagle-tree": "eagle-tree-server"}
+
+
+def _routed(ops, prompt: list) -> tuple[str, int, dict]:
+    """auto-server: the worker method and K its router predicts best for `prompt`, and what to tell the client."""
+    import json
+
+    from specbench.route.router import Router
+
+    if ops.config.router is None:
+        raise ProtocolError("method auto-server needs a router on the worker: start it with --router FILE")
+    if ops.router is None:
+        ops.router = Router.load(ops.config.router)
+    candidate, table = ops.router.choose(prompt)
+    method = ON_WORKER.get(candidate.method, candidate.method)
+    if method not in METHODS or not METHODS[method].on_worker:
+        raise SpecbenchError(f"the worker's router chose {candidate.label}, which has no worker method; worker "
+                             f"routers take candidates among {sorted(ON_WORKER)} and the worker methods")
+    predicted = {row.candidate: round(row.tokens_per_s, 3) for row in table.itertuples()}
+    return method, max(1, candidate.k), {"chosen": f"{method} k={candidate.k}", "route_predicted": json.dumps(predicted)}
+
+
 def _suffix_drafter(ops, target, method, principal: str):
     """A suffix drafter per request over the worker's cache of earlier outputs: one per tenant by default
     (`--suffix-cache tenant`), one for all (`shared`), or none (`off`)."""
@@ -150,7 +177,7 @@ def _suffix_drafter(ops, target, method, principal: str):
     scope = ops.config.suffix_cache
     settings = SuffixSettings(cache="off" if scope == "off" else "process")
     key = ("worker", ops.identity) + (() if scope == "shared" else (principal,))
-    return method.worker_build(DraftSource(target, target.loaded, suffix=settings), key)
+    return method.worker_build(DraftSource(target, target.loaded, suffix=settings), key=key)
 
 
 def _generate_key(header: dict, arrays: dict, principal: str) -> Optional[tuple]:

@@ -59,6 +59,7 @@ class WorkerConfig:
     # suffix-server's cache of earlier outputs: per tenant (one user's outputs never shape another's drafts),
     # shared by every tenant, or off (each request drafts from itself)
     suffix_cache: str = "tenant"
+    router: Optional[str] = None  # a router file (`specbench route`): method auto-server picks per prompt with it
     curve_keys: Optional[str] = None
     insecure: bool = False
 
