@@ -1,0 +1,93 @@
+"""Prompt lookup and suffix decoding settings replayed on recorded requests: exact tokens per step, no timing.
+
+Why: under greedy decoding a lookup drafter's proposals depend only on the context and on what it saw
+before, and the output is the target's own, so every step's accepted count can be replayed from the
+target-only outputs without running the model (as `tune/replay.py` does for chains). Timings on a busy
+2-core VM move 10-25% per prompt; tokens per step and verified width do not. Each setting's tok/s is then
+priced with one step cost for all (seconds = fixed + per verified token, from the router's fits of the
+same workload run), so settings differ only by what they accept and verify.
+
+    python benchmarks/workload.py ...            # writes results/workload.calibration.json and the router
+    python benchmarks/lookup_replay.py
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from specbench.decode.drafters import PromptLookupDrafter
+from specbench.decode.suffix_drafter import SuffixDrafter, SuffixSettings
+from specbench.types import SamplingParams
+
+from common import RESULTS, write_report
+
+MULTI_TURN = ("self-refine", "code-edit", "tool-call", "sharegpt-multiturn")
+
+
+def accepted_depth(tree, actual) -> int:
+    """How deep the tree's path that the target's own continuation `actual` follows goes."""
+    depth, parent = 0, -1
+    while depth < len(actual):
+        child = next((i for i, p in enumerate(tree.parents) if p == parent and tree.tokens[i] == actual[depth]), None)
+        if child is None:
+            return depth
+        depth, parent = depth + 1, child
+    return depth
+
+
+def replay(requests, make, k: int) -> dict:
+    drafter, steps, verified, tokens = make(), 0, 0, 0
+    for request in requests:
+        full, position = list(request["ids"]) + list(request["output"]), len(request["ids"])
+        while position < len(full):
+            budget = min(k, len(full) - position - 1)
+            tree = drafter.propose(full[:position], budget, SamplingParams(), torch.Generator(),
+                                   max_depth=budget) if budget >= 1 else None
+            accepted = accepted_depth(tree, full[position:]) if tree is not None else 0
+            steps, verified, position = steps + 1, verified + 1 + (len(tree) if tree else 0), position + accepted + 1
+        tokens += len(request["output"])
+        if hasattr(drafter, "finish"):
+            drafter.finish(full)
+    return {"tokens_per_step": tokens / steps, "verified_per_step": verified / steps, "steps": steps, "tokens": tokens}
+
+
+SETTINGS = {
+    "prompt-lookup K=4": (lambda: PromptLookupDrafter(), 4),
+    "prompt-lookup K=8": (lambda: PromptLookupDrafter(), 8),
+    "suffix (defaults)": (lambda: SuffixDrafter(SuffixSettings(cache="drafter")), 16),
+    "suffix, cache off": (lambda: SuffixDrafter(SuffixSettings(cache="off")), 16),
+    "suffix factor 2": (lambda: SuffixDrafter(SuffixSettings(cache="drafter", factor=2.0)), 16),
+    "suffix factor 2, min_prob 0.3": (lambda: SuffixDrafter(SuffixSettings(cache="drafter", factor=2.0,
+                                                                           min_prob=0.3)), 16),
+    "suffix-tree (defaults)": (lambda: SuffixDrafter(SuffixSettings(cache="drafter"), tree=True), 16),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", default=str(RESULTS / "workload.calibration.json"))
+    parser.add_argument("--router", default=str(RESULTS / "workload.router.json"), help="its target-only and prompt "
+                        "lookup fits price a step: fixed seconds and seconds per verified token")
+    parser.add_argument("--out", default=str(RESULTS / "lookup_replay.json"))
+    args = parser.parse_args()
+    requests = json.loads(Path(args.requests).read_text())
+    fits = json.loads(Path(args.router).read_text())["fits"]
+    per_token = fits["prompt-lookup k=4"]["per_token_s"]
+    fixed = fits["target-only"]["fixed_s"] + fits["target-only"]["per_token_s"] - per_token
+    rows = []
+    for scope, members in (("multi-turn", [r for r in requests if r["set"] in MULTI_TURN]), ("all", requests)):
+        for name, (make, k) in SETTINGS.items():
+            found = replay(members, make, k)
+            seconds = found["steps"] * fixed + per_token * found["verified_per_step"] * found["steps"]
+            rows.append({"requests": scope, "setting": name, **found, "priced_tokens_per_s": found["tokens"] / seconds})
+            print(f"{scope:10s} {name:32s} tok/step {found['tokens_per_step']:.3f}  verified/step "
+                  f"{found['verified_per_step']:.2f}  priced {rows[-1]['priced_tokens_per_s']:.2f} tok/s")
+    write_report(args.out, {"rows": rows, "step_cost": {"fixed_s": fixed, "per_verified_token_s": per_token},
+                            "requests": len(requests)})
+
+
+if __name__ == "__main__":
+    main()
