@@ -158,3 +158,22 @@ def test_references_keep_per_prompt_rows_and_narrow_to_a_family(tiny_target, tin
     loaded = load_references(tmp_path, by_family=True)
     assert sorted(r.dataset for r in loaded) == ["mixed", "mixed/chat", "mixed/code"]
     assert next(r for r in loaded if r.dataset == "mixed/code").chain_accepts == code.chain_accepts
+
+
+def test_step_costs_are_fitted_jointly_with_a_model_drafts_own_cost():
+    """One target forward for every candidate (fixed + per verified token), plus a model draft's cost per drafted
+    token: recovered from noisy steps, also for a lookup whose widths alone would not tell them apart."""
+    from specbench.route.router import _step_costs
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for method, k, draft_s in (("target-only", 0, 0.0), ("prompt-lookup", 4, 0.0), ("chain", 4, 0.02)):
+        for _ in range(200):
+            drafted = 0 if method == "target-only" else int(rng.integers(0, k + 1))
+            rows.append(dict(method=method, k=k, prompt_index=0, drafted=drafted, emitted=1,
+                             step_s=0.05 + 0.004 * (1 + drafted) + draft_s * drafted + rng.normal(0, 0.003)))
+    costs = _step_costs(pd.DataFrame(rows), [Candidate("target-only"), Candidate("prompt-lookup", 4),
+                                             Candidate("chain", 4)])
+    assert costs["prompt-lookup k=4"] == pytest.approx((0.05, 0.004), abs=0.002)
+    fixed, per_token = costs["chain k=4"]
+    assert fixed + per_token * 5 == pytest.approx(0.05 + 0.004 * 5 + 0.02 * 4, abs=0.003)

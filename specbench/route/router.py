@@ -2,8 +2,8 @@
 
 Trained on per-prompt records of every candidate run over calibration prompts: per candidate, a ridge
 regression from the prompt's features (`route/features.py`) to its tokens per step and draft tokens per
-step (acceptance), and a step cost fitted on the same records (seconds = fixed + per verified token:
-the target's forward at that width, plus the drafting). The predicted tokens/s of a candidate on a
+step (acceptance), and a step cost fitted on the same records (seconds = fixed + per verified token, the
+target's forward at that width, shared by all candidates, plus a model draft's own cost per drafted token). The predicted tokens/s of a candidate on a
 prompt is tokens per step over the cost of such a step, so the router optimises speed, or the cost
 objective `verify_tokens` (target tokens verified per output token: what a per-token verify service
 bills), not acceptance alone. Each choice keeps its reason: every candidate's predicted figures.
@@ -123,6 +123,7 @@ def fit_router(records: pd.DataFrame, prompts: Sequence[Sequence[int]], candidat
     scale[scale == 0] = 1.0
     x = np.hstack([(features - mean) / scale, np.ones((len(prompts), 1))])
     router = Router(list(candidates), known, objective, mean, scale)
+    costs = _step_costs(records, candidates)
     for candidate in candidates:
         rows = _rows_of(records, candidate)
         per_prompt = rows.groupby("prompt_index").agg(tokens=("emitted", "mean"), drafted=("drafted", "mean"))
@@ -131,7 +132,7 @@ def fit_router(records: pd.DataFrame, prompts: Sequence[Sequence[int]], candidat
             raise SpecbenchError(f"records of {candidate.label} lack prompts {missing[:5]}: run every candidate "
                                  f"over every calibration prompt")
         per_prompt = per_prompt.sort_index()
-        fixed, per_token = _step_cost(rows)
+        fixed, per_token = costs[candidate.label]
         router.fits[candidate.label] = _Fit(_ridge(x, per_prompt["tokens"].to_numpy(), ridge),
                                             _ridge(x, per_prompt["drafted"].to_numpy(), ridge), fixed, per_token)
     return router
@@ -145,6 +146,29 @@ def _rows_of(records: pd.DataFrame, candidate: Candidate) -> pd.DataFrame:
         raise SpecbenchError(f"no records of candidate {candidate.label}; methods recorded: "
                              f"{sorted(set(records['method']))}")
     return rows
+
+
+def _step_costs(records: pd.DataFrame, candidates: Sequence[Candidate]) -> dict[str, tuple[float, float]]:
+    """(fixed, per verified token) seconds per candidate, fitted jointly: one target's step is the same forward
+    whoever drafted, so every candidate's steps share a fixed cost and a cost per verified token, and a model
+    draft adds its own cost per drafted token. One fit over all steps is far better determined than one per
+    candidate (a lookup's widths vary little). Where the joint fit comes out negative, each its own."""
+    from specbench.methods import get_method
+
+    drafting = [c for c in candidates if c.drafts and not get_method(c.method).lookup]
+    columns, seconds = [], []
+    for candidate in candidates:
+        rows = _rows_of(records, candidate)
+        drafted = rows["drafted"].to_numpy(dtype=float)
+        own = [drafted if candidate is other else np.zeros_like(drafted) for other in drafting]
+        columns.append(np.column_stack([np.ones_like(drafted), 1.0 + drafted, *own]))
+        seconds.append(rows["step_s"].to_numpy(dtype=float))
+    solution = np.linalg.lstsq(np.vstack(columns), np.concatenate(seconds), rcond=None)[0]
+    fixed, per_token, extra = solution[0], solution[1], dict(zip(drafting, solution[2:]))
+    if fixed < 0 or per_token < 0 or any(value + per_token < 0 for value in extra.values()):
+        return {c.label: _step_cost(_rows_of(records, c)) for c in candidates}
+    # fixed + per_token * (1 + d) + extra * d  ==  (fixed - extra) + (per_token + extra) * (1 + d)
+    return {c.label: (float(fixed - extra.get(c, 0.0)), float(per_token + extra.get(c, 0.0))) for c in candidates}
 
 
 def _step_cost(rows: pd.DataFrame) -> tuple[float, float]:
