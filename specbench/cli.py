@@ -153,10 +153,10 @@ def _worker(args) -> int:
     from specbench.worker.limits import LIMIT_FLAGS, WorkerLimits
     from specbench.worker.server import Worker, WorkerConfig
 
-    if args.router:  # a router file that cannot be read is refused before the worker serves anyone
-        from specbench.route.router import Router
+    if args.router:  # a router file it cannot read or route with is refused before the worker serves anyone
+        from specbench.worker.long_requests import worker_router
 
-        Router.load(args.router)
+        worker_router(args.router)
 
     def log(line: str) -> None:
         print(f"{datetime.now().isoformat(timespec='seconds')} {line}", flush=True)

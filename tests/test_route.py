@@ -177,3 +177,13 @@ def test_step_costs_are_fitted_jointly_with_a_model_drafts_own_cost():
     assert costs["prompt-lookup k=4"] == pytest.approx((0.05, 0.004), abs=0.002)
     fixed, per_token = costs["chain k=4"]
     assert fixed + per_token * 5 == pytest.approx(0.05 + 0.004 * 5 + 0.02 * 4, abs=0.003)
+
+
+def test_a_worker_refuses_a_router_whose_candidates_cannot_run_there(tmp_path):
+    from specbench.worker.long_requests import worker_router
+
+    prompts = REPETITIVE + PLAIN
+    router = fit_router(_records(prompts, lambda ids: 2), prompts, [Candidate("target-only"),
+                                                                      Candidate("prompt-lookup", 4)])
+    with pytest.raises(SpecbenchError, match=r"\['prompt-lookup k=4'\] have no worker method"):
+        worker_router(str(router.save(tmp_path / "router.json")))

@@ -149,23 +149,32 @@ ON_WORKER = {"target-only": "server-only-ar", "chain": "server-only", "suffix": 
              "suffix-tree": "suffix-tree-server", "eagle": "eagle-server", "eagle-tree": "eagle-tree-server"}
 
 
+def worker_router(path: str):
+    """The router file a worker routes auto-server with, refused by name unless every candidate runs on a worker."""
+    from specbench.route.router import Router
+
+    router = Router.load(path)
+    runs_there = {name for name, method in METHODS.items() if method.on_worker}
+    stranded = [c.label for c in router.candidates if ON_WORKER.get(c.method, c.method) not in runs_there]
+    if stranded:
+        raise SpecbenchError(f"router {path}: candidates {stranded} have no worker method; a worker's router takes "
+                             f"{sorted(ON_WORKER)} (run there as {sorted(ON_WORKER.values())}) and the worker methods")
+    return router
+
+
 def _routed(ops, prompt: list) -> tuple[str, int, dict]:
     """auto-server: the worker method and K its router predicts best for `prompt`, and what to tell the client."""
     import json
 
-    from specbench.route.router import Router
-
     if ops.config.router is None:
         raise ProtocolError("method auto-server needs a router on the worker: start it with --router FILE")
     if ops.router is None:
-        ops.router = Router.load(ops.config.router)
+        ops.router = worker_router(ops.config.router)
     candidate, table = ops.router.choose(prompt)
     method = ON_WORKER.get(candidate.method, candidate.method)
-    if method not in METHODS or not METHODS[method].on_worker:
-        raise SpecbenchError(f"the worker's router chose {candidate.label}, which has no worker method; worker "
-                             f"routers take candidates among {sorted(ON_WORKER)} and the worker methods")
     predicted = {row.candidate: round(row.tokens_per_s, 3) for row in table.itertuples()}
-    return method, max(1, candidate.k), {"chosen": f"{method} k={candidate.k}", "route_predicted": json.dumps(predicted)}
+    told = {"chosen": f"{method} k={candidate.k}", "route_predicted": json.dumps(predicted)}
+    return method, max(1, candidate.k), told
 
 
 def _suffix_drafter(ops, target, method, principal: str):
