@@ -175,7 +175,7 @@ def _run_auto(router, families, *, target, source, prompt_ids, k, max_new_tokens
         for other in built.values():
             cache = getattr(other["drafter"], "cache", None)
             if hasattr(other["drafter"], "remember") and id(cache) not in fed:
-                other["drafter"].remember(ids, result.output_ids)
+                other["drafter"].remember(result.output_ids)
                 fed.add(id(cache))
         why = json.dumps({row.candidate: round(row.tokens_per_s, 3) for row in table.itertuples()})
         rows += [dict(row, method="auto", chosen=candidate.label, route_s=route_s, route_predicted=why)

@@ -229,10 +229,10 @@ for _method in (
     Method("server-only", "chain", on_worker=True),  # AutoDraft's Server-Only: the worker drafts too
     Method("server-only-ar", "none", on_worker=True),  # AutoDraft's Server-Only-AR
     # a draft head on the worker (the server-side placement): only finished tokens travel, no features
-    # the worker's router (`specbench worker --router FILE`) picks each prompt's worker method and K
-    Method("auto-server", "chain", on_worker=True),
     Method("eagle-server", "chain", on_worker=True, worker_build=_eagle),
     Method("eagle-tree-server", "tree", on_worker=True, worker_build=_eagle_tree),
+    # the worker's router (`specbench worker --router FILE`) picks each prompt's worker method and K
+    Method("auto-server", "chain", on_worker=True),
 ):
     register(_method)
 

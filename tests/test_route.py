@@ -163,7 +163,7 @@ def test_references_keep_per_prompt_rows_and_narrow_to_a_family(tiny_target, tin
 def test_step_costs_are_fitted_jointly_with_a_model_drafts_own_cost():
     """One target forward for every candidate (fixed + per verified token), plus a model draft's cost per drafted
     token: recovered from noisy steps, also for a lookup whose widths alone would not tell them apart."""
-    from specbench.route.router import _step_costs
+    from specbench.route.router import _rows_of, _step_costs
 
     rng = np.random.default_rng(0)
     rows = []
@@ -172,8 +172,9 @@ def test_step_costs_are_fitted_jointly_with_a_model_drafts_own_cost():
             drafted = 0 if method == "target-only" else int(rng.integers(0, k + 1))
             rows.append(dict(method=method, k=k, prompt_index=0, drafted=drafted, emitted=1,
                              step_s=0.05 + 0.004 * (1 + drafted) + draft_s * drafted + rng.normal(0, 0.003)))
-    costs = _step_costs(pd.DataFrame(rows), [Candidate("target-only"), Candidate("prompt-lookup", 4),
-                                             Candidate("chain", 4)])
+    records = pd.DataFrame(rows)
+    costs = _step_costs({c: _rows_of(records, c) for c in (Candidate("target-only"), Candidate("prompt-lookup", 4),
+                                                           Candidate("chain", 4))})
     assert costs["prompt-lookup k=4"] == pytest.approx((0.05, 0.004), abs=0.002)
     fixed, per_token = costs["chain k=4"]
     assert fixed + per_token * 5 == pytest.approx(0.05 + 0.004 * 5 + 0.02 * 4, abs=0.003)

@@ -17,7 +17,7 @@ def script_sessions(target, rows: Sequence[dict], max_new_tokens: int = 64, max_
                     progress: bool = True) -> list[dict]:
     """Requests {session, set, turn, ids, output} for `rows` (dataset rows with `turns`), each prompt the chat
     so far through the target's chat template. `target`: anything `run` takes, with a tokenizer."""
-    from specbench.api import as_target, run
+    from specbench.api import as_target, outputs, run
 
     target, _ = as_target(target)
     tokenizer = target.tokenizer
@@ -35,11 +35,10 @@ def script_sessions(target, rows: Sequence[dict], max_new_tokens: int = 64, max_
             histories[i].append({"role": "user", "content": rows[i]["turns"][turn]})
             text = tokenizer.apply_chat_template(histories[i], tokenize=False, add_generation_prompt=True)
             prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
-        records = run(target, prompts, method="target-only", max_new_tokens=max_new_tokens, warmup=False,
-                      progress=f"script turn {turn + 1}/{turns}" if progress else False)
+        produced = outputs(run(target, prompts, method="target-only", max_new_tokens=max_new_tokens, warmup=False,
+                               progress=f"script turn {turn + 1}/{turns}" if progress else False))
         for slot, i in enumerate(live):
-            steps = records[records["prompt_index"] == slot].sort_values("step")
-            output = [t for tokens in steps["emitted_tokens"] for t in tokens]
+            output = produced[("target-only", slot)]
             histories[i].append({"role": "assistant", "content": tokenizer.decode(output, skip_special_tokens=True)})
             requests.append({"session": rows[i]["id"], "set": rows[i]["set"], "turn": turn, "ids": prompts[slot],
                              "output": output})

@@ -121,18 +121,22 @@ def process_cache(key: tuple, settings: SuffixSettings) -> SuffixCache:
     with _PROCESS_LOCK:
         full_key = (key, settings.name, settings.depth, settings.cache_requests, settings.cache_tokens)
         if full_key not in _PROCESS_CACHES:
-            _PROCESS_CACHES[full_key] = SuffixCache(settings.depth, settings.cache_requests, settings.cache_tokens)
+            _PROCESS_CACHES[full_key] = new_cache(settings)
             while len(_PROCESS_CACHES) > MAX_PROCESS_CACHES:
                 _PROCESS_CACHES.popitem(last=False)
         _PROCESS_CACHES.move_to_end(full_key)
         return _PROCESS_CACHES[full_key]
 
 
+def new_cache(settings: SuffixSettings) -> SuffixCache:
+    return SuffixCache(settings.depth, settings.cache_requests, settings.cache_tokens)
+
+
 class _Request:
-    __slots__ = ("seen", "prompt_length", "index", "output")
+    __slots__ = ("seen", "index", "output")
 
     def __init__(self, prompt: list[int], depth: int, output: Optional[int]):
-        self.seen, self.prompt_length = list(prompt), len(prompt)
+        self.seen = list(prompt)
         self.index = SuffixIndex(depth)
         self.index.extend(0, prompt)
         self.output = output  # its id in the shared cache, None without one
@@ -149,13 +153,12 @@ class SuffixDrafter:
                  tree: bool = False, name: str = "suffix", max_active: int = 64):
         self.settings, self.tree, self.name = settings, tree, name
         if cache is None and settings.cache == "drafter":
-            cache = SuffixCache(settings.depth, settings.cache_requests, settings.cache_tokens)
+            cache = new_cache(settings)
         self.cache = None if settings.cache == "off" else cache
         self.max_active = max_active
         self._active: OrderedDict[int, _Request] = OrderedDict()  # least recently drafted for first
         self._ids = 0
-        self.last: Optional[SuffixDraft] = None  # the last step's proposal and where it came from, for records
-        self.last_source = ""
+        self.last_source = ""  # where the last step's proposal came from: "request" or "cache"
 
     def propose(self, context: Sequence[int], k: int, sampling, draws, max_depth: Optional[int] = None) -> DraftTree:
         if k < 1:
@@ -173,20 +176,17 @@ class SuffixDrafter:
                 found, self.last_source = shared, "cache"
         if max_depth is not None and self.tree:
             found = _within_depth(found, max_depth)
-        self.last = found
         return DraftTree(found.tokens, found.parents, tuple(SparseDist((t,), (1.0,)) for t in found.tokens),
                          expected_accepted=found.score)
 
     def finish(self, context: Sequence[int]) -> None:
         """A generation ended with `context`: its last tokens go into the cache, its own index is freed."""
         context = list(context)
-        for key, request in list(self._active.items()):
-            if _extends(context, request.seen):
-                self._take(request, context)
-                del self._active[key]
-                return
+        key = self._find(context)
+        if key is not None:
+            self._take(self._active.pop(key), context)
 
-    def remember(self, prompt: Sequence[int], output: Sequence[int]) -> None:
+    def remember(self, output: Sequence[int]) -> None:
         """Take in a request another method decoded (a router sent it elsewhere): its output still goes into
         the cache, as a server's cache sees every response."""
         if self.cache is not None and output:
@@ -194,18 +194,21 @@ class SuffixDrafter:
 
     def _request(self, context: list[int]) -> _Request:
         """The active request `context` continues (its new tokens taken in), or a new one."""
-        for key in reversed(self._active):
-            request = self._active[key]
-            if _extends(context, request.seen):
-                self._active.move_to_end(key)
-                self._take(request, context)
-                return request
+        key = self._find(context)
+        if key is not None:
+            self._active.move_to_end(key)
+            self._take(self._active[key], context)
+            return self._active[key]
         while len(self._active) >= self.max_active:
             self._active.popitem(last=False)
         self._ids += 1
         request = self._active[self._ids] = _Request(
             context, self.settings.depth, self.cache.open() if self.cache is not None else None)
         return request
+
+    def _find(self, context: list[int]) -> Optional[int]:
+        """The active request `context` extends, most recently drafted for first; None if none."""
+        return next((key for key in reversed(self._active) if _extends(context, self._active[key].seen)), None)
 
     def _take(self, request: _Request, context: list[int]) -> None:
         new = context[len(request.seen):]
@@ -223,7 +226,7 @@ def _extends(context: list[int], seen: list[int]) -> bool:
 
 def _within_depth(found: SuffixDraft, max_depth: int) -> SuffixDraft:
     """The tree's nodes no deeper than `max_depth` (parents come first, so indices only shift down)."""
-    depths, keep = [], []
+    depths = []
     for parent in found.parents:
         depths.append(1 if parent < 0 else depths[parent] + 1)
     keep = [i for i, depth in enumerate(depths) if depth <= max_depth]

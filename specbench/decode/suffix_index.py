@@ -166,10 +166,11 @@ class SuffixIndex:
 def _chain(node: _Node, limit: int, min_prob: float) -> tuple[tuple, tuple, tuple]:
     tokens, probs, prob = [], [], 1.0
     while len(tokens) < limit:
-        ranked = node.ranked()
-        if not ranked:
+        children = node.all()
+        if not children:
             break
-        token, child = ranked[0]
+        child = min(children, key=lambda child: (-child.count, child.token))  # ranked()'s first, without sorting
+        token = child.token
         prob *= child.count / node.count
         if prob < min_prob:
             break

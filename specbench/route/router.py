@@ -123,9 +123,9 @@ def fit_router(records: pd.DataFrame, prompts: Sequence[Sequence[int]], candidat
     scale[scale == 0] = 1.0
     x = np.hstack([(features - mean) / scale, np.ones((len(prompts), 1))])
     router = Router(list(candidates), known, objective, mean, scale)
-    costs = _step_costs(records, candidates)
-    for candidate in candidates:
-        rows = _rows_of(records, candidate)
+    steps = {candidate: _rows_of(records, candidate) for candidate in candidates}
+    costs = _step_costs(steps)
+    for candidate, rows in steps.items():
         per_prompt = rows.groupby("prompt_index").agg(tokens=("emitted", "mean"), drafted=("drafted", "mean"))
         missing = sorted(set(range(len(prompts))) - set(per_prompt.index))
         if missing:
@@ -148,17 +148,16 @@ def _rows_of(records: pd.DataFrame, candidate: Candidate) -> pd.DataFrame:
     return rows
 
 
-def _step_costs(records: pd.DataFrame, candidates: Sequence[Candidate]) -> dict[str, tuple[float, float]]:
+def _step_costs(steps: dict[Candidate, pd.DataFrame]) -> dict[str, tuple[float, float]]:
     """(fixed, per verified token) seconds per candidate, fitted jointly: one target's step is the same forward
     whoever drafted, so every candidate's steps share a fixed cost and a cost per verified token, and a model
     draft adds its own cost per drafted token. One fit over all steps is far better determined than one per
     candidate (a lookup's widths vary little). Where the joint fit comes out negative, each its own."""
     from specbench.methods import get_method
 
-    drafting = [c for c in candidates if c.drafts and not get_method(c.method).lookup]
+    drafting = [c for c in steps if c.drafts and not get_method(c.method).lookup]
     columns, seconds = [], []
-    for candidate in candidates:
-        rows = _rows_of(records, candidate)
+    for candidate, rows in steps.items():
         drafted = rows["drafted"].to_numpy(dtype=float)
         own = [drafted if candidate is other else np.zeros_like(drafted) for other in drafting]
         columns.append(np.column_stack([np.ones_like(drafted), 1.0 + drafted, *own]))
@@ -166,9 +165,9 @@ def _step_costs(records: pd.DataFrame, candidates: Sequence[Candidate]) -> dict[
     solution = np.linalg.lstsq(np.vstack(columns), np.concatenate(seconds), rcond=None)[0]
     fixed, per_token, extra = solution[0], solution[1], dict(zip(drafting, solution[2:]))
     if fixed < 0 or per_token < 0 or any(value + per_token < 0 for value in extra.values()):
-        return {c.label: _step_cost(_rows_of(records, c)) for c in candidates}
+        return {c.label: _step_cost(rows) for c, rows in steps.items()}
     # fixed + per_token * (1 + d) + extra * d  ==  (fixed - extra) + (per_token + extra) * (1 + d)
-    return {c.label: (float(fixed - extra.get(c, 0.0)), float(per_token + extra.get(c, 0.0))) for c in candidates}
+    return {c.label: (float(fixed - extra.get(c, 0.0)), float(per_token + extra.get(c, 0.0))) for c in steps}
 
 
 def _step_cost(rows: pd.DataFrame) -> tuple[float, float]:
