@@ -43,20 +43,22 @@ def exhaustive(spec: TuneSpec, result, progress: bool) -> tuple[pd.DataFrame, fl
     rows, seconds = [], 0.0
     tuned = {row["label"]: row for row in result.measured.to_dict("records")}
     points = result.predicted[(result.predicted["clients"] == 1)]
+    window = result.predicted.assign(tokens_per_s=result.predicted["window_tokens_per_s"])
+    raw = result.predicted.assign(tokens_per_s=result.predicted["raw_tokens_per_s"])
     for row in points.to_dict("records"):
         candidate = next((c for c in candidates if c.name == row["candidate"]), candidates[0])
         method = ("target-only" if row["kind"] == "none" else candidate.method if row["kind"] == "chain"
                   else "prompt-lookup-tree" if candidate.method == "prompt-lookup" else "tree")
-        # as the tune does ("per-point": the point's widths re-timed just before it runs); its own points keep theirs
+        # priced as the tune would price it next: "per-point" re-times its widths just before it runs, the other
+        # modes take the tune's last table ("runs": learned from every point the tune measured); the tune's own
+        # points keep the errors they had when the tune measured them
         retimed = None if row["label"] in tuned else result.calibrator.refresh(candidate.name, int(row["k"]))
-        at_run = result.predict_now(retimed) if retimed is not None else None
+        at_run = result.predict_now(retimed) if retimed is not None else result.predicted
         records = phases.measure(store, runner, candidate, method, int(row["k"]), held, drafts[candidate.name], spec,
                                  progress)
         seconds += records["step_s"].sum() + records["prefill_s"].drop_duplicates().sum()
-        rows.append(tuned.get(row["label"]) or _row(
-            row["candidate"], method, int(row["k"]), records, result.predicted,
-            result.predicted.assign(tokens_per_s=result.predicted["raw_tokens_per_s"]), spec, rtt_ms,
-            label=row["label"], at_run=at_run))
+        rows.append(tuned.get(row["label"]) or _row(row["candidate"], method, int(row["k"]), records, window, raw, spec,
+                                                    rtt_ms, label=row["label"], at_run=at_run))
     return pd.DataFrame(rows), seconds
 
 
@@ -81,7 +83,7 @@ def main() -> None:
     parser.add_argument("--prompt-count", type=int, default=40)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--k", type=int, nargs="+", default=[1, 2, 3, 4, 6])
-    parser.add_argument("--calibration", default="speed", choices=("speed", "widths", "per-point"))
+    parser.add_argument("--calibration", default="runs", choices=("runs", "speed", "widths", "per-point"))
     parser.add_argument("--worker")
     parser.add_argument("--clients", type=int, nargs="+", default=[1])
     parser.add_argument("--cs", type=float, default=0.5)

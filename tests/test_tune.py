@@ -28,8 +28,12 @@ def test_tune_end_to_end_chooses_a_measured_point_and_writes_what_run_reads(tmp_
     measured = result.measured
     assert measured.iloc[0]["method"] == "target-only" and len(measured) >= 3
     assert {"error_before", "error_window", "error_after", "flag"} <= set(measured.columns)
-    assert set(result.calibration["width_factors"]) == {1, 2, 3, 5}  # every verify width priced
-    assert len(set(result.calibration["width_factors"].values())) == 1  # "speed": one factor
+    assert result.calibration["mode"] == "runs" and result.calibration["runs_learned"] == len(measured) - 1
+    assert 1 in result.calibration["width_factors"]  # from the target-only run, before any point
+    assert {"window_tokens_per_s", "raw_tokens_per_s"} <= set(result.predicted.columns)
+    speed = tune(spec(calibration="speed"), tmp_path / "speed", progress=False)
+    assert set(speed.calibration["width_factors"]) == {1, 2, 3, 5}  # every verify width priced
+    assert len(set(speed.calibration["width_factors"].values())) == 1  # "speed": one factor
     retimed = tune(spec(calibration="per-point"), tmp_path / "per-point", progress=False)
     assert all(factor > 0 for factor in retimed.calibration["width_factors"].values())
     assert retimed.calibration["mode"] == "per-point" and "error_window" in retimed.measured
@@ -178,3 +182,41 @@ def test_calibration_reads_the_runs_in_loop_forward_and_retimes_every_width(monk
     timed["now"] = {1: 0.9, 5: 0.9}
     target, _ = calibrator.refresh("lookup", 4)
     assert target.forward_s(5, 64) == pytest.approx(0.200 * 0.9 * 0.099 / 0.090)
+
+
+def test_runs_teach_each_width_and_each_draft_its_in_loop_cost():
+    """Mode "runs": a measured point's steps give the target's forward at each width it verified (a width
+    with under MIN_STEPS steps in a run does not count) and its draft's cost against what the profile
+    prices for the same steps; widths never run interpolate; mode "speed" learns nothing."""
+    import pandas as pd
+
+    from specbench.plan.predict import LatencyProfile
+    from specbench.tune.calibrate import MIN_STEPS, Calibrator, factor_at
+
+    def profile(name, rows):
+        return LatencyProfile(model=name, device="cpu", dtype="float32", quantization="none", weight_bytes=1,
+                              kv_bytes_per_token=1, rows=rows)
+
+    target = profile("t", ((1, 64, 0.100, 1), (5, 64, 0.200, 1)))
+    draft = profile("d", ((1, 64, 0.010, 1), (2, 64, 0.020, 1)))
+    baseline = pd.DataFrame({"target_forward_s": [0.09] * 20, "overhead_s": [0.001] * 20, "drafted": [0] * 20})
+    for mode in ("runs", "speed"):
+        calibrator = Calibrator.from_baseline(baseline, object(), target, {"d": None}, {"d": draft}, context=64,
+                                              widths=[5], repeats=1, mode=mode)
+        assert calibrator.target_factors[1] == pytest.approx(0.9)
+        chain = pd.DataFrame({"drafted": [4] * 20 + [2] * (MIN_STEPS - 1), "accepted": [0] * 20 + [2] * (MIN_STEPS - 1),
+                              "target_forward_s": [0.3] * 20 + [9.0] * (MIN_STEPS - 1),
+                              "draft_s": [0.08] * 20 + [0.06] * (MIN_STEPS - 1)})
+        calibrator.learn("d", chain)
+        if mode == "speed":
+            assert calibrator.target_factors == {1: 0.9, 5: 0.9} and not calibrator.draft_factors.get("d")
+            continue
+        assert calibrator.target_factors == pytest.approx({1: 0.9, 5: 1.5})  # width 3's few steps left out
+        assert factor_at(calibrator.target_factors, 3) == pytest.approx(1.2)
+        # drafting priced 0.01 (catch-up) + 3 x 0.01 on 20 steps, 0.01 + 0.01 on 9 of which 9 fully accepted
+        steps_s = 20 * 0.08 + 9 * 0.06
+        priced = draft.forward_s(1 + 9 / 29, 64) + ((20 * 4 + 9 * 2) / 29 - 1) * 0.01
+        assert calibrator.draft_factors["d"][1] == pytest.approx(steps_s / 29 / priced, rel=1e-3)
+        target_now, drafts_now = calibrator.profiles()
+        assert target_now.forward_s(5, 64) == pytest.approx(0.3) and calibrator.terms["runs_learned"] == 1
+        assert drafts_now["d"].forward_s(1, 64) == pytest.approx(0.010 * calibrator.draft_factors["d"][1])

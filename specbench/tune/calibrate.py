@@ -2,23 +2,28 @@
 of the runs they predict.
 
 Why: a CPU's speed drifts within hours, so a profile taken at another moment predicts another machine.
-By default (`speed`) one factor, the run's in-loop 1-token forward over the profile's, scales the
-target's profile, and each draft's 1-token forward is re-timed. Two finer modes re-time every forward
-width after the run (`widths`) and also each point's widths just before it runs (`per-point`); on the
-2-core VM of 2026-11-26 both predicted worse than one factor (a separately timed forward is not the
-loop's, and a few repeats carry more noise than the drift: benchmarks/results/2026-11-26-tune-calibration.md),
-so they are options. Every mode predicts from profiles and acceptance, never from the run it predicts.
+By default (`runs`) one factor, the run's in-loop 1-token forward over the profile's, scales the
+target's profile and each draft's 1-token forward is re-timed; then every point the tune measures
+teaches the rest: its steps give the target's in-loop forward at each width it verified and its
+draft's in-loop cost, and the points measured after it are priced with those (`learn`). `speed` stops
+after the first part. Two modes re-time forwards separately, every width after the run (`widths`)
+and each point's widths just before it runs (`per-point`); on the 2-core VM of 2026-11-26 both predicted
+worse than one factor (a separately timed forward is not the loop's, and a few repeats carry more
+noise than the drift: benchmarks/results/2026-11-26-tune-calibration.md), so they are options. No
+mode prices a point from the run it predicts.
 """
 from __future__ import annotations
 
 import bisect
+import statistics
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import pandas as pd
 
 DRAFT_WIDTHS = (1, 2)  # a draft's forwards: one token per drafted position, the catch-up after a full accept
-MODES = ("speed", "widths", "per-point")  # what the calibration re-times: see `Calibrator`
+MODES = ("runs", "speed", "widths", "per-point")  # what the calibration learns from: see `Calibrator`
+MIN_STEPS = 10  # a width's steps in one run before that run's median forward at it counts
 
 
 def scaled(profile, factors: dict):
@@ -37,6 +42,18 @@ def factor_at(factors: dict, width: int) -> float:
     index = bisect.bisect_left(widths, width)
     low, high = widths[index - 1], widths[index]
     return factors[low] + (factors[high] - factors[low]) * (width - low) / (high - low)
+
+
+def draft_factor(profile, records: pd.DataFrame, context: int) -> Optional[float]:
+    """A run's in-loop drafting time over what `profile` prices for the same steps (the cost model's
+    catch-up forward, 2 tokens after a fully accepted chain, then one token per further draft);
+    None without a profile or drafting steps."""
+    steps = records[records["drafted"].fillna(0) > 0] if "drafted" in records else records.iloc[:0]
+    if profile is None or len(steps) < MIN_STEPS:
+        return None
+    full = float((steps["accepted"] == steps["drafted"]).mean())
+    priced = profile.forward_s(1 + full, context) + (float(steps["drafted"].mean()) - 1) * profile.forward_s(1, context)
+    return float(steps["draft_s"].mean()) / priced if priced > 0 else None
 
 
 def retime(model, profile, widths, context: int, repeats: int) -> dict:
@@ -58,8 +75,9 @@ class Calibrator:
     """The profiles of a tune, and what a target-only run measured now says about them.
 
     `target_factors` / `draft_factors`: per width, time now over profiled time (the target's anchored
-    to the run's in-loop forward). `mode`: "speed" (the default) scales every target width by the run's
-    1-token forward over the profile's and each draft by its 1-token forward re-timed; "widths" re-times
+    to the run's in-loop forward). `mode`: "speed" scales every target width by the run's 1-token forward
+    over the profile's and each draft by its 1-token forward re-timed; "runs" (the default) starts so
+    and then learns from each measured point's own steps (`learn`); "widths" re-times
     every target width after the run; "per-point" also re-times a point's widths just before it runs
     (`refresh`). On the 2-core box of 2026-11-26 the re-timed modes were the noisier ones (a few repeats
     of one width move 5-15% on a busy VM): benchmarks/results/2026-11-26-tune-calibration.md."""
@@ -71,15 +89,16 @@ class Calibrator:
     context: int
     repeats: int
     overhead_s: float = 0.0
-    mode: str = "speed"
+    mode: str = "runs"
     anchor: float = 1.0  # the in-loop 1-token forward over the re-timed one, both measured now
     target_factors: dict = field(default_factory=dict)
     draft_factors: dict = field(default_factory=dict)
     terms: dict = field(default_factory=dict)
+    runs: list = field(default_factory=list)  # mode "runs": (candidate name or None, its records), oldest first
 
     @classmethod
     def from_baseline(cls, baseline: pd.DataFrame, runner, target_profile, drafts: dict, draft_profiles: dict,
-                      context: int, widths, repeats: int, mode: str = "speed") -> "Calibrator":
+                      context: int, widths, repeats: int, mode: str = "runs") -> "Calibrator":
         """Calibrate from the target-only run `baseline` (just measured), re-timing what `mode` says."""
         from specbench.types import SpecbenchError
 
@@ -90,7 +109,7 @@ class Calibrator:
         in_loop = float(baseline["target_forward_s"].median())
         widths = sorted({1, *widths})
         profiled_one = target_profile.forward_s(1, context)
-        if mode == "speed":
+        if mode in ("speed", "runs"):
             speed = in_loop / profiled_one if profiled_one else 1.0
             calibrator.target_factors = {w: round(speed, 4) for w in widths}
         else:
@@ -99,14 +118,38 @@ class Calibrator:
             calibrator.anchor = in_loop / retimed_one if retimed_one else 1.0
             calibrator.target_factors = {w: round(f * calibrator.anchor, 4) for w, f in now.items()}
         for name in drafts:
-            calibrator.draft_factors[name] = calibrator._draft_now(name, {}, (1,) if mode == "speed" else DRAFT_WIDTHS)
+            calibrator.draft_factors[name] = calibrator._draft_now(name, {}, (1,) if mode in ("speed", "runs") else DRAFT_WIDTHS)
         calibrator.terms = {
             "speed_factor": round(in_loop / profiled_one, 4) if profiled_one else 1.0,
             "width_factors": calibrator.target_factors, "anchor": round(calibrator.anchor, 4),
             "overhead_s": calibrator.overhead_s, "measured_forward_ms": round(1000 * in_loop, 2),
             "profiled_forward_ms": round(1000 * profiled_one, 2),
             "draft_speed_factors": {n: f.get(1) for n, f in calibrator.draft_factors.items()}, "mode": mode}
+        calibrator.learn(None, baseline)
         return calibrator
+
+    def learn(self, name: Optional[str], records: pd.DataFrame) -> None:
+        """In mode "runs": the target's in-loop forward at each width and the draft `name`'s in-loop cost,
+        from the steps of a point just measured (with every earlier one), priced into the points after it.
+        Each width's factor is the median over runs of a run's median forward at it over the profile's
+        (runs with under MIN_STEPS steps at a width do not count there): one run's drift weighs no more
+        than another's. In the other modes nothing changes."""
+        if self.mode != "runs":
+            return
+        self.runs.append((name, records))
+        per_width: dict[int, list] = {}
+        for _, run in self.runs:
+            for width, steps in run.groupby(run["drafted"].fillna(0).astype(int) + 1)["target_forward_s"]:
+                profiled = self.target_profile.forward_s(int(width), self.context)
+                if len(steps) >= MIN_STEPS and profiled > 0:
+                    per_width.setdefault(int(width), []).append(float(steps.median()) / profiled)
+        self.target_factors = {w: round(statistics.median(f), 4) for w, f in sorted(per_width.items())}
+        drafted = [draft_factor(self.draft_profiles.get(n), run, self.context) for n, run in self.runs if n == name]
+        drafted = [f for f in drafted if f]
+        if drafted:
+            self.draft_factors[name] = {1: round(statistics.median(drafted), 4)}
+        self.terms.update(width_factors=self.target_factors, runs_learned=len(self.runs) - 1,
+                          draft_speed_factors={n: f.get(1) for n, f in self.draft_factors.items()})
 
     def _draft_now(self, name: str, default: dict, widths=DRAFT_WIDTHS) -> dict:
         model, profile = self.drafts.get(name), self.draft_profiles.get(name)

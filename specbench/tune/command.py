@@ -15,9 +15,10 @@ def add_tune(commands) -> None:
     tune.add_argument("--prompt-count", type=int, default=40)
     tune.add_argument("--calibration-share", type=float, default=0.5,
                       help="share of the prompts acceptance is recorded on; the rest are held back and measured")
-    tune.add_argument("--calibration", choices=("speed", "widths", "per-point"), default="speed",
-                      help="what is re-timed after the target-only run: its speed (default), every forward width, "
-                           "or also each measured point's widths just before it runs")
+    tune.add_argument("--calibration", choices=("runs", "speed", "widths", "per-point"), default="runs",
+                      help="runs (default): the target-only run's speed, then each measured point's in-loop forwards "
+                           "price the points after it; speed: the first part only; widths / per-point: every "
+                           "forward width re-timed after the run / also each point's just before it runs")
     tune.add_argument("--worker", help="the target's worker endpoint (its RTT is measured); default: run it here")
     tune.add_argument("--clients", type=int, nargs="+", default=[1], help="client counts to plan for (a worker)")
     tune.add_argument("--cost", default="total_cost", help="cost objective (plan/objectives.py)")

@@ -60,9 +60,12 @@ def write_report(path: Path, spec: TuneSpec, result) -> Path:
     measured = result.measured.rename(columns={"measured_tokens_per_s": "tokens_per_s"})
     predicted = result.predicted.assign(variant=result.predicted["candidate"])
     mode = result.calibration.get("mode", "speed")
+    learned = result.calibration.get("runs_learned", 0)
     retimed = {"speed": "", "widths": ", every forward width re-timed then",
                "per-point": ", every forward width re-timed then and each measured point's widths again just before "
-                            "it ran"}[mode]
+                            "it ran",
+               "runs": f", then each measured point's in-loop forwards and drafting pricing the points after it "
+                       f"({learned} learned from)"}[mode]
     widths = ", ".join(f"{w} tokens {f:.3g}x" for w, f in (result.calibration.get("width_factors") or {}).items())
     note = (f"Calibration (a target-only run measured in the same window as the held-back runs{retimed}): this "
             f"machine ran the target's 1-token forward {result.calibration.get('speed_factor', 1):g}x the profile's "

@@ -31,7 +31,8 @@ from specbench.types import SpecbenchError
 
 @dataclass
 class TuneResult:
-    predicted: pd.DataFrame  # every operating point, calibrated (`tokens_per_s`) and raw (`raw_tokens_per_s`)
+    predicted: pd.DataFrame  # every operating point: calibrated and learned from the measured points (`tokens_per_s`),
+    # at the calibration window (`window_tokens_per_s`) and from the profiles as they were (`raw_tokens_per_s`)
     measured: pd.DataFrame  # the measured points: predicted, calibrated and measured tokens/s, errors, flags
     chosen: dict  # the configuration written to `config_path`
     folder: Path
@@ -100,8 +101,7 @@ def tune(spec: TuneSpec, folder: Optional[str | Path] = None, progress: bool = T
     calibrator = Calibrator.from_baseline(baseline, runner, target_profile, drafts, draft_profiles, context,
                                           target_grid["tokens"], spec.repeats, mode=spec.calibration)
     held_references = _held_back(references, candidates, drafts, held, baseline, tokenizer, spec.chain_ks)
-    calibration_terms = dict(calibrator.terms, acceptance_replayed=sorted(
-        name for name in held_references if held_references[name] is not references[name]))
+    replayed = sorted(name for name in held_references if held_references[name] is not references[name])
     now = lambda profiles: _predict(candidates, *profiles, held_references, points, context, spec,  # noqa: E731
                                     overhead_s=calibrator.overhead_s)
     predicted = now(calibrator.profiles())
@@ -122,18 +122,25 @@ def tune(spec: TuneSpec, folder: Optional[str | Path] = None, progress: bool = T
         method = candidate.method if row["kind"] == "chain" else ("prompt-lookup-tree" if candidate.method == "prompt-lookup"
                                                                   else "tree")
         retimed = calibrator.refresh(candidate.name, int(row["k"]))  # "per-point": its widths, just before it runs
+        if retimed is None and calibrator.mode == "runs":  # priced with what the points measured before it taught
+            retimed = calibrator.profiles()
         at_run = now(retimed) if retimed is not None else None
         records = phases.measure(store, runner, candidate, method, int(row["k"]), held, drafts[candidate.name], spec,
                                  progress)
         measured.append(_row(candidate.name, method, int(row["k"]), records, predicted, raw, spec, rtt_ms,
                              label=row["label"], at_run=at_run))
+        calibrator.learn(candidate.name, records)
     phase("measurements")
+    # every point priced with all the measured points taught (mode "runs"; the window's prices otherwise)
+    predicted = now(calibrator.profiles()).assign(raw_tokens_per_s=raw["tokens_per_s"].values,
+                                                  window_tokens_per_s=predicted["tokens_per_s"].values)
     bar.close()
     table = pd.DataFrame(measured)
     chosen = _choose(table, spec, candidates)
     from specbench.tune.report import write_config, write_report
 
-    result = TuneResult(predicted, table, chosen, folder, calibration=calibration_terms, left_out=left_out,
+    result = TuneResult(predicted, table, chosen, folder, left_out=left_out,
+                        calibration=dict(calibrator.terms, acceptance_replayed=replayed),
                         seconds={name: round(value, 1) for name, value in seconds.items()}, calibrator=calibrator,
                         predict_now=now)
     result.config_path = write_config(folder / "tune.json", spec, chosen)
@@ -256,8 +263,9 @@ def _to_measure(predicted: pd.DataFrame, spec: TuneSpec) -> list[dict]:
 def _row(candidate: str, method: str, k: int, records: pd.DataFrame, predicted: pd.DataFrame, raw: pd.DataFrame,
          spec: TuneSpec, rtt_ms: float, label: Optional[str] = None, at_run: Optional[pd.DataFrame] = None) -> dict:
     """A measured point against its predictions: before calibration (`raw`), at the calibration window
-    (`predicted`) and, in mode "per-point", with its widths re-timed just before it ran (`at_run`); the
-    error after calibration is taken from `at_run` where given, else from the window's."""
+    (`predicted`) and as priced just before it ran (`at_run`: in mode "runs" with what the points measured
+    before it taught, in "per-point" with its widths re-timed); the error after calibration is taken from
+    `at_run` where given, else from the window's."""
     where = "remote" if spec.endpoint else "local"
     priced = measured_points(records.assign(method=method, k=k), where=where, rtt_ms=rtt_ms).iloc[0]
     label = label or predicted.loc[predicted["kind"] == "none", "label"].iloc[0]

@@ -47,7 +47,7 @@ class TuneSpec:
     dtype: str = "float32"
     draft_budget_mib: Optional[float] = None
     repeats: int = 3  # profile repeats per grid point
-    calibration: str = "speed"  # what is re-timed after the target-only run: speed | widths | per-point
+    calibration: str = "runs"  # what calibrates the profiles: runs | speed | widths | per-point (tune/calibrate.py)
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
