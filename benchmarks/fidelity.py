@@ -29,7 +29,7 @@ from common import RESULTS, write_report
 def exhaustive(spec: TuneSpec, result, progress: bool) -> tuple[pd.DataFrame, float]:
     """Every one-client point the tune predicted, measured on its held-back prompts (reusing what the tune
     measured); the seconds the measuring took, the tune's own points included."""
-    from specbench.tune.run import _draft_model, _row, _targets
+    from specbench.tune.run import _draft_model, _method, _row, _targets
     from specbench.tune.candidates import resolve_candidates
     from specbench.tune.spec import split_prompts
     from specbench.datasets import load_prompts
@@ -42,23 +42,23 @@ def exhaustive(spec: TuneSpec, result, progress: bool) -> tuple[pd.DataFrame, fl
     drafts = {c.name: _draft_model(c, target, spec) for c in candidates}
     rows, seconds = [], 0.0
     tuned = {row["label"]: row for row in result.measured.to_dict("records")}
-    points = result.predicted[(result.predicted["clients"] == 1)]
+    points = result.predicted[(result.predicted["clients"] == 1) | bool(spec.endpoint)]
     window = result.predicted.assign(tokens_per_s=result.predicted["window_tokens_per_s"])
     raw = result.predicted.assign(tokens_per_s=result.predicted["raw_tokens_per_s"])
     for row in points.to_dict("records"):
-        candidate = next((c for c in candidates if c.name == row["candidate"]), candidates[0])
-        method = ("target-only" if row["kind"] == "none" else candidate.method if row["kind"] == "chain"
-                  else "prompt-lookup-tree" if candidate.method == "prompt-lookup" else "tree")
+        candidate, method = _method(row, candidates)
+        clients = int(row["clients"])
         # priced as the tune would price it next: "per-point" re-times its widths just before it runs, the other
         # modes take the tune's last table ("runs": learned from every point the tune measured); the tune's own
         # points keep the errors they had when the tune measured them
         retimed = None if row["label"] in tuned else result.calibrator.refresh(candidate.name, int(row["k"]))
         at_run = result.predict_now(retimed) if retimed is not None else result.predicted
         records = phases.measure(store, runner, candidate, method, int(row["k"]), held, drafts[candidate.name], spec,
-                                 progress)
-        seconds += records["step_s"].sum() + records["prefill_s"].drop_duplicates().sum()
+                                 progress, clients=clients)
+        # measuring time: the clients' steps overlap, so their summed seconds over the clients
+        seconds += (records["step_s"].sum() + records["prefill_s"].drop_duplicates().sum()) / clients
         rows.append(tuned.get(row["label"]) or _row(row["candidate"], method, int(row["k"]), records, window, raw, spec,
-                                                    rtt_ms, label=row["label"], at_run=at_run))
+                                                    rtt_ms, label=row["label"], at_run=at_run, clients=clients))
     return pd.DataFrame(rows), seconds
 
 

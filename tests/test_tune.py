@@ -220,3 +220,41 @@ def test_runs_teach_each_width_and_each_draft_its_in_loop_cost():
         target_now, drafts_now = calibrator.profiles()
         assert target_now.forward_s(5, 64) == pytest.approx(0.3) and calibrator.terms["runs_learned"] == 1
         assert drafts_now["d"].forward_s(1, 64) == pytest.approx(0.010 * calibrator.draft_factors["d"][1])
+
+
+def test_a_tune_through_a_worker_measures_each_client_count_with_its_clients_at_once(tmp_path):
+    """With a worker endpoint and clients (1, 2), every load planned for is measured: the 2-client point runs
+    two clients together (each its own connection; the worker's batches of 2 show in the records), priced at
+    that load (per-client tokens/s, the target's cost split), and only 1-client runs teach the calibration;
+    greedy outputs through the clients at once equal the prompts decoded alone."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from worker_helpers import ThreadWorker
+
+    from specbench.api import outputs
+    from specbench.tune import phases
+
+    worker = ThreadWorker(batch_wait_ms="50")
+    try:
+        result = tune(spec(endpoint=worker.endpoint, clients=(1, 2), drafts=(DRAFT, "prompt-lookup")), tmp_path,
+                      progress=False)
+        measured = result.measured
+        assert set(measured["clients"]) == {1, 2}, measured[["label", "clients"]]
+        two = measured[measured["clients"] == 2].iloc[0]
+        assert "2 clients" in two["label"] and two["measured_tokens_per_s"] > 0
+        assert result.calibration["runs_learned"] == int((measured["clients"] == 1).sum()) - 1
+        held = [list(p) for p in PROMPTS[3:6]]
+        job = dict(method="prompt-lookup", draft=None, k=2, max_new_tokens=12, self_draft_layers=None,
+                   substitute_quantization="8bit", dtype="float32", seed=0, warmup=False)
+        together = phases.together(worker.endpoint, 2, held, job, progress=False)
+        assert sorted(together["client"].unique()) == [0, 1] and together["batch_size"].max() == 2
+        from specbench.api import run
+        from specbench.worker.client import RemoteTarget
+
+        alone = outputs(run(RemoteTarget(worker.endpoint), held, **job, progress=False))
+        both = outputs(together[together["client"] == 0]) | outputs(together[together["client"] == 1])
+        assert both == alone
+    finally:
+        worker.stop()

@@ -191,19 +191,21 @@ def cost_column(objective: str) -> str:
 
 
 def measured_points(records: pd.DataFrame, prices: Prices = Prices(), power: Power = Power(),
-                    where: str = "local", rtt_ms: float = 0.0) -> pd.DataFrame:
+                    where: str = "local", rtt_ms: float = 0.0, clients: int = 1) -> pd.DataFrame:
     """Measured runs (records from `specbench.api.run`) priced like predictions, one row per (method, k),
-    labelled as the matching predicted operating point so the two overlay in one figure."""
+    labelled as the matching predicted operating point so the two overlay in one figure. `clients`: how
+    many clients shared the target while these records ran (all of their records given: tokens/s is
+    per client, the target's cost split between them, as a prediction at that load prices it)."""
     rows = []
     for (method, k), group in records.groupby(["method", "k"], sort=False):
         emitted_per_step = group["emitted"].sum() / len(group)
         step = StepCost(emitted_per_step, group["draft_s"].mean(), group["verify_s"].mean(), group["network_s"].mean(),
-                        group["overhead_s"].mean(), group["bytes_up"].mean(), group["bytes_down"].mean())
+                        group["overhead_s"].mean(), group["bytes_up"].mean(), group["bytes_down"].mean(), clients)
         kind = group["kind"].iloc[0]
-        label = OperatingPoint(kind_method(kind), int(k), where, rtt_ms).label
+        label = OperatingPoint(kind_method(kind), int(k), where, rtt_ms, clients=clients).label
         if group["planned"].any():  # K varies per step; no fixed-K prediction to overlay
             label = f"{method} K<={int(k)} ({label.rsplit('(', 1)[1]}"
-        rows.append({"label": label, "method": method, "kind": kind, "k": int(k),
+        rows.append({"label": label, "method": method, "kind": kind, "k": int(k), "clients": clients,
                      "where": where, "rtt_ms": rtt_ms, **priced(step, prices, power),
                      # measured speed: emitted tokens over wall time of the steps (not 1 / mean step)
                      "tokens_per_s": group["emitted"].sum() / group["step_s"].sum(), "steps": len(group)})

@@ -57,9 +57,10 @@ def _key(value) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def point_key(spec: TuneSpec, candidate: Candidate, method: str, k: int, prompts: list) -> str:
-    return _key({"target": spec.target, "endpoint": spec.endpoint, "candidate": candidate.name, "method": method,
-                 "k": k, "prompts": prompts, "tokens": spec.max_new_tokens, "dtype": spec.dtype, "seed": spec.seed})
+def point_key(spec: TuneSpec, candidate: Candidate, method: str, k: int, prompts: list, clients: int = 1) -> str:
+    point = {"target": spec.target, "endpoint": spec.endpoint, "candidate": candidate.name, "method": method,
+             "k": k, "prompts": prompts, "tokens": spec.max_new_tokens, "dtype": spec.dtype, "seed": spec.seed}
+    return _key({**point, "clients": clients} if clients > 1 else point)
 
 
 def profile(store: Store, model, grid: dict, spec: TuneSpec, progress) -> LatencyProfile:
@@ -102,21 +103,53 @@ def reference(store: Store, target, candidate: Candidate, draft, prompts: list, 
 
 
 def measure(store: Store, target, candidate: Candidate, method: str, k: int, prompts: list, draft, spec: TuneSpec,
-            progress) -> pd.DataFrame:
-    """Records of `method` at `k` on the held-back prompts, cached per point."""
-    from specbench.api import run
-
-    key = point_key(spec, candidate, method, k, prompts)
+            progress, clients: int = 1) -> pd.DataFrame:
+    """Records of `method` at `k` on the held-back prompts, cached per point; `clients` above 1 decode at
+    once against the worker `target` talks to (`together`), with a `client` column."""
+    key = point_key(spec, candidate, method, k, prompts, clients)
     found = store.measured(key)
     if found is not None:
         return found
-    records = run(target, prompts, method=method, draft=draft if candidate.method in ("chain", "tree") else None, k=k,
-                  max_new_tokens=spec.max_new_tokens, self_draft_layers=candidate.self_draft_layers,
-                  substitute_quantization=candidate.quantization if candidate.method == "substitute" else "8bit",
-                  dtype=spec.dtype, seed=spec.seed, warmup=False,
-                  progress=f"tune: measure {candidate.name} {method} k={k}" if progress else False)
+    label = f"tune: measure {candidate.name} {method} k={k}" + (f", {clients} clients" if clients > 1 else "")
+    job = dict(method=method, draft=draft if candidate.method in ("chain", "tree") else None, k=k,
+               max_new_tokens=spec.max_new_tokens, self_draft_layers=candidate.self_draft_layers,
+               substitute_quantization=candidate.quantization if candidate.method == "substitute" else "8bit",
+               dtype=spec.dtype, seed=spec.seed, warmup=False)
+    if clients > 1:
+        records = together(target.endpoint, clients, prompts, job, label if progress else False)
+    else:
+        from specbench.api import run
+
+        records = run(target, prompts, **job, progress=label if progress else False)
     # target-only keeps its tokens: the held-back prompts' acceptance is replayed from them (`tune/replay.py`)
     dropped = ("tree_widths",) if method == "target-only" else ("emitted_tokens", "tree_widths")
     records = records.drop(columns=[c for c in dropped if c in records])
     store.save_measured(key, records)
     return records
+
+
+def together(endpoint: str, clients: int, prompts: list, job: dict, progress) -> pd.DataFrame:
+    """`clients` clients decoding at once against the worker at `endpoint`, each its own connection and
+    drafter, released together; each decodes the same number of prompts (client c takes prompts c,
+    c + clients, ..., wrapping round), so batches stay full but for the last steps' tail.
+    Why threads, not processes: a client spends its step waiting on the worker (the socket wait releases
+    the GIL) or in the draft's torch ops (which release it too); one loaded draft serves them all."""
+    import math
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from specbench.api import run
+    from specbench.worker.client import RemoteTarget
+
+    share = math.ceil(len(prompts) / clients)
+    start = threading.Barrier(clients)
+
+    def client(index: int) -> pd.DataFrame:
+        chosen = [(index + clients * turn) % len(prompts) for turn in range(share)]
+        remote = RemoteTarget(endpoint, timeout_s=120, retries=0)
+        start.wait()
+        records = run(remote, [prompts[i] for i in chosen], **job, progress=progress if index == 0 else False)
+        return records.assign(prompt_index=[chosen[i] for i in records["prompt_index"]], client=index)
+
+    with ThreadPoolExecutor(clients) as pool:
+        return pd.concat(list(pool.map(client, range(clients))), ignore_index=True)

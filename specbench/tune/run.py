@@ -109,27 +109,23 @@ def tune(spec: TuneSpec, folder: Optional[str | Path] = None, progress: bool = T
     phase("calibration")
     measured = [_row("target-only", "target-only", 0, baseline, predicted, raw, spec, rtt_ms)]
     for row in _to_measure(predicted, spec):
-        if row["clients"] > 1:
-            left_out.append(f"{row['label']}: {row['clients']} clients are predicted, not measured (a tune measures "
-                            f"one client; benchmarks/concurrency.py measures several)")
-            continue
-        estimate = len(held) * spec.max_new_tokens / max(row["tokens_per_s"], 1e-3)
+        clients = int(row["clients"])
+        estimate = -(-len(held) // clients) * spec.max_new_tokens / max(row["tokens_per_s"], 1e-3)
         if time.monotonic() + estimate > deadline:
             left_out.append(f"{row['label']}: not measured, ~{estimate:.0f} s would pass the {spec.budget_minutes:g}-minute "
                             f"budget")
             continue
-        candidate = next(c for c in candidates if c.name == row["candidate"])
-        method = candidate.method if row["kind"] == "chain" else ("prompt-lookup-tree" if candidate.method == "prompt-lookup"
-                                                                  else "tree")
+        candidate, method = _method(row, candidates)
         retimed = calibrator.refresh(candidate.name, int(row["k"]))  # "per-point": its widths, just before it runs
         if retimed is None and calibrator.mode == "runs":  # priced with what the points measured before it taught
             retimed = calibrator.profiles()
         at_run = now(retimed) if retimed is not None else None
         records = phases.measure(store, runner, candidate, method, int(row["k"]), held, drafts[candidate.name], spec,
-                                 progress)
+                                 progress, clients=clients)
         measured.append(_row(candidate.name, method, int(row["k"]), records, predicted, raw, spec, rtt_ms,
-                             label=row["label"], at_run=at_run))
-        calibrator.learn(candidate.name, records)
+                             label=row["label"], at_run=at_run, clients=clients))
+        if clients == 1:  # a shared target's batched forwards are priced by the profile's batch grid, not learned
+            calibrator.learn(candidate.name, records)
     phase("measurements")
     # every point priced with all the measured points taught (mode "runs"; the window's prices otherwise)
     predicted = now(calibrator.profiles()).assign(raw_tokens_per_s=raw["tokens_per_s"].values,
@@ -236,6 +232,16 @@ def _held_back(references: dict, candidates, drafts: dict, held: list, baseline:
     return replayed
 
 
+def _method(row: dict, candidates) -> tuple:
+    """(the candidate, the method that runs it) for a predicted point; target-only runs with the first."""
+    if row["kind"] == "none":
+        return candidates[0], "target-only"
+    candidate = next(c for c in candidates if c.name == row["candidate"])
+    if row["kind"] == "chain":
+        return candidate, candidate.method
+    return candidate, "prompt-lookup-tree" if candidate.method == "prompt-lookup" else "tree"
+
+
 def _to_measure(predicted: pd.DataFrame, spec: TuneSpec) -> list[dict]:
     """The predicted best points (by the cost knob at `cs`) and each candidate's best, best first."""
     from specbench.plan.predict import choose
@@ -255,26 +261,33 @@ def _to_measure(predicted: pd.DataFrame, spec: TuneSpec) -> list[dict]:
     for name in dict.fromkeys(r["candidate"] for r in rows):
         own = [r for r in rows if r["candidate"] == name]
         best = max(own, key=lambda r: r["tokens_per_s"])
-        if best["label"] not in {r["label"] for r in ranked}:
+        if best["label"] not in {r["label"] for r in ranked + chosen}:
+            chosen.append(best)
+    for clients in sorted({int(r["clients"]) for r in rows} - {1}):  # every load planned for is checked once
+        load = [r for r in base + rows if int(r["clients"]) == clients]
+        best = choose(load, spec.cs, cost=column)
+        if best["label"] not in {r["label"] for r in ranked + chosen}:
             chosen.append(best)
     return ranked + chosen
 
 
 def _row(candidate: str, method: str, k: int, records: pd.DataFrame, predicted: pd.DataFrame, raw: pd.DataFrame,
-         spec: TuneSpec, rtt_ms: float, label: Optional[str] = None, at_run: Optional[pd.DataFrame] = None) -> dict:
+         spec: TuneSpec, rtt_ms: float, label: Optional[str] = None, at_run: Optional[pd.DataFrame] = None,
+         clients: int = 1) -> dict:
     """A measured point against its predictions: before calibration (`raw`), at the calibration window
     (`predicted`) and as priced just before it ran (`at_run`: in mode "runs" with what the points measured
     before it taught, in "per-point" with its widths re-timed); the error after calibration is taken from
     `at_run` where given, else from the window's."""
     where = "remote" if spec.endpoint else "local"
-    priced = measured_points(records.assign(method=method, k=k), where=where, rtt_ms=rtt_ms).iloc[0]
+    priced = measured_points(records.assign(method=method, k=k), where=where, rtt_ms=rtt_ms, clients=clients).iloc[0]
     label = label or predicted.loc[predicted["kind"] == "none", "label"].iloc[0]
     at = predicted["label"] == label
     value = lambda frame: float(frame.loc[(frame["label"] == label).values, "tokens_per_s"].iloc[0])  # noqa: E731
     window, before = value(predicted), value(raw)
     calibrated = value(at_run) if at_run is not None else window
     measured = float(priced["tokens_per_s"])
-    row = {"label": label, "candidate": candidate, "method": method, "k": k, "measured_tokens_per_s": measured,
+    row = {"label": label, "candidate": candidate, "method": method, "k": k, "clients": clients,
+           "measured_tokens_per_s": measured,
            "predicted_tokens_per_s": before, "window_tokens_per_s": window, "calibrated_tokens_per_s": calibrated,
            "error_before": before / measured - 1, "error_window": window / measured - 1,
            "error_after": calibrated / measured - 1,
@@ -312,4 +325,5 @@ def _choose(table: pd.DataFrame, spec: TuneSpec, candidates) -> dict:
             "self_draft_layers": candidate.self_draft_layers if candidate else None,
             "substitute_quantization": candidate.quantization if candidate and candidate.method == "substitute" else None,
             "dtype": spec.dtype, "max_new_tokens": spec.max_new_tokens, "objective": spec.objective, "cs": spec.cs,
-            "label": best["label"], "measured_tokens_per_s": round(best["measured_tokens_per_s"], 3)}
+            "label": best["label"], "measured_tokens_per_s": round(best["measured_tokens_per_s"], 3),
+            "clients": int(best.get("clients", 1))}  # the load it was measured under
