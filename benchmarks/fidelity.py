@@ -27,19 +27,19 @@ from common import RESULTS, write_report
 
 
 def exhaustive(spec: TuneSpec, result, progress: bool) -> tuple[pd.DataFrame, float]:
-    """Every one-client point the tune predicted, measured on its held-back prompts (reusing what the tune
-    measured); the seconds the measuring took, the tune's own points included."""
-    from specbench.tune.run import _draft_model, _method, _row, _targets
-    from specbench.tune.candidates import resolve_candidates
-    from specbench.tune.spec import split_prompts
+    """Every point the tune predicted (one client; every load through a worker), measured on its held-back
+    prompts with the tune's own target and drafts (reusing what the tune measured); the seconds the measuring
+    took, the tune's own points included."""
+    from specbench.tune.run import _method, _row
+    from specbench.tune.spec import candidate, split_prompts
     from specbench.datasets import load_prompts
 
-    runner, target, rtt_ms = _targets(spec)
-    candidates, _ = resolve_candidates(spec, target)
+    runner, drafts = result.calibrator.runner, result.calibrator.drafts
+    rtt_ms = float(result.predicted["rtt_ms"].iloc[0])
+    candidates = [candidate(name) for name in drafts]
     prompts = [row["prompt"] for row in load_prompts(spec.prompts, limit=spec.prompt_count, seed=spec.seed)]
     _, held = split_prompts(prompts, spec.calibration_share)
     store = phases.Store(result.folder)
-    drafts = {c.name: _draft_model(c, target, spec) for c in candidates}
     rows, seconds = [], 0.0
     tuned = {row["label"]: row for row in result.measured.to_dict("records")}
     points = result.predicted[(result.predicted["clients"] == 1) | bool(spec.endpoint)]
@@ -93,7 +93,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS / "fidelity.json"))
     args = parser.parse_args()
 
-    rows, summaries = [], []
+    rows, summaries, points = [], [], []
     for dataset in args.datasets:
         spec = TuneSpec(target=args.target, drafts=tuple(args.drafts), prompts=dataset, prompt_count=args.prompt_count,
                         endpoint=args.worker, clients=tuple(args.clients), objective=args.cost, cs=args.cs,
@@ -122,10 +122,12 @@ def main() -> None:
                "calibration": result.calibration, "left_out": result.left_out}
         rows.append(row)
         summaries.append(summary(sweep, column).assign(dataset=dataset))
+        points += sweep.assign(dataset=dataset).to_dict("records")
         print(pd.DataFrame([row]).drop(columns=["calibration", "left_out"]).T.to_string(), flush=True)
     table = pd.concat(summaries, ignore_index=True)
     print(table.round(4).to_string(index=False))
-    write_report(args.out, {"target": args.target, "runs": rows, "families": table.to_dict("records")})
+    write_report(args.out, {"target": args.target, "runs": rows, "families": table.to_dict("records"),
+                            "points": points})
 
 
 if __name__ == "__main__":

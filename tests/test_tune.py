@@ -108,24 +108,29 @@ def test_a_dataset_file_with_no_prompts_is_refused(tmp_path):
         tune(spec(prompts=str(empty)), tmp_path / "out", progress=False)
 
 
-@pytest.mark.parametrize("draft", ["model", "prompt-lookup"])
+@pytest.mark.parametrize("draft", ["model", "int8-dynamic", "prompt-lookup"])
 def test_acceptance_replayed_from_target_only_outputs_is_what_sd_accepts(tiny_target, tiny_draft, draft):
     """`tune/replay.py`: greedy SD emits the target's tokens, so each full chain step's accepted count follows
-    from the target-only output alone: a teacher-forced draft forward (or prompt lookup over the context)
-    gives exactly the counts a real SD run records, step for step."""
+    from the target-only output alone: a teacher-forced draft forward (or prompt lookup over the context, or
+    a quantized draft's own drafter fed as SD feeds it) gives exactly the counts a real SD run records,
+    step for step."""
     from specbench.api import outputs, run
-    from specbench.decode.drafters import PromptLookupDrafter
-    from specbench.tune.replay import chain_steps, lookup_proposer, model_proposer
+    from specbench.decode.drafters import ModelDrafter, PromptLookupDrafter
+    from specbench.models.loading import load_model
+    from specbench.models.spec import ModelSpec
+    from specbench.tune.replay import chain_steps, drafter_proposer, model_proposer
 
     prompts, k = [list(p) for p in PROMPTS[:4]] + [[5, 6, 7, 5, 6, 7, 5, 6]], 4
+    model = load_model(ModelSpec(DRAFT, quantization=draft)) if draft == "int8-dynamic" else tiny_draft
     alone = outputs(run(tiny_target, prompts, method="target-only", max_new_tokens=24, progress=False))
-    method = "chain" if draft == "model" else "prompt-lookup"
-    sd = run(tiny_target, prompts, method=method, draft=tiny_draft if draft == "model" else None, k=k,
-             max_new_tokens=24, progress=False)
+    method = "prompt-lookup" if draft == "prompt-lookup" else "chain"
+    sd = run(tiny_target, prompts, method=method, draft=None if draft == "prompt-lookup" else model, k=k,
+             max_new_tokens=24, progress=False, warmup=False)
     replayed, recorded = [], []
+    own = PromptLookupDrafter() if draft == "prompt-lookup" else ModelDrafter(model, model.vocab_size)
     for index, prompt in enumerate(prompts):
         full = prompt + alone[("target-only", index)]
-        propose = model_proposer(full, tiny_draft) if draft == "model" else lookup_proposer(full, PromptLookupDrafter())
+        propose = model_proposer(full, model) if draft == "model" else drafter_proposer(full, own)
         replayed += [accepted for _, drafted, accepted in chain_steps(full, len(prompt), propose, k) if drafted == k]
         steps = sd[(sd["prompt_index"] == index) & (sd["drafted"] == k)]
         recorded += steps["accepted"].tolist()
@@ -136,7 +141,7 @@ def test_acceptance_replayed_from_target_only_outputs_is_what_sd_accepts(tiny_ta
 
         steps = [step for index, prompt in enumerate(prompts) for step in chain_steps(
             prompt + alone[("target-only", index)], len(prompt),
-            lookup_proposer(prompt + alone[("target-only", index)], PromptLookupDrafter()), k)]
+            drafter_proposer(prompt + alone[("target-only", index)], PromptLookupDrafter()), k)]
         hit = sum(drafted == k for budget, drafted, _ in steps if budget == k) / sum(b == k for b, _, _ in steps)
         assert 0 < hit < 1 and _hits(sd, k, 24, lookup=True) == {k: round(hit, 4)}
 
