@@ -263,3 +263,33 @@ def test_a_tune_through_a_worker_measures_each_client_count_with_its_clients_at_
         assert both == alone
     finally:
         worker.stop()
+
+
+def test_a_drafts_first_point_is_priced_from_its_own_drafting_timed_now(tiny_target, tiny_draft):
+    """`replay.drafting_steps` runs the draft's drafter over the target's outputs, the steps SD takes (the
+    same accepted counts as SD records), timed; `Calibrator.drafting` prices the draft from them in mode
+    "runs" only, against what its profile prices for the same steps."""
+    import pandas as pd
+
+    from specbench.api import outputs, run
+    from specbench.plan.predict import LatencyProfile
+    from specbench.tune.calibrate import Calibrator, draft_factor
+    from specbench.tune.replay import drafting_steps
+
+    prompts = [list(p) for p in PROMPTS[:4]]
+    alone = outputs(run(tiny_target, prompts, method="target-only", max_new_tokens=24, progress=False))
+    steps = drafting_steps(tiny_draft, prompts, [alone[("target-only", i)] for i in range(4)], 4, min_steps=12)
+    sd = run(tiny_target, prompts, method="chain", draft=tiny_draft, k=4, max_new_tokens=24, progress=False,
+             warmup=False)
+    assert len(steps) >= 12 and (steps["draft_s"] > 0).all()
+    walked = sd[sd["drafted"] > 0].head(len(steps))
+    assert steps["accepted"].tolist() == walked["accepted"].tolist()
+    profile = LatencyProfile(model="d", device="cpu", dtype="float32", quantization="none", weight_bytes=1,
+                             kv_bytes_per_token=1, rows=((1, 64, 1e-4, 1), (2, 64, 2e-4, 1)))
+    baseline = pd.DataFrame({"target_forward_s": [0.09] * 20, "overhead_s": [0.001] * 20, "drafted": [0] * 20})
+    for mode in ("runs", "speed"):
+        calibrator = Calibrator.from_baseline(baseline, object(), profile, {"d": None}, {"d": profile}, context=64,
+                                              widths=[5], repeats=1, mode=mode)
+        calibrator.drafting("d", steps)
+        expected = {1: round(draft_factor(profile, steps, 64), 4)} if mode == "runs" else {}
+        assert calibrator.draft_factors["d"] == expected

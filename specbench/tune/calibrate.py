@@ -151,6 +151,15 @@ class Calibrator:
         self.terms.update(width_factors=self.target_factors, runs_learned=len(self.runs) - 1,
                           draft_speed_factors={n: f.get(1) for n, f in self.draft_factors.items()})
 
+    def drafting(self, name: str, records: pd.DataFrame) -> None:
+        """In mode "runs": the draft `name`'s cost from its drafter's own steps timed now (`replay.drafting_steps`),
+        until a measured run of it teaches better (`learn`)."""
+        factor = draft_factor(self.draft_profiles.get(name), records, self.context) if self.mode == "runs" else None
+        if factor:
+            self.draft_factors[name] = {1: round(factor, 4)}
+            self.terms["draft_speed_factors"] = {n: f.get(1) for n, f in self.draft_factors.items()}
+            self.terms.setdefault("drafting_timed", []).append(name)
+
     def _draft_now(self, name: str, default: dict, widths=DRAFT_WIDTHS) -> dict:
         model, profile = self.drafts.get(name), self.draft_profiles.get(name)
         if model is None or profile is None:

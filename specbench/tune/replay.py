@@ -85,3 +85,36 @@ def held_back_reference(reference, prompts_ids: Sequence[Sequence[int]], outputs
     hits = {size: round(sum(found) / len(found), 4) for size, found in steps.items() if found}
     return replace(reference, chain_accepts=tuple(accepts), chain_hits=hits or reference.chain_hits,
                    dataset=f"{reference.dataset} -> held-back replay")
+
+
+def drafting_steps(draft, prompts_ids: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]], k: int,
+                   min_steps: int = 12):
+    """A model draft's own drafting at K, timed as SD's drafter runs it over the held-back prompts' target
+    outputs (greedy: the steps SD would take), prompt after prompt until `min_steps` steps: one row per step
+    with `drafted`, `accepted` and `draft_s`, as a run's records have them. Why: a draft's cost in the loop
+    (its cache, one output row, its distribution) is not its profiled forward's (the int8-dynamic
+    substitute drafted at 1.22-1.25x its re-timed 1-token forward on 2026-11-26), and a tune's first point
+    of a draft has no run of that draft to learn it from."""
+    import time
+
+    import pandas as pd
+
+    from specbench.decode.drafters import ModelDrafter
+
+    drafter, rows = ModelDrafter(draft, draft.vocab_size), []
+    for prompt, output in zip(prompts_ids, outputs):
+        full, seconds = list(prompt) + list(output), []
+        propose = drafter_proposer(full, drafter)
+
+        def timed(position: int, budget: int) -> Sequence[int]:
+            started = time.perf_counter()
+            tokens = propose(position, budget)
+            seconds.append(time.perf_counter() - started)
+            return tokens
+
+        steps = chain_steps(full, len(prompt), timed, k)
+        rows += [{"drafted": drafted, "accepted": accepted, "draft_s": spent}
+                 for (_, drafted, accepted), spent in zip(steps, seconds) if drafted]
+        if len(rows) >= min_steps:
+            break
+    return pd.DataFrame(rows, columns=["drafted", "accepted", "draft_s"])

@@ -100,7 +100,7 @@ def tune(spec: TuneSpec, folder: Optional[str | Path] = None, progress: bool = T
     baseline = phases.measure(store, runner, candidates[0], "target-only", 0, held, None, spec, progress)
     calibrator = Calibrator.from_baseline(baseline, runner, target_profile, drafts, draft_profiles, context,
                                           target_grid["tokens"], spec.repeats, mode=spec.calibration)
-    held_references = _held_back(references, candidates, drafts, held, baseline, tokenizer, spec.chain_ks)
+    held_references = _held_back(references, candidates, drafts, held, baseline, tokenizer, spec.chain_ks, calibrator)
     replayed = sorted(name for name in held_references if held_references[name] is not references[name])
     now = lambda profiles: _predict(candidates, *profiles, held_references, points, context, spec,  # noqa: E731
                                     overhead_s=calibrator.overhead_s)
@@ -210,12 +210,13 @@ def _predict(candidates, target_profile, draft_profiles, references, points, con
 
 
 def _held_back(references: dict, candidates, drafts: dict, held: list, baseline: pd.DataFrame, tokenizer,
-               ks) -> dict:
+               ks, calibrator: Optional[Calibrator] = None) -> dict:
     """Each candidate's reference with its chain acceptance replayed on the held-back prompts from the
-    target-only run's outputs (`tune/replay.py`); the calibration reference where that cannot be done."""
+    target-only run's outputs (`tune/replay.py`); the calibration reference where that cannot be done.
+    A model draft with the target's tokenizer also has its drafting timed there, for `calibrator`."""
     from specbench.api import encode_prompts
     from specbench.decode.drafters import PromptLookupDrafter
-    from specbench.tune.replay import held_back_reference
+    from specbench.tune.replay import drafting_steps, held_back_reference
     from specbench.tune.spec import LOOKUP
 
     if "emitted_tokens" not in baseline:
@@ -229,6 +230,8 @@ def _held_back(references: dict, candidates, drafts: dict, held: list, baseline:
         found = held_back_reference(reference, prompts_ids, outputs, drafter=PromptLookupDrafter() if lookup else None,
                                     draft=None if lookup else drafts[candidate.name], ks=ks)
         replayed[candidate.name] = found or reference
+        if found is not None and not lookup and calibrator is not None and calibrator.mode == "runs":
+            calibrator.drafting(candidate.name, drafting_steps(drafts[candidate.name], prompts_ids, outputs, max(ks)))
     return replayed
 
 
