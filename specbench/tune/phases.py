@@ -114,7 +114,7 @@ def measure(store: Store, target, candidate: Candidate, method: str, k: int, pro
     job = dict(method=method, draft=draft if candidate.method in ("chain", "tree") else None, k=k,
                max_new_tokens=spec.max_new_tokens, self_draft_layers=candidate.self_draft_layers,
                substitute_quantization=candidate.quantization if candidate.method == "substitute" else "8bit",
-               dtype=spec.dtype, seed=spec.seed, warmup=False)
+               dtype=spec.dtype, seed=spec.seed, warmup=False, tokenizer=getattr(target, "tokenizer", None))
     if clients > 1:
         records = together(target.endpoint, clients, prompts, job, label if progress else False)
     else:

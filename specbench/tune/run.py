@@ -156,10 +156,11 @@ def _targets(spec: TuneSpec):
     from specbench.worker.client import RemoteTarget, WorkerUnavailableError
 
     try:
-        remote = RemoteTarget(spec.endpoint, timeout_s=10, retries=0)
+        RemoteTarget(spec.endpoint, timeout_s=10, retries=0)  # reachable, before the target loads for minutes
     except WorkerUnavailableError as error:
         raise SpecbenchError(f"worker {spec.endpoint} is unreachable ({error}): start it, or tune locally") from None
     target = load_model(ModelSpec(spec.target, dtype=spec.dtype))
+    remote = RemoteTarget(spec.endpoint, timeout_s=10, retries=0, tokenizer=target.tokenizer)  # text prompts
     rtts = []
     for _ in range(10):
         sent = time.perf_counter()
