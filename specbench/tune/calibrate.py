@@ -118,7 +118,8 @@ class Calibrator:
             calibrator.anchor = in_loop / retimed_one if retimed_one else 1.0
             calibrator.target_factors = {w: round(f * calibrator.anchor, 4) for w, f in now.items()}
         for name in drafts:
-            calibrator.draft_factors[name] = calibrator._draft_now(name, {}, (1,) if mode in ("speed", "runs") else DRAFT_WIDTHS)
+            draft_widths = (1,) if mode in ("speed", "runs") else DRAFT_WIDTHS
+            calibrator.draft_factors[name] = calibrator._draft_now(name, {}, draft_widths)
         calibrator.terms = {
             "speed_factor": round(in_loop / profiled_one, 4) if profiled_one else 1.0,
             "width_factors": calibrator.target_factors, "anchor": round(calibrator.anchor, 4),
