@@ -160,7 +160,8 @@ def _targets(spec: TuneSpec):
     except WorkerUnavailableError as error:
         raise SpecbenchError(f"worker {spec.endpoint} is unreachable ({error}): start it, or tune locally") from None
     target = load_model(ModelSpec(spec.target, dtype=spec.dtype))
-    remote = RemoteTarget(spec.endpoint, timeout_s=10, retries=0, tokenizer=target.tokenizer)  # text prompts
+    # what measures: the target's tokenizer for text prompts; a slow target's long prompt may take its time
+    remote = RemoteTarget(spec.endpoint, timeout_s=120, retries=0, tokenizer=target.tokenizer)
     rtts = []
     for _ in range(10):
         sent = time.perf_counter()
