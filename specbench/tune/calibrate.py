@@ -94,7 +94,11 @@ class Calibrator:
     target_factors: dict = field(default_factory=dict)
     draft_factors: dict = field(default_factory=dict)
     terms: dict = field(default_factory=dict)
-    runs: list = field(default_factory=list)  # mode "runs": (candidate name or None, its records), oldest first
+    # mode "runs", one entry per run learned from: width -> run's median forward over the profile's, and
+    # draft -> its run's drafting over what the profile prices; `runs` counts them, the target-only run first
+    width_samples: dict = field(default_factory=dict)
+    draft_samples: dict = field(default_factory=dict)
+    runs: int = 0
 
     @classmethod
     def from_baseline(cls, baseline: pd.DataFrame, runner, target_profile, drafts: dict, draft_profiles: dict,
@@ -137,19 +141,17 @@ class Calibrator:
         than another's. In the other modes nothing changes."""
         if self.mode != "runs":
             return
-        self.runs.append((name, records))
-        per_width: dict[int, list] = {}
-        for _, run in self.runs:
-            for width, steps in run.groupby(run["drafted"].fillna(0).astype(int) + 1)["target_forward_s"]:
-                profiled = self.target_profile.forward_s(int(width), self.context)
-                if len(steps) >= MIN_STEPS and profiled > 0:
-                    per_width.setdefault(int(width), []).append(float(steps.median()) / profiled)
-        self.target_factors = {w: round(statistics.median(f), 4) for w, f in sorted(per_width.items())}
-        drafted = [draft_factor(self.draft_profiles.get(n), run, self.context) for n, run in self.runs if n == name]
-        drafted = [f for f in drafted if f]
+        self.runs += 1
+        for width, steps in records.groupby(records["drafted"].fillna(0).astype(int) + 1)["target_forward_s"]:
+            profiled = self.target_profile.forward_s(int(width), self.context)
+            if len(steps) >= MIN_STEPS and profiled > 0:
+                self.width_samples.setdefault(int(width), []).append(float(steps.median()) / profiled)
+        self.target_factors = {w: round(statistics.median(f), 4) for w, f in sorted(self.width_samples.items())}
+        drafted = draft_factor(self.draft_profiles.get(name), records, self.context)
         if drafted:
-            self.draft_factors[name] = {1: round(statistics.median(drafted), 4)}
-        self.terms.update(width_factors=self.target_factors, runs_learned=len(self.runs) - 1,
+            self.draft_samples.setdefault(name, []).append(drafted)
+            self.draft_factors[name] = {1: round(statistics.median(self.draft_samples[name]), 4)}
+        self.terms.update(width_factors=self.target_factors, runs_learned=self.runs - 1,
                           draft_speed_factors={n: f.get(1) for n, f in self.draft_factors.items()})
 
     def drafting(self, name: str, records: pd.DataFrame) -> None:

@@ -70,8 +70,9 @@ def held_back_reference(reference, prompts_ids: Sequence[Sequence[int]], outputs
         return None
     from specbench.decode.drafters import ModelDrafter
 
-    k, accepts, steps = reference.max_chain, [], {size: [] for size in ks if drafter is not None}
-    if drafter is None and getattr(draft.spec, "quantization", "none") != "none":
+    lookup = drafter is not None  # its share of steps finding a full chain is replayed too
+    k, accepts, steps = reference.max_chain, [], {size: [] for size in ks if lookup}
+    if not lookup and getattr(draft.spec, "quantization", "none") != "none":
         drafter = ModelDrafter(draft, draft.vocab_size)  # one over the prompts in order, as SD's run has
     for prompt, output in zip(prompts_ids, outputs):
         full = list(prompt) + list(output)
