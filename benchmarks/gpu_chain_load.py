@@ -3,12 +3,13 @@
 Each of 1..8 client processes decodes its own prompt with chain SD through one `specbench worker`; the
 draft is a `TraceDrafter` (replay_draft.py): the target's weights are random, so its acceptance follows
 the shipped Qwen2.5-Coder 0.5B -> 1.5B mt-bench reference's accepted lengths, and drafting sleeps
-`--draft-ms` per step (the draft runs on the user's device, not here). Predicted: the same prompts decoded
-one at a time through the same worker (their steps: drafted, accepted, the client's own time), replayed
-together by `plan.predict.replay_together` with every round's verify priced on the worker's own batch grid
-(its `profile` op), the loopback round trip measured alone, and the worker's own work per round outside
-the forward (`HostCost`, fitted by the worker on the warm-up rounds' rows: its `stats`). The prediction
-without that host term, as notebook 03 made it before, is printed beside it.
+`--draft-ms` per step (the draft runs on the user's device, not here); `--k 0` decodes target-only.
+Predicted: the same prompts decoded one at a time through the same worker (their steps: drafted,
+accepted, the client's own time), replayed together by `plan.predict.replay_together` with every round's
+verify priced on the worker's own batch grid (its `profile` op), the loopback round trip measured alone,
+and the worker's own work per round outside the forward (`HostCost`, fitted by the worker on the warm-up
+rounds' rows: its `stats`). The prediction without that host term, as notebook 03 made it before, is
+printed beside it.
 """
 from __future__ import annotations
 
@@ -31,6 +32,11 @@ def decode(remote, job: dict):
 
     from replay_draft import TraceDrafter
 
+    if job["k"] == 0:  # target-only: nothing drafted, so nothing hides the worker's own time
+        plain = Decoding(0, job["max_new_tokens"], method="target-only", kind="none")
+        result = generate(remote, None, job["prompt"], plain, prompt_index=job["index"],
+                          session=f"chain-{job['index']}")
+        return result, 0
     drafter = TraceDrafter(job["prompt"], job["continuation"], job["accepts"], job["draft_s"], job["vocab"])
     result = generate(remote, drafter, job["prompt"], Decoding(job["k"], job["max_new_tokens"], method="chain"),
                       prompt_index=job["index"], session=f"chain-{job['index']}")
@@ -129,7 +135,8 @@ def chain_load(folder: str, args) -> None:
                 print(pd.DataFrame(rows[-1:]).round(3).to_string(index=False, header=len(rows) == 1), flush=True)
         table = pd.DataFrame(rows)
         accepted = float((alone["emitted"] - 1).mean())
-        print(f"\n{device_name(args.device)}, {args.arch} {args.dtype}, chain K={args.k} ({trace}: "
+        print(f"\n{device_name(args.device)}, {args.arch} {args.dtype}, "
+              f"{f'chain K={args.k}' if args.k else 'target-only'} ({trace}: "
               f"{accepted:.2f} accepted per step alone), draft {args.draft_ms:g} ms/step, aggregate tokens/s:")
         print(table.round(3).to_string(index=False))
         write_report(args.out, {"device": device_name(args.device), "arch": args.arch, "dtype": args.dtype,

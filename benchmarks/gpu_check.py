@@ -4,9 +4,10 @@ Each part runs as its own process with a time limit, inside one overall budget (
 that a rerun still fits a 15-minute lease); a part that does not fit what is left is skipped and said so.
 On CUDA: (1) tests/test_cuda.py, (2) the 1.5B architecture's verify step, lean vs Hugging Face's step vs the
 memory floor, with the lean step's kernels, (3) chain SD under load on a worker, measured vs predicted,
-(4) fast and eager profiles of the Qwen2.5 0.5B / 1.5B / 7B architectures (batch rows 1/2/4/8), (5)
-`specbench serve` on the device against the CPU. Without CUDA every part runs in a small CPU form (the tiny
-architectures), which checks the script end to end; the CUDA measurements are skipped and the table says so.
+target-only under the same load, (4) fast and eager profiles of the Qwen2.5 0.5B / 1.5B / 7B architectures
+(batch rows 1/2/4/8), (5) `specbench serve`, draft heads and suffix decoding on the device against the CPU.
+Without CUDA every part runs in a small CPU form (the tiny architectures), which checks the script end to end;
+the CUDA measurements are skipped and the table says so.
 Writes gpu_check.md (the tables), gpu_check.json, gpu_check.log and profiles.tar.gz (when profiles were
 written) under `--out`.
 """
@@ -60,6 +61,11 @@ def parts(cuda: bool, out: Path, work: Path) -> list[dict]:
         {"name": "worker-load", "what": "chain SD on a shared worker at 1/2/4/8 clients: measured vs predicted",
          "command": py + [str(HERE / "gpu_worker.py"), "--chain", *load, "--out", str(out / "worker.json")],
          "limit": 180, "json": out / "worker.json"},
+        {"name": "worker-load-target-only", "what": "target-only on a shared worker at 1/2/4/8 clients: measured vs "
+         "predicted (no drafting hides the worker's time)",
+         "command": py + [str(HERE / "gpu_worker.py"), "--chain", "--k", "0", "--draft-ms", "0", *load, "--out",
+                          str(out / "worker-target-only.json")],
+         "limit": 150, "json": out / "worker-target-only.json"},
         {"name": "profiles", "what": "eager and fast profiles of the Qwen2.5 0.5B/1.5B/7B architectures, rows 1-8",
          "command": py + [str(HERE / "gpu.py"), *grid, "--no-pairs", "--save-profiles", "--profiles-dir",
                           str(work / "profiles"), "--out", str(out / "profiles.json")],
@@ -67,6 +73,9 @@ def parts(cuda: bool, out: Path, work: Path) -> list[dict]:
         {"name": "serve", "what": "`specbench serve` on the device vs the CPU, fp32 greedy",
          "command": py + [str(HERE / "gpu_serve.py"), "--out", str(out / "serve.json")], "limit": 90,
          "json": out / "serve.json"},
+        {"name": "heads", "what": "draft heads (eagle, eagle-tree) and suffix decoding on the device vs the CPU, fp32",
+         "command": py + [str(HERE / "gpu_heads.py"), "--out", str(out / "heads.json")], "limit": 90,
+         "json": out / "heads.json"},
         {"name": "cuda-tests-compiled", "what": "tests/test_cuda.py's compiled backends (compile, compiled-graph)",
          "command": pytest + ["-k", "compile"], "limit": 150, "json": None},
     ]
@@ -132,7 +141,7 @@ def summary(result: dict, cuda: bool) -> list[str]:
             lines += table(report["kernels"], ["kernel", "per_forward", "per_layer", "us_per_forward", "share"], 2)
         if report.get("prefills"):
             lines += [""] + table(report["prefills"], ["arch", "prompt", "eager_ms", "fast_ms", "chunks_replayed"])
-    elif result["name"] == "worker-load" and report:
+    elif result["name"].startswith("worker-load") and report:
         lines += table(report["rows"], ["clients", "measured_tok_s", "predicted_tok_s", "error",
                                         "predicted_without_host_tok_s", "error_without_host", "misses", "lossless"])
         host = report.get("host", {})
@@ -147,6 +156,10 @@ def summary(result: dict, cuda: bool) -> list[str]:
     elif result["name"] == "serve" and report:
         lines += [f"identical to the CPU's: {report['identical']} of {report['completions']}; identical to "
                   f"target-only's: {report['agree_with_target_only']}"]
+    elif result["name"] == "heads" and report:
+        lines += [f"identical to the CPU's: {report['identical']} of {report['outputs']}; identical to "
+                  f"target-only's: {report['agree_with_target_only']}; accepted per step: "
+                  f"{report['accepted_per_step']}"]
     if result["status"] != "ok":
         lines += ["", "last lines:", "```", *result["tail"], "```"]
     return lines + [""]

@@ -82,7 +82,8 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
     `progress`: a bar over methods x prompts (a string labels it, e.g. with the setting being run).
     `fast` (True, or a backend: compile, cudagraph, compiled-graph, static) runs the target and a chain draft
     model in fixed-shape steps over static caches (`decode/fast_forward.py`): the same tokens, less overhead;
-    the default (None) does so for unquantized CUDA models only, False or "off" never.
+    the default (None) does so for unquantized CUDA models only, and not with a draft head (eagle methods read
+    the target's hidden states, which fast steps do not expose), False or "off" never.
     `suffix` (a `SuffixSettings`) shapes the suffix methods, whose `k` is a cap: their counts choose each step's
     draft, and their cache of earlier outputs is shared per process by default (`cache="drafter"`: within
     this call's prompts only; "off": each prompt drafts from itself).
@@ -95,6 +96,8 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
         raise SpecbenchError("method 'auto' routes each prompt to a method and K: pass router=... (a Router from "
                              "specbench.route.auto.train_router, or Router.load(path))")
     methods = [None if name == "auto" else get_method(name) for name in names]
+    if fast is None and any(chosen is not None and chosen.reads_features for chosen in methods):
+        fast = False  # the default (fast on CUDA) yields to a draft head, which reads the target's hidden states
     target, target_model = as_target(target, dtype, fast)
     for chosen in methods:
         if chosen is not None:

@@ -124,6 +124,7 @@ class Method:
     # an on-worker method whose worker drafts with a head (`heads/`): built there per request; None: a draft model
     worker_build: Optional[Callable[[DraftSource], Any]] = None
     lookup: bool = False  # drafts by looking up the context: no draft model, so nothing to profile or price
+    reads_features: bool = False  # a draft head here: the target must run eager (fast steps expose no features)
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -224,8 +225,8 @@ for _method in (
            worker_build=lambda source, key=(): _suffix(source, key=key)),
     Method("suffix-tree-server", "tree", on_worker=True, lookup=True,
            worker_build=lambda source, key=(): _suffix(source, tree=True, key=key)),
-    Method("eagle", "chain", _eagle),  # a draft head over the target's own hidden states (`heads/`)
-    Method("eagle-tree", "tree", _eagle_tree),  # its EAGLE-2 dynamic tree
+    Method("eagle", "chain", _eagle, reads_features=True),  # a draft head over the target's hidden states (heads/)
+    Method("eagle-tree", "tree", _eagle_tree, reads_features=True),  # its EAGLE-2 dynamic tree
     Method("server-only", "chain", on_worker=True),  # AutoDraft's Server-Only: the worker drafts too
     Method("server-only-ar", "none", on_worker=True),  # AutoDraft's Server-Only-AR
     # a draft head on the worker (the server-side placement): only finished tokens travel, no features

@@ -9,7 +9,8 @@ import tarfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ["cuda-tests", "step", "worker-load", "profiles", "serve", "cuda-tests-compiled"]
+PARTS = ["cuda-tests", "step", "worker-load", "worker-load-target-only", "profiles", "serve", "heads",
+         "cuda-tests-compiled"]
 
 
 def test_the_gpu_check_rehearses_every_part_on_a_cpu(tmp_path):
@@ -30,4 +31,10 @@ def test_the_gpu_check_rehearses_every_part_on_a_cpu(tmp_path):
     assert all(row["measured_tok_s"] > 0 and row["predicted_tok_s"] > 0 for row in load["rows"])
     with tarfile.open(out / "profiles.tar.gz") as archive:
         assert sum(name.endswith(".json") and "profile-tiny" in name for name in archive.getnames()) == 4
-    assert report["parts"][4]["report"]["identical"] == {"cpu": 9}
+    alone = report["parts"][3]["report"]  # target-only under the same load
+    assert [row["clients"] for row in alone["rows"]] == [1, 2] and all(row["lossless"] for row in alone["rows"])
+    assert alone["accepted_per_step"] == 0
+    assert report["parts"][5]["report"]["identical"] == {"cpu": 9}
+    heads = report["parts"][6]["report"]
+    assert heads["identical"] == heads["agree_with_target_only"] == {"cpu": 24}
+    assert heads["accepted_per_step"]["cpu"]["eagle"] > 0.5  # the trained head is accepted: a real smoke

@@ -44,6 +44,24 @@ def test_a_head_drafts_losslessly_and_reads_every_committed_position(target):
         local.features("other")
 
 
+def test_a_head_method_runs_its_target_eager_where_the_default_would_be_fast(target, monkeypatch):
+    """On CUDA the default (fast=None) is the fast path, whose fixed-shape steps expose no hidden states:
+    `run` builds the target eager for a head method instead of refusing it; an explicit fast stays refused."""
+    from specbench.decode import fast_forward
+
+    plain = fast_forward.chosen_backend
+    monkeypatch.setattr(fast_forward, "chosen_backend", lambda fast, model: "static" if fast is None
+                        else plain(fast, model))  # what a CUDA model gets by default
+    head = new_head(target, seed=3)
+    records = run(target, PROMPTS[:2], method=["target-only", "eagle"], draft=head, k=4, max_new_tokens=12,
+                  progress=False, warmup=False)
+    got = outputs(records)
+    assert all(got[("eagle", i)] == got[("target-only", i)] for i in range(2))
+    with pytest.raises(SpecbenchError, match="fast=False"):
+        run(target, PROMPTS[:1], method="eagle", draft=head, k=4, max_new_tokens=4, fast="static", progress=False,
+            warmup=False)
+
+
 def test_batched_verifies_keep_each_sessions_features_as_one_forward_over_its_tokens(target):
     """Features kept through batched verifies (packed into one sequence, and padded), with a prefill
     chunk riding along, equal those of one forward over each session's committed tokens."""
