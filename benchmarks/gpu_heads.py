@@ -40,13 +40,14 @@ def train(folder: Path) -> tuple[Path, list]:
 
 def decode(head: Path, prompts: list, device: str, max_new_tokens: int) -> list[dict]:
     from specbench.api import outputs, run
+    from specbench.decode.suffix_drafter import SuffixSettings
     from specbench.models.tiny import tiny_model
 
     target = tiny_model(seed=0, num_layers=4)
     target.model.to(device)
     started = time.perf_counter()
     records = run(target, prompts, method=list(METHODS), draft=str(head), k=4, max_new_tokens=max_new_tokens,
-                  progress=False, warmup=False)
+                  progress=False, warmup=False, suffix=SuffixSettings(cache="drafter"))  # not the CPU run's outputs
     seconds = time.perf_counter() - started
     got = outputs(records)
     rows = []
