@@ -102,6 +102,7 @@ def record_reference(target: ModelLike, draft: ModelLike, prompts, dataset: str,
     return AcceptanceReference(
         cross_tokenizer=",".join(cross), draft_per_target=draft_per_target,
         chain_hits=_hits(chain, max_chain, max_new_tokens, lookup),
+        lookup_steps=_lookup_steps(chain, max_chain, max_new_tokens, lookup),
         draft=draft_label or acceptance_label(draft_loaded.spec.label),
         target=target_name or acceptance_label(target_loaded.spec.label),
         dataset=dataset, rule=sampling.effective_rule, temperature=sampling.temperature, max_chain=max_chain,
@@ -110,15 +111,29 @@ def record_reference(target: ModelLike, draft: ModelLike, prompts, dataset: str,
         tree_prompts=tree_prompts, prompt_families=tuple(str(f) for f in families) if families else ())
 
 
+def _asked(chain, max_chain: int, max_new_tokens: int):
+    """Prompt lookup's steps asked for a full chain: those whose output had room for one (the loop caps
+    the last ones at what remains)."""
+    done = chain.groupby("prompt_index")["emitted"].cumsum() - chain["emitted"]  # tokens before each step
+    return chain[(chain["step_k"] == max_chain) & (max_new_tokens - done - 1 >= max_chain)]
+
+
 def _hits(chain, max_chain: int, max_new_tokens: int, lookup: bool) -> dict:
     """Prompt lookup: the share of its steps asked for a full chain that found one (the rest verify the
-    bonus alone); model drafts always draft, so nothing is kept."""
+    bonus alone, or a partial match); model drafts always draft, so nothing is kept."""
     if not lookup or "step_k" not in chain:
         return {}
-    done = chain.groupby("prompt_index")["emitted"].cumsum() - chain["emitted"]  # tokens before each step
-    # steps whose output had room for a full chain (the loop caps the last ones at what remains)
-    asked = chain[(chain["step_k"] == max_chain) & (max_new_tokens - done - 1 >= max_chain)]
+    asked = _asked(chain, max_chain, max_new_tokens)
     return {max_chain: round(float((asked["drafted"] == max_chain).mean()), 4)} if len(asked) else {}
+
+
+def _lookup_steps(chain, max_chain: int, max_new_tokens: int, lookup: bool) -> dict:
+    """Prompt lookup: (drafted, accepted) of each step asked for a full chain, partial matches included."""
+    if not lookup or "step_k" not in chain:
+        return {}
+    asked = _asked(chain, max_chain, max_new_tokens)
+    pairs = tuple((int(d), int(a)) for d, a in zip(asked["drafted"], asked["accepted"]))
+    return {max_chain: pairs} if pairs else {}
 
 
 def profile_worker(endpoint: str, tokens: Sequence[int] = DEFAULT_TOKENS, contexts: Sequence[int] = DEFAULT_CONTEXTS,

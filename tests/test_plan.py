@@ -235,6 +235,33 @@ def test_prompt_lookup_steps_without_a_match_verify_one_token_and_accept_none():
     assert partly.hit_rate(2) == 0.25 and matched.hit_rate(4) == 1.0  # an unknown K: the longest measured
 
 
+def test_prompt_lookups_partial_matches_are_priced_at_their_own_widths(tmp_path):
+    """`lookup_steps`: prompt lookup's (drafted, accepted) per step. A partial match verifies 1 + drafted tokens
+    and may be accepted; pricing it as a miss (width 1, nothing accepted) made every lookup point look cheaper
+    per step than it ran (humaneval K=6, 2026-11-26: 46% full matches, 24% partial, priced 98.6 ms a step where
+    its steps took 112). A smaller K copies the same match's first K tokens: its steps follow from a larger K's.
+    The steps survive a save and load."""
+    from specbench.plan.library import load_references, save_reference
+    from specbench.plan.predict import AcceptanceReference, OperatingPoint, predict_step
+
+    steps = ((0, 0), (2, 2), (4, 1), (4, 4))
+    reference = AcceptanceReference("prompt-lookup", "t", "d", max_chain=4, chain_accepts=(1, 4),
+                                    chain_hits={4: 0.5}, lookup_steps={4: steps})
+    at4 = predict_step(OperatingPoint("prompt-lookup", k=4), SHARED, None, reference, context=256)
+    assert at4.tokens_per_step == pytest.approx(1 + 7 / 4)
+    f = lambda width: SHARED.forward_s(width, 256)  # noqa: E731
+    assert at4.verify_s == pytest.approx((f(1) + f(3) + 2 * f(5)) / 4)
+    at2 = predict_step(OperatingPoint("prompt-lookup", k=2), SHARED, None, reference, context=256)
+    assert reference.lookup_at(2) == ((0, 0), (2, 2), (2, 1), (2, 2))
+    assert at2.tokens_per_step == pytest.approx(1 + 5 / 4) and at2.verify_s == pytest.approx((f(1) + 3 * f(3)) / 4)
+    assert reference.lookup_at(6) == ()  # above what was recorded: the hit share prices it, as before
+    hits_only = dataclasses.replace(reference, lookup_steps={})
+    assert predict_step(OperatingPoint("prompt-lookup", k=4), SHARED, None, hits_only, context=256).verify_s == \
+        pytest.approx(0.5 * f(5) + 0.5 * f(1))
+    save_reference(reference, folder=tmp_path)
+    assert load_references(tmp_path)[0].lookup_steps == {4: steps}
+
+
 def test_replay_together_adds_the_workers_own_work_per_round_and_can_keep_the_measured_verifies():
     """`HostCost`: a worker's own work per round (fixed + per row) is added to every round at its rows;
     with `alone_verifies`, records of a run through the same worker keep their measured server time and

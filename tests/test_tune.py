@@ -144,6 +144,12 @@ def test_acceptance_replayed_from_target_only_outputs_is_what_sd_accepts(tiny_ta
             drafter_proposer(prompt + alone[("target-only", index)], PromptLookupDrafter()), k)]
         hit = sum(drafted == k for budget, drafted, _ in steps if budget == k) / sum(b == k for b, _, _ in steps)
         assert 0 < hit < 1 and _hits(sd, k, 24, lookup=True) == {k: round(hit, 4)}
+        # every step asked for K, partial matches included, replayed and recorded alike (lookup_steps)
+        from specbench.record import _lookup_steps
+
+        pairs = [(drafted, accepted) for budget, drafted, accepted in steps if budget == k]
+        assert any(0 < drafted < k for drafted, _ in pairs)  # partial matches occur: the check can fail
+        assert _lookup_steps(sd, k, 24, lookup=True) == {k: tuple(pairs)}
 
 
 def test_width_factors_scale_each_forward_by_its_own_drift():

@@ -111,7 +111,8 @@ def save_reference(reference: AcceptanceReference, extra: Optional[dict] = None,
                "tree_width": {str(k): v for k, v in reference.tree_width.items()},
                "chain_prompts": list(reference.chain_prompts),
                "tree_prompts": {str(k): list(v) for k, v in reference.tree_prompts.items()},
-               "prompt_families": list(reference.prompt_families)}
+               "prompt_families": list(reference.prompt_families),
+               "lookup_steps": {str(k): [list(step) for step in v] for k, v in reference.lookup_steps.items()}}
     return write_record(folder, "reference", metadata, payload,
                         label=f"{reference.draft}-{reference.target}-{reference.dataset}")
 
@@ -130,7 +131,8 @@ def load_references(folder: Path = REFERENCES, by_family: bool = False, **match)
             chain_hits={int(k): v for k, v in (m.get("chain_hits") or {}).items()}, origin=origin,
             chain_prompts=tuple(p.get("chain_prompts", ())),
             tree_prompts={int(k): tuple(v) for k, v in (p.get("tree_prompts") or {}).items()},
-            prompt_families=tuple(p.get("prompt_families", ()))))
+            prompt_families=tuple(p.get("prompt_families", ())),
+            lookup_steps={int(k): tuple(tuple(step) for step in v) for k, v in (p.get("lookup_steps") or {}).items()}))
     if by_family:  # each family of a reference as a reference of its own, beside the whole
         out += [reference.for_family(family) for reference in list(out) for family in reference.families()]
     return out

@@ -8,6 +8,7 @@ budgets that were measured, never interpolated.
 from __future__ import annotations
 
 import bisect
+from collections import Counter
 from dataclasses import dataclass, field
 from statistics import mean
 from typing import Optional, Sequence
@@ -139,6 +140,11 @@ def predict_step(point: OperatingPoint, target: LatencyProfile, draft: Optional[
         width = int(reference.tree_width.get(point.k) or reference.tree_width.get(str(point.k)) or 1)
     full = reference.full_acceptance(point.k) if reference and point.kind == "chain" else 0.0
     hit = reference.hit_rate(point.k) if reference and point.kind == "chain" else 1.0
+    steps = reference.lookup_at(point.k) if lookup and point.kind == "chain" else ()
+    if steps:  # prompt lookup's own steps at this K: partial matches priced at their widths, not as misses
+        widths = Counter(1 + drafted for drafted, _ in steps)
+        return step_cost(point, target, draft, sum(a for _, a in steps) / len(steps), context, overhead_s,
+                         bandwidth_mbps, widths={w: n / len(steps) for w, n in widths.items()})
     return step_cost(point, target, draft, accepted * hit, context, overhead_s, bandwidth_mbps, depth, width,
                      reference.draft_per_target if reference else 1.0, full, hit)
 
@@ -146,13 +152,14 @@ def predict_step(point: OperatingPoint, target: LatencyProfile, draft: Optional[
 def step_cost(point: OperatingPoint, target: LatencyProfile, draft: Optional[LatencyProfile], accepted: float,
               context: int = 256, overhead_s: float = 0.0, bandwidth_mbps: float = 0.0,
               tree_depth: float = 1.0, tree_width: int = 1, draft_per_target: float = 1.0,
-              full_accept: float = 0.0, hit: float = 1.0) -> StepCost:
+              full_accept: float = 0.0, hit: float = 1.0, widths: Optional[dict] = None) -> StepCost:
     """Seconds and bytes of one step at `point` when `accepted` drafts are accepted on average: the
     cost model that replay prediction and the per-step planner share. `draft_per_target`: draft-model
     tokens per proposed target token (1 unless the draft has another tokenizer); `full_accept`: the
     share of chain steps whose every draft token is accepted. No `draft` profile for a chain: drafting
     costs the step nothing (prompt lookup copies tokens from the context). `hit`: the share of chain
-    steps that draft at all (prompt lookup's matches); the rest verify one token."""
+    steps that draft at all (prompt lookup's matches); the rest verify one token. `widths`: {tokens verified:
+    share of steps} where the steps' widths are known (prompt lookup's partial matches), instead of `hit`."""
     if point.kind == "chain" and draft is not None:
         # The draft's cache keeps the chain it fed (all but its last token), so its first forward
         # catches up on the bonus alone, or on its last token and the bonus after a fully accepted chain.
@@ -165,7 +172,9 @@ def step_cost(point: OperatingPoint, target: LatencyProfile, draft: Optional[Lat
         draft_s = 0.0
     # every client's verify in one batched forward: each waits for the whole batch
     verify_s = target.forward_s(1 + (point.k if point.kind != "none" else 0), context, point.clients)
-    if hit < 1.0 and point.kind == "chain":
+    if widths and point.kind == "chain":
+        verify_s = sum(share * target.forward_s(w, context, point.clients) for w, share in widths.items())
+    elif hit < 1.0 and point.kind == "chain":
         verify_s = hit * verify_s + (1 - hit) * target.forward_s(1, context, point.clients)
     up, down = bytes_per_step(point, accepted=accepted)
     # a worker-side method pays one round trip per request, not per step: priced as its bytes' transfer alone

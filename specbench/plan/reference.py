@@ -36,6 +36,9 @@ class AcceptanceReference:
     # verify the bonus token alone (`chain_accepts` keeps the full steps only, what a planner needs), so
     # tokens per step and the verify's width are priced with this share; empty: every step drafts
     chain_hits: dict = field(default_factory=dict)
+    # prompt lookup: K -> ((drafted, accepted), ...) of each step asked for K. A partial match verifies 1 +
+    # drafted tokens, not 1 or K + 1, so where a K has them, its steps are priced at their own widths
+    lookup_steps: dict = field(default_factory=dict)
     # per-prompt rows: the prompt index of each chain step and of each tree step per budget, and each
     # prompt's family (e.g. Spec-Bench's category); empty in references recorded before they were kept
     chain_prompts: tuple[int, ...] = ()
@@ -69,6 +72,15 @@ class AcceptanceReference:
             return 1.0
         known = {int(key): float(value) for key, value in self.chain_hits.items()}
         return known.get(k, known.get(self.max_chain, min(known.values())))
+
+    def lookup_at(self, k: int) -> tuple:
+        """Prompt lookup's (drafted, accepted) per step asked for K: as recorded at K, else from the largest
+        K recorded above it (a step asked for fewer copies the same match's first K tokens), else empty."""
+        known = {int(size): steps for size, steps in self.lookup_steps.items()}
+        if k in known:
+            return tuple(tuple(step) for step in known[k])
+        above = [size for size in known if size > k]
+        return tuple((min(d, k), min(a, k)) for d, a in known[max(above)]) if above else ()
 
     def full_acceptance(self, k: int) -> float:
         """Share of chain steps of length K whose every draft token was accepted."""

@@ -63,7 +63,7 @@ def model_proposer(full: Sequence[int], draft) -> Proposer:
 def held_back_reference(reference, prompts_ids: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
                         drafter=None, draft=None, ks: Sequence[int] = ()):
     """`reference` with its chain acceptance replaced by the held-back prompts' own, replayed from the
-    target-only outputs (`drafter`: prompt lookup's, whose share of steps finding a full chain is also
+    target-only outputs (`drafter`: prompt lookup's, whose steps, partial matches included, are also
     replayed at each K of `ks`; else `draft`, a model with the target's tokenizer); None where it cannot
     be replayed (no chain steps in the reference, another tokenizer, a sampled rule)."""
     if not reference.chain_accepts or reference.cross_tokenizer or reference.rule != "greedy":
@@ -80,12 +80,13 @@ def held_back_reference(reference, prompts_ids: Sequence[Sequence[int]], outputs
         walked = {size: chain_steps(full, len(prompt), propose, size) for size in {k, *steps}}  # each K once
         accepts += [accepted for _, drafted, accepted in walked[k] if drafted == k]
         for size in steps:
-            steps[size] += [drafted == size for budget, drafted, _ in walked[size] if budget == size]
+            steps[size] += [(drafted, accepted) for budget, drafted, accepted in walked[size] if budget == size]
     if not accepts:
         return None
-    hits = {size: round(sum(found) / len(found), 4) for size, found in steps.items() if found}
+    hits = {size: round(sum(d == size for d, _ in found) / len(found), 4) for size, found in steps.items() if found}
     return replace(reference, chain_accepts=tuple(accepts), chain_hits=hits or reference.chain_hits,
-                   dataset=f"{reference.dataset} -> held-back replay")
+                   lookup_steps={size: tuple(found) for size, found in steps.items() if found}
+                   or reference.lookup_steps, dataset=f"{reference.dataset} -> held-back replay")
 
 
 def drafting_steps(draft, prompts_ids: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]], k: int,
