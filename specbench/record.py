@@ -11,7 +11,7 @@ from specbench.models.loading import as_loaded
 from specbench.models.spec import acceptance_label
 from specbench.decode.profile import forward_latency_points, spread
 from specbench.hardware import device_name, measure_power
-from specbench.plan.predict import LOOKUP_DRAFT, AcceptanceReference, LatencyProfile
+from specbench.plan.predict import FREE_DRAFTS, LOOKUP_DRAFT, SUFFIX_DRAFT, AcceptanceReference, LatencyProfile
 from specbench.types import SamplingParams
 
 DEFAULT_TOKENS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 24, 32, 48, 64, 96, 128)
@@ -51,7 +51,8 @@ def record_reference(target: ModelLike, draft: ModelLike, prompts, dataset: str,
                      progress: bool | str = False, families: Optional[Sequence[str]] = None) -> AcceptanceReference:
     """Run the pair with a long chain (and trees at each budget) and keep per-step acceptance
     (counted in target tokens; a draft with another tokenizer also records its draft tokens per
-    target token, which prices its drafting; `draft` "prompt-lookup": prompt lookup's own chains and trees).
+    target token, which prices its drafting; `draft` "prompt-lookup" or "suffix": that method's own chains and
+    trees, each step kept whatever it drafted (`lookup_steps`)).
     `progress`: a bar per run (the chain, each tree budget), labelled with the pair or the string given.
     Each step keeps its prompt's index, and `families` (one per prompt) its family, so the reference can be
     narrowed to one family (`AcceptanceReference.for_family`)."""
@@ -59,10 +60,16 @@ def record_reference(target: ModelLike, draft: ModelLike, prompts, dataset: str,
 
     sampling = sampling or SamplingParams()
     target_loaded = as_loaded(target, dtype)
-    lookup = draft == LOOKUP_DRAFT  # prompt lookup's chains and trees, copied from the context: no draft model
+    lookup = draft in FREE_DRAFTS  # chains and trees copied from the context (and earlier outputs): no draft model
+    suffix = None
     if lookup:
-        draft_loaded, draft_label = None, LOOKUP_DRAFT
-        chain_method, tree_method = lookup_method("chain"), lookup_method("tree")
+        draft_loaded, draft_label = None, draft
+        chain_method, tree_method = (lookup_method("chain"), lookup_method("tree")) if draft == LOOKUP_DRAFT else (
+            "suffix", "suffix-tree")
+        if draft == SUFFIX_DRAFT:  # its cache of earlier outputs holds these prompts' only, as in a tune's runs
+            from specbench.decode.suffix_drafter import SuffixSettings
+
+            suffix = SuffixSettings(cache="drafter")
     elif is_head(draft):  # a draft head (a folder or an EagleHead): its own chains and trees
         draft_loaded, draft_label = draft, head_label(draft)
         chain_method, tree_method = "eagle", "eagle-tree"
@@ -75,7 +82,7 @@ def record_reference(target: ModelLike, draft: ModelLike, prompts, dataset: str,
     label = (lambda what: f"{pair}: {what}") if progress else (lambda what: False)  # noqa: E731
     chain = run(target_loaded, prompts, method=chain_method, draft=draft_loaded, k=max_chain,
                 max_new_tokens=max_new_tokens, sampling=sampling, progress=label(f"chain K={max_chain}"),
-                cross_tokenizer=cross_tokenizer)
+                cross_tokenizer=cross_tokenizer, suffix=suffix)
     # End-of-budget steps draft fewer and would bias min(a, K). Prompt lookup keeps only its steps that
     # found a full chain: without a match it verifies one token whatever K is, so its planner's choice
     # of K matters only where a match is, and that is the acceptance the planner needs.
@@ -87,7 +94,7 @@ def record_reference(target: ModelLike, draft: ModelLike, prompts, dataset: str,
                           temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                           rule="greedy" if sampling.greedy else "sample-match"),
                       progress=label(f"tree budget {budget}"),
-                      cross_tokenizer="text" if cross_tokenizer == "shared-vocab" else cross_tokenizer)
+                      cross_tokenizer="text" if cross_tokenizer == "shared-vocab" else cross_tokenizer, suffix=suffix)
         steps = records[records["drafted"] == budget]
         if steps.empty:  # e.g. prompt lookup never found that many candidates: nothing measured at this budget
             continue

@@ -44,7 +44,8 @@ def test_tune_end_to_end_chooses_a_measured_point_and_writes_what_run_reads(tmp_
     config = read_config(result.config_path)
     assert config["translations"]["note"].startswith("untested")
     assert "Predicted vs measured" in result.report_path.read_text()
-    assert any("prompt-lookup" in line for line in result.left_out)  # tiny random prompts repeat nothing
+    # tiny random prompts repeat no 4-token run, but prompt lookup's partial matches are priced at their widths
+    assert (result.predicted["candidate"] == "prompt-lookup").any() and not result.left_out
     from specbench.cli import build_parser
     from specbench.tune.command import apply_config
 
@@ -150,6 +151,32 @@ def test_acceptance_replayed_from_target_only_outputs_is_what_sd_accepts(tiny_ta
         pairs = [(drafted, accepted) for budget, drafted, accepted in steps if budget == k]
         assert any(0 < drafted < k for drafted, _ in pairs)  # partial matches occur: the check can fail
         assert _lookup_steps(sd, k, 24, lookup=True) == {k: tuple(pairs)}
+
+
+def test_suffix_decodings_steps_replayed_from_target_only_outputs_are_what_sd_drafts_and_accepts(tiny_target, tmp_path):
+    """Suffix decoding as a tune candidate: one drafter per K fed the held-back prompts in order, its cache
+    taking each output as a run's does, drafts and accepts at every step what a real SD run of it records
+    (its steps of every length, `lookup_steps`), and the tune prices and measures it as a candidate."""
+    from specbench.api import outputs, run
+    from specbench.decode.suffix_drafter import SuffixDrafter, SuffixSettings
+    from specbench.plan.predict import AcceptanceReference
+    from specbench.record import _lookup_steps
+    from specbench.tune.replay import held_back_reference
+
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], *[list(p) for p in PROMPTS[:3]], [5, 6, 7, 5, 6, 7, 5, 6]]
+    alone = outputs(run(tiny_target, prompts, method="target-only", max_new_tokens=24, progress=False))
+    seed = AcceptanceReference("suffix", "t", "d", max_chain=4, lookup_steps={4: ((1, 1),)})
+    replayed = held_back_reference(seed, prompts, [alone[("target-only", i)] for i in range(len(prompts))],
+                                   new_drafter=lambda: SuffixDrafter(SuffixSettings(cache="drafter")), ks=(2, 4))
+    for k in (2, 4):
+        sd = run(tiny_target, prompts, method="suffix", k=k, max_new_tokens=24, progress=False, warmup=False,
+                 suffix=SuffixSettings(cache="drafter"))
+        assert replayed.lookup_steps[k] == _lookup_steps(sd, k, 24, lookup=True)[k]
+        drafted = [d for d, _ in replayed.lookup_steps[k]]
+        assert 0 in drafted and max(drafted) == k  # steps with nothing to draft and full ones: it can fail
+    assert any(0 < d < 4 for d, _ in replayed.lookup_steps[4])  # partial drafts, priced at their widths
+    result = tune(spec(drafts=("suffix",), prompts=tuple(prompts) * 2, prompt_count=10), tmp_path, progress=False)
+    assert (result.predicted["candidate"] == "suffix").any() and (result.measured["method"] == "suffix").any()
 
 
 def test_width_factors_scale_each_forward_by_its_own_drift():

@@ -34,7 +34,7 @@ def operating_points(reference: Optional[AcceptanceReference], chain_ks: Sequenc
         # a draft head's chains and trees are its own methods (same kinds, priced alike)
         chain, tree = ("eagle", "eagle-tree") if reference.draft.startswith("eagle:") else ("chain", "tree")
         # a reference without a full chain step (prompt lookup that never matched K tokens) predicts no chain
-        sizes += [(chain, k) for k in chain_ks if 1 <= k <= reference.max_chain and reference.chain_accepts]
+        sizes += [(chain, k) for k in chain_ks if 1 <= k <= reference.max_chain and reference.has_chains]
         sizes += [(tree, int(b)) for b in sorted(int(b) for b in reference.tree_accepts)]
     return [OperatingPoint(method, k, where, rtt, rule, n) for where, rtt in places for method, k in sizes
             for n in (clients if where == "remote" else (1,))]
@@ -241,18 +241,18 @@ def cached_pairs(profiles: Sequence[LatencyProfile], references: Sequence[Accept
                  draft: Optional[str], dataset: Optional[str] = None, device: Optional[str] = None,
                  dtype: Optional[str] = None) -> list[tuple]:
     """(target profile, draft profile or None, reference or None) for `draft` (a model label, prompt lookup,
-    or None for target-only) drafting for the model labelled `target`, among these profiles and references:
+    suffix, or None for target-only) drafting for the model labelled `target`, among these profiles and references:
     this machine's first, then the widest batch grid (it prices a worker's load). What a step planner and a
     server's predictions are built from."""
     from specbench.hardware import device_name
-    from specbench.plan.predict import LOOKUP_DRAFT
+    from specbench.plan.predict import FREE_DRAFTS
 
     profiles = [p for p in profiles if device in (None, p.device) and dtype in (None, p.dtype)]
     references = [r for r in references if dataset in (None, r.dataset) and r.target == acceptance_label(target)
                   and draft is not None and r.draft == acceptance_label(draft)]
     if draft is None:
         pairs = [(p, None, None) for p in profiles if p.model == target]
-    elif draft == LOOKUP_DRAFT:
+    elif draft in FREE_DRAFTS:  # prompt lookup, suffix decoding: no draft model to profile
         pairs = [(p, None, r) for r in references for p in profiles if p.model == target]
     else:
         pairs = [p for p in matching_pairs(profiles, references) if (p[0].model, p[1].model) == (target, draft)]

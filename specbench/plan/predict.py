@@ -17,7 +17,7 @@ from specbench.plan.costs import Network, Power, Prices, StepCost, cost_knob, ch
 from specbench.methods import get_method
 from specbench.plan.objectives import by_column, cost_columns
 # their home is plan/reference.py; many modules import them from here
-from specbench.plan.reference import LOOKUP_DRAFT, AcceptanceReference  # noqa: F401
+from specbench.plan.reference import FREE_DRAFTS, LOOKUP_DRAFT, SUFFIX_DRAFT, AcceptanceReference  # noqa: F401
 from specbench.types import SpecbenchError
 
 REPLY_BYTES = 110  # verify reply: msgpack header (ok, id, bonus, timings) + accepted path frame
@@ -130,8 +130,9 @@ def bytes_per_step(point: OperatingPoint, draft_top_k: int = 32, accepted: float
 def predict_step(point: OperatingPoint, target: LatencyProfile, draft: Optional[LatencyProfile],
                  reference: Optional[AcceptanceReference], context: int = 256,
                  overhead_s: float = 0.0, bandwidth_mbps: float = 0.0) -> StepCost:
-    accepted = reference.accepted(point.method, point.k) if reference else 0.0
-    lookup = reference is not None and reference.draft == LOOKUP_DRAFT  # drafting is free: no draft profile
+    lookup = reference is not None and reference.draft in FREE_DRAFTS  # drafting is free: no draft profile
+    steps = reference.lookup_at(point.k) if lookup and point.kind == "chain" else ()
+    accepted = reference.accepted(point.method, point.k) if reference and not steps else 0.0
     if point.kind != "none" and (reference is None or (draft is None and not lookup)):
         raise SpecbenchError(f"{point.label} needs a draft profile and an acceptance reference")
     depth, width = 1.0, 1
@@ -140,8 +141,7 @@ def predict_step(point: OperatingPoint, target: LatencyProfile, draft: Optional[
         width = int(reference.tree_width.get(point.k) or reference.tree_width.get(str(point.k)) or 1)
     full = reference.full_acceptance(point.k) if reference and point.kind == "chain" else 0.0
     hit = reference.hit_rate(point.k) if reference and point.kind == "chain" else 1.0
-    steps = reference.lookup_at(point.k) if lookup and point.kind == "chain" else ()
-    if steps:  # prompt lookup's own steps at this K: partial matches priced at their widths, not as misses
+    if steps:  # lookup's own steps at this K: partial matches priced at their widths, not as misses
         widths = Counter(1 + drafted for drafted, _ in steps)
         return step_cost(point, target, draft, sum(a for _, a in steps) / len(steps), context, overhead_s,
                          bandwidth_mbps, widths={w: n / len(steps) for w, n in widths.items()})

@@ -8,6 +8,8 @@ from specbench.methods import KINDS, get_method
 from specbench.types import SpecbenchError
 
 LOOKUP_DRAFT = "prompt-lookup"  # a reference's draft when prompt lookup drafted: no model, so no draft profile
+SUFFIX_DRAFT = "suffix"  # suffix decoding's (its own context and earlier outputs): no model either
+FREE_DRAFTS = (LOOKUP_DRAFT, SUFFIX_DRAFT)  # drafts that cost a step nothing and draft as much as they find
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,11 @@ class AcceptanceReference:
             return 1.0
         known = {int(key): float(value) for key, value in self.chain_hits.items()}
         return known.get(k, known.get(self.max_chain, min(known.values())))
+
+    @property
+    def has_chains(self) -> bool:
+        """Whether chain points can be priced: full chain steps, or (drafting by lookup) steps that drafted."""
+        return bool(self.chain_accepts) or any(d for steps in self.lookup_steps.values() for d, _ in steps)
 
     def lookup_at(self, k: int) -> tuple:
         """Prompt lookup's (drafted, accepted) per step asked for K: as recorded at K, else from the largest

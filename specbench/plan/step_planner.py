@@ -22,7 +22,7 @@ from typing import Optional
 from specbench.models.spec import acceptance_label
 from specbench.plan.costs import Power, Prices, check_cs, cost_knob
 from specbench.plan.explore import cost_column
-from specbench.plan.predict import LOOKUP_DRAFT, AcceptanceReference, LatencyProfile, OperatingPoint, priced, step_cost
+from specbench.plan.predict import FREE_DRAFTS, AcceptanceReference, LatencyProfile, OperatingPoint, priced, step_cost
 from specbench.types import SpecbenchError
 
 
@@ -72,7 +72,7 @@ class StepPlanner:
             raise SpecbenchError(f"where must be 'local' or 'remote', got {self.where!r}")
         if not 0 < self.forget <= 1:
             raise SpecbenchError(f"forget must be in (0, 1], got {self.forget}")
-        if self.draft is None and self.reference.draft != LOOKUP_DRAFT:
+        if self.draft is None and self.reference.draft not in FREE_DRAFTS:
             raise SpecbenchError(f"a planner without a draft profile plans prompt lookup; the reference is of "
                                  f"draft {self.reference.draft!r}: pass that draft's profile")
         if self.draft_budget_bytes is not None:

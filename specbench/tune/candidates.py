@@ -1,6 +1,6 @@
 """Which drafts a tune compares: the ones named, or every draft that could serve the target ("auto").
 
-"auto" means: prompt lookup (free), a self-draft of a quarter of the target's layers, the target
+"auto" means: prompt lookup and suffix decoding (free), a self-draft of a quarter of the target's layers, the target
 quantized as its own substitute (int8-dynamic on a CPU, 8-bit on a GPU), and every embedded catalog
 model smaller than the target, of its family or another (another tokenizer is drafted through text).
 A name that cannot be resolved is refused before any work: an unknown model is not an embedded name, a
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specbench.tune.spec import LOOKUP, Candidate, TuneSpec, candidate
+from specbench.tune.spec import LOOKUP, SUFFIX, Candidate, TuneSpec, candidate
 from specbench.types import SpecbenchError
 
 
@@ -47,7 +47,7 @@ def resolve_candidates(spec: TuneSpec, target) -> tuple[list[Candidate], list[st
 def _auto(spec: TuneSpec, target) -> list[str]:
     from specbench.models.catalog import CATALOG
 
-    names = [LOOKUP, "self-draft"]
+    names = [LOOKUP, SUFFIX, "self-draft"]
     device = str(target.model.get_input_embeddings().weight.device)
     names.append("substitute:int8-dynamic" if device == "cpu" and spec.dtype == "float32" else "substitute:8bit")
     own = CATALOG.get(spec.target)

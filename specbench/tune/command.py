@@ -9,7 +9,7 @@ def add_tune(commands) -> None:
                                             "draft, method and K for a target, your prompts and your load")
     tune.add_argument("--target", required=True, help="catalog name, Hugging Face id or path")
     tune.add_argument("--drafts", nargs="+", default=["auto"],
-                      help="models, prompt-lookup, self-draft[:N], substitute[:Q], or auto (every draft that could "
+                      help="models, prompt-lookup, suffix, self-draft[:N], substitute[:Q], or auto (every draft that could "
                            "serve; default)")
     tune.add_argument("--prompts", default="bench", help="a dataset name or a JSONL path")
     tune.add_argument("--prompt-count", type=int, default=40)

@@ -16,7 +16,7 @@ import pandas as pd
 from specbench.hardware import device_name
 from specbench.plan.library import load_profiles, load_references, save_profile, save_reference
 from specbench.plan.predict import LatencyProfile
-from specbench.tune.spec import LOOKUP, Candidate, TuneSpec
+from specbench.tune.spec import FREE, Candidate, TuneSpec
 
 
 class Store:
@@ -86,15 +86,15 @@ def reference(store: Store, target, candidate: Candidate, draft, prompts: list, 
               progress):
     """The pair's acceptance on the calibration prompts, cached; per-step rows as every reference keeps."""
     from specbench.models.spec import acceptance_label
-    from specbench.plan.predict import LOOKUP_DRAFT
     from specbench.record import record_reference
 
-    draft_label = LOOKUP_DRAFT if candidate.method == LOOKUP else acceptance_label(draft.spec.label)
+    free = candidate.method in FREE  # prompt lookup, suffix decoding: the reference's draft is the method
+    draft_label = candidate.method if free else acceptance_label(draft.spec.label)
     target_label = acceptance_label(target.spec.label)
     found = store.reference(draft_label, target_label, dataset)
     if found is not None:
         return found
-    recorded = record_reference(target, LOOKUP_DRAFT if candidate.method == LOOKUP else draft, prompts,
+    recorded = record_reference(target, candidate.method if free else draft, prompts,
                                 dataset=dataset, max_chain=max(spec.chain_ks), tree_budgets=spec.tree_budgets,
                                 max_new_tokens=spec.max_new_tokens, dtype=spec.dtype,
                                 progress=f"tune: reference {candidate.name}" if progress else False)
@@ -110,11 +110,14 @@ def measure(store: Store, target, candidate: Candidate, method: str, k: int, pro
     found = store.measured(key)
     if found is not None:
         return found
+    from specbench.decode.suffix_drafter import SuffixSettings
+
     label = f"tune: measure {candidate.name} {method} k={k}" + (f", {clients} clients" if clients > 1 else "")
     job = dict(method=method, draft=draft if candidate.method in ("chain", "tree") else None, k=k,
                max_new_tokens=spec.max_new_tokens, self_draft_layers=candidate.self_draft_layers,
                substitute_quantization=candidate.quantization if candidate.method == "substitute" else "8bit",
-               dtype=spec.dtype, seed=spec.seed, warmup=False, tokenizer=getattr(target, "tokenizer", None))
+               dtype=spec.dtype, seed=spec.seed, warmup=False, tokenizer=getattr(target, "tokenizer", None),
+               suffix=SuffixSettings(cache="drafter"))  # suffix decoding's cache: this run's prompts only
     if clients > 1:
         records = together(target.endpoint, clients, prompts, job, label if progress else False)
     else:

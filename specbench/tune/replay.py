@@ -13,7 +13,7 @@ calibration reference.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -61,27 +61,39 @@ def model_proposer(full: Sequence[int], draft) -> Proposer:
 
 
 def held_back_reference(reference, prompts_ids: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
-                        drafter=None, draft=None, ks: Sequence[int] = ()):
+                        new_drafter: Optional[Callable[[], object]] = None, draft=None, ks: Sequence[int] = ()):
     """`reference` with its chain acceptance replaced by the held-back prompts' own, replayed from the
-    target-only outputs (`drafter`: prompt lookup's, whose steps, partial matches included, are also
-    replayed at each K of `ks`; else `draft`, a model with the target's tokenizer); None where it cannot
-    be replayed (no chain steps in the reference, another tokenizer, a sampled rule)."""
-    if not reference.chain_accepts or reference.cross_tokenizer or reference.rule != "greedy":
+    target-only outputs: by drafters of `new_drafter` (prompt lookup, suffix decoding: one per K of `ks`, fed
+    the prompts in order as a run's one drafter is, its cache taking each output as the run's does), whose
+    steps at every K are kept whatever they drafted (`lookup_steps`); else by `draft`, a model with the
+    target's tokenizer. None where it cannot be replayed (no chain steps in the reference, another
+    tokenizer, a sampled rule)."""
+    if not reference.has_chains or reference.cross_tokenizer or reference.rule != "greedy":
         return None
     from specbench.decode.drafters import ModelDrafter
 
-    lookup = drafter is not None  # its share of steps finding a full chain is replayed too
-    k, accepts, steps = reference.max_chain, [], {size: [] for size in ks if lookup}
+    lookup = new_drafter is not None  # every step at every K is replayed, partial matches included
+    k, accepts = reference.max_chain, []
+    steps = {size: [] for size in {k, *ks}} if lookup else {}
+    drafters = {size: new_drafter() for size in steps}
+    drafter = None
     if not lookup and getattr(draft.spec, "quantization", "none") != "none":
         drafter = ModelDrafter(draft, draft.vocab_size)  # one over the prompts in order, as SD's run has
     for prompt, output in zip(prompts_ids, outputs):
         full = list(prompt) + list(output)
-        propose = drafter_proposer(full, drafter) if drafter is not None else model_proposer(full, draft)
-        walked = {size: chain_steps(full, len(prompt), propose, size) for size in {k, *steps}}  # each K once
+        if lookup:
+            walked = {size: chain_steps(full, len(prompt), drafter_proposer(full, drafters[size]), size)
+                      for size in steps}
+            for size, one in drafters.items():
+                if hasattr(one, "finish"):  # suffix decoding's cache takes the output, as after a generation
+                    one.finish(full)
+        else:
+            propose = drafter_proposer(full, drafter) if drafter is not None else model_proposer(full, draft)
+            walked = {k: chain_steps(full, len(prompt), propose, k)}
         accepts += [accepted for _, drafted, accepted in walked[k] if drafted == k]
         for size in steps:
             steps[size] += [(drafted, accepted) for budget, drafted, accepted in walked[size] if budget == size]
-    if not accepts:
+    if not accepts and not any(steps.values()):
         return None
     hits = {size: round(sum(d == size for d, _ in found) / len(found), 4) for size, found in steps.items() if found}
     return replace(reference, chain_accepts=tuple(accepts), chain_hits=hits or reference.chain_hits,

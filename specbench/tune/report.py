@@ -47,6 +47,9 @@ def translations(chosen: dict) -> dict:
     elif method in ("prompt-lookup", "prompt-lookup-tree"):
         vllm = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
         sglang = ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(k + 1)]
+    elif method == "suffix":  # vLLM's suffix decoding (Arctic Inference's), our SuffixSettings' defaults
+        vllm = {"method": "suffix", "num_speculative_tokens": k, "suffix_decoding_max_tree_depth": 24,
+                "suffix_decoding_max_spec_factor": 1.0, "suffix_decoding_min_token_prob": 0.1}
     reason = None if vllm else f"{method!r} has no equivalent in vLLM or SGLang (target-only needs no speculative config)"
     return {"note": "untested translations: written from the engines' documentation, not run here",
             "vllm_speculative_config": vllm, "sglang_flags": sglang, "no_equivalent": reason}

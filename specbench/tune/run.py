@@ -25,7 +25,7 @@ from specbench.plan.explore import cost_column, measured_points, operating_point
 import specbench.tune.phases as phases
 from specbench.tune.calibrate import Calibrator
 from specbench.tune.candidates import check_drafts, resolve_candidates
-from specbench.tune.spec import GOAL_ERROR, TuneSpec, split_prompts
+from specbench.tune.spec import FREE, GOAL_ERROR, TuneSpec, split_prompts
 from specbench.types import SpecbenchError
 
 
@@ -92,9 +92,9 @@ def tune(spec: TuneSpec, folder: Optional[str | Path] = None, progress: bool = T
     points = lambda reference: operating_points(reference, spec.chain_ks, rtts_ms=(rtt_ms,), local=not spec.endpoint,  # noqa: E731
                                                 remote=bool(spec.endpoint), clients=spec.clients)
     for name, reference in references.items():
-        if not reference.chain_accepts and not reference.tree_accepts:
-            left_out.append(f"{name}: no full draft step on the calibration prompts (prompt lookup found no "
-                            f"{max(spec.chain_ks)}-token match), so nothing to predict it from")
+        if not reference.has_chains and not reference.tree_accepts:
+            left_out.append(f"{name}: no draft step on the calibration prompts (prompt lookup or suffix decoding "
+                            f"found nothing to draft), so nothing to predict it from")
     raw = _predict(candidates, target_profile, draft_profiles, references, points, context, spec)
     phase("predictions")
     baseline = phases.measure(store, runner, candidates[0], "target-only", 0, held, None, spec, progress)
@@ -181,7 +181,7 @@ def _draft_model(candidate, target, spec: TuneSpec):
     from specbench.models.self_draft import truncated_view
     from specbench.models.spec import ModelSpec
 
-    if candidate.method == "prompt-lookup":
+    if candidate.method in FREE:
         return None
     if candidate.method == "self-draft":
         return truncated_view(target, candidate.self_draft_layers)
@@ -218,8 +218,11 @@ def _held_back(references: dict, candidates, drafts: dict, held: list, baseline:
     A model draft with the target's tokenizer also has its drafting timed there, for `calibrator`."""
     from specbench.api import encode_prompts
     from specbench.decode.drafters import PromptLookupDrafter
+    from specbench.decode.suffix_drafter import SuffixDrafter, SuffixSettings
     from specbench.tune.replay import drafting_steps, held_back_reference
-    from specbench.tune.spec import LOOKUP
+    from specbench.tune.spec import LOOKUP, SUFFIX
+
+    fresh = {LOOKUP: PromptLookupDrafter, SUFFIX: lambda: SuffixDrafter(SuffixSettings(cache="drafter"))}
 
     if "emitted_tokens" not in baseline:
         return dict(references)
@@ -228,8 +231,8 @@ def _held_back(references: dict, candidates, drafts: dict, held: list, baseline:
     prompts_ids = encode_prompts(held, tokenizer)
     replayed = {}
     for candidate in candidates:
-        reference, lookup = references[candidate.name], candidate.method == LOOKUP
-        found = held_back_reference(reference, prompts_ids, outputs, drafter=PromptLookupDrafter() if lookup else None,
+        reference, lookup = references[candidate.name], candidate.method in fresh
+        found = held_back_reference(reference, prompts_ids, outputs, new_drafter=fresh.get(candidate.method),
                                     draft=None if lookup else drafts[candidate.name], ks=ks)
         replayed[candidate.name] = found or reference
         if found is not None and not lookup and calibrator is not None and calibrator.mode == "runs":
@@ -244,7 +247,7 @@ def _method(row: dict, candidates) -> tuple:
     candidate = next(c for c in candidates if c.name == row["candidate"])
     if row["kind"] == "chain":
         return candidate, candidate.method
-    return candidate, "prompt-lookup-tree" if candidate.method == "prompt-lookup" else "tree"
+    return candidate, {"prompt-lookup": "prompt-lookup-tree", "suffix": "suffix-tree"}.get(candidate.method, "tree")
 
 
 def _to_measure(predicted: pd.DataFrame, spec: TuneSpec) -> list[dict]:

@@ -12,13 +12,15 @@ from typing import Optional
 from specbench.types import SpecbenchError
 
 LOOKUP = "prompt-lookup"
+SUFFIX = "suffix"  # suffix decoding: like prompt lookup, no draft model; its cache holds the prompts' own outputs
+FREE = (LOOKUP, SUFFIX)  # candidates that draft from the context: nothing to load or profile
 GOAL_ERROR = 0.08  # |predicted - measured| / measured tokens/s over which a point is flagged
 
 
 @dataclass(frozen=True)
 class Candidate:
     """One way to draft: `method` of the method table, with its draft model (or none) and options.
-    `name` is how a report and a config file call it: a model name, `prompt-lookup`,
+    `name` is how a report and a config file call it: a model name, `prompt-lookup`, `suffix`,
     `self-draft:N` (the target's first N layers) or `substitute:Q` (the target quantized)."""
 
     name: str
@@ -79,11 +81,11 @@ class TuneSpec:
 
 
 def candidate(name: str, target_layers: Optional[int] = None) -> Candidate:
-    """The candidate a name stands for (`self-draft:N`, `substitute:Q`, `prompt-lookup`, or a model)."""
+    """The candidate a name stands for (`self-draft:N`, `substitute:Q`, `prompt-lookup`, `suffix`, or a model)."""
     from specbench.models.spec import QUANTIZATIONS
 
-    if name == LOOKUP:
-        return Candidate(name, LOOKUP)
+    if name in FREE:
+        return Candidate(name, name)
     if name.startswith("self-draft"):
         layers = name.partition(":")[2]
         if layers and not layers.isdigit():
