@@ -9,8 +9,8 @@ def add_tune(commands) -> None:
                                             "draft, method and K for a target, your prompts and your load")
     tune.add_argument("--target", required=True, help="catalog name, Hugging Face id or path")
     tune.add_argument("--drafts", nargs="+", default=["auto"],
-                      help="models, prompt-lookup, suffix, self-draft[:N], substitute[:Q], or auto (every draft that could "
-                           "serve; default)")
+                      help="models, prompt-lookup, suffix, self-draft[:N], substitute[:Q], or auto (every draft that "
+                           "could serve; default)")
     tune.add_argument("--prompts", default="bench", help="a dataset name or a JSONL path")
     tune.add_argument("--prompt-count", type=int, default=40)
     tune.add_argument("--calibration-share", type=float, default=0.5,
