@@ -310,8 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     reference = commands.add_parser("reference", help="record per-step acceptance of a pair on a prompt set")
     reference.add_argument("--target", required=True)
-    reference.add_argument("--draft", help="a draft model, a draft head's folder (its eagle chains and trees), or "
-                                           "prompt-lookup (its chains, no model)")
+    reference.add_argument("--draft", help="a draft model, a draft head's folder (its eagle chains and trees), "
+                                           "prompt-lookup or suffix (their own drafts, no model)")
     reference.add_argument("--draft-quant", default="none", choices=list(QUANTIZATIONS))
     reference.add_argument("--target-quant", default="none", choices=list(QUANTIZATIONS))
     reference.add_argument("--self-draft-layers", type=int)

@@ -45,7 +45,7 @@ def reference(args) -> int:
     from specbench.datasets import load_prompts
     from specbench.models.spec import ModelSpec
     from specbench.plan.library import OWN_REFERENCES, save_reference
-    from specbench.plan.predict import LOOKUP_DRAFT
+    from specbench.plan.predict import FREE_DRAFTS
     from specbench.record import record_reference
 
     target = as_loaded(ModelSpec(args.target, dtype=args.dtype, quantization=args.target_quant), args.dtype)
@@ -53,10 +53,10 @@ def reference(args) -> int:
         from specbench.models.self_draft import truncated_view
 
         draft = truncated_view(target, args.self_draft_layers)
-    elif args.draft:  # a model, a draft head's folder, or prompt lookup's chains
+    elif args.draft:  # a model, a draft head's folder, or prompt lookup's or suffix decoding's own drafts
         from specbench.heads.profile import is_head
 
-        draft = LOOKUP_DRAFT if args.draft == LOOKUP_DRAFT else args.draft if is_head(args.draft) else as_loaded(
+        draft = args.draft if args.draft in FREE_DRAFTS or is_head(args.draft) else as_loaded(
             ModelSpec(args.draft, dtype=args.dtype, quantization=args.draft_quant), args.dtype)
     else:
         raise SpecbenchError("give --draft MODEL or --self-draft-layers N")

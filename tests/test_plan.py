@@ -262,6 +262,24 @@ def test_prompt_lookups_partial_matches_are_priced_at_their_own_widths(tmp_path)
     assert load_references(tmp_path)[0].lookup_steps == {4: steps}
 
 
+def test_a_server_prices_suffix_decoding_from_its_own_reference_not_prompt_lookups(monkeypatch):
+    """`predicted_settings`: each lookup method from its own steps (suffix decoding drafts otherwise than
+    prompt lookup); without a suffix reference the setting is named as not covered, not priced as lookup."""
+    from specbench.plan import library
+    from specbench.plan.predict import AcceptanceReference
+    from specbench.serve.prediction import predicted_settings
+
+    lookup = AcceptanceReference("prompt-lookup", "t", "d", max_chain=4, lookup_steps={4: ((0, 0), (4, 4))})
+    suffix = AcceptanceReference("suffix", "t", "d", max_chain=4, lookup_steps={4: ((2, 2), (4, 1))})
+    monkeypatch.setattr(library, "load_library", lambda: ([SHARED], [lookup, suffix]))
+    both = predicted_settings("t", None, ["prompt-lookup", "suffix"], [4])
+    f = lambda width: SHARED.forward_s(width, 256)  # noqa: E731
+    assert both["prompt-lookup k=4"]["tokens_per_s"] == pytest.approx((1 + 2) / ((f(1) + f(5)) / 2), abs=0.01)
+    assert both["suffix k=4"]["tokens_per_s"] == pytest.approx((1 + 1.5) / ((f(3) + f(5)) / 2), abs=0.01)
+    monkeypatch.setattr(library, "load_library", lambda: ([SHARED], [lookup]))
+    assert "missing" in predicted_settings("t", None, ["suffix"], [4])["suffix k=4"]
+
+
 def test_replay_together_adds_the_workers_own_work_per_round_and_can_keep_the_measured_verifies():
     """`HostCost`: a worker's own work per round (fixed + per row) is added to every round at its rows;
     with `alone_verifies`, records of a run through the same worker keep their measured server time and

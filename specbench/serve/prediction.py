@@ -17,14 +17,15 @@ def predicted_settings(target: str, draft: Optional[str], methods: Sequence[str]
     """{"<method> k=<k>": {tokens_per_s, usd_per_mtok, device}} or {...: {"missing": why}} per setting."""
     from specbench.plan.explore import cached_pairs, prediction_frame
     from specbench.plan.library import load_library
-    from specbench.plan.predict import LOOKUP_DRAFT, OperatingPoint
+    from specbench.plan.predict import LOOKUP_DRAFT, SUFFIX_DRAFT, OperatingPoint
 
     profiles, references = load_library()
     out = {}
     for name in methods:
         method = get_method(name)
         sizes = [0] if method.kind == "none" else list(ks)
-        drafted_by = None if method.kind == "none" else LOOKUP_DRAFT if method.lookup else draft
+        drafted_by = None if method.kind == "none" else draft if not method.lookup else (
+            SUFFIX_DRAFT if name.startswith("suffix") else LOOKUP_DRAFT)  # suffix decoding: its own reference
         pair = next(iter(cached_pairs(profiles, references, target, drafted_by, dtype=dtype)), None)
         for k in sizes:
             label = name if method.kind == "none" else f"{name} k={k}"
