@@ -52,7 +52,7 @@ def record_reference(target: ModelLike, draft: ModelLike, prompts, dataset: str,
     """Run the pair with a long chain (and trees at each budget) and keep per-step acceptance
     (counted in target tokens; a draft with another tokenizer also records its draft tokens per
     target token, which prices its drafting; `draft` "prompt-lookup" or "suffix": that method's own chains and
-    trees, each step kept whatever it drafted (`lookup_steps`)).
+    trees, each step kept whatever it drafted (`steps_at_k`)).
     `progress`: a bar per run (the chain, each tree budget), labelled with the pair or the string given.
     Each step keeps its prompt's index, and `families` (one per prompt) its family, so the reference can be
     narrowed to one family (`AcceptanceReference.for_family`)."""
@@ -109,7 +109,7 @@ def record_reference(target: ModelLike, draft: ModelLike, prompts, dataset: str,
     return AcceptanceReference(
         cross_tokenizer=",".join(cross), draft_per_target=draft_per_target,
         chain_hits=_hits(chain, max_chain, max_new_tokens, lookup),
-        lookup_steps=_lookup_steps(chain, max_chain, max_new_tokens, lookup),
+        steps_at_k=_run_steps(chain, max_chain, lookup),
         draft=draft_label or acceptance_label(draft_loaded.spec.label),
         target=target_name or acceptance_label(target_loaded.spec.label),
         dataset=dataset, rule=sampling.effective_rule, temperature=sampling.temperature, max_chain=max_chain,
@@ -134,12 +134,12 @@ def _hits(chain, max_chain: int, max_new_tokens: int, lookup: bool) -> dict:
     return {max_chain: round(float((asked["drafted"] == max_chain).mean()), 4)} if len(asked) else {}
 
 
-def _lookup_steps(chain, max_chain: int, max_new_tokens: int, lookup: bool) -> dict:
-    """Prompt lookup: (drafted, accepted) of each step asked for a full chain, partial matches included."""
-    if not lookup or "step_k" not in chain:
+def _run_steps(chain, max_chain: int, lookup: bool) -> dict:
+    """Prompt lookup, suffix decoding: (drafted, accepted) of every step of the run at `max_chain`, partial
+    matches and each output's capped last steps included (model drafts keep their full steps only)."""
+    if not lookup:
         return {}
-    asked = _asked(chain, max_chain, max_new_tokens)
-    pairs = tuple((int(d), int(a)) for d, a in zip(asked["drafted"], asked["accepted"]))
+    pairs = tuple((int(d), int(a)) for d, a in zip(chain["drafted"], chain["accepted"]))
     return {max_chain: pairs} if pairs else {}
 
 

@@ -220,7 +220,7 @@ def test_replay_together_runs_rounds_until_the_last_client_ends(packed):
         replay_speed(one, [10, 20], SHARED, clients=1, packed=packed))
 
 
-def test_prompt_lookup_steps_without_a_match_verify_one_token_and_accept_none():
+def test_prompt_run_steps_without_a_match_verify_one_token_and_accept_none():
     """`chain_hits`: the share of prompt-lookup steps that found a K-token chain; the rest verify the bonus
     alone, so tokens per step and the verify's cost are priced with that share, not the matched steps' own."""
     from specbench.plan.predict import AcceptanceReference, OperatingPoint, predict_step
@@ -236,7 +236,7 @@ def test_prompt_lookup_steps_without_a_match_verify_one_token_and_accept_none():
 
 
 def test_prompt_lookups_partial_matches_are_priced_at_their_own_widths(tmp_path):
-    """`lookup_steps`: prompt lookup's (drafted, accepted) per step. A partial match verifies 1 + drafted tokens
+    """`steps_at_k`: prompt lookup's (drafted, accepted) per step. A partial match verifies 1 + drafted tokens
     and may be accepted; pricing it as a miss (width 1, nothing accepted) made every lookup point look cheaper
     per step than it ran (humaneval K=6, 2026-11-26: 46% full matches, 24% partial, priced 98.6 ms a step where
     its steps took 112). A smaller K copies the same match's first K tokens: its steps follow from a larger K's.
@@ -246,20 +246,20 @@ def test_prompt_lookups_partial_matches_are_priced_at_their_own_widths(tmp_path)
 
     steps = ((0, 0), (2, 2), (4, 1), (4, 4))
     reference = AcceptanceReference("prompt-lookup", "t", "d", max_chain=4, chain_accepts=(1, 4),
-                                    chain_hits={4: 0.5}, lookup_steps={4: steps})
+                                    chain_hits={4: 0.5}, steps_at_k={4: steps})
     at4 = predict_step(OperatingPoint("prompt-lookup", k=4), SHARED, None, reference, context=256)
     assert at4.tokens_per_step == pytest.approx(1 + 7 / 4)
     f = lambda width: SHARED.forward_s(width, 256)  # noqa: E731
     assert at4.verify_s == pytest.approx((f(1) + f(3) + 2 * f(5)) / 4)
     at2 = predict_step(OperatingPoint("prompt-lookup", k=2), SHARED, None, reference, context=256)
-    assert reference.lookup_at(2) == ((0, 0), (2, 2), (2, 1), (2, 2))
+    assert reference.steps_at(2) == ((0, 0), (2, 2), (2, 1), (2, 2))
     assert at2.tokens_per_step == pytest.approx(1 + 5 / 4) and at2.verify_s == pytest.approx((f(1) + 3 * f(3)) / 4)
-    assert reference.lookup_at(6) == ()  # above what was recorded: the hit share prices it, as before
-    hits_only = dataclasses.replace(reference, lookup_steps={})
+    assert reference.steps_at(6) == ()  # above what was recorded: the hit share prices it, as before
+    hits_only = dataclasses.replace(reference, steps_at_k={})
     assert predict_step(OperatingPoint("prompt-lookup", k=4), SHARED, None, hits_only, context=256).verify_s == \
         pytest.approx(0.5 * f(5) + 0.5 * f(1))
     save_reference(reference, folder=tmp_path)
-    assert load_references(tmp_path)[0].lookup_steps == {4: steps}
+    assert load_references(tmp_path)[0].steps_at_k == {4: steps}
 
 
 def test_a_server_prices_suffix_decoding_from_its_own_reference_not_prompt_lookups(monkeypatch):
@@ -269,8 +269,8 @@ def test_a_server_prices_suffix_decoding_from_its_own_reference_not_prompt_looku
     from specbench.plan.predict import AcceptanceReference
     from specbench.serve.prediction import predicted_settings
 
-    lookup = AcceptanceReference("prompt-lookup", "t", "d", max_chain=4, lookup_steps={4: ((0, 0), (4, 4))})
-    suffix = AcceptanceReference("suffix", "t", "d", max_chain=4, lookup_steps={4: ((2, 2), (4, 1))})
+    lookup = AcceptanceReference("prompt-lookup", "t", "d", max_chain=4, steps_at_k={4: ((0, 0), (4, 4))})
+    suffix = AcceptanceReference("suffix", "t", "d", max_chain=4, steps_at_k={4: ((2, 2), (4, 1))})
     monkeypatch.setattr(library, "load_library", lambda: ([SHARED], [lookup, suffix]))
     both = predicted_settings("t", None, ["prompt-lookup", "suffix"], [4])
     f = lambda width: SHARED.forward_s(width, 256)  # noqa: E731

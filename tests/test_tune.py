@@ -7,10 +7,12 @@ import time
 
 import pytest
 
+from specbench.plan.predict import LatencyProfile
 from specbench.tune import TuneSpec, tune
 from specbench.types import SpecbenchError
 
 DRAFT = "tiny-random:seed=1,noise=0.005,noise_from=0"
+SHARED_PROFILE = LatencyProfile("t", "cpu", rows=((1, 256, 0.10, 1), (5, 256, 0.15, 1)))
 PROMPTS = tuple([(i * 7 + j * 3) % 90 + 3 for j in range(12)] for i in range(8))
 
 
@@ -145,36 +147,55 @@ def test_acceptance_replayed_from_target_only_outputs_is_what_sd_accepts(tiny_ta
             drafter_proposer(prompt + alone[("target-only", index)], PromptLookupDrafter()), k)]
         hit = sum(drafted == k for budget, drafted, _ in steps if budget == k) / sum(b == k for b, _, _ in steps)
         assert 0 < hit < 1 and _hits(sd, k, 24, lookup=True) == {k: round(hit, 4)}
-        # every step asked for K, partial matches included, replayed and recorded alike (lookup_steps)
-        from specbench.record import _lookup_steps
+        # every step, partial matches and capped last steps included, replayed and recorded alike (steps_at_k)
+        from specbench.record import _run_steps
 
-        pairs = [(drafted, accepted) for budget, drafted, accepted in steps if budget == k]
+        pairs = [(drafted, accepted) for _, drafted, accepted in steps]
         assert any(0 < drafted < k for drafted, _ in pairs)  # partial matches occur: the check can fail
-        assert _lookup_steps(sd, k, 24, lookup=True) == {k: tuple(pairs)}
+        assert _run_steps(sd, k, lookup=True) == {k: tuple(pairs)}
+    # every step of the run at each K, each output's capped last steps included (`steps_at_k`): what a tune
+    # prices a point's tokens per step and verify widths from, so its tokens per step are the run's exactly
+    from specbench.plan.predict import AcceptanceReference, OperatingPoint, predict_step
+    from specbench.tune.replay import held_back_reference
+
+    seed = AcceptanceReference("prompt-lookup" if draft == "prompt-lookup" else "d", "t", "x", max_chain=k,
+                               chain_accepts=(1,))
+    found = held_back_reference(seed, prompts, [alone[("target-only", i)] for i in range(len(prompts))],
+                                new_drafter=PromptLookupDrafter if draft == "prompt-lookup" else None,
+                                draft=None if draft == "prompt-lookup" else model, ks=(2, k))
+    for size in (2, k) if draft != "int8-dynamic" else (k,):  # a quantized draft is replayed at its K only
+        ran = sd if size == k else run(tiny_target, prompts, method=method, k=size, max_new_tokens=24,
+                                       draft=None if draft == "prompt-lookup" else model, progress=False,
+                                       warmup=False)
+        assert found.steps_at_k[size] == tuple(zip(ran["drafted"], ran["accepted"]))
+        assert any(d < size for d, _ in found.steps_at_k[size])  # capped or partial steps: the check can fail
+        point = predict_step(OperatingPoint(method, k=size), SHARED_PROFILE, None if draft == "prompt-lookup"
+                             else SHARED_PROFILE, found)
+        assert point.tokens_per_step == pytest.approx(float(ran["emitted"].mean()))
 
 
 def test_suffix_decodings_steps_replayed_from_target_only_outputs_are_what_sd_drafts_and_accepts(tiny_target, tmp_path):
     """Suffix decoding as a tune candidate: one drafter per K fed the held-back prompts in order, its cache
     taking each output as a run's does, drafts and accepts at every step what a real SD run of it records
-    (its steps of every length, `lookup_steps`), and the tune prices and measures it as a candidate."""
+    (its steps of every length, `steps_at_k`), and the tune prices and measures it as a candidate."""
     from specbench.api import outputs, run
     from specbench.decode.suffix_drafter import SuffixDrafter, SuffixSettings
     from specbench.plan.predict import AcceptanceReference
-    from specbench.record import _lookup_steps
+    from specbench.record import _run_steps
     from specbench.tune.replay import held_back_reference
 
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6], *[list(p) for p in PROMPTS[:3]], [5, 6, 7, 5, 6, 7, 5, 6]]
     alone = outputs(run(tiny_target, prompts, method="target-only", max_new_tokens=24, progress=False))
-    seed = AcceptanceReference("suffix", "t", "d", max_chain=4, lookup_steps={4: ((1, 1),)})
+    seed = AcceptanceReference("suffix", "t", "d", max_chain=4, steps_at_k={4: ((1, 1),)})
     replayed = held_back_reference(seed, prompts, [alone[("target-only", i)] for i in range(len(prompts))],
                                    new_drafter=lambda: SuffixDrafter(SuffixSettings(cache="drafter")), ks=(2, 4))
     for k in (2, 4):
         sd = run(tiny_target, prompts, method="suffix", k=k, max_new_tokens=24, progress=False, warmup=False,
                  suffix=SuffixSettings(cache="drafter"))
-        assert replayed.lookup_steps[k] == _lookup_steps(sd, k, 24, lookup=True)[k]
-        drafted = [d for d, _ in replayed.lookup_steps[k]]
+        assert replayed.steps_at_k[k] == _run_steps(sd, k, lookup=True)[k]
+        drafted = [d for d, _ in replayed.steps_at_k[k]]
         assert 0 in drafted and max(drafted) == k  # steps with nothing to draft and full ones: it can fail
-    assert any(0 < d < 4 for d, _ in replayed.lookup_steps[4])  # partial drafts, priced at their widths
+    assert any(0 < d < 4 for d, _ in replayed.steps_at_k[4])  # partial drafts, priced at their widths
     result = tune(spec(drafts=("suffix",), prompts=tuple(prompts) * 2, prompt_count=10), tmp_path, progress=False)
     assert (result.predicted["candidate"] == "suffix").any() and (result.measured["method"] == "suffix").any()
 

@@ -131,7 +131,7 @@ def predict_step(point: OperatingPoint, target: LatencyProfile, draft: Optional[
                  reference: Optional[AcceptanceReference], context: int = 256,
                  overhead_s: float = 0.0, bandwidth_mbps: float = 0.0) -> StepCost:
     lookup = reference is not None and reference.draft in FREE_DRAFTS  # drafting is free: no draft profile
-    steps = reference.lookup_at(point.k) if lookup and point.kind == "chain" else ()
+    steps = reference.steps_at(point.k) if reference is not None and point.kind == "chain" else ()
     accepted = reference.accepted(point.method, point.k) if reference and not steps else 0.0
     if point.kind != "none" and (reference is None or (draft is None and not lookup)):
         raise SpecbenchError(f"{point.label} needs a draft profile and an acceptance reference")
@@ -141,10 +141,11 @@ def predict_step(point: OperatingPoint, target: LatencyProfile, draft: Optional[
         width = int(reference.tree_width.get(point.k) or reference.tree_width.get(str(point.k)) or 1)
     full = reference.full_acceptance(point.k) if reference and point.kind == "chain" else 0.0
     hit = reference.hit_rate(point.k) if reference and point.kind == "chain" else 1.0
-    if steps:  # lookup's own steps at this K: partial matches priced at their widths, not as misses
-        widths = Counter(1 + drafted for drafted, _ in steps)
+    if steps:  # a run's own steps at this K: partial and capped drafts priced as they are, not as full ones
+        shares = {d: n / len(steps) for d, n in Counter(drafted for drafted, _ in steps).items()}
         return step_cost(point, target, draft, sum(a for _, a in steps) / len(steps), context, overhead_s,
-                         bandwidth_mbps, widths={w: n / len(steps) for w, n in widths.items()})
+                         bandwidth_mbps, draft_per_target=reference.draft_per_target, full_accept=full,
+                         drafted=shares)
     return step_cost(point, target, draft, accepted * hit, context, overhead_s, bandwidth_mbps, depth, width,
                      reference.draft_per_target if reference else 1.0, full, hit)
 
@@ -152,28 +153,33 @@ def predict_step(point: OperatingPoint, target: LatencyProfile, draft: Optional[
 def step_cost(point: OperatingPoint, target: LatencyProfile, draft: Optional[LatencyProfile], accepted: float,
               context: int = 256, overhead_s: float = 0.0, bandwidth_mbps: float = 0.0,
               tree_depth: float = 1.0, tree_width: int = 1, draft_per_target: float = 1.0,
-              full_accept: float = 0.0, hit: float = 1.0, widths: Optional[dict] = None) -> StepCost:
+              full_accept: float = 0.0, hit: float = 1.0, drafted: Optional[dict] = None) -> StepCost:
     """Seconds and bytes of one step at `point` when `accepted` drafts are accepted on average: the
     cost model that replay prediction and the per-step planner share. `draft_per_target`: draft-model
     tokens per proposed target token (1 unless the draft has another tokenizer); `full_accept`: the
     share of chain steps whose every draft token is accepted. No `draft` profile for a chain: drafting
     costs the step nothing (prompt lookup copies tokens from the context). `hit`: the share of chain
-    steps that draft at all (prompt lookup's matches); the rest verify one token. `widths`: {tokens verified:
-    share of steps} where the steps' widths are known (prompt lookup's partial matches), instead of `hit`."""
+    steps that draft at all (prompt lookup's matches); the rest verify one token. `drafted`: {tokens drafted:
+    share of steps} where a run's steps are known (partial matches, each output's capped last steps): each
+    verifies 1 + its drafts and a draft model drafts that many, instead of K and `hit`."""
     if point.kind == "chain" and draft is not None:
         # The draft's cache keeps the chain it fed (all but its last token), so its first forward
         # catches up on the bonus alone, or on its last token and the bonus after a fully accepted chain.
-        forwards = max(1.0, point.k * draft_per_target)
-        draft_s = (draft.forward_s((1 + full_accept) * draft_per_target, context)
-                   + (forwards - 1) * draft.forward_s(1, context))
+        def drafting(tokens: float) -> float:
+            forwards = max(1.0, tokens * draft_per_target)
+            return (draft.forward_s((1 + full_accept) * draft_per_target, context)
+                    + (forwards - 1) * draft.forward_s(1, context))
+
+        draft_s = (sum(share * drafting(d) for d, share in drafted.items() if d > 0) if drafted
+                   else drafting(point.k))
     elif point.kind == "tree" and draft is not None:
         draft_s = draft.forward_s(1, context) + (tree_depth - 1) * draft.forward_s(tree_width, context)
     else:
         draft_s = 0.0
     # every client's verify in one batched forward: each waits for the whole batch
     verify_s = target.forward_s(1 + (point.k if point.kind != "none" else 0), context, point.clients)
-    if widths and point.kind == "chain":
-        verify_s = sum(share * target.forward_s(w, context, point.clients) for w, share in widths.items())
+    if drafted and point.kind == "chain":
+        verify_s = sum(share * target.forward_s(1 + d, context, point.clients) for d, share in drafted.items())
     elif hit < 1.0 and point.kind == "chain":
         verify_s = hit * verify_s + (1 - hit) * target.forward_s(1, context, point.clients)
     up, down = bytes_per_step(point, accepted=accepted)

@@ -38,9 +38,11 @@ class AcceptanceReference:
     # verify the bonus token alone (`chain_accepts` keeps the full steps only, what a planner needs), so
     # tokens per step and the verify's width are priced with this share; empty: every step drafts
     chain_hits: dict = field(default_factory=dict)
-    # prompt lookup: K -> ((drafted, accepted), ...) of each step asked for K. A partial match verifies 1 +
-    # drafted tokens, not 1 or K + 1, so where a K has them, its steps are priced at their own widths
-    lookup_steps: dict = field(default_factory=dict)
+    # K -> ((drafted, accepted), ...) of every chain step of a run at K, each output's last steps (capped at
+    # what remains) included: prompt lookup's and suffix decoding's as recorded, any draft's as a tune
+    # replays it. A partial match verifies 1 + drafted tokens, not 1 or K + 1, and a capped step accepts
+    # less, so where a K has them, its steps are priced as they are (tokens and widths), not by full steps
+    steps_at_k: dict = field(default_factory=dict)
     # per-prompt rows: the prompt index of each chain step and of each tree step per budget, and each
     # prompt's family (e.g. Spec-Bench's category); empty in references recorded before they were kept
     chain_prompts: tuple[int, ...] = ()
@@ -78,12 +80,13 @@ class AcceptanceReference:
     @property
     def has_chains(self) -> bool:
         """Whether chain points can be priced: full chain steps, or (drafting by lookup) steps that drafted."""
-        return bool(self.chain_accepts) or any(d for steps in self.lookup_steps.values() for d, _ in steps)
+        return bool(self.chain_accepts) or any(d for steps in self.steps_at_k.values() for d, _ in steps)
 
-    def lookup_at(self, k: int) -> tuple:
-        """Prompt lookup's (drafted, accepted) per step asked for K: as recorded at K, else from the largest
-        K recorded above it (a step asked for fewer copies the same match's first K tokens), else empty."""
-        known = {int(size): steps for size, steps in self.lookup_steps.items()}
+    def steps_at(self, k: int) -> tuple:
+        """(drafted, accepted) per step of a run at K: as recorded at K, else from the largest K recorded above
+        it (a step asked for fewer drafts the first K of the same proposal: lookup's same match, a model's
+        same argmaxes), else empty."""
+        known = {int(size): steps for size, steps in self.steps_at_k.items()}
         if k in known:
             return tuple(tuple(step) for step in known[k])
         above = [size for size in known if size > k]

@@ -63,42 +63,40 @@ def model_proposer(full: Sequence[int], draft) -> Proposer:
 def held_back_reference(reference, prompts_ids: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
                         new_drafter: Optional[Callable[[], object]] = None, draft=None, ks: Sequence[int] = ()):
     """`reference` with its chain acceptance replaced by the held-back prompts' own, replayed from the
-    target-only outputs: by drafters of `new_drafter` (prompt lookup, suffix decoding: one per K of `ks`, fed
-    the prompts in order as a run's one drafter is, its cache taking each output as the run's does), whose
-    steps at every K are kept whatever they drafted (`lookup_steps`); else by `draft`, a model with the
-    target's tokenizer. None where it cannot be replayed (no chain steps in the reference, another
-    tokenizer, a sampled rule)."""
+    target-only outputs: by drafters of `new_drafter` (prompt lookup, suffix decoding: one per K, fed the
+    prompts in order as a run's one drafter is, its cache taking each output as the run's does), else by
+    `draft`, a model with the target's tokenizer (a quantized one: its own drafter per K, fed as SD feeds
+    it). Every step of a run at each K of `ks` is kept (`steps_at_k`: partial drafts and each output's
+    capped last steps included), besides the full steps at the reference's K. None where it cannot be
+    replayed (no chain steps in the reference, another tokenizer, a sampled rule)."""
     if not reference.has_chains or reference.cross_tokenizer or reference.rule != "greedy":
         return None
     from specbench.decode.drafters import ModelDrafter
 
-    lookup = new_drafter is not None  # every step at every K is replayed, partial matches included
-    k, accepts = reference.max_chain, []
-    steps = {size: [] for size in {k, *ks}} if lookup else {}
-    drafters = {size: new_drafter() for size in steps}
-    drafter = None
-    if not lookup and getattr(draft.spec, "quantization", "none") != "none":
-        drafter = ModelDrafter(draft, draft.vocab_size)  # one over the prompts in order, as SD's run has
+    lookup, k, accepts = new_drafter is not None, reference.max_chain, []
+    quantized = not lookup and getattr(draft.spec, "quantization", "none") != "none"
+    steps = {size: [] for size in ({k} if quantized else {k, *ks})}  # a quantized draft's drafting costs time:
+    if quantized:  # its own drafter, at the reference's K only (a smaller K derives from it, `steps_at`)
+        new_drafter = lambda: ModelDrafter(draft, draft.vocab_size)  # noqa: E731
+    drafters = {size: new_drafter() for size in steps} if new_drafter is not None else {}
     for prompt, output in zip(prompts_ids, outputs):
         full = list(prompt) + list(output)
-        if lookup:
-            walked = {size: chain_steps(full, len(prompt), drafter_proposer(full, drafters[size]), size)
-                      for size in steps}
-            for size, one in drafters.items():
-                if hasattr(one, "finish"):  # suffix decoding's cache takes the output, as after a generation
-                    one.finish(full)
-        else:
-            propose = drafter_proposer(full, drafter) if drafter is not None else model_proposer(full, draft)
-            walked = {k: chain_steps(full, len(prompt), propose, k)}
+        forced = model_proposer(full, draft) if not drafters else None  # one forward serves every K
+        walked = {size: chain_steps(full, len(prompt), forced or drafter_proposer(full, drafters[size]), size)
+                  for size in steps}
+        for one in drafters.values():
+            if hasattr(one, "finish"):  # suffix decoding's cache takes the output, as after a generation
+                one.finish(full)
         accepts += [accepted for _, drafted, accepted in walked[k] if drafted == k]
         for size in steps:
-            steps[size] += [(drafted, accepted) for budget, drafted, accepted in walked[size] if budget == size]
+            steps[size] += walked[size]
     if not accepts and not any(steps.values()):
         return None
-    hits = {size: round(sum(d == size for d, _ in found) / len(found), 4) for size, found in steps.items() if found}
+    asked = {size: [drafted == size for budget, drafted, _ in found if budget == size] for size, found in steps.items()}
+    hits = {size: round(sum(found) / len(found), 4) for size, found in asked.items() if found and lookup}
     return replace(reference, chain_accepts=tuple(accepts), chain_hits=hits or reference.chain_hits,
-                   lookup_steps={size: tuple(found) for size, found in steps.items() if found}
-                   or reference.lookup_steps, dataset=f"{reference.dataset} -> held-back replay")
+                   steps_at_k={size: tuple((d, a) for _, d, a in found) for size, found in steps.items() if found}
+                   or reference.steps_at_k, dataset=f"{reference.dataset} -> held-back replay")
 
 
 def drafting_steps(draft, prompts_ids: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]], k: int,
