@@ -31,6 +31,17 @@ def machine() -> dict:
             "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__}
 
 
+def device_agreement(frame, methods) -> tuple[dict, dict, int]:
+    """Rows of `device`, `method`, `prompt`, `text`: per device, how many texts equal the CPU's and how many
+    equal target-only's on the same device (lossless there), and how many (method, prompt) texts there are.
+    What the GPU smokes report: the same run on the device and on the CPU."""
+    texts = frame.pivot_table(index=["method", "prompt"], columns="device", values="text", aggfunc="first")
+    same = {device: int((texts[device] == texts["cpu"]).sum()) for device in texts.columns}
+    agree = {device: int(sum((texts.loc[method, device] == texts.loc["target-only", device]).sum()
+                             for method in methods)) for device in texts.columns}
+    return same, agree, len(texts)
+
+
 def write_report(out: str | Path, report: dict) -> None:
     """Write the benchmark's JSON with the date and machine it was measured on."""
     document = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(), **report}

@@ -20,7 +20,7 @@ import torch
 
 from specbench.hardware import device_name
 
-from common import RESULTS, write_report
+from common import RESULTS, device_agreement, write_report
 
 METHODS = ("target-only", "eagle", "eagle-tree", "suffix")
 TARGET = "tiny-random:seed=0,layers=4"
@@ -74,17 +74,14 @@ def main() -> None:
         rows = [row for device in args.devices for row in decode(head, prompts, device, args.max_new_tokens)]
     frame = pd.DataFrame(rows)
     frame["text"] = frame["tokens"].map(lambda ids: " ".join(map(str, ids)))
-    texts = frame.pivot_table(index=["method", "prompt"], columns="device", values="text", aggfunc="first")
-    same = {device: int((texts[device] == texts["cpu"]).sum()) for device in texts.columns}
-    agree = {device: int(sum((texts.loc[method, device] == texts.loc["target-only", device]).sum()
-                             for method in METHODS)) for device in texts.columns}
+    same, agree, outputs = device_agreement(frame, METHODS)
     accepted = frame.groupby(["device", "method"])["accepted_per_step"].mean().unstack("device")
     print(accepted.round(3).to_string())
-    for device in texts.columns:
-        print(f"{device}: {same[device]}/{len(texts)} outputs identical to the CPU's; "
-              f"{agree[device]}/{len(texts)} identical to target-only's on {device}")
+    for device in same:
+        print(f"{device}: {same[device]}/{outputs} outputs identical to the CPU's; "
+              f"{agree[device]}/{outputs} identical to target-only's on {device}")
     write_report(args.out, {"devices": {d: device_name(d) for d in args.devices}, "identical": same,
-                            "agree_with_target_only": agree, "outputs": len(texts),
+                            "agree_with_target_only": agree, "outputs": outputs,
                             "accepted_per_step": accepted.round(4).to_dict()})
 
 

@@ -19,7 +19,7 @@ from specbench.serve.background import BackgroundServer
 from specbench.serve.settings import ServeSettings
 from specbench.worker.launch import free_port
 
-from common import RESULTS, write_report
+from common import RESULTS, device_agreement, write_report
 from gpu_worker import save_model
 
 METHODS = ("target-only", "chain", "prompt-lookup")
@@ -65,20 +65,15 @@ def main() -> None:
         save_model("tiny-draft", torch.float32, str(folder / "draft"))
         rows = [row for device in args.devices for row in completions(folder, device, args)]
     frame = pd.DataFrame(rows)
-    texts = frame[frame["method"] != "(start)"].pivot_table(index=["method", "prompt"], columns="device",
-                                                            values="text", aggfunc="first")
-    reference = texts["cpu"]
-    same = {device: int((texts[device] == reference).sum()) for device in texts.columns}
     print(frame.drop(columns=["text"]).round(3).to_string(index=False))
     # lossless: every method's text is target-only's on the same device
-    agree = {device: int(sum((texts.loc[method, device] == texts.loc["target-only", device]).sum()
-                             for method in METHODS)) for device in texts.columns}
-    for device in texts.columns:
-        print(f"{device}: {same[device]}/{len(texts)} completions identical to the CPU's; "
-              f"{agree[device]}/{len(texts)} identical to target-only's on {device}")
+    same, agree, count = device_agreement(frame[frame["method"] != "(start)"], METHODS)
+    for device in same:
+        print(f"{device}: {same[device]}/{count} completions identical to the CPU's; "
+              f"{agree[device]}/{count} identical to target-only's on {device}")
     write_report(args.out, {"devices": {d: device_name(d) for d in args.devices}, "identical": same,
                             "agree_with_target_only": agree,
-                            "completions": len(texts), "rows": rows, "args": vars(args)})
+                            "completions": count, "rows": rows, "args": vars(args)})
 
 
 if __name__ == "__main__":
