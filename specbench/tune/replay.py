@@ -73,7 +73,7 @@ def held_back_reference(reference, prompts_ids: Sequence[Sequence[int]], outputs
         return None
     from specbench.decode.drafters import ModelDrafter
 
-    lookup, k, accepts = new_drafter is not None, reference.max_chain, []
+    lookup, k = new_drafter is not None, reference.max_chain
     quantized = not lookup and getattr(draft.spec, "quantization", "none") != "none"
     steps = {size: [] for size in ({k} if quantized else {k, *ks})}  # a quantized draft's drafting costs time:
     if quantized:  # its own drafter, at the reference's K only (a smaller K derives from it, `steps_at`)
@@ -82,14 +82,11 @@ def held_back_reference(reference, prompts_ids: Sequence[Sequence[int]], outputs
     for prompt, output in zip(prompts_ids, outputs):
         full = list(prompt) + list(output)
         forced = model_proposer(full, draft) if not drafters else None  # one forward serves every K
-        walked = {size: chain_steps(full, len(prompt), forced or drafter_proposer(full, drafters[size]), size)
-                  for size in steps}
-        for one in drafters.values():
-            if hasattr(one, "finish"):  # suffix decoding's cache takes the output, as after a generation
-                one.finish(full)
-        accepts += [accepted for _, drafted, accepted in walked[k] if drafted == k]
         for size in steps:
-            steps[size] += walked[size]
+            steps[size] += chain_steps(full, len(prompt), forced or drafter_proposer(full, drafters[size]), size)
+            if hasattr(drafters.get(size), "finish"):  # suffix decoding's cache takes the output, as a run's does
+                drafters[size].finish(full)
+    accepts = [accepted for _, drafted, accepted in steps[k] if drafted == k]  # full steps at the reference's K
     if not accepts and not any(steps.values()):
         return None
     asked = {size: [drafted == size for budget, drafted, _ in found if budget == size] for size, found in steps.items()}
