@@ -9,7 +9,7 @@ prompt-lookup reference, following the batch size the worker reports (shorter lo
 `--methods target-only chain` runs a draft model in every client process (on this box the clients'
 drafts and the worker share the same cores, which the measurement then includes), or with `--draft-replay`
 emulates clients on other hosts (the draft runs alone here first; each client replays its proposals,
-sleeping the seconds each took: `replay_draft.py`). Every greedy output is
+sleeping the seconds each took: `decode/replay_drafter.py`). Every greedy output is
 compared with the same prompt decoded alone in this process (fp32 by default, `--dtype`); a difference is shown with the
 target's top-2 logit gap at the first differing token (a near-tie means batched shapes changed
 the rounding). With batching on, SD's speedup over target-only per client count is also predicted
@@ -66,7 +66,7 @@ TARGETS = {"smollm2": "smollm2-135m", "qwen": "qwen2.5-coder-1.5b"}
 
 
 _client_draft = None  # each client process's draft model, loaded once when the pool starts
-_client_replay = None  # or, with --draft-replay, the draft's recorded proposals (replay_draft.py)
+_client_replay = None  # or, with --draft-replay, the draft's recorded proposals (decode/replay_drafter.py)
 
 
 def load_client_draft(spec, proposals=None) -> None:
@@ -84,7 +84,7 @@ def decode_one(remote, prompt, job: dict) -> tuple[list[int], pd.DataFrame, int]
                       max_new_tokens=job["max_new_tokens"], draft=_client_draft, planner=job["planner"],
                       progress=False, warmup=False)
         return outputs(records)[(job["method"], 0)], records, 0
-    from replay_draft import ReplayDrafter
+    from specbench.decode.replay_drafter import ReplayDrafter
 
     drafter = ReplayDrafter(_client_replay)
     result = generate(remote, drafter, prompt, Decoding(job["k"], job["max_new_tokens"], method="chain", kind="chain"))
@@ -288,7 +288,7 @@ def decode_alone(loaded, prompts, method: str, args):
 
 def record_drafts(loaded, prompts, args) -> dict:
     """The draft's proposals for every prompt the clients will decode (each client's `--rounds`), alone."""
-    from replay_draft import record
+    from specbench.decode.replay_drafter import record
     from specbench.decode.drafters import ModelDrafter
     from specbench.decode.target import LocalTarget
 
@@ -346,7 +346,7 @@ def main():
     parser.add_argument("--fast-backend", default="compile", help="the fast workers' backend")
     parser.add_argument("--draft-replay", action="store_true",
                         help="clients on other hosts, emulated: the --draft runs alone here first and each client "
-                             "replays its proposals, sleeping the seconds each took (replay_draft.py), so the "
+                             "replays its proposals, sleeping the seconds each took (decode/replay_drafter.py), so the "
                              "clients take no cores or memory from the worker; with --duration, each client "
                              "cycles through its --rounds prompts (the ones recorded)")
     parser.add_argument("--one-worker", action="store_true",
@@ -441,7 +441,7 @@ def main():
     speedups = speedup_table(table, loaded_spec.label, alone_records, [len(prompts[i]) for i in firsts],
                              round_trip_s, packed, args)
     if speedups is not None:
-        print(f"\n== SD speedup over target-only per client, batching on: predicted vs measured ==")
+        print("\n== SD speedup over target-only per client, batching on: predicted vs measured ==")
         print(speedups.round(3).to_string(index=False))
     if args.save_measured:
         save_measured(table, name, args)

@@ -66,7 +66,7 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
         dtype: str = "float32", chat: bool = True, warmup: bool = True, progress: bool | str = True,
         tokenizer=None, tree: TreeShape = TreeShape(), proactive: bool = False, planner=None,
         cross_tokenizer: str = "auto", fast: bool | str | None = None, suffix=None, router=None,
-        families: Optional[Sequence[str]] = None) -> pd.DataFrame:
+        families: Optional[Sequence[str]] = None, wrap_drafter=None) -> pd.DataFrame:
     """Run each method over each prompt and return one row per speculative step.
 
     `target` is a catalog name, Hugging Face id, path, ModelSpec, LoadedModel, LocalTarget or
@@ -89,6 +89,8 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
     this call's prompts only; "off": each prompt drafts from itself).
     Method "auto" routes each prompt to the method and K a `router` (`specbench.route`) predicts fastest for it
     (`families`: each prompt's family, when known, which the router may use); its rows say what was chosen.
+    `wrap_drafter` is given each drafter built and returns the one to use: e.g. recording its proposals, or
+    replaying recorded ones as clients on other hosts would (`decode/replay_drafter.py`).
     """
     sampling = sampling or SamplingParams()
     names = [method] if isinstance(method, str) else list(method)
@@ -116,7 +118,7 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
     device = str(target.device) if target_model else None  # a remote worker's peak is its own
     shared = dict(target=target, source=source, prompt_ids=prompt_ids, k=k, max_new_tokens=max_new_tokens,
                   sampling=sampling, seed=seed, warmup=warmup, draft=draft, bar=bar, device=device,
-                  target_bytes=target_bytes)
+                  target_bytes=target_bytes, wrap=wrap_drafter or (lambda drafter: drafter))
     for chosen in methods:
         if chosen is None:
             rows += _run_auto(router, families, **shared)
@@ -127,9 +129,9 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
 
 
 def _run_method(chosen, planner, proactive, *, target, source, prompt_ids, k, max_new_tokens, sampling, seed, warmup,
-                draft, bar, device, target_bytes) -> list[dict]:
+                draft, bar, device, target_bytes, wrap) -> list[dict]:
     bar.set_postfix_str(f"{chosen.name}, k={k}, {max_new_tokens} tokens")
-    drafter = chosen.build(source) if chosen.build else None
+    drafter = wrap(chosen.build(source)) if chosen.build else None
     planned = planner if chosen.plannable else None  # baselines in the same call run as they are
     decoding = Decoding(k, max_new_tokens, sampling, f"{chosen.name}+planner" if planned else chosen.name,
                         chosen.kind, planned)
@@ -148,7 +150,7 @@ def _run_method(chosen, planner, proactive, *, target, source, prompt_ids, k, ma
 
 
 def _run_auto(router, families, *, target, source, prompt_ids, k, max_new_tokens, sampling, seed, warmup, draft, bar,
-              device, target_bytes) -> list[dict]:
+              device, target_bytes, wrap) -> list[dict]:
     """Each prompt through the method and K the router predicts best for it; each row says what was chosen,
     how long choosing took, and every candidate's predicted tokens/s (the reason)."""
     import json
@@ -162,7 +164,8 @@ def _run_auto(router, families, *, target, source, prompt_ids, k, max_new_tokens
             _check(method, target, None)
             decoding = Decoding(max(1, candidate.k), max_new_tokens, sampling, "auto", method.kind)
             built[candidate] = one = dict(target=target, method=method, decoding=decoding, draft=draft,
-                                          drafter=method.build(source) if method.build else None, proactive=False)
+                                          drafter=wrap(method.build(source)) if method.build else None,
+                                          proactive=False)
             if warmup:
                 _warm_up(prompt_ids[0], seed, one, source)
         return built[candidate]

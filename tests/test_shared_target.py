@@ -73,19 +73,14 @@ def test_a_fast_worker_batches_its_clients_verifies(tiny_target, tiny_draft):
 
 
 def test_a_replayed_draft_proposes_what_the_draft_did_as_slowly_as_it_did(tiny_target, tiny_draft):
-    """benchmarks/replay_draft.py, the concurrency benchmark's clients on other hosts: replaying the
+    """decode/replay_drafter.py, clients on other hosts (the tune's and the concurrency benchmark's): replaying the
     recorded proposals decodes step for step as the draft model does (same drafts, same verdicts,
     each step's drafting at least as long as recorded); a context never recorded is a counted miss
     whose output is still the target's."""
-    import sys
-    from pathlib import Path
-
     from specbench.decode.drafters import ModelDrafter
     from specbench.decode.loop import Decoding, generate
+    from specbench.decode.replay_drafter import ReplayDrafter, context_key, record
     from specbench.decode.target import LocalTarget
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from replay_draft import ReplayDrafter, context_key, record
 
     target, decoding = LocalTarget(tiny_target), Decoding(3, 20, method="chain", kind="chain")
     drafter = lambda: ModelDrafter(tiny_draft, tiny_target.vocab_size)  # noqa: E731

@@ -319,6 +319,49 @@ def test_a_tune_through_a_worker_measures_each_client_count_with_its_clients_at_
         worker.stop()
 
 
+def test_a_model_draft_under_load_replays_what_it_drafted_alone(tmp_path, monkeypatch):
+    """Through a worker, a model draft's one-client point records its proposals; at two clients each client
+    replays them (the draft model is never called: the users' drafts run on their own devices) and decodes
+    step for step as the draft did alone, with its outputs the target's; a point measured before proposals
+    were kept is measured again at one client rather than replayed from nothing."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from worker_helpers import ThreadWorker
+
+    from specbench.decode.drafters import ModelDrafter
+    from specbench.models.loading import load_model
+    from specbench.models.spec import ModelSpec
+    from specbench.tune import phases
+    from specbench.tune.spec import candidate
+    from specbench.worker.client import RemoteTarget
+
+    worker = ThreadWorker(batch_wait_ms="50")
+    try:
+        tuned, store = spec(endpoint=worker.endpoint, clients=(1, 2)), phases.Store(tmp_path)
+        draft, chosen = load_model(ModelSpec(DRAFT)), candidate(DRAFT)
+        held = [list(p) for p in PROMPTS[3:6]]
+        remote = RemoteTarget(worker.endpoint)
+        alone = phases.measure(store, remote, chosen, "chain", 2, held, draft, tuned, False)
+        key = phases.point_key(tuned, chosen, "chain", 2, held)
+        assert (tmp_path / "measured" / f"{key}.proposals.json").exists()
+        monkeypatch.setattr(ModelDrafter, "propose", lambda *a, **k: pytest.fail("a replaying client drafted"))
+        both = phases.measure(store, remote, chosen, "chain", 2, held, draft, tuned, False, clients=2)
+        assert (both["replay_misses"] == 0).all() and both["batch_size"].max() == 2
+        steps = lambda frame, i: frame.loc[frame["prompt_index"] == i, ["drafted", "accepted"]].values.tolist()  # noqa
+        for index in range(len(held)):
+            ran = both[(both["prompt_index"] == index)]
+            first = ran[ran["client"] == ran["client"].min()]
+            assert steps(first, index) == steps(alone, index), index
+        monkeypatch.undo()
+        (tmp_path / "measured" / f"{key}.proposals.json").unlink()  # as if measured before proposals were kept
+        again = phases.measure(store, remote, chosen, "chain", 2, held, draft, tuned, False)
+        assert (tmp_path / "measured" / f"{key}.proposals.json").exists() and len(again) == len(alone)
+    finally:
+        worker.stop()
+
+
 def test_a_drafts_first_point_is_priced_from_its_own_drafting_timed_now(tiny_target, tiny_draft):
     """`replay.drafting_steps` runs the draft's drafter over the target's outputs, the steps SD takes (the
     same accepted counts as SD records), timed; `Calibrator.drafting` prices the draft from them in mode

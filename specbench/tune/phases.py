@@ -105,11 +105,16 @@ def reference(store: Store, target, candidate: Candidate, draft, prompts: list, 
 def measure(store: Store, target, candidate: Candidate, method: str, k: int, prompts: list, draft, spec: TuneSpec,
             progress, clients: int = 1) -> pd.DataFrame:
     """Records of `method` at `k` on the held-back prompts, cached per point; `clients` above 1 decode at
-    once against the worker `target` talks to (`together`), with a `client` column."""
+    once against the worker `target` talks to (`together`), with a `client` column. Through a worker, a
+    model draft is recorded at one client and replayed at more (`decode/replay_drafter.py`: the users'
+    drafts run on their own devices, not on the cores this box's worker needs)."""
     key = point_key(spec, candidate, method, k, prompts, clients)
+    drafting = bool(spec.endpoint) and candidate.method not in FREE and method != "target-only"
+    proposals_path = store.folder / "measured" / f"{key}.proposals.json"
     found = store.measured(key)
-    if found is not None:
+    if found is not None and not (drafting and clients == 1 and not proposals_path.exists()):
         return found
+    from specbench.decode.replay_drafter import RecordingDrafter, load_proposals, save_proposals
     from specbench.decode.suffix_drafter import SuffixSettings
 
     label = f"tune: measure {candidate.name} {method} k={k}" + (f", {clients} clients" if clients > 1 else "")
@@ -119,11 +124,20 @@ def measure(store: Store, target, candidate: Candidate, method: str, k: int, pro
                dtype=spec.dtype, seed=spec.seed, warmup=False, tokenizer=getattr(target, "tokenizer", None),
                suffix=SuffixSettings(cache="drafter"))  # suffix decoding's cache: this run's prompts only
     if clients > 1:
-        records = together(target.endpoint, clients, prompts, job, label if progress else False)
+        proposals = None
+        if drafting:  # the draft alone first (one client), then replayed by every client
+            measure(store, target, candidate, method, k, prompts, draft, spec, progress)
+            proposals = load_proposals(store.folder / "measured" / f"{point_key(spec, candidate, method, k, prompts)}"
+                                                                  f".proposals.json")
+        records = together(target.endpoint, clients, prompts, job, label if progress else False, proposals)
     else:
         from specbench.api import run
 
-        records = run(target, prompts, **job, progress=label if progress else False)
+        recorded: dict = {}
+        wrap = (lambda drafter: RecordingDrafter(drafter, recorded)) if drafting else None  # noqa: E731
+        records = run(target, prompts, **job, progress=label if progress else False, wrap_drafter=wrap)
+        if drafting:
+            save_proposals(proposals_path, recorded)
     # target-only keeps its tokens: the held-back prompts' acceptance is replayed from them (`tune/replay.py`)
     dropped = ("tree_widths",) if method == "target-only" else ("emitted_tokens", "tree_widths")
     records = records.drop(columns=[c for c in dropped if c in records])
@@ -131,10 +145,12 @@ def measure(store: Store, target, candidate: Candidate, method: str, k: int, pro
     return records
 
 
-def together(endpoint: str, clients: int, prompts: list, job: dict, progress) -> pd.DataFrame:
+def together(endpoint: str, clients: int, prompts: list, job: dict, progress, proposals: Optional[dict] = None
+             ) -> pd.DataFrame:
     """`clients` clients decoding at once against the worker at `endpoint`, each its own connection and
     drafter, released together; each decodes the same number of prompts (client c takes prompts c,
-    c + clients, ..., wrapping round), so batches stay full but for the last steps' tail.
+    c + clients, ..., wrapping round), so batches stay full but for the last steps' tail. With recorded
+    `proposals` each client replays them (a `replay_misses` column counts contexts never met alone).
     Why threads, not processes: a client spends its step waiting on the worker (the socket wait releases
     the GIL) or in the draft's torch ops (which release it too); one loaded draft serves them all."""
     import math
@@ -142,6 +158,7 @@ def together(endpoint: str, clients: int, prompts: list, job: dict, progress) ->
     from concurrent.futures import ThreadPoolExecutor
 
     from specbench.api import run
+    from specbench.decode.replay_drafter import ReplayDrafter
     from specbench.worker.client import RemoteTarget
 
     share = math.ceil(len(prompts) / clients)
@@ -150,9 +167,17 @@ def together(endpoint: str, clients: int, prompts: list, job: dict, progress) ->
     def client(index: int) -> pd.DataFrame:
         chosen = [(index + clients * turn) % len(prompts) for turn in range(share)]
         remote = RemoteTarget(endpoint, timeout_s=120, retries=0)
+        replays: list = []
+
+        def replayed(drafter):
+            replays.append(ReplayDrafter(proposals, draft=getattr(drafter, "draft", None)))
+            return replays[-1]
+
         start.wait()
-        records = run(remote, [prompts[i] for i in chosen], **job, progress=progress if index == 0 else False)
-        return records.assign(prompt_index=[chosen[i] for i in records["prompt_index"]], client=index)
+        records = run(remote, [prompts[i] for i in chosen], **job, progress=progress if index == 0 else False,
+                      wrap_drafter=replayed if proposals is not None else None)
+        return records.assign(prompt_index=[chosen[i] for i in records["prompt_index"]], client=index,
+                              replay_misses=sum(replay.misses for replay in replays))
 
     with ThreadPoolExecutor(clients) as pool:
         return pd.concat(list(pool.map(client, range(clients))), ignore_index=True)
