@@ -259,3 +259,42 @@ def test_loaded_records_know_their_origin_and_a_noisy_profile_is_flagged(tmp_pat
     [own] = load_profiles(tmp_path)
     assert own.origin == "own" and own.noise == 0.45 and own.sitting
     assert {p.origin for p in load_profiles(PROFILES)} == {"shipped"}
+
+
+def test_prompt_lookup_and_suffix_join_their_targets_view_priced_with_free_drafting():
+    """`free_drafts`: prompt lookup's and suffix decoding's references (no draft profile) join the view of the
+    target profile a model draft pairs with on their prompt set, priced as the predictor prices them alone
+    (drafting free, no draft memory); the explorer offers them under draft quant "none" and can recommend
+    them; without `free_drafts` nothing changes."""
+    from specbench.plan.explore import matching_pairs, target_groups, variants_frame
+    from specbench.viz.explorer import ParetoExplorer
+
+    steps = {4: ((4, 3), (4, 4), (2, 2), (0, 0), (4, 1))}
+    lookup = AcceptanceReference("prompt-lookup", "big", "synthetic", max_chain=4, chain_accepts=(3, 4, 1),
+                                 steps_at_k=steps)
+    suffix = AcceptanceReference("suffix", "big", "synthetic", max_chain=4, chain_accepts=(4, 4),
+                                 steps_at_k={4: ((4, 4), (4, 4), (3, 3))})
+    elsewhere = AcceptanceReference("prompt-lookup", "big", "other-set", max_chain=4, chain_accepts=(2,))
+    references = [REFERENCE, lookup, suffix, elsewhere]
+    assert matching_pairs([TARGET, DRAFT], references) == [(TARGET, DRAFT, REFERENCE)]
+    pairs = matching_pairs([TARGET, DRAFT], references, free_drafts=True)
+    assert pairs[:1] == [(TARGET, DRAFT, REFERENCE)]
+    assert (TARGET, None, lookup) in pairs and (TARGET, None, suffix) in pairs
+    assert (TARGET, None, elsewhere) in pairs  # no model pair on its prompt set: every profile of its target
+    groups = target_groups(pairs)
+    assert len(groups) == 2 and [len(combos) for combos in groups.values()] == [3, 1]
+    combos = next(iter(groups.values()))
+    points = lambda reference: operating_points(reference, chain_ks=(2, 4))  # noqa: E731
+    frame = variants_frame(combos, points)
+    alone = prediction_frame(TARGET, None, lookup, points(lookup)).set_index("label")
+    free = frame[frame["draft"] == "prompt-lookup"]
+    assert set(free["label"]) == {f"prompt-lookup: chain K={k} (local)" for k in (2, 4)}
+    assert (free["draft_memory_bytes"] == 0).all() and free["fits"].all()
+    for k in (2, 4):
+        got = free.set_index("label").loc[f"prompt-lookup: chain K={k} (local)", "tokens_per_s"]
+        assert got == pytest.approx(alone.loc[f"chain K={k} (local)", "tokens_per_s"])
+    assert set(frame["draft"]) == {"small", "prompt-lookup", "suffix"} and frame["label"].is_unique
+    explorer = ParetoExplorer(groups, places=("local",))
+    assert explorer.controls["draft_quant"].options == ("none",)
+    explorer.controls["cs"].value = 0.0
+    assert explorer.frame is not None and recommend(explorer.frame, 0.0)["draft"] == "suffix"  # 4.4 tokens a step

@@ -82,8 +82,8 @@ def target_groups(combos: Sequence[tuple]) -> dict[str, list[tuple]]:
     chosen: dict[tuple, tuple] = {}
     for combo in combos:  # several references of one pair on one prompt set: the one with most steps
         target, draft, reference = combo
-        pair = (target.model, target.device, target.dtype, target.forward, draft.model, reference.dataset,
-                origin_label(target))
+        pair = (target.model, target.device, target.dtype, target.forward, draft_name(draft, reference),
+                reference.dataset, origin_label(target))
         if pair not in chosen or len(reference.chain_accepts) > len(chosen[pair][2].chain_accepts):
             chosen[pair] = combo
     groups: dict[tuple, list[tuple]] = {}
@@ -93,7 +93,7 @@ def target_groups(combos: Sequence[tuple]) -> dict[str, list[tuple]]:
         groups.setdefault((view, origin_label(target)), []).append((target, draft, reference))
     titled = {}
     for (view, origin), combos in groups.items():
-        noise = max((p.noise or 0.0 for combo in combos for p in combo[:2]), default=0.0)
+        noise = max((p.noise or 0.0 for combo in combos for p in combo[:2] if p is not None), default=0.0)
         busy = f" · busy machine: spread {noise:.2f}" if noise >= NOISY_SPREAD else ""
         titled[f"{view}{f' · {origin}' if origin else ''}{busy}"] = combos
     return titled
@@ -119,10 +119,12 @@ def variants_frame(combos: Sequence[tuple], points, prices: Prices = Prices(), p
             solo = frame["kind"] == "none"
         alone.add(target.model)
         frame["target"], frame["target_quantization"] = target.model, target.quantization
-        frame["draft"], frame["draft_quantization"] = draft.model, draft.quantization
-        frame["variant"] = [f"{target.model} alone" if s else f"{draft.model} -> {target.model}" for s in solo]
-        frame["label"] = [f"{target.model if s else draft.model}: {label}" for s, label in zip(solo, frame["label"])]
-        memory = draft.memory_bytes(context) if draft.weight_bytes else float("nan")
+        name = draft_name(draft, reference)
+        frame["draft"], frame["draft_quantization"] = name, draft.quantization if draft else "none"
+        frame["variant"] = [f"{target.model} alone" if s else f"{name} -> {target.model}" for s in solo]
+        frame["label"] = [f"{target.model if s else name}: {label}" for s, label in zip(solo, frame["label"])]
+        # a free draft (prompt lookup, suffix decoding) holds no weights on the draft device
+        memory = 0.0 if draft is None else draft.memory_bytes(context) if draft.weight_bytes else float("nan")
         frame["draft_memory_bytes"] = [0.0 if s else memory for s in solo]
         frames.append(frame)
     if not frames:
@@ -213,13 +215,36 @@ def measured_points(records: pd.DataFrame, prices: Prices = Prices(), power: Pow
 
 
 def matching_pairs(profiles: Sequence[LatencyProfile], references: Sequence[AcceptanceReference],
-                   target: Optional[str] = None,
-                   mix_origins: bool = False) -> list[tuple[LatencyProfile, LatencyProfile, AcceptanceReference]]:
-    """(target profile, draft profile, reference) for every reference whose target and draft were both
+                   target: Optional[str] = None, mix_origins: bool = False,
+                   free_drafts: bool = False) -> list[tuple]:
+    """(target profile, draft profile or None, reference) for every reference whose target and draft were both
     profiled on one device: the combinations a Pareto view can predict. A target profile pairs only with
     a draft profile of the same origin (shipped with shipped; a user's own with own ones of the same
     sitting, date and host), since a pair timed on different days or machines states were never side
-    by side; `mix_origins` lifts that (a view's title still names the target's origin)."""
+    by side; `mix_origins` lifts that (a view's title still names the target's origin). `free_drafts` adds
+    prompt lookup's and suffix decoding's references with no draft profile (None: drafting costs nothing),
+    beside the target profiles that already pair with a model draft on that prompt set (else every
+    profile of the target), so they join the views a user compares them in."""
+    pairs = _model_pairs(profiles, references, target, mix_origins)
+    if free_drafts:
+        from specbench.plan.reference import FREE_DRAFTS
+
+        heads = {(id(t), reference.dataset) for t, _, reference in pairs}
+        for reference in references:
+            if reference.draft not in FREE_DRAFTS or (target and reference.target != target):
+                continue
+            targets = [p for p in profiles if acceptance_label(p.model) == reference.target]
+            joined = [p for p in targets if (id(p), reference.dataset) in heads]
+            pairs += [(p, None, reference) for p in joined or targets]
+    return pairs
+
+
+def draft_name(draft: Optional[LatencyProfile], reference: AcceptanceReference) -> str:
+    """A combo's draft as views name it: the draft model, or the reference's drafting (`prompt-lookup`, `suffix`)."""
+    return draft.model if draft is not None else reference.draft
+
+
+def _model_pairs(profiles, references, target, mix_origins) -> list[tuple]:
     pairs = []
     for reference in references:
         if target and reference.target != target:
@@ -280,13 +305,15 @@ def break_even_frame(target: LatencyProfile, draft: LatencyProfile, reference: O
 def pair_predictions(profiles: Sequence[LatencyProfile], references: Sequence[AcceptanceReference],
                      rtts_ms: Sequence[float] = (), target: Optional[str] = None, prices: Prices = Prices(),
                      power: Power = Power(), context: int = 256, cost: str = "total_cost",
-                     draft_budget_bytes: Optional[float] = None) -> list[dict]:
+                     draft_budget_bytes: Optional[float] = None, free_drafts: bool = False) -> list[dict]:
     """One predicted frame per cached target family (the `pareto` command's and the demo report's sections),
-    every draft and quantization of it together: local, plus remote at each RTT."""
+    every draft and quantization of it together: local, plus remote at each RTT (`free_drafts`: prompt
+    lookup's and suffix decoding's references too)."""
     sections = []
-    for title, combos in target_groups(matching_pairs(profiles, references, target=target)).items():
+    for title, combos in target_groups(matching_pairs(profiles, references, target=target,
+                                                      free_drafts=free_drafts)).items():
         points = lambda reference: operating_points(reference, rtts_ms=rtts_ms, remote=bool(rtts_ms))
-        drafts = ", ".join(sorted({draft.model for _, draft, _ in combos}))
+        drafts = ", ".join(sorted({draft_name(draft, reference) for _, draft, reference in combos}))
         sections.append({"title": f"{title}: drafts {drafts}", "target": combos[0][0],
                          "predicted": variants_frame(combos, points, prices, power, context, cost,
                                                      draft_budget_bytes)})

@@ -92,9 +92,9 @@ class ParetoExplorer:
         self._syncing = True
         try:
             combos = self.groups[self.controls["target"].value]
-            for name, of in (("target_quant", lambda combo: combo[0]), ("draft_quant", lambda combo: combo[1])):
+            for name, of in (("target_quant", lambda combo: combo[0].quantization), ("draft_quant", _draft_quant)):
                 control = self.controls[name]
-                options = sorted({of(combo).quantization for combo in combos}, key=_quantization_order)
+                options = sorted({of(combo) for combo in combos}, key=_quantization_order)
                 with control.hold_sync():
                     control.options = options
                     control.value = tuple(options)
@@ -114,7 +114,7 @@ class ParetoExplorer:
         """The (target, draft, reference) combos the quantization pickers let through."""
         c = self.controls
         return [combo for combo in self.groups[c["target"].value]
-                if combo[0].quantization in c["target_quant"].value and combo[1].quantization in c["draft_quant"].value]
+                if combo[0].quantization in c["target_quant"].value and _draft_quant(combo) in c["draft_quant"].value]
 
     def budget_bytes(self) -> Optional[float]:
         c = self.controls
@@ -192,6 +192,11 @@ class ParetoExplorer:
             return None
         self.frame = frame
         return frame
+
+
+def _draft_quant(combo: tuple) -> str:
+    """A combo's draft quantization; prompt lookup and suffix decoding (no draft model) count as "none"."""
+    return combo[1].quantization if combo[1] is not None else "none"
 
 
 def _quantization_order(name: str) -> int:
