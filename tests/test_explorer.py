@@ -74,8 +74,8 @@ assert all(any(reason in m for reason in ("choose local, remote or both", "pick 
 for title, combos in groups.items():
     explorer.controls["target"].value = title
     assert set(explorer.controls["target_quant"].options) == {t.quantization for t, _, _ in combos}
-    assert set(explorer.controls["draft_quant"].options) == {d.quantization for _, d, _ in combos}
-    assert set(explorer.frame["draft"]) - {None} <= {d.model for _, d, _ in combos}
+    assert set(explorer.controls["draft_quant"].options) == {d.quantization if d else "none" for _, d, _ in combos}
+    assert set(explorer.frame["draft"]) - {None} <= {draft_name(d, r) for _, d, r in combos}
 assert checked >= 100, checked  # every control: each option, pair and all; 11 stops a slider
 '''
 
