@@ -94,14 +94,40 @@ def test_a_rerun_resumes_and_a_killed_tune_resumes_where_it_stopped(tmp_path):
     (dict(endpoint="tcp://127.0.0.1:9"), "unreachable"),
     (dict(clients=(1, 4)), "give a worker endpoint"),
     (dict(objective="speed"), "unknown objective 'speed'"),
+    (dict(drafts=("eagle:/no/such/head",)), "draft head '/no/such/head': not a folder holding a head"),
 ], ids=["unknown-draft", "budget-too-small", "no-prompts", "unreachable-worker", "clients-without-worker",
-        "unknown-objective"])
+        "unknown-objective", "not-a-head"])
 def test_bad_inputs_are_refused_by_name_before_any_work(tmp_path, overrides, message):
     started = time.perf_counter()
     with pytest.raises(SpecbenchError, match=message):
         tune(spec(**overrides), tmp_path, progress=False)
     assert time.perf_counter() - started < 20
     assert not list((tmp_path).rglob("profile-*.json")), "work started before the refusal"
+
+
+def test_a_draft_head_is_a_candidate_profiled_recorded_predicted_and_measured_like_any_draft(tmp_path):
+    """`eagle:<folder>`: the head's own forward profiled, its eagle chains recorded as `eagle:<folder name>`,
+    its points predicted from them and its best measured with method eagle (greedy: the target's outputs);
+    the chosen config and its EAGLE-3 translation name the folder."""
+    from specbench.heads.build import new_head
+    from specbench.heads.layouts import save_head
+    from specbench.models.loading import load_model
+    from specbench.models.spec import ModelSpec
+    from specbench.tune.report import translations
+
+    folder = save_head(new_head(load_model(ModelSpec("tiny-random:seed=0")), seed=3), tmp_path / "my-head")
+    name = f"eagle:{folder}"
+    result = tune(spec(drafts=(name, "prompt-lookup")), tmp_path / "tune", progress=False)
+    eagle = result.predicted[result.predicted["candidate"] == name]
+    assert sorted(eagle["k"]) == [1, 2, 4] and set(eagle["method"]) == {"eagle"}
+    measured = result.measured[result.measured["candidate"] == name]
+    assert len(measured) >= 1 and set(measured["method"]) == {"eagle"} and (measured["measured_tokens_per_s"] > 0).all()
+    assert measured["steps"].min() > 0 and result.calibration["runs_learned"] == len(result.measured) - 1
+    assert list((tmp_path / "tune" / "profiles").glob("*eagle*my-head*.json"))
+    assert list((tmp_path / "tune" / "reference").glob("*eagle*my-head*.json"))
+    translated = translations({"method": "eagle", "k": 4, "draft": str(folder)})
+    assert translated["vllm_speculative_config"] == {"method": "eagle3", "model": str(folder),
+                                                     "num_speculative_tokens": 4}
 
 
 def test_a_dataset_file_with_no_prompts_is_refused(tmp_path):

@@ -164,8 +164,10 @@ class Calibrator:
             self.terms.setdefault("drafting_timed", []).append(name)
 
     def _draft_now(self, name: str, default: dict, widths=DRAFT_WIDTHS) -> dict:
+        from specbench.heads.profile import is_head
+
         model, profile = self.drafts.get(name), self.draft_profiles.get(name)
-        if model is None or profile is None:
+        if model is None or profile is None or is_head(model):  # a head is priced from its runs (`learn`) only
             return default
         return {w: round(f, 4) for w, f in retime(model, profile, widths, self.context, self.repeats).items()}
 

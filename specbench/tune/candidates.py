@@ -19,7 +19,9 @@ def check_drafts(spec: TuneSpec) -> None:
     for name in spec.drafts:
         if name != "auto":
             chosen = candidate(name)
-            if chosen.draft is not None:
+            if chosen.method == "eagle":
+                _check_head(chosen.draft)
+            elif chosen.draft is not None:
                 _check_model(chosen.draft)
 
 
@@ -33,7 +35,9 @@ def resolve_candidates(spec: TuneSpec, target) -> tuple[list[Candidate], list[st
     notes, out = [], []
     for name in dict.fromkeys(names):
         chosen = candidate(name, layers)
-        if chosen.draft is not None:
+        if chosen.method == "eagle":
+            _check_head(chosen.draft)
+        elif chosen.draft is not None:
             _check_model(chosen.draft)
         if spec.endpoint and chosen.method in ("self-draft", "substitute"):
             notes.append(f"{chosen.name}: left out, it drafts with the target's own weights, which run on the worker")
@@ -54,6 +58,14 @@ def _auto(spec: TuneSpec, target) -> list[str]:
     if own is not None:
         names += [name for name, entry in CATALOG.items() if name != spec.target and entry.size < own.size]
     return names
+
+
+def _check_head(folder: str) -> None:
+    from specbench.heads.profile import is_head
+
+    if not is_head(folder):
+        raise SpecbenchError(f"draft head {folder!r}: not a folder holding a head's config.json (write one with "
+                             f"`specbench train-draft --out FOLDER`, or give a published EAGLE-3 head's folder)")
 
 
 def _check_model(name: str) -> None:

@@ -63,10 +63,13 @@ def point_key(spec: TuneSpec, candidate: Candidate, method: str, k: int, prompts
     return _key({**point, "clients": clients} if clients > 1 else point)
 
 
-def profile(store: Store, model, grid: dict, spec: TuneSpec, progress) -> LatencyProfile:
-    """`model`'s latency over `grid` on this machine (or the worker's, for a RemoteTarget), cached."""
+def profile(store: Store, model, grid: dict, spec: TuneSpec, progress, label: Optional[str] = None) -> LatencyProfile:
+    """`model`'s latency over `grid` on this machine (or the worker's, for a RemoteTarget), cached; a draft
+    head's (its own forward over the grid's tokens and contexts) under `label`."""
     from specbench.record import profile_model, profile_worker
 
+    if label is not None:
+        return _head_profile(store, model, grid, spec, progress, label)
     remote = hasattr(model, "verify_begin")
     device = model.info.get("device_name") or model.info.get("device") if remote else device_name(
         str(model.model.get_input_embeddings().weight.device))
@@ -82,19 +85,36 @@ def profile(store: Store, model, grid: dict, spec: TuneSpec, progress) -> Latenc
     return store.profile(measured.model, spec.dtype, grid, measured.device) or measured
 
 
+def _head_profile(store: Store, head, grid: dict, spec: TuneSpec, progress, label: str) -> LatencyProfile:
+    from specbench.heads.profile import profile_head
+
+    device = device_name(str(head.lm_head.weight.device))
+    found = store.profile(label, spec.dtype, grid, device)
+    if found is not None:
+        return found
+    measured, extra = profile_head(head, label, tokens=grid["tokens"], contexts=grid["contexts"], repeats=spec.repeats,
+                                   progress=progress)
+    store.save_profile(measured, extra, grid)
+    return store.profile(label, spec.dtype, grid, device) or measured
+
+
 def reference(store: Store, target, candidate: Candidate, draft, prompts: list, dataset: str, spec: TuneSpec,
               progress):
     """The pair's acceptance on the calibration prompts, cached; per-step rows as every reference keeps."""
     from specbench.models.spec import acceptance_label
     from specbench.record import record_reference
 
+    from specbench.heads.profile import head_label
+
     free = candidate.method in FREE  # prompt lookup, suffix decoding: the reference's draft is the method
-    draft_label = candidate.method if free else acceptance_label(draft.spec.label)
+    head = candidate.method == "eagle"  # a head's folder: recorded as `eagle:<folder>`, its eagle chains and trees
+    draft_label = (candidate.method if free else head_label(candidate.draft) if head
+                   else acceptance_label(draft.spec.label))
     target_label = acceptance_label(target.spec.label)
     found = store.reference(draft_label, target_label, dataset)
     if found is not None:
         return found
-    recorded = record_reference(target, candidate.method if free else draft, prompts,
+    recorded = record_reference(target, candidate.method if free else candidate.draft if head else draft, prompts,
                                 dataset=dataset, max_chain=max(spec.chain_ks), tree_budgets=spec.tree_budgets,
                                 max_new_tokens=spec.max_new_tokens, dtype=spec.dtype,
                                 progress=f"tune: reference {candidate.name}" if progress else False)
@@ -118,7 +138,8 @@ def measure(store: Store, target, candidate: Candidate, method: str, k: int, pro
     from specbench.decode.suffix_drafter import SuffixSettings
 
     label = f"tune: measure {candidate.name} {method} k={k}" + (f", {clients} clients" if clients > 1 else "")
-    job = dict(method=method, draft=draft if candidate.method in ("chain", "tree") else None, k=k,
+    models = {"chain": draft, "tree": draft, "eagle": candidate.draft}  # a head: its folder, loaded by the drafter
+    job = dict(method=method, draft=models.get(candidate.method), k=k,
                max_new_tokens=spec.max_new_tokens, self_draft_layers=candidate.self_draft_layers,
                substitute_quantization=candidate.quantization if candidate.method == "substitute" else "8bit",
                dtype=spec.dtype, seed=spec.seed, warmup=False, tokenizer=getattr(target, "tokenizer", None),

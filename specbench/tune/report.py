@@ -39,11 +39,12 @@ def translations(chosen: dict) -> dict:
     method, k = chosen["method"], chosen["k"]
     vllm: Optional[dict] = None
     sglang: Optional[list] = None
-    if method == "chain" and chosen.get("draft"):
-        vllm = {"model": chosen["draft"], "num_speculative_tokens": k}
-        sglang = ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", chosen["draft"],
-                  "--speculative-num-steps", str(k), "--speculative-eagle-topk", "1",
-                  "--speculative-num-draft-tokens", str(k + 1)]
+    if method in ("chain", "eagle") and chosen.get("draft"):  # a head is written in EAGLE-3's published layout
+        vllm = {**({"method": "eagle3"} if method == "eagle" else {}), "model": chosen["draft"],
+                "num_speculative_tokens": k}
+        sglang = ["--speculative-algorithm", "EAGLE3" if method == "eagle" else "STANDALONE",
+                  "--speculative-draft-model-path", chosen["draft"], "--speculative-num-steps", str(k),
+                  "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(k + 1)]
     elif method in ("prompt-lookup", "prompt-lookup-tree"):
         vllm = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
         sglang = ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(k + 1)]

@@ -82,8 +82,8 @@ def tune(spec: TuneSpec, folder: Optional[str | Path] = None, progress: bool = T
     draft_grid = {"tokens": [1, 2, 4], "contexts": [context], "batches": [1]}
     target_profile = phases.profile(store, runner, target_grid, spec, progress)
     drafts = {c.name: _draft_model(c, target, spec) for c in candidates}
-    draft_profiles = {name: phases.profile(store, model, draft_grid, spec, progress) if model is not None else None
-                      for name, model in drafts.items()}
+    draft_profiles = {c.name: phases.profile(store, drafts[c.name], draft_grid, spec, progress, label=_head_label(c))
+                      if drafts[c.name] is not None else None for c in candidates}
     phase("profiles")
     dataset = f"{Path(spec.prompts).stem if isinstance(spec.prompts, str) else 'prompts'}[{len(calibration)} calibration]"
     references = {c.name: phases.reference(store, target, c, drafts[c.name], calibration, dataset, spec, progress)
@@ -176,6 +176,13 @@ def _context(tokenizer, prompts: list, max_new_tokens: int) -> int:
     return int(statistics.median(lengths) + max_new_tokens // 2)
 
 
+def _head_label(candidate) -> Optional[str]:
+    """A head's name in profiles and references (`eagle:<folder>`); None for any other candidate."""
+    from specbench.heads.profile import head_label
+
+    return head_label(candidate.draft) if candidate.method == "eagle" else None
+
+
 def _draft_model(candidate, target, spec: TuneSpec):
     from specbench.models.loading import load_model
     from specbench.models.self_draft import truncated_view
@@ -183,6 +190,10 @@ def _draft_model(candidate, target, spec: TuneSpec):
 
     if candidate.method in FREE:
         return None
+    if candidate.method == "eagle":
+        from specbench.heads.layouts import load_head
+
+        return load_head(candidate.draft, target)
     if candidate.method == "self-draft":
         return truncated_view(target, candidate.self_draft_layers)
     if candidate.method == "substitute":
@@ -232,6 +243,9 @@ def _held_back(references: dict, candidates, drafts: dict, held: list, baseline:
     replayed = {}
     for candidate in candidates:
         reference, lookup = references[candidate.name], candidate.method in fresh
+        if candidate.method == "eagle":  # a head drafts from the target's features: no teacher-forced replay here
+            replayed[candidate.name] = reference
+            continue
         found = held_back_reference(reference, prompts_ids, outputs, new_drafter=fresh.get(candidate.method),
                                     draft=None if lookup else drafts[candidate.name], ks=ks)
         replayed[candidate.name] = found or reference
@@ -247,7 +261,8 @@ def _method(row: dict, candidates) -> tuple:
     candidate = next(c for c in candidates if c.name == row["candidate"])
     if row["kind"] == "chain":
         return candidate, candidate.method
-    return candidate, {"prompt-lookup": "prompt-lookup-tree", "suffix": "suffix-tree"}.get(candidate.method, "tree")
+    return candidate, {"prompt-lookup": "prompt-lookup-tree", "suffix": "suffix-tree",
+                       "eagle": "eagle-tree"}.get(candidate.method, "tree")
 
 
 def _to_measure(predicted: pd.DataFrame, spec: TuneSpec) -> list[dict]:

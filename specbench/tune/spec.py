@@ -14,6 +14,7 @@ from specbench.types import SpecbenchError
 LOOKUP = "prompt-lookup"
 SUFFIX = "suffix"  # suffix decoding: like prompt lookup, no draft model; its cache holds the prompts' own outputs
 FREE = (LOOKUP, SUFFIX)  # candidates that draft from the context: nothing to load or profile
+HEAD = "eagle:"  # a draft head over the target's hidden states: `eagle:<its folder>`
 GOAL_ERROR = 0.08  # |predicted - measured| / measured tokens/s over which a point is flagged
 
 
@@ -21,11 +22,12 @@ GOAL_ERROR = 0.08  # |predicted - measured| / measured tokens/s over which a poi
 class Candidate:
     """One way to draft: `method` of the method table, with its draft model (or none) and options.
     `name` is how a report and a config file call it: a model name, `prompt-lookup`, `suffix`,
-    `self-draft:N` (the target's first N layers) or `substitute:Q` (the target quantized)."""
+    `self-draft:N` (the target's first N layers), `substitute:Q` (the target quantized) or `eagle:PATH` (a draft
+    head's folder, `specbench train-draft`'s or a published EAGLE-3 one)."""
 
     name: str
     method: str
-    draft: Optional[str] = None  # a model (catalog name, Hugging Face id or path) for chain and tree
+    draft: Optional[str] = None  # a model (catalog name, Hugging Face id or path) for chain and tree; a head's folder
     self_draft_layers: Optional[int] = None
     quantization: str = "none"  # a substitute's
 
@@ -81,11 +83,17 @@ class TuneSpec:
 
 
 def candidate(name: str, target_layers: Optional[int] = None) -> Candidate:
-    """The candidate a name stands for (`self-draft:N`, `substitute:Q`, `prompt-lookup`, `suffix`, or a model)."""
+    """The candidate a name stands for (`self-draft:N`, `substitute:Q`, `prompt-lookup`, `suffix`, `eagle:PATH`,
+    or a model)."""
     from specbench.models.spec import QUANTIZATIONS
 
     if name in FREE:
         return Candidate(name, name)
+    if name.startswith(HEAD):
+        folder = name[len(HEAD):]
+        if not folder:
+            raise SpecbenchError(f"candidate {name!r}: eagle takes a draft head's folder, e.g. eagle:heads/my-head")
+        return Candidate(name, "eagle", draft=folder)
     if name.startswith("self-draft"):
         layers = name.partition(":")[2]
         if layers and not layers.isdigit():
