@@ -109,7 +109,7 @@ def record_reference(target: ModelLike, draft: ModelLike, prompts, dataset: str,
     return AcceptanceReference(
         cross_tokenizer=",".join(cross), draft_per_target=draft_per_target,
         chain_hits=_hits(chain, max_chain, max_new_tokens, lookup),
-        steps_at_k=_run_steps(chain, max_chain, lookup),
+        **_run_steps(chain, max_chain, lookup),
         draft=draft_label or acceptance_label(draft_loaded.spec.label),
         target=target_name or acceptance_label(target_loaded.spec.label),
         dataset=dataset, rule=sampling.effective_rule, temperature=sampling.temperature, max_chain=max_chain,
@@ -136,11 +136,13 @@ def _hits(chain, max_chain: int, max_new_tokens: int, lookup: bool) -> dict:
 
 def _run_steps(chain, max_chain: int, lookup: bool) -> dict:
     """Prompt lookup, suffix decoding: (drafted, accepted) of every step of the run at `max_chain`, partial
-    matches and each output's capped last steps included (model drafts keep their full steps only)."""
-    if not lookup:
+    matches and each output's capped last steps included, with each step's prompt (model drafts keep their
+    full steps only)."""
+    pairs = tuple((int(d), int(a)) for d, a in zip(chain["drafted"], chain["accepted"])) if lookup else ()
+    if not pairs:
         return {}
-    pairs = tuple((int(d), int(a)) for d, a in zip(chain["drafted"], chain["accepted"]))
-    return {max_chain: pairs} if pairs else {}
+    prompts = tuple(int(p) for p in chain["prompt_index"])
+    return {"steps_at_k": {max_chain: pairs}, "steps_prompts": {max_chain: prompts}}
 
 
 def profile_worker(endpoint: str, tokens: Sequence[int] = DEFAULT_TOKENS, contexts: Sequence[int] = DEFAULT_CONTEXTS,

@@ -160,6 +160,33 @@ def test_references_keep_per_prompt_rows_and_narrow_to_a_family(tiny_target, tin
     assert next(r for r in loaded if r.dataset == "mixed/code").chain_accepts == code.chain_accepts
 
 
+def test_a_lookup_references_family_is_priced_from_that_familys_steps_only(tiny_target, tmp_path):
+    """Prompt lookup keeps every step of its run (`steps_at_k`), which the predictor prices first: a family's
+    reference keeps its own prompts' steps, round-trips them, and so predicts from them (not the whole set's);
+    steps recorded without their prompts are dropped from a family rather than priced for every family alike."""
+    from dataclasses import replace
+
+    from specbench.plan.library import load_references, save_reference
+    from specbench.record import record_reference
+
+    repeating = [list(PROMPTS[0]) * 3, list(PROMPTS[1]), list(PROMPTS[2]) * 3, list(PROMPTS[3])]
+    families = ["repeats", "once", "repeats", "once"]
+    reference = record_reference(tiny_target, "prompt-lookup", repeating, dataset="mixed", max_chain=4,
+                                 tree_budgets=(), max_new_tokens=16, families=families)
+    whole = reference.steps_at_k[4]
+    assert len(reference.steps_prompts[4]) == len(whole)
+    parts = {family: reference.for_family(family) for family in ("repeats", "once")}
+    assert sum(len(part.steps_at_k.get(4, ())) for part in parts.values()) == len(whole)
+    assert set(parts["repeats"].steps_prompts[4]) <= {0, 2}
+    counted = {family: sorted(part.steps_at_k[4]) for family, part in parts.items() if part.steps_at_k}
+    assert sorted(step for steps in counted.values() for step in steps) == sorted(whole)
+    save_reference(reference, folder=tmp_path)
+    loaded = {r.dataset: r for r in load_references(tmp_path, by_family=True)}
+    assert loaded["mixed/repeats"].steps_at_k == parts["repeats"].steps_at_k
+    unknown = replace(reference, steps_prompts={})
+    assert unknown.for_family("repeats").steps_at_k == {}
+
+
 def test_step_costs_are_fitted_jointly_with_a_model_drafts_own_cost():
     """One target forward for every candidate (fixed + per verified token), plus a model draft's cost per drafted
     token: recovered from noisy steps, also for a lookup whose widths alone would not tell them apart."""

@@ -178,7 +178,7 @@ def test_acceptance_replayed_from_target_only_outputs_is_what_sd_accepts(tiny_ta
 
         pairs = [(drafted, accepted) for _, drafted, accepted in steps]
         assert any(0 < drafted < k for drafted, _ in pairs)  # partial matches occur: the check can fail
-        assert _run_steps(sd, k, lookup=True) == {k: tuple(pairs)}
+        assert _run_steps(sd, k, lookup=True)["steps_at_k"] == {k: tuple(pairs)}
     # every step of the run at each K, each output's capped last steps included (`steps_at_k`): what a tune
     # prices a point's tokens per step and verify widths from, so its tokens per step are the run's exactly
     from specbench.plan.predict import AcceptanceReference, OperatingPoint, predict_step
@@ -218,7 +218,7 @@ def test_suffix_decodings_steps_replayed_from_target_only_outputs_are_what_sd_dr
     for k in (2, 4):
         sd = run(tiny_target, prompts, method="suffix", k=k, max_new_tokens=24, progress=False, warmup=False,
                  suffix=SuffixSettings(cache="drafter"))
-        assert replayed.steps_at_k[k] == _run_steps(sd, k, lookup=True)[k]
+        assert replayed.steps_at_k[k] == _run_steps(sd, k, lookup=True)["steps_at_k"][k]
         drafted = [d for d, _ in replayed.steps_at_k[k]]
         assert 0 in drafted and max(drafted) == k  # steps with nothing to draft and full ones: it can fail
     assert any(0 < d < 4 for d, _ in replayed.steps_at_k[4])  # partial drafts, priced at their widths

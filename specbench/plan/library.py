@@ -112,7 +112,8 @@ def save_reference(reference: AcceptanceReference, extra: Optional[dict] = None,
                "chain_prompts": list(reference.chain_prompts),
                "tree_prompts": {str(k): list(v) for k, v in reference.tree_prompts.items()},
                "prompt_families": list(reference.prompt_families),
-               "steps_at_k": {str(k): [list(step) for step in v] for k, v in reference.steps_at_k.items()}}
+               "steps_at_k": {str(k): [list(step) for step in v] for k, v in reference.steps_at_k.items()},
+               "steps_prompts": {str(k): list(v) for k, v in reference.steps_prompts.items()}}
     return write_record(folder, "reference", metadata, payload,
                         label=f"{reference.draft}-{reference.target}-{reference.dataset}")
 
@@ -132,7 +133,8 @@ def load_references(folder: Path = REFERENCES, by_family: bool = False, **match)
             chain_prompts=tuple(p.get("chain_prompts", ())),
             tree_prompts={int(k): tuple(v) for k, v in (p.get("tree_prompts") or {}).items()},
             prompt_families=tuple(p.get("prompt_families", ())),
-            steps_at_k={int(k): tuple(tuple(step) for step in v) for k, v in (p.get("steps_at_k") or {}).items()}))
+            steps_at_k={int(k): tuple(tuple(step) for step in v) for k, v in (p.get("steps_at_k") or {}).items()},
+            steps_prompts={int(k): tuple(v) for k, v in (p.get("steps_prompts") or {}).items()}))
     if by_family:  # each family of a reference as a reference of its own, beside the whole
         out += [reference.for_family(family) for reference in list(out) for family in reference.families()]
     return out

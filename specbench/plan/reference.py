@@ -43,6 +43,7 @@ class AcceptanceReference:
     # replays it. A partial match verifies 1 + drafted tokens, not 1 or K + 1, and a capped step accepts
     # less, so where a K has them, its steps are priced as they are (tokens and widths), not by full steps
     steps_at_k: dict = field(default_factory=dict)
+    steps_prompts: dict = field(default_factory=dict)  # K -> the prompt index of each step in steps_at_k[K]
     # per-prompt rows: the prompt index of each chain step and of each tree step per budget, and each
     # prompt's family (e.g. Spec-Bench's category); empty in references recorded before they were kept
     chain_prompts: tuple[int, ...] = ()
@@ -64,7 +65,14 @@ class AcceptanceReference:
         trees = {b: tuple(a for a, p in zip(steps, self.tree_prompts.get(b, ())) if p in mine)
                  for b, steps in self.tree_accepts.items()}
         trees = {b: steps for b, steps in trees.items() if steps}
+        # a run's every step, where each kept its prompt; without prompts (recorded before they were kept) the
+        # whole set's steps would price every family alike, so the family is priced from its full steps alone
+        runs = {k: tuple(s for s, p in zip(steps, self.steps_prompts.get(k, ())) if p in mine)
+                for k, steps in self.steps_at_k.items()}
+        runs = {k: steps for k, steps in runs.items() if steps}
         return replace(self, dataset=f"{self.dataset}/{family}", chain_accepts=chain,
+                       steps_at_k=runs, steps_prompts={k: tuple(p for p in self.steps_prompts[k] if p in mine)
+                                                       for k in runs},
                        chain_prompts=tuple(p for p in self.chain_prompts if p in mine), tree_accepts=trees,
                        tree_prompts={b: tuple(p for p in self.tree_prompts[b] if p in mine) for b in trees},
                        tree_depth={b: v for b, v in self.tree_depth.items() if b in trees},
