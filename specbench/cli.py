@@ -111,8 +111,8 @@ def _pareto(args) -> int:
     references = load_references(args.references or REFERENCES, args.by_family)
     sections = pair_predictions(load_profiles(args.profiles or PROFILES), references,
                                 rtts_ms=args.rtt, target=args.target, prices=prices, power=power, context=args.context,
-                                cost=args.cost, free_drafts=True,
-                                draft_budget_bytes=args.draft_budget_mib * 2**20 if args.draft_budget_mib else None)  # prompt lookup and suffix decoding beside the model drafts
+                                cost=args.cost, free_drafts=True,  # prompt lookup and suffix beside the model drafts
+                                draft_budget_bytes=args.draft_budget_mib * 2**20 if args.draft_budget_mib else None)
     for section in sections:
         predicted = section["predicted"]
         best = predicted[predicted["fits"]].sort_values("tokens_per_s", ascending=False).iloc[0]

@@ -98,7 +98,7 @@ def test_jupyterlab_export_of_the_pareto_notebook(browser):
     profiles, references = load_library(own=parameters["OWN"])
     combos = next(iter(target_groups(matching_pairs(profiles, references, mix_origins=parameters["MIX_ORIGINS"],
                                                     free_drafts=True)).values()))
-    target, draft, reference = next(combo for combo in combos if combo[1] is not None)  # the notebook's first model draft
+    target, draft, reference = next(combo for combo in combos if combo[1] is not None)  # its first model draft
     expected = variants_frame(combos, lambda ref: operating_points(ref, rtts_ms=parameters["RTTS_MS"], local=True,
                                                                    remote=True), Prices(), Power(),
                               cost=parameters["OBJECTIVE"])
@@ -219,7 +219,8 @@ def _fresh(title: str) -> str:
     parameters = {}
     exec(next(c.source for c in book.cells if "parameters" in c.metadata.get("tags", [])), parameters)
     profiles, references = load_library(own=parameters["OWN"])
-    groups = target_groups(matching_pairs(profiles, references, mix_origins=parameters["MIX_ORIGINS"], free_drafts=True))
+    groups = target_groups(matching_pairs(profiles, references, mix_origins=parameters["MIX_ORIGINS"],
+                                          free_drafts=True))
     explorer = ParetoExplorer(groups, group=title, rtts_ms=parameters["RTTS_MS"], cs=parameters["CS"],
                               objective=parameters["OBJECTIVE"], clients=parameters["CLIENTS"])
     explorer.update()

@@ -88,7 +88,8 @@ def load_proposals(path: Path) -> Optional[dict]:
         return None
     try:
         loaded = json.loads(path.read_text())
-        return {key: (list(tokens), list(parents), float(seconds)) for key, (tokens, parents, seconds) in loaded.items()}
+        return {key: (list(tokens), list(parents), float(seconds))
+                for key, (tokens, parents, seconds) in loaded.items()}
     except (ValueError, TypeError) as error:
         raise SpecbenchError(f"recorded proposals {path} are unreadable ({error}): delete the file to record again")
 

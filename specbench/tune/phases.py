@@ -101,10 +101,9 @@ def _head_profile(store: Store, head, grid: dict, spec: TuneSpec, progress, labe
 def reference(store: Store, target, candidate: Candidate, draft, prompts: list, dataset: str, spec: TuneSpec,
               progress):
     """The pair's acceptance on the calibration prompts, cached; per-step rows as every reference keeps."""
+    from specbench.heads.profile import head_label
     from specbench.models.spec import acceptance_label
     from specbench.record import record_reference
-
-    from specbench.heads.profile import head_label
 
     free = candidate.method in FREE  # prompt lookup, suffix decoding: the reference's draft is the method
     head = candidate.method == "eagle"  # a head's folder: recorded as `eagle:<folder>`, its eagle chains and trees
@@ -130,6 +129,7 @@ def measure(store: Store, target, candidate: Candidate, method: str, k: int, pro
     drafts run on their own devices, not on the cores this box's worker needs)."""
     key = point_key(spec, candidate, method, k, prompts, clients)
     drafting = bool(spec.endpoint) and candidate.method not in FREE and method != "target-only"
+    alone = store.folder / "measured" / f"{point_key(spec, candidate, method, k, prompts)}.proposals.json"
     proposals_path = store.folder / "measured" / f"{key}.proposals.json"
     found = store.measured(key)
     if found is not None and not (drafting and clients == 1 and not proposals_path.exists()):
@@ -148,8 +148,7 @@ def measure(store: Store, target, candidate: Candidate, method: str, k: int, pro
         proposals = None
         if drafting:  # the draft alone first (one client), then replayed by every client
             measure(store, target, candidate, method, k, prompts, draft, spec, progress)
-            proposals = load_proposals(store.folder / "measured" / f"{point_key(spec, candidate, method, k, prompts)}"
-                                                                  f".proposals.json")
+            proposals = load_proposals(alone)
         records = together(target.endpoint, clients, prompts, job, label if progress else False, proposals)
     else:
         from specbench.api import run
