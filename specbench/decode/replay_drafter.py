@@ -31,9 +31,8 @@ class RecordingDrafter:
     """Wraps a drafter; keeps each proposal's tokens, parents and seconds by the context it was made for."""
 
     def __init__(self, inner, proposals: Optional[dict] = None):
-        self.inner, self.name = inner, inner.name
+        self.inner = inner
         self.proposals = {} if proposals is None else proposals
-        self.draft = getattr(inner, "draft", None)  # what `run` reports as the draft's weights
 
     def propose(self, context, k, sampling, draws, max_depth=None) -> DraftTree:
         if not sampling.greedy:
@@ -44,7 +43,7 @@ class RecordingDrafter:
                                                                time.perf_counter() - started)
         return tree
 
-    def __getattr__(self, name):  # finish, bind, warm, ...: the wrapped drafter's own
+    def __getattr__(self, name):  # name, draft, finish, bind, warm, ...: the wrapped drafter's own
         if "inner" not in self.__dict__:
             raise AttributeError(name)
         return getattr(self.__dict__["inner"], name)

@@ -129,8 +129,8 @@ def measure(store: Store, target, candidate: Candidate, method: str, k: int, pro
     drafts run on their own devices, not on the cores this box's worker needs)."""
     key = point_key(spec, candidate, method, k, prompts, clients)
     drafting = bool(spec.endpoint) and candidate.method not in FREE and method != "target-only"
-    alone = store.folder / "measured" / f"{point_key(spec, candidate, method, k, prompts)}.proposals.json"
-    proposals_path = store.folder / "measured" / f"{key}.proposals.json"
+    # the draft's proposals, kept beside its one-client point: written there, replayed at more clients
+    proposals_path = store.folder / "measured" / f"{point_key(spec, candidate, method, k, prompts)}.proposals.json"
     found = store.measured(key)
     if found is not None and not (drafting and clients == 1 and not proposals_path.exists()):
         return found
@@ -148,7 +148,7 @@ def measure(store: Store, target, candidate: Candidate, method: str, k: int, pro
         proposals = None
         if drafting:  # the draft alone first (one client), then replayed by every client
             measure(store, target, candidate, method, k, prompts, draft, spec, progress)
-            proposals = load_proposals(alone)
+            proposals = load_proposals(proposals_path)
         records = together(target.endpoint, clients, prompts, job, label if progress else False, proposals)
     else:
         from specbench.api import run
