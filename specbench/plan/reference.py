@@ -100,6 +100,14 @@ class AcceptanceReference:
         above = [size for size in known if size > k]
         return tuple((min(d, k), min(a, k)) for d, a in known[max(above)]) if above else ()
 
+    def prompts_at(self, k: int) -> tuple:
+        """The prompt index of each step of `steps_at(k)`, where kept (else empty)."""
+        known = {int(size): owners for size, owners in self.steps_prompts.items()}
+        if k in known:
+            return tuple(known[k])
+        above = [size for size in {int(size) for size in self.steps_at_k} if size > k]
+        return tuple(known.get(max(above), ())) if above else ()
+
     def full_acceptance(self, k: int) -> float:
         """Share of chain steps of length K whose every draft token was accepted."""
         return mean(a >= k for a in self.chain_accepts) if self.chain_accepts else 0.0

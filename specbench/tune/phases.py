@@ -173,19 +173,18 @@ def together(endpoint: str, clients: int, prompts: list, job: dict, progress, pr
     `proposals` each client replays them (a `replay_misses` column counts contexts never met alone).
     Why threads, not processes: a client spends its step waiting on the worker (the socket wait releases
     the GIL) or in the draft's torch ops (which release it too); one loaded draft serves them all."""
-    import math
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
     from specbench.api import run
     from specbench.decode.replay_drafter import ReplayDrafter
+    from specbench.tune.loaded import deal
     from specbench.worker.client import RemoteTarget
 
-    share = math.ceil(len(prompts) / clients)
     start = threading.Barrier(clients)
 
     def client(index: int) -> pd.DataFrame:
-        chosen = [(index + clients * turn) % len(prompts) for turn in range(share)]
+        chosen = deal(len(prompts), clients, index)
         remote = RemoteTarget(endpoint, timeout_s=120, retries=0)
         replays: list = []
 

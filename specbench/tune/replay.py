@@ -79,11 +79,14 @@ def held_back_reference(reference, prompts_ids: Sequence[Sequence[int]], outputs
     if quantized:  # its own drafter, at the reference's K only (a smaller K derives from it, `steps_at`)
         new_drafter = lambda: ModelDrafter(draft, draft.vocab_size)  # noqa: E731
     drafters = {size: new_drafter() for size in steps} if new_drafter is not None else {}
-    for prompt, output in zip(prompts_ids, outputs):
+    owners = {size: [] for size in steps}  # the held-back prompt of each step
+    for index, (prompt, output) in enumerate(zip(prompts_ids, outputs)):
         full = list(prompt) + list(output)
         forced = model_proposer(full, draft) if not drafters else None  # one forward serves every K
         for size in steps:
-            steps[size] += chain_steps(full, len(prompt), forced or drafter_proposer(full, drafters[size]), size)
+            found = chain_steps(full, len(prompt), forced or drafter_proposer(full, drafters[size]), size)
+            steps[size] += found
+            owners[size] += [index] * len(found)
             if hasattr(drafters.get(size), "finish"):  # suffix decoding's cache takes the output, as a run's does
                 drafters[size].finish(full)
     accepts = [accepted for _, drafted, accepted in steps[k] if drafted == k]  # full steps at the reference's K
@@ -93,7 +96,8 @@ def held_back_reference(reference, prompts_ids: Sequence[Sequence[int]], outputs
     hits = {size: round(sum(found) / len(found), 4) for size, found in asked.items() if found and lookup}
     return replace(reference, chain_accepts=tuple(accepts), chain_hits=hits or reference.chain_hits,
                    steps_at_k={size: tuple((d, a) for _, d, a in found) for size, found in steps.items() if found}
-                   or reference.steps_at_k, dataset=f"{reference.dataset} -> held-back replay")
+                   or reference.steps_at_k, steps_prompts={size: tuple(owners[size]) for size in steps if steps[size]},
+                   dataset=f"{reference.dataset} -> held-back replay")
 
 
 def drafting_steps(draft, prompts_ids: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]], k: int,

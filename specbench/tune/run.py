@@ -102,8 +102,20 @@ def tune(spec: TuneSpec, folder: Optional[str | Path] = None, progress: bool = T
                                           target_grid["tokens"], spec.repeats, mode=spec.calibration)
     held_references = _held_back(references, candidates, drafts, held, baseline, tokenizer, spec.chain_ks, calibrator)
     replayed = sorted(name for name in held_references if held_references[name] is not references[name])
-    now = lambda profiles: _predict(candidates, *profiles, held_references, points, context, spec,  # noqa: E731
-                                    overhead_s=calibrator.overhead_s)
+    alone = {("target-only", "none", 0): baseline}  # one-client runs measured: their loaded points replay them
+    stats = runner.stats() if spec.endpoint and max(spec.clients) > 1 else None  # the worker's batching, as it shows it
+
+    def now(profiles):
+        frame = _predict(candidates, *profiles, held_references, points, context, spec, overhead_s=calibrator.overhead_s)
+        if stats is None:
+            return frame
+        from specbench.tune.loaded import loaded_frame, worker_rules
+
+        frame = loaded_frame(frame, held_references, profiles, baseline, worker_rules(profiles[0], stats), context,
+                             calibrator.overhead_s, alone)
+        frame["recommended"] = frame["label"] == recommend(frame, spec.cs, spec.objective)["label"]
+        return frame
+
     predicted = now(calibrator.profiles())
     predicted["raw_tokens_per_s"] = raw["tokens_per_s"].values
     phase("calibration")
@@ -126,6 +138,7 @@ def tune(spec: TuneSpec, folder: Optional[str | Path] = None, progress: bool = T
                              label=row["label"], at_run=at_run, clients=clients))
         if clients == 1:  # a shared target's batched forwards are priced by the profile's batch grid, not learned
             calibrator.learn(candidate.name, records)
+            alone[(row["candidate"], row["kind"], int(row["k"]))] = records
     phase("measurements")
     # every point priced with all the measured points taught (mode "runs"; the window's prices otherwise)
     predicted = now(calibrator.profiles()).assign(raw_tokens_per_s=raw["tokens_per_s"].values,

@@ -1,0 +1,65 @@
+"""Clients sharing a batching worker, simulated (`plan/queueing.py`), against timelines worked by hand."""
+import pytest
+
+from specbench.plan.predict import HostCost
+from specbench.plan.queueing import ClientPrompt, ClientStep, WorkerRules, simulate
+from specbench.tune.loaded import deal
+
+
+def steps(*thinks, width=1, emitted=1):
+    return tuple(ClientStep(think, width, emitted, 10) for think in thinks)
+
+
+def test_one_client_pays_its_own_time_the_forward_and_the_host_work():
+    """Prefill alone (0.3 s), then each step: think, forward 0.1 + 0.01 x width, host 0.001 + 0.002 per row."""
+    prompt = ClientPrompt(10, 0.3, (ClientStep(0.05, 3, 2, 10), ClientStep(0.07, 3, 3, 12)))
+    rules = WorkerRules(lambda width, context, rows: 0.1 * rows + 0.01 * width, HostCost(0.001, 0.002))
+    out = simulate([[prompt]], rules)
+    assert out.rows == [1, 1] and out.queue_s == [0.0, 0.0]
+    assert out.step_s == pytest.approx(0.05 + 0.133 + 0.07 + 0.133)
+    assert out.tokens == 5 and out.seconds == pytest.approx(0.3 + 0.05 + 0.133 + 0.07 + 0.133)
+
+
+def test_clients_in_step_share_every_forward():
+    prompt = ClientPrompt(10, 0.3, steps(0.05, 0.05, width=3, emitted=2))
+    rules = WorkerRules(lambda width, context, rows: 0.1 * rows + 0.01 * width, HostCost(0.001, 0.002))
+    out = simulate([[prompt], [prompt]], rules)
+    assert out.rows == [2, 2]  # both prefills ran in one slice (0.6 s), so both steps arrive together
+    assert out.tokens_per_s == pytest.approx(8 / (4 * (0.05 + 0.23 + 0.005)))
+
+
+def test_a_client_that_arrives_while_the_worker_is_busy_queues():
+    """A forward takes 1 s. A sends at once, B after 0.5 s: A runs alone (0-1), B waits 0.5 s and then shares
+    A's second step (1-2), then B's second step runs alone (2.5-3.5)."""
+    rules = WorkerRules(lambda width, context, rows: 1.0, window_s=0.0)
+    out = simulate([[ClientPrompt(1, 0.0, steps(0.0, 0.0))], [ClientPrompt(1, 0.0, steps(0.5, 0.5))]], rules)
+    assert out.rows == [1, 2, 1] and out.queue_s == pytest.approx([0.0, 0.5, 0.0, 0.0])
+    assert out.step_s == pytest.approx(2.0 + 3.5) and out.seconds == pytest.approx(3.5)
+
+
+def test_the_worker_waits_for_a_session_expected_back_within_its_cap():
+    """A comes back 0.1 s after a reply, B 0.3 s after. Without a wait cap A's step runs without B's, and they
+    stay apart (every round one row, each step queued 0.7-0.9 s); with a 0.5 s cap, once both turnarounds are
+    known (after three lone rounds) the worker holds each batch for B, until A has finished its steps."""
+    def run(cap):
+        clients = [[ClientPrompt(1, 0.0, steps(*[0.1] * 6))], [ClientPrompt(1, 0.0, steps(*[0.3] * 6))]]
+        return simulate(clients, WorkerRules(lambda width, context, rows: 1.0, window_s=0.0, wait_cap_s=cap))
+
+    apart, held = run(0.0), run(0.5)
+    assert apart.rows == [1] * 12 and held.rows == [1, 1, 1, 2, 2, 2, 2, 1]
+    assert held.tokens_per_s > apart.tokens_per_s
+
+
+def test_a_prefill_rides_in_the_next_verify_round_up_to_its_slice():
+    """B's 500-token prompt (0.01 s a token) and A's 10-token one arrive together: the first slice (256 tokens)
+    feeds A's and 246 of B's alone (2.56 s); B's other 254 ride with A's first verify (1 + 2.54 s)."""
+    a = ClientPrompt(10, 0.1, steps(0.0))
+    b = ClientPrompt(500, 5.0, steps(0.0))
+    out = simulate([[a], [b]], WorkerRules(lambda width, context, rows: 1.0, window_s=0.0))
+    assert out.rows == [1, 1] and out.step_s == pytest.approx(3.54 + 1.0)
+    assert out.seconds == pytest.approx(2.56 + 3.54 + 1.0)
+
+
+def test_clients_are_dealt_the_prompts_as_a_loaded_tune_deals_them():
+    assert [deal(5, 2, c) for c in range(2)] == [[0, 2, 4], [1, 3, 0]]
+    assert [deal(4, 4, c) for c in range(4)] == [[0], [1], [2], [3]]
