@@ -63,3 +63,14 @@ def test_a_prefill_rides_in_the_next_verify_round_up_to_its_slice():
 def test_clients_are_dealt_the_prompts_as_a_loaded_tune_deals_them():
     assert [deal(5, 2, c) for c in range(2)] == [[0, 2, 4], [1, 3, 0]]
     assert [deal(4, 4, c) for c in range(4)] == [[0], [1], [2], [3]]
+
+
+def test_the_wait_cap_is_the_workers_fitted_fixed_cost_else_the_profiles_bounded_by_a_lone_forward():
+    from specbench.plan.predict import LatencyProfile
+    from specbench.tune.loaded import worker_rules
+
+    profile = LatencyProfile("t", "cpu", rows=((1, 64, 0.12), (3, 64, 0.16), (5, 64, 0.20), (1, 64, 0.2, 2)))
+    assert worker_rules(profile, {}).wait_cap_s == pytest.approx(0.10)  # the line 0.10 + 0.02 per token
+    assert worker_rules(profile, {"forward_fixed_s": 0.05, "host_fixed_s": 0.001}).wait_cap_s == pytest.approx(0.05)
+    assert worker_rules(profile, {"forward_fixed_s": 0.5}).wait_cap_s == pytest.approx(0.12)
+    assert worker_rules(profile, {"forward_fixed_s": 0.05, "host_fixed_s": 0.001}).host == HostCost(0.001, 0.0)

@@ -31,12 +31,25 @@ def deal(count: int, clients: int, index: int) -> list[int]:
 
 def worker_rules(profile: LatencyProfile, stats: Optional[dict]) -> WorkerRules:
     """The worker's rules as its `stats` show them: its round's own work, and (a worker started with its
-    default `--batch-wait-ms auto`) its wait cap, the fixed cost of a forward fitted on its batches,
-    bounded by the profile's 1-token forward; the forwards from `profile`'s batch grid."""
+    default `--batch-wait-ms auto`) its wait cap, the fixed cost of a forward fitted on its batches (before
+    it has batches to fit: the same line through the profile's lone forwards), bounded by the 1-token
+    forward; the forwards from `profile`'s batch grid."""
     stats = stats or {}
-    lone = profile.forward_s(1, profile.rows[0][1]) if profile.rows else 0.0
-    fixed = min(max(float(stats.get("forward_fixed_s") or 0.0), 0.0), lone)
-    return WorkerRules(profile.forward_s, HostCost.from_stats(stats), wait_cap_s=fixed)
+    lone = [(row[0], row[2]) for row in profile.rows if (row[3] if len(row) > 3 else 1) == 1
+            and row[1] == profile.rows[0][1]]
+    fixed = stats.get("forward_fixed_s")
+    if fixed is None and len({tokens for tokens, _ in lone}) > 1:
+        fixed = _intercept(lone)
+    one = min((seconds for tokens, seconds in lone if tokens == 1), default=float(fixed or 0.0))
+    return WorkerRules(profile.forward_s, HostCost.from_stats(stats), wait_cap_s=min(max(float(fixed or 0.0), 0.0), one))
+
+
+def _intercept(points: list) -> float:
+    """The least-squares line's value at 0 tokens through (tokens, seconds) points."""
+    xs, ys = [x for x, _ in points], [y for _, y in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x in xs)
+    return my - slope * mx
 
 
 def baseline_prompts(baseline: pd.DataFrame) -> dict[int, tuple[int, float, int]]:
