@@ -94,8 +94,9 @@ def simulate(clients: Sequence[Sequence[ClientPrompt]], worker: WorkerRules) -> 
         if not waiting and not prefills:
             clock = max(clock, arrivals[0][0])
         _arrive(arrivals, clock, clients, cursor, waiting, prefills, replied)
-        if waiting:
+        if waiting or any(entry[4] for entry in prefills):  # a request came: the worker gathers a batch
             clock = _gather(clock, arrivals, clients, cursor, waiting, prefills, replied, worker)
+        if waiting:
             batch = sorted(waiting, key=waiting.get)[:worker.max_batch]
             steps = [clients[c][cursor[c][0]].steps[cursor[c][1]] for c in batch]
             seconds = worker.forward_s(mean(s.width for s in steps), round(mean(s.context for s in steps)), len(steps))
@@ -126,7 +127,7 @@ def _arrive(arrivals, clock, clients, cursor, waiting, prefills, replied) -> Non
         at, _, client = heapq.heappop(arrivals)
         prompt = clients[client][cursor[client][0]]
         if cursor[client][1] < 0:
-            prefills.append([client, prompt.prompt_tokens, prompt.prefill_s / max(prompt.prompt_tokens, 1), at])
+            prefills.append([client, prompt.prompt_tokens, prompt.prefill_s / max(prompt.prompt_tokens, 1), at, True])
         else:
             waiting[client] = at
             if client in replied:
@@ -134,21 +135,23 @@ def _arrive(arrivals, clock, clients, cursor, waiting, prefills, replied) -> Non
 
 
 def _gather(clock, arrivals, clients, cursor, waiting, prefills, replied, worker: WorkerRules) -> float:
-    """When the batch opened at `clock` closes: at least the window; while fewer than the sessions in use
-    have a step in hand, until each one expected back within the cap has come (the worker's estimate:
-    its last reply + its last turnaround), or the cap passes."""
+    """When the batch opened at `clock` closes: while fewer requests wait (verifies, prefills not yet fed) than
+    sessions are in use, until each one expected back within the cap has come (the worker's estimate: its
+    last reply + its last turnaround; a client that has just sent its next prompt's prefill counts, as its
+    last session stays in use until its close is read with it), or the cap passes; at least the window."""
     started = clock
-    expected = [started if turnaround is None else reply + turnaround for client, (reply, turnaround) in replied.items()
-                if cursor[client][0] < len(clients[client]) and cursor[client][1] >= 0]
+    expected = [started if turnaround is None or cursor[client][1] < 0 else reply + turnaround
+                for client, (reply, turnaround) in replied.items() if cursor[client][0] < len(clients[client])]
     wait = max(worker.window_s, worker.wait_cap_s)
     horizon = started + wait if wait > worker.window_s else float("inf")
     expected = [t for t in expected if t <= horizon]
     deadline = max([started + worker.window_s] + [min(t + worker.window_s + 0.25 * max(0.0, t - started), started + wait)
                                                    for t in expected])
-    while len(waiting) < max(len(expected), 1) and arrivals and arrivals[0][0] <= deadline:
+    requests = lambda: len(waiting) + sum(entry[4] for entry in prefills)  # noqa: E731
+    while requests() < max(len(expected), 1) and arrivals and arrivals[0][0] <= deadline:
         clock = max(clock, arrivals[0][0])
         _arrive(arrivals, clock, clients, cursor, waiting, prefills, replied)
-    if len(waiting) < max(len(expected), 1):
+    if requests() < max(len(expected), 1):
         clock = max(clock, deadline)
     _arrive(arrivals, clock, clients, cursor, waiting, prefills, replied)
     return clock
@@ -162,6 +165,7 @@ def _ride(prefills: list, budget: int) -> float:
             break
         tokens = min(budget, entry[1])
         entry[1] -= tokens
+        entry[4] = False
         seconds += tokens * entry[2]
         budget -= tokens
     return seconds
