@@ -272,7 +272,7 @@ def test_calibration_reads_the_runs_in_loop_forward_and_retimes_every_width(monk
 def test_runs_teach_each_width_and_each_draft_its_in_loop_cost():
     """Mode "runs": a measured point's steps give the target's forward at each width it verified (a width
     with under MIN_STEPS steps in a run does not count) and its draft's cost against what the profile
-    prices for the same steps; widths never run interpolate; mode "speed" learns nothing."""
+    prices for the same steps; widths never run, or never profiled, interpolate; mode "speed" learns nothing."""
     import pandas as pd
 
     from specbench.plan.predict import LatencyProfile
@@ -304,6 +304,10 @@ def test_runs_teach_each_width_and_each_draft_its_in_loop_cost():
         assert calibrator.draft_factors["d"][1] == pytest.approx(steps_s / 29 / priced, rel=1e-3)
         target_now, drafts_now = calibrator.profiles()
         assert target_now.forward_s(5, 64) == pytest.approx(0.3) and calibrator.terms["runs_learned"] == 1
+        # a width the profile never timed (4: interpolated) teaches nothing, however many steps ran there
+        calibrator.learn(None, pd.DataFrame({"drafted": [3] * 20, "accepted": [0] * 20,
+                                             "target_forward_s": [0.01] * 20, "draft_s": [0.0] * 20}))
+        assert calibrator.target_factors == pytest.approx({1: 0.9, 5: 1.5})
         assert drafts_now["d"].forward_s(1, 64) == pytest.approx(0.010 * calibrator.draft_factors["d"][1])
 
 

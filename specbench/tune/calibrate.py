@@ -137,14 +137,18 @@ class Calibrator:
         """In mode "runs": the target's in-loop forward at each width and the draft `name`'s in-loop cost,
         from the steps of a point just measured (with every earlier one), priced into the points after it.
         Each width's factor is the median over runs of a run's median forward at it over the profile's
-        (runs with under MIN_STEPS steps at a width do not count there): one run's drift weighs no more
-        than another's. In the other modes nothing changes."""
+        (runs with under MIN_STEPS steps at a width, and widths the profile did not time, do not count
+        there): one run's drift weighs no more than another's. In the other modes nothing changes."""
         if self.mode != "runs":
             return
         self.runs += 1
+        measured = {row[0] for row in self.target_profile.rows if (row[3] if len(row) > 3 else 1) == 1}
         for width, steps in records.groupby(records["drafted"].fillna(0).astype(int) + 1)["target_forward_s"]:
             profiled = self.target_profile.forward_s(int(width), self.context)
-            if len(steps) >= MIN_STEPS and profiled > 0:
+            # a width the profile never timed is priced by interpolation: a run's time there over it says how
+            # far the interpolation is off (on the 2-core VM the Qwen 1.5B took 0.90 s for 3 tokens and 0.64 s
+            # for 5, so 4 was priced 0.77 s and ran in 0.58), not how fast the timed widths around it run now
+            if len(steps) >= MIN_STEPS and profiled > 0 and int(width) in measured:
                 self.width_samples.setdefault(int(width), []).append(float(steps.median()) / profiled)
         self.target_factors = {w: round(statistics.median(f), 4) for w, f in sorted(self.width_samples.items())}
         drafted = draft_factor(self.draft_profiles.get(name), records, self.context)
