@@ -3,6 +3,10 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specbench-installed
+# the notebooks' kernel, kept in this checkout's environment: a user-level one is shared by every checkout on the
+# machine, and another's (since deleted) once shadowed this one. Jupyter reads JUPYTER_PATH before the user's.
+KERNEL := $(VENV)/share/jupyter/kernels/specbench/kernel.json
+export JUPYTER_PATH := $(abspath $(VENV))/share/jupyter
 
 .PHONY: setup demo test bench docs clean
 
@@ -12,14 +16,16 @@ $(STAMP): pyproject.toml
 	# CPU build of torch first, so no dependency pulls a multi-GB CUDA build on CPU machines.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[dev,ray,serve]"
-	$(PY) -m ipykernel install --user --name specbench --display-name "specbench" >/dev/null
 	# Chromium + driver for the headless-browser checks (Debian packages; skipped where apt is not ours).
 	command -v chromedriver >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 		(apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver) \
 		>/dev/null 2>&1 || echo "note: chromium/chromedriver not installed: browser checks will be skipped"; }
 	touch $(STAMP)
 
-setup: $(STAMP)
+$(KERNEL): $(STAMP)
+	$(PY) -m ipykernel install --sys-prefix --name specbench --display-name "specbench" >/dev/null
+
+setup: $(STAMP) $(KERNEL)
 
 demo: setup
 	$(PY) -m specbench.cli demo

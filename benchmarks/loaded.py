@@ -67,9 +67,11 @@ def main() -> None:
         lone = alone.get((method, k, 1))
         if clients == 1 or lone is None:
             continue
-        speed = statistics.median(lone["target_forward_s"] / [profile.forward_s(1 + d, context) for d in lone["drafted"]])
+        profiled = [profile.forward_s(1 + d, context) for d in lone["drafted"]]
+        speed = statistics.median(lone["target_forward_s"] / profiled)
         host = float((lone["verify_s"] - lone["target_forward_s"]).median())
-        rules = WorkerRules(lambda w, c, n: speed * profile.forward_s(w, c, n), HostCost(host), wait_cap_s=max(fixed, 0))
+        rules = WorkerRules(lambda w, c, n: speed * profile.forward_s(w, c, n), HostCost(host),
+                            wait_cap_s=max(fixed, 0))
         own = run_clients(from_records(lone), clients, rules)
         mean = run_clients(from_records(lone.assign(draft_s=lone["draft_s"].mean())), clients, rules)
         value = float(records["emitted"].sum() / records["step_s"].sum())

@@ -71,7 +71,7 @@ def simulate(clients: Sequence[Sequence[ClientPrompt]], worker: WorkerRules) -> 
     cursor = [[0, -1] for _ in clients]  # per client: prompt index, step index (-1: its prefill)
     arrivals: list = []  # (time, order, client) of requests not yet arrived at the worker
     waiting: dict[int, float] = {}  # verifies arrived: client -> arrival time
-    prefills: list = []  # [client, tokens left, seconds per token, arrival], oldest first
+    prefills: list = []  # [client, tokens left, seconds per token, arrival, none fed yet], oldest first
     replied: dict[int, list] = {}  # client -> [its last reply, its last turnaround (reply to next arrival)]
     sent: dict[int, float] = {}  # client -> when its current step started (its previous reply)
     order = 0
@@ -145,8 +145,8 @@ def _gather(clock, arrivals, clients, cursor, waiting, prefills, replied, worker
     wait = max(worker.window_s, worker.wait_cap_s)
     horizon = started + wait if wait > worker.window_s else float("inf")
     expected = [t for t in expected if t <= horizon]
-    deadline = max([started + worker.window_s] + [min(t + worker.window_s + 0.25 * max(0.0, t - started), started + wait)
-                                                   for t in expected])
+    deadline = max([started + worker.window_s]
+                   + [min(t + worker.window_s + 0.25 * max(0.0, t - started), started + wait) for t in expected])
     requests = lambda: len(waiting) + sum(entry[4] for entry in prefills)  # noqa: E731
     while requests() < max(len(expected), 1) and arrivals and arrivals[0][0] <= deadline:
         clock = max(clock, arrivals[0][0])

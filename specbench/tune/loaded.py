@@ -41,7 +41,8 @@ def worker_rules(profile: LatencyProfile, stats: Optional[dict]) -> WorkerRules:
     if fixed is None and len({tokens for tokens, _ in lone}) > 1:
         fixed = _intercept(lone)
     one = min((seconds for tokens, seconds in lone if tokens == 1), default=float(fixed or 0.0))
-    return WorkerRules(profile.forward_s, HostCost.from_stats(stats), wait_cap_s=min(max(float(fixed or 0.0), 0.0), one))
+    cap = min(max(float(fixed or 0.0), 0.0), one)
+    return WorkerRules(profile.forward_s, HostCost.from_stats(stats), wait_cap_s=cap)
 
 
 def _intercept(points: list) -> float:

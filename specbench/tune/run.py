@@ -106,7 +106,8 @@ def tune(spec: TuneSpec, folder: Optional[str | Path] = None, progress: bool = T
     stats = runner.stats() if spec.endpoint and max(spec.clients) > 1 else None  # the worker's batching, as it shows it
 
     def now(profiles):
-        frame = _predict(candidates, *profiles, held_references, points, context, spec, overhead_s=calibrator.overhead_s)
+        frame = _predict(candidates, *profiles, held_references, points, context, spec,
+                         overhead_s=calibrator.overhead_s)
         if stats is None:
             return frame
         from specbench.tune.loaded import loaded_frame, worker_rules
