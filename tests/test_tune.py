@@ -427,8 +427,7 @@ def test_a_drafts_first_point_is_priced_from_its_own_drafting_timed_now(tiny_tar
 
 def test_runs_of_several_clients_teach_the_batched_forward_per_rows():
     """A loaded run's forwards at each round's rows, over the profile at the rows' mean width (its width factor
-    applied), scale the profile's batch rows; one row, rows with too few steps and rows the grid did not time
-    teach nothing."""
+    applied), scale the profile's batch rows; one row and rows with too few steps teach nothing."""
     import pandas as pd
 
     from specbench.plan.predict import LatencyProfile
@@ -442,8 +441,7 @@ def test_runs_of_several_clients_teach_the_batched_forward_per_rows():
     loaded = pd.DataFrame({"batch_size": [4] * 20 + [2] * (MIN_STEPS - 1) + [1] * 20, "drafted": [2] * (40 + MIN_STEPS - 1),
                            "target_forward_s": [0.21] * 20 + [9.0] * (MIN_STEPS - 1) + [9.0] * 20})
     calibrator.learn_batched(loaded)
-    calibrator.learn_batched(pd.DataFrame({"batch_size": [3] * 20, "drafted": [2] * 20, "target_forward_s": [9.0] * 20}))
-    # rows 3, which the profile's grid never timed, taught nothing; width 3 at 4 rows: 0.50 profiled x 0.5 (the width factor learned from the baseline) = 0.25; the run's 0.21
+    # width 3 at 4 rows: 0.50 profiled x 0.5 (the width factor learned from the baseline) = 0.25; the run's 0.21
     assert calibrator.batch_factors == pytest.approx({4: 0.84})
     target_now, _ = calibrator.profiles()
     assert target_now.forward_s(3, 64, 4) == pytest.approx(0.21)

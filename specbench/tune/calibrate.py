@@ -170,13 +170,11 @@ class Calibrator:
         round (`batch_size`), over what the profile prices at the rows' mean width (width factor applied).
         Why: a profile's batch grid is timed apart from the runs it prices; on the 2-core VM of 2026-11-27 its
         batch-8 forward of the Qwen 1.5B was 8-15% dearer than the runs' own, and 8 clients were predicted
-        13-17% slow. Rows with under MIN_STEPS steps in the run, a single row, and rows the profile's batch grid
-        did not time (a part-full round, often carrying a prefill) teach nothing."""
+        13-17% slow. Rows with under MIN_STEPS steps in the run, or a single row, teach nothing."""
         if self.mode != "runs" or "batch_size" not in records:
             return
-        timed = set(self.target_profile.batches)  # as for widths: rows the grid interpolates teach nothing
         for rows, steps in records.groupby(records["batch_size"].astype(int)):
-            if rows <= 1 or rows not in timed or len(steps) < MIN_STEPS:
+            if rows <= 1 or len(steps) < MIN_STEPS:
                 continue
             width = float((1 + steps["drafted"].fillna(0)).mean())
             profiled = self.target_profile.forward_s(width, self.context, int(rows)) * factor_at(self.target_factors,
