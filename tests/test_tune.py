@@ -423,26 +423,3 @@ def test_a_drafts_first_point_is_priced_from_its_own_drafting_timed_now(tiny_tar
         calibrator.drafting("d", steps)
         expected = {1: round(draft_factor(profile, steps, 64), 4)} if mode == "runs" else {}
         assert calibrator.draft_factors["d"] == expected
-
-
-def test_runs_of_several_clients_teach_the_batched_forward_per_rows():
-    """A loaded run's forwards at each round's rows, over the profile at the rows' mean width (its width factor
-    applied), scale the profile's batch rows; one row and rows with too few steps teach nothing."""
-    import pandas as pd
-
-    from specbench.plan.predict import LatencyProfile
-    from specbench.tune.calibrate import MIN_STEPS, Calibrator
-
-    target = LatencyProfile(model="t", device="cpu", rows=((1, 64, 0.10, 1), (3, 64, 0.14, 1), (1, 64, 0.30, 4),
-                                                          (3, 64, 0.50, 4)))
-    baseline = pd.DataFrame({"target_forward_s": [0.05] * 20, "overhead_s": [0.0] * 20, "drafted": [0] * 20})
-    calibrator = Calibrator.from_baseline(baseline, object(), target, {}, {}, context=64, widths=[3], repeats=1)
-    assert calibrator.target_factors[1] == pytest.approx(0.5)
-    loaded = pd.DataFrame({"batch_size": [4] * 20 + [2] * (MIN_STEPS - 1) + [1] * 20, "drafted": [2] * (40 + MIN_STEPS - 1),
-                           "target_forward_s": [0.21] * 20 + [9.0] * (MIN_STEPS - 1) + [9.0] * 20})
-    calibrator.learn_batched(loaded)
-    # width 3 at 4 rows: 0.50 profiled x 0.5 (the width factor learned from the baseline) = 0.25; the run's 0.21
-    assert calibrator.batch_factors == pytest.approx({4: 0.84})
-    target_now, _ = calibrator.profiles()
-    assert target_now.forward_s(3, 64, 4) == pytest.approx(0.21)
-    assert target_now.forward_s(3, 64, 1) == pytest.approx(0.07)  # one row: as the width factor alone prices it

@@ -26,12 +26,9 @@ MODES = ("runs", "speed", "widths", "per-point")  # what the calibration learns 
 MIN_STEPS = 10  # a width's steps in one run before that run's median forward at it counts
 
 
-def scaled(profile, factors: dict, batch_factors: Optional[dict] = None):
-    """`profile` with each row's time multiplied by its width's factor (`factor_at`) and, for a row of several
-    sequences, by its batch's factor (1 for one sequence; linear from there to the learned ones)."""
-    batches = {1: 1.0, **(batch_factors or {})}
-    return replace(profile, rows=tuple((r[0], r[1], r[2] * factor_at(factors, r[0])
-                                        * factor_at(batches, r[3] if len(r) > 3 else 1), *r[3:]) for r in profile.rows))
+def scaled(profile, factors: dict):
+    """`profile` with each row's time multiplied by its width's factor (`factor_at`)."""
+    return replace(profile, rows=tuple((r[0], r[1], r[2] * factor_at(factors, r[0]), *r[3:]) for r in profile.rows))
 
 
 def factor_at(factors: dict, width: int) -> float:
@@ -102,10 +99,6 @@ class Calibrator:
     width_samples: dict = field(default_factory=dict)
     draft_samples: dict = field(default_factory=dict)
     runs: int = 0
-    # mode "runs": rows of a batched forward -> its factor over the width-calibrated profile, from the runs of
-    # several clients at once (`learn_batched`); the profile's batch grid, timed apart, prices the rest
-    batch_factors: dict = field(default_factory=dict)
-    batch_samples: dict = field(default_factory=dict)
 
     @classmethod
     def from_baseline(cls, baseline: pd.DataFrame, runner, target_profile, drafts: dict, draft_profiles: dict,
@@ -165,25 +158,6 @@ class Calibrator:
         self.terms.update(width_factors=self.target_factors, runs_learned=self.runs - 1,
                           draft_speed_factors={n: f.get(1) for n, f in self.draft_factors.items()})
 
-    def learn_batched(self, records: pd.DataFrame) -> None:
-        """In mode "runs": a run of several clients at once teaches the target's batched forward, per rows of a
-        round (`batch_size`), over what the profile prices at the rows' mean width (width factor applied).
-        Why: a profile's batch grid is timed apart from the runs it prices; on the 2-core VM of 2026-11-27 its
-        batch-8 forward of the Qwen 1.5B was 8-15% dearer than the runs' own, and 8 clients were predicted
-        13-17% slow. Rows with under MIN_STEPS steps in the run, or a single row, teach nothing."""
-        if self.mode != "runs" or "batch_size" not in records:
-            return
-        for rows, steps in records.groupby(records["batch_size"].astype(int)):
-            if rows <= 1 or len(steps) < MIN_STEPS:
-                continue
-            width = float((1 + steps["drafted"].fillna(0)).mean())
-            profiled = self.target_profile.forward_s(width, self.context, int(rows)) * factor_at(self.target_factors,
-                                                                                               round(width))
-            if profiled > 0:
-                self.batch_samples.setdefault(int(rows), []).append(float(steps["target_forward_s"].median()) / profiled)
-        self.batch_factors = {r: round(statistics.median(f), 4) for r, f in sorted(self.batch_samples.items())}
-        self.terms.update(batch_factors=self.batch_factors)
-
     def drafting(self, name: str, records: pd.DataFrame) -> None:
         """In mode "runs": the draft `name`'s cost from its drafter's own steps timed now (`replay.drafting_steps`),
         until a measured run of it teaches better (`learn`)."""
@@ -208,7 +182,7 @@ class Calibrator:
         draft_factors = {**self.draft_factors, **(draft_factors or {})}
         drafts = {name: scaled(profile, draft_factors.get(name) or target_factors) if profile else None
                   for name, profile in self.draft_profiles.items()}
-        return scaled(self.target_profile, target_factors, self.batch_factors), drafts
+        return scaled(self.target_profile, target_factors), drafts
 
     def refresh(self, candidate: Optional[str], k: int):
         """In mode "per-point": the profiles re-timed now at the widths a point of `candidate` at `k` uses
