@@ -74,3 +74,43 @@ def test_the_wait_cap_is_the_workers_fitted_fixed_cost_else_the_profiles_bounded
     assert worker_rules(profile, {"forward_fixed_s": 0.05, "host_fixed_s": 0.001}).wait_cap_s == pytest.approx(0.05)
     assert worker_rules(profile, {"forward_fixed_s": 0.5}).wait_cap_s == pytest.approx(0.12)
     assert worker_rules(profile, {"forward_fixed_s": 0.05, "host_fixed_s": 0.001}).host == HostCost(0.001, 0.0)
+
+
+def test_a_one_client_run_replayed_alone_takes_its_own_time():
+    """`from_records` + one client: each step's own time (drafting, loop, wire) and its forward (here the
+    profile prices each width as the run took it) add up to the run's own steps, so its tokens/s come back."""
+    import pandas as pd
+
+    from specbench.tune.loaded import from_records, run_clients
+
+    forward = {1: 0.04, 3: 0.07, 5: 0.06}
+    rows = []
+    for prompt in range(2):
+        for step, drafted in enumerate([2, 4, 0, 4]):
+            accepted = min(drafted, step)
+            draft_s, overhead_s, network_s = 0.01 * drafted, 0.001, 0.002
+            rows.append(dict(prompt_index=prompt, step=step, drafted=drafted, emitted=accepted + 1, draft_s=draft_s,
+                             overhead_s=overhead_s, network_s=network_s, prompt_tokens=20 + prompt, prefill_s=0.3,
+                             step_s=draft_s + overhead_s + network_s + forward[1 + drafted]))
+    records = pd.DataFrame(rows)
+    out = run_clients(from_records(records), 1, WorkerRules(lambda width, context, rows: forward[round(width)]))
+    assert out.tokens == records["emitted"].sum() and out.rows == [1] * len(records)
+    assert out.tokens_per_s == pytest.approx(records["emitted"].sum() / records["step_s"].sum())
+
+
+def test_a_replayed_reference_gives_each_held_back_prompt_its_own_steps():
+    """Steps at K keep their prompt (`steps_prompts`; a smaller K reads a larger one's); each becomes a client
+    step: width 1 + drafted, emitted accepted + 1, its context growing, drafting scaled by what it drafted."""
+    from specbench.plan.costs import StepCost
+    from specbench.plan.reference import AcceptanceReference
+    from specbench.tune.loaded import reference_prompts
+
+    reference = AcceptanceReference("d", "t", "set", steps_at_k={4: ((4, 2), (4, 4), (2, 1))},
+                                    steps_prompts={4: (0, 0, 1)})
+    assert reference.prompts_at(2) == (0, 0, 1) and reference.steps_at(2) == ((2, 2), (2, 2), (2, 1))
+    lone = StepCost(2.0, 0.3, 0.1, 0.002, 0.001, 0, 0)
+    found = reference_prompts(reference, 4, lone, {0: (10, 0.5, 8), 1: (12, 0.4, 2)})
+    assert [(s.width, s.emitted, s.context) for s in found[0].steps] == [(5, 3, 10), (5, 5, 13)]
+    assert [(s.width, s.emitted, s.context) for s in found[1].steps] == [(3, 2, 12)]
+    assert found[0].steps[0].think_s == pytest.approx(0.3 * 4 / (10 / 3) + 0.003)
+    assert found[1].prefill_s == 0.4 and found[1].prompt_tokens == 12
