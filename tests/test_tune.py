@@ -337,6 +337,7 @@ def test_a_tune_through_a_worker_measures_each_client_count_with_its_clients_at_
         # the loaded chain and target-only points are priced by simulating two clients against the worker
         loaded = result.predicted[(result.predicted["clients"] == 2) & (result.predicted["kind"] != "tree")]
         assert len(loaded) and loaded["simulated"].eq(True).all(), loaded[["label", "simulated"]]
+        assert result.calibration["loaded"]["wait_cap_ms"] >= 0 and "several clients" in result.report_path.read_text()
         held = [list(p) for p in PROMPTS[3:6]]
         job = dict(method="prompt-lookup", draft=None, k=2, max_new_tokens=12, self_draft_layers=None,
                    substitute_quantization="8bit", dtype="float32", seed=0, warmup=False)

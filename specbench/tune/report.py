@@ -76,6 +76,11 @@ def write_report(path: Path, spec: TuneSpec, result) -> Path:
             f"time{f' (per width: {widths})' if widths and mode != 'speed' else ''}, "
             f"{1000 * result.calibration.get('overhead_s', 0):.1f} ms of loop per step. Chosen: "
             f"{result.chosen['label']} at cs={spec.cs:g} ({spec.objective}).")
+    loaded = result.calibration.get("loaded")
+    if loaded:
+        note += (f" Points at several clients: {loaded['priced']} (a round waits {loaded['window_ms']:g} ms, and up to "
+                 f"{loaded['wait_cap_ms']:g} ms for a session expected back; host work {loaded['host_fixed_ms']:g} ms "
+                 f"+ {loaded['host_row_ms']:g} ms a row), trees excepted.")
     page = write_pareto_report(path, [{"title": f"tune {spec.target}", "predicted": predicted,
                                        "measured": measured[["label", "tokens_per_s", column]], "cs": spec.cs}],
                                cost=spec.objective, note=note)

@@ -150,7 +150,8 @@ def tune(spec: TuneSpec, folder: Optional[str | Path] = None, progress: bool = T
     from specbench.tune.report import write_config, write_report
 
     result = TuneResult(predicted, table, chosen, folder, left_out=left_out,
-                        calibration=dict(calibrator.terms, acceptance_replayed=replayed),
+                        calibration=dict(calibrator.terms, acceptance_replayed=replayed,
+                                         **_loaded_terms(stats, calibrator)),
                         seconds={name: round(value, 1) for name, value in seconds.items()}, calibrator=calibrator,
                         predict_now=now)
     result.config_path = write_config(folder / "tune.json", spec, chosen)
@@ -182,6 +183,19 @@ def _targets(spec: TuneSpec):
         remote.health()
         rtts.append(1000 * (time.perf_counter() - sent))
     return remote, target, round(statistics.median(rtts), 2)
+
+
+def _loaded_terms(stats: Optional[dict], calibrator) -> dict:
+    """How points at several clients were priced, for the report: the worker's rules the simulation played."""
+    if stats is None:
+        return {}
+    from specbench.tune.loaded import worker_rules
+
+    rules = worker_rules(calibrator.profiles()[0], stats)
+    return {"loaded": {"priced": "simulated against the worker's batching",
+                       "wait_cap_ms": round(1000 * rules.wait_cap_s, 1), "window_ms": round(1000 * rules.window_s, 1),
+                       "host_fixed_ms": round(1000 * rules.host.fixed_s, 2),
+                       "host_row_ms": round(1000 * rules.host.row_s, 3)}}
 
 
 def _context(tokenizer, prompts: list, max_new_tokens: int) -> int:
