@@ -6,8 +6,9 @@ played against the worker's batching rule (`plan/queueing.py`), the forwards pri
 profile brought to the one-client run's speed (its in-loop forwards over the profile's), the worker's
 wait cap the fixed cost of a forward fitted on those runs (the worker's default, `--batch-wait-ms
 auto`). Two ways: each step's own drafting time (`own`), and every step the run's mean drafting time
-(`mean`: what a tune knows before it runs a point, from the draft's profile). Optionally the lock-step
-prediction the tune made (`--fidelity-json`). Prints a table and writes JSON.
+(`mean`: what a tune knows before it runs a point, from the draft's profile). Optionally the prediction the
+tune made (`--fidelity-json`: lock-step in fidelity runs before 2026-11-27 02:00 UTC, simulated since). Prints
+a table and writes JSON.
 
     python benchmarks/loaded.py --folder results/fidelity-qwen/qwen2.5-coder-1.5b-humaneval \
         --fidelity-json results/fidelity-qwen.json
@@ -82,8 +83,8 @@ def main() -> None:
                "queue_ms_measured": 1000 * float(records["queue_s"].median()),
                "queue_ms_simulated": 1000 * statistics.median(own.queue_s)}
         if (method, k, clients) in tuned:
-            row["lock_step"] = tuned[(method, k, clients)]
-            row["error_lock_step"] = row["lock_step"] / value - 1
+            row["tuned"] = tuned[(method, k, clients)]
+            row["error_tuned"] = row["tuned"] / value - 1
         rows.append(row)
     table = pd.DataFrame(rows)
     errors = [c for c in table if c.startswith("error_")]
