@@ -11,6 +11,7 @@ import pytest
 import zmq
 
 from specbench.api import outputs, run
+from specbench.decode.target import LocalTarget
 from specbench.models.spec import ModelSpec
 from specbench.models.tiny import tiny_model
 from specbench.types import DraftTree, SamplingParams, SpecbenchError
@@ -75,6 +76,27 @@ def test_profile_and_stats(worker):
     stats = remote.stats()
     assert stats["requests"] > 0 and remote.health()
     assert 0 < stats["busy_s"]["profile"] < stats["uptime_s"]
+
+
+def test_a_batch_profile_times_packed_verifies_and_leaves_no_session(worker, monkeypatch):
+    """Several sequences on a packed target are timed as its batched verifies run (`profile_packed`): each
+    repeat on the same context (the sessions put back after it), no profiling session left behind."""
+    import specbench.decode.profile_packed as profile_packed
+    from specbench.decode.kv import cached_length
+
+    target = LocalTarget(tiny_model(seed=0))
+    seen = []
+    for piece in profile_packed.packed_batch_steps(target, [1, 3], [12], repeats=2, warmup=1, batches=[2, 3]):
+        seen += [cached_length(s.cache) for s in target.sessions.values()]
+        if piece is not None:
+            assert piece["median_s"] > 0 and piece["batch"] in (2, 3)
+    assert set(seen) == {11} and not target.sessions
+    calls = []
+    real = profile_packed.packed_batch_steps
+    monkeypatch.setattr(profile_packed, "packed_batch_steps", lambda *a, **k: calls.append(k["batches"]) or real(*a, **k))
+    profile = RemoteTarget(worker.endpoint).profile(tokens=[1, 2], contexts=[12], repeats=2, batches=[1, 2])
+    assert sorted((r["tokens"], r["batch"]) for r in profile["rows"]) == [(1, 1), (1, 2), (2, 1), (2, 2)]
+    assert calls == [[2]]
 
 
 def _client_process(endpoint, prompt, queue):

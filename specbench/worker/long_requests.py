@@ -5,6 +5,7 @@ a slice. `ops` is the worker's `Ops`: its limits, model, draft, job queue and st
 from __future__ import annotations
 
 import hashlib
+import itertools
 from dataclasses import asdict
 from typing import Optional
 
@@ -44,9 +45,17 @@ def profile(ops, header: dict, curve_key: str) -> Job:
               "profile context + tokens", "the model's context length")
     ops.check_kv(incoming=max(batches, default=1) * (max(contexts, default=0) + max(tokens, default=0)),
                    what="this profile point's caches")
-    steps = forward_latency_steps(target.model, tokens, contexts, repeats, batches=batches,
+    # several sequences on a packed target are timed as its batched verifies run: packed rows of its pool
+    packed = [b for b in batches if b > 1] if target.packed and target.fast is None else []
+    steps = forward_latency_steps(target.model, tokens, contexts, repeats,
+                                  batches=[b for b in batches if b not in packed],
                                   fast=target.fast.backend if target.fast else None,
                                   slice_tokens=ops.config.slice_tokens)
+    if packed:
+        from specbench.decode.profile_packed import packed_batch_steps
+
+        steps = itertools.chain(steps, packed_batch_steps(target, tokens, contexts, repeats, batches=packed,
+                                                          slice_tokens=ops.config.slice_tokens))
 
     def run():
         rows = []

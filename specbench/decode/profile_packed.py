@@ -1,0 +1,62 @@
+"""A batch grid timed as a shared worker verifies it: packed rows of the target's own pool.
+
+Why: `decode/profile.py` times B sequences as Hugging Face's forward over one batched cache, while a
+worker on a packed target verifies its clients' rows packed into one sequence, each reading its own pool
+row (`decode/batch.py`). On the 2-core VM of 2026-11-27 the Qwen 1.5B's 8-row verify took 0.596 s in a run
+and the unpacked grid priced it 0.696 s, so tune predicted 8 clients 13-17% slow
+(benchmarks/results/2026-11-27-tune-loaded-simulation.md). Here each point's B sessions are prefilled
+with `context` random tokens (the last one their tail: `context - 1` cached, so a point fits the model's
+context as the unpacked grid's does) and verify random chains of `tokens - 1` drafts through `verify_batch`,
+the forward's own time read from the verdicts; after each repeat every session is put back as it was
+(its committed tokens, tail and pool row length), so every repeat verifies on the same context.
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+from specbench.types import DraftTree, SamplingParams
+
+
+def packed_batch_steps(target, tokens: Sequence[int], contexts: Sequence[int], repeats: int = 5, warmup: int = 2,
+                       batches: Sequence[int] = (2,), slice_tokens: Optional[int] = None) -> Iterator[Optional[dict]]:
+    """Rows (tokens, context, batch, median_s, ...) as `forward_latency_steps` yields them, None after each
+    piece of work (a prefill chunk, one timed repeat), for `batches` of a packed LocalTarget."""
+    from specbench.decode.batch import VerifyRequest, verify_batch
+    from specbench.decode.kv import cached_length
+
+    generator = torch.Generator().manual_seed(0)
+    for batch, context in ((b, c) for b in batches for c in contexts):
+        names = [f"profile-packed-{batch}-{context}-{i}" for i in range(batch)]
+        try:
+            for name in names:
+                job = target.prefill_job(name, torch.randint(0, target.vocab_size, (max(context, 2),),
+                                                             generator=generator).tolist())
+                while not job.advance(slice_tokens or context):
+                    yield None
+            for count in tokens:
+                samples = []
+                for attempt in range(warmup + repeats):
+                    requests = [VerifyRequest(name, DraftTree.chain(torch.randint(
+                        0, target.vocab_size, (count - 1,), generator=generator).tolist()), SamplingParams(), 0)
+                        for name in names]
+                    states = [target.state(name) for name in names]
+                    kept = [(list(s.committed), list(s.tail), cached_length(s.cache)) for s in states]
+                    verdicts = verify_batch(target, requests)
+                    for state, (committed, tail, length) in zip(states, kept):
+                        state.committed, state.tail = committed, tail
+                        state.cache.set_length(length)
+                    failed = next((v for v in verdicts if isinstance(v, Exception)), None)
+                    if failed is not None:
+                        raise failed
+                    if attempt >= warmup:
+                        samples.append(verdicts[0].timing.target_forward_s)
+                    yield None
+                samples.sort()
+                yield {"tokens": count, "context": context, "batch": batch, "median_s": statistics.median(samples),
+                       "min_s": samples[0], "max_s": samples[-1], "repeats": repeats}
+        finally:
+            for name in names:
+                target.close(name)
