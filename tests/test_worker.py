@@ -93,7 +93,8 @@ def test_a_batch_profile_times_packed_verifies_and_leaves_no_session(worker, mon
     assert set(seen) == {11} and not target.sessions
     calls = []
     real = profile_packed.packed_batch_steps
-    monkeypatch.setattr(profile_packed, "packed_batch_steps", lambda *a, **k: calls.append(k["batches"]) or real(*a, **k))
+    monkeypatch.setattr(profile_packed, "packed_batch_steps",
+                        lambda *a, **k: calls.append(k["batches"]) or real(*a, **k))
     profile = RemoteTarget(worker.endpoint).profile(tokens=[1, 2], contexts=[12], repeats=2, batches=[1, 2])
     assert sorted((r["tokens"], r["batch"]) for r in profile["rows"]) == [(1, 1), (1, 2), (2, 1), (2, 2)]
     assert calls == [[2]]
