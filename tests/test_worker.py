@@ -1,4 +1,5 @@
 """The remote target: identical results to local, faults, fuzzing, reconnects, auth, emulation."""
+import itertools
 import multiprocessing
 import random
 import signal
@@ -91,6 +92,11 @@ def test_a_batch_profile_times_packed_verifies_and_leaves_no_session(worker, mon
         if piece is not None:
             assert piece["median_s"] > 0 and piece["batch"] in (2, 3)
     assert set(seen) == {11} and not target.sessions
+    # two profiles under way at once (two tenants' jobs, a slice each in turn) keep to their own sessions
+    first, second = (profile_packed.packed_batch_steps(target, tokens, [12], repeats=2, warmup=1, batches=[2])
+                     for tokens in ([2], [1, 2, 3]))
+    rows = [piece for pair in itertools.zip_longest(first, second) for piece in pair if piece is not None]
+    assert len(rows) == 4 and all(row["median_s"] > 0 for row in rows) and not target.sessions
     calls = []
     real = profile_packed.packed_batch_steps
     monkeypatch.setattr(profile_packed, "packed_batch_steps",

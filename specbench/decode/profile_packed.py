@@ -13,6 +13,7 @@ the forward's own time read from the verdicts; after each repeat every session i
 from __future__ import annotations
 
 import statistics
+import uuid
 from typing import Iterator, Optional, Sequence
 
 import torch
@@ -28,8 +29,9 @@ def packed_batch_steps(target, tokens: Sequence[int], contexts: Sequence[int], r
     from specbench.decode.kv import cached_length
 
     generator = torch.Generator().manual_seed(0)
+    run = uuid.uuid4().hex[:12]  # two profiles under way on one worker (two tenants) never share a session
     for batch, context in ((b, c) for b in batches for c in contexts):
-        names = [f"profile-packed-{batch}-{context}-{i}" for i in range(batch)]
+        names = [f"profile-packed-{run}-{batch}-{context}-{i}" for i in range(batch)]
         try:
             for name in names:
                 job = target.prefill_job(name, torch.randint(0, target.vocab_size, (max(context, 2),),
