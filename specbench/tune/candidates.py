@@ -18,11 +18,7 @@ def check_drafts(spec: TuneSpec) -> None:
     """Refuse a named draft that cannot be found, before anything is loaded or measured."""
     for name in spec.drafts:
         if name != "auto":
-            chosen = candidate(name)
-            if chosen.method == "eagle":
-                _check_head(chosen.draft)
-            elif chosen.draft is not None:
-                _check_model(chosen.draft)
+            _check(candidate(name))
 
 
 def resolve_candidates(spec: TuneSpec, target) -> tuple[list[Candidate], list[str]]:
@@ -35,10 +31,7 @@ def resolve_candidates(spec: TuneSpec, target) -> tuple[list[Candidate], list[st
     notes, out = [], []
     for name in dict.fromkeys(names):
         chosen = candidate(name, layers)
-        if chosen.method == "eagle":
-            _check_head(chosen.draft)
-        elif chosen.draft is not None:
-            _check_model(chosen.draft)
+        _check(chosen)
         if spec.endpoint and chosen.method in ("self-draft", "substitute"):
             notes.append(f"{chosen.name}: left out, it drafts with the target's own weights, which run on the worker")
             continue
@@ -58,6 +51,14 @@ def _auto(spec: TuneSpec, target) -> list[str]:
     if own is not None:
         names += [name for name, entry in CATALOG.items() if name != spec.target and entry.size < own.size]
     return names
+
+
+def _check(chosen: Candidate) -> None:
+    """A candidate's draft is there: a head's folder holds a head, a model is known or on disk."""
+    if chosen.method == "eagle":
+        _check_head(chosen.draft)
+    elif chosen.draft is not None:
+        _check_model(chosen.draft)
 
 
 def _check_head(folder: str) -> None:
