@@ -120,7 +120,7 @@ def variants_frame(combos: Sequence[tuple], points, prices: Prices = Prices(), p
         alone.add(target.model)
         frame["target"], frame["target_quantization"] = target.model, target.quantization
         name = draft_name(draft, reference)
-        frame["draft"], frame["draft_quantization"] = name, draft.quantization if draft else "none"
+        frame["draft"], frame["draft_quantization"] = name, draft_quantization(draft)
         frame["variant"] = [f"{target.model} alone" if s else f"{name} -> {target.model}" for s in solo]
         frame["label"] = [f"{target.model if s else name}: {label}" for s, label in zip(solo, frame["label"])]
         # a free draft (prompt lookup, suffix decoding) holds no weights on the draft device
@@ -242,6 +242,11 @@ def matching_pairs(profiles: Sequence[LatencyProfile], references: Sequence[Acce
 def draft_name(draft: Optional[LatencyProfile], reference: AcceptanceReference) -> str:
     """A combo's draft as views name it: the draft model, or the reference's drafting (`prompt-lookup`, `suffix`)."""
     return draft.model if draft is not None else reference.draft
+
+
+def draft_quantization(draft: Optional[LatencyProfile]) -> str:
+    """A combo's draft quantization; prompt lookup and suffix decoding (no draft model) count as "none"."""
+    return draft.quantization if draft is not None else "none"
 
 
 def _model_pairs(profiles, references, target, mix_origins) -> list[tuple]:

@@ -18,7 +18,8 @@ import ipywidgets as widgets
 
 from specbench.plan.costs import Power, Prices, PRESETS
 from specbench.models.spec import QUANTIZATIONS
-from specbench.plan.explore import cost_column, cs_ranges, cs_summary, operating_points, recommend, variants_frame
+from specbench.plan.explore import (cost_column, cs_ranges, cs_summary, draft_quantization, operating_points, recommend,
+                                    variants_frame)
 from specbench.plan.objectives import OBJECTIVES as OBJECTIVE_TABLE
 from specbench.viz.figures import pareto_figure
 from specbench.viz.panels import replace_output
@@ -92,7 +93,9 @@ class ParetoExplorer:
         self._syncing = True
         try:
             combos = self.groups[self.controls["target"].value]
-            for name, of in (("target_quant", lambda combo: combo[0].quantization), ("draft_quant", _draft_quant)):
+            quantizations = (("target_quant", lambda combo: combo[0].quantization),
+                             ("draft_quant", lambda combo: draft_quantization(combo[1])))
+            for name, of in quantizations:
                 control = self.controls[name]
                 options = sorted({of(combo) for combo in combos}, key=_quantization_order)
                 with control.hold_sync():
@@ -114,7 +117,8 @@ class ParetoExplorer:
         """The (target, draft, reference) combos the quantization pickers let through."""
         c = self.controls
         return [combo for combo in self.groups[c["target"].value]
-                if combo[0].quantization in c["target_quant"].value and _draft_quant(combo) in c["draft_quant"].value]
+                if combo[0].quantization in c["target_quant"].value
+                and draft_quantization(combo[1]) in c["draft_quant"].value]
 
     def budget_bytes(self) -> Optional[float]:
         c = self.controls
@@ -192,11 +196,6 @@ class ParetoExplorer:
             return None
         self.frame = frame
         return frame
-
-
-def _draft_quant(combo: tuple) -> str:
-    """A combo's draft quantization; prompt lookup and suffix decoding (no draft model) count as "none"."""
-    return combo[1].quantization if combo[1] is not None else "none"
 
 
 def _quantization_order(name: str) -> int:
