@@ -56,6 +56,10 @@ class LatencyProfile:
     def batches(self) -> list[int]:
         return sorted({row[3] if len(row) > 3 else 1 for row in self.rows})
 
+    def rows_of(self, batch: int) -> list[tuple]:
+        """The rows timed at `batch` sequences (a row without a batch is batch 1)."""
+        return [row for row in self.rows if (row[3] if len(row) > 3 else 1) == batch]
+
     def forward_s(self, tokens: int, context: int, batch: int = 1) -> float:
         """Linear in tokens between measured points (beyond the grid: the last slope), nearest measured
         context at or above `context` (the largest if none), linear in batch between measured batch
@@ -70,7 +74,7 @@ class LatencyProfile:
         return _linear(measured, [self._at(tokens, context, b) for b in measured], batch)
 
     def _at(self, tokens: int, context: int, batch: int) -> float:
-        rows = [row for row in self.rows if (row[3] if len(row) > 3 else 1) == batch]
+        rows = self.rows_of(batch)
         contexts = sorted({row[1] for row in rows})
         chosen = contexts[min(bisect.bisect_left(contexts, context), len(contexts) - 1)]
         points = sorted((row[0], row[2]) for row in rows if row[1] == chosen)

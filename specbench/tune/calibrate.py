@@ -142,7 +142,7 @@ class Calibrator:
         if self.mode != "runs":
             return
         self.runs += 1
-        measured = {row[0] for row in self.target_profile.rows if (row[3] if len(row) > 3 else 1) == 1}
+        measured = {row[0] for row in self.target_profile.rows_of(1)}
         for width, steps in records.groupby(records["drafted"].fillna(0).astype(int) + 1)["target_forward_s"]:
             profiled = self.target_profile.forward_s(int(width), self.context)
             # a width the profile never timed is priced by interpolation: a run's time there over it says how

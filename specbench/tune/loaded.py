@@ -35,8 +35,7 @@ def worker_rules(profile: LatencyProfile, stats: Optional[dict]) -> WorkerRules:
     it has batches to fit: the same line through the profile's lone forwards), bounded by the 1-token
     forward; the forwards from `profile`'s batch grid."""
     stats = stats or {}
-    lone = [(row[0], row[2]) for row in profile.rows if (row[3] if len(row) > 3 else 1) == 1
-            and row[1] == profile.rows[0][1]]
+    lone = [(row[0], row[2]) for row in profile.rows_of(1) if row[1] == profile.rows[0][1]]
     fixed = stats.get("forward_fixed_s")
     if fixed is None and len({tokens for tokens, _ in lone}) > 1:
         fixed = _intercept(lone)
