@@ -52,7 +52,8 @@ def main_job(k: int = 4, max_new_tokens: int = 48, dtype: str = "float32", rtt_m
     report = _write_report(out / "pareto.html", local, dtype, rtt_ms)
     print(f"\nper-step records: {(out / 'demo_records.csv').resolve()}")
     print(f"Pareto report:    {report.resolve()}" if report else "Pareto report: no cached profiles found")
-    print(f"notebooks:        {(Path(__file__).resolve().parents[1] / 'notebooks')}  (.venv/bin/jupyter lab notebooks/: their kernel is in .venv)")
+    notebooks = Path(__file__).resolve().parents[1] / "notebooks"
+    print(f"notebooks:        {notebooks}  (.venv/bin/jupyter lab notebooks/: their kernel is in .venv)")
     return records
 
 
