@@ -312,7 +312,7 @@ def test_runs_teach_each_width_and_each_draft_its_in_loop_cost():
 
 
 def test_a_tune_through_a_worker_measures_each_client_count_with_its_clients_at_once(tmp_path):
-    """With a worker endpoint and clients (1, 2), every load planned for is measured: the 2-client point runs
+    """With a worker endpoint and clients (1, 2), the heaviest load planned for is measured: the 2-client point runs
     two clients together (each its own connection; the worker's batches of 2 show in the records), priced at
     that load (per-client tokens/s, the target's cost split), and only 1-client runs teach the calibration;
     greedy outputs through the clients at once equal the prompts decoded alone."""
@@ -424,3 +424,22 @@ def test_a_drafts_first_point_is_priced_from_its_own_drafting_timed_now(tiny_tar
         calibrator.drafting("d", steps)
         expected = {1: round(draft_factor(profile, steps, 64), 4)} if mode == "runs" else {}
         assert calibrator.draft_factors["d"] == expected
+
+
+def test_through_a_worker_only_the_heaviest_load_is_checked_besides_the_best_points():
+    """Clients (1, 2, 4, 8): the tune measures the two best points by J, each candidate's fastest, and the best
+    point at 8 clients; the best points at 2 and 4 clients are not measured (the simulation prices them)."""
+    import pandas as pd
+
+    from specbench.tune.run import _to_measure
+
+    rows = [dict(label="target-only", candidate="target-only", kind="none", k=0, clients=1, tokens_per_s=10.0,
+                 total_cost_usd_per_mtok=1.0)]
+    for clients in (1, 2, 4, 8):
+        for name, speed in (("d", 20.0), ("lookup", 15.0)):
+            for k in (2, 4):
+                rows.append(dict(label=f"{name} K={k} x{clients}", candidate=name, kind="chain", k=k, clients=clients,
+                                 tokens_per_s=(speed + k) / clients ** 0.5, total_cost_usd_per_mtok=1.0))
+    picked = [r["label"] for r in _to_measure(pd.DataFrame(rows), spec(cs=0.0, measure_top=2))]
+    assert picked[:3] == ["d K=4 x1", "d K=2 x1", "lookup K=4 x1"]
+    assert picked[3:] == ["d K=4 x8"] and not any(" x2" in p or " x4" in p for p in picked)

@@ -294,7 +294,9 @@ def _method(row: dict, candidates) -> tuple:
 
 
 def _to_measure(predicted: pd.DataFrame, spec: TuneSpec) -> list[dict]:
-    """The predicted best points (by the cost knob at `cs`) and each candidate's best, best first."""
+    """The predicted best points (by the cost knob at `cs`) and each candidate's best, best first; through a
+    worker, also the best point at the heaviest load planned for, where queueing weighs most on the price
+    (lighter loads are priced by the same simulation, and the recommendation is measured wherever it lands)."""
     from specbench.plan.predict import choose
 
     column = cost_column(spec.objective)
@@ -314,9 +316,9 @@ def _to_measure(predicted: pd.DataFrame, spec: TuneSpec) -> list[dict]:
         best = max(own, key=lambda r: r["tokens_per_s"])
         if best["label"] not in {r["label"] for r in ranked + chosen}:
             chosen.append(best)
-    for clients in sorted({int(r["clients"]) for r in rows} - {1}):  # every load planned for is checked once
-        load = [r for r in base + rows if int(r["clients"]) == clients]
-        best = choose(load, spec.cs, cost=column)
+    heaviest = max((int(r["clients"]) for r in rows), default=1)
+    if heaviest > 1:
+        best = choose([r for r in base + rows if int(r["clients"]) == heaviest], spec.cs, cost=column)
         if best["label"] not in {r["label"] for r in ranked + chosen}:
             chosen.append(best)
     return ranked + chosen
