@@ -89,6 +89,7 @@ def main() -> None:
     parser.add_argument("--cs", type=float, default=0.5)
     parser.add_argument("--cost", default="total_cost")
     parser.add_argument("--budget-minutes", type=float, default=15)
+    parser.add_argument("--dtype", default="float32", help="the drafts' (and a local target's) dtype; a worker's is its own")
     parser.add_argument("--out-dir", default=str(RESULTS / "fidelity"))
     parser.add_argument("--out", default=str(RESULTS / "fidelity.json"))
     args = parser.parse_args()
@@ -98,7 +99,7 @@ def main() -> None:
         spec = TuneSpec(target=args.target, drafts=tuple(args.drafts), prompts=dataset, prompt_count=args.prompt_count,
                         endpoint=args.worker, clients=tuple(args.clients), objective=args.cost, cs=args.cs,
                         chain_ks=tuple(args.k), max_new_tokens=args.max_new_tokens, budget_minutes=args.budget_minutes,
-                        calibration=args.calibration)
+                        calibration=args.calibration, dtype=args.dtype)
         started = time.perf_counter()
         result = tune(spec, f"{args.out_dir}/{args.target}-{dataset}")
         tune_s = time.perf_counter() - started
