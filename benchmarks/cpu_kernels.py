@@ -1,13 +1,16 @@
-"""Default vs oneDNN linear kernels (`kernels="onednn"`): whole target forwards at SD's shapes, side by side.
+"""Default vs oneDNN linear kernels (`kernels="onednn"`), and fp32 vs bf16: whole target forwards at SD's
+shapes, side by side.
 
-For each model, both variants are loaded and timed alternately (repeat by repeat, so drift on a
-shared box hits both alike) on forwards of `batch` sequences x `tokens` new tokens over a cached
+For each model, every variant (`default`: fp32 with PyTorch's kernels, `onednn`: fp32 with oneDNN's
+linears, `bf16`: bfloat16 weights and activations, which pays on CPUs with AVX-512 bf16 instructions)
+is loaded and timed alternately (repeat by repeat, so drift on a shared box hits all alike) on forwards of `batch` sequences x `tokens` new tokens over a cached
 context: (1, 1) a target-only step, (1, 5) a K=4 chain verify, (8, 1) and (8, 5) the same for 8
 clients batched on a worker. Besides the speed-up per shape it prints the two ratios that decide SD
 and batching on a CPU: what a 5-token verify costs against a 1-token step, and what a batch of 8 costs
 against one sequence. Prints a table and writes results/cpu_kernels.json.
 
-    python benchmarks/cpu_kernels.py [--models smollm2-135m qwen2.5-coder-0.5b qwen2.5-coder-1.5b]
+    python benchmarks/cpu_kernels.py [--models smollm2-135m qwen2.5-coder-0.5b qwen2.5-coder-1.5b] \
+        [--variants default onednn bf16]
 """
 from __future__ import annotations
 
@@ -28,6 +31,8 @@ from common import write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = [(1, 1), (1, 5), (8, 1), (8, 5)]
+VARIANTS = {"default": dict(dtype="float32"), "onednn": dict(dtype="float32", kernels="onednn"),
+            "bf16": dict(dtype="bfloat16")}
 
 
 @torch.inference_mode()
@@ -40,7 +45,7 @@ def timed_forward(model, cache, new: torch.Tensor) -> float:
     return elapsed
 
 
-def random_cache(model, batch: int, context: int):
+def random_cache(model, batch: int, context: int, dtype: torch.dtype):
     """A cache of `context` random positions per sequence: a forward's time depends on shapes only,
     and prefilling 8 x 256 tokens of a 1.5B model on 2 cores would take a minute per shape."""
     from transformers import DynamicCache
@@ -50,47 +55,53 @@ def random_cache(model, batch: int, context: int):
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     cache = DynamicCache(config=config)
     for layer in range(config.num_hidden_layers):
-        cache.update(torch.randn(batch, heads, context, head_dim), torch.randn(batch, heads, context, head_dim), layer)
+        cache.update(torch.randn(batch, heads, context, head_dim, dtype=dtype),
+                     torch.randn(batch, heads, context, head_dim, dtype=dtype), layer)
     return cache
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
+    parser.add_argument("--variants", nargs="+", default=["default", "onednn"], choices=sorted(VARIANTS),
+                        help="the first is the one the others are compared with")
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5, help="timed forwards per shape and variant")
     parser.add_argument("--out", default=str(ROOT / "results" / "cpu_kernels.json"))
     args = parser.parse_args()
-    rows = []
+    rows, first = [], args.variants[0]
     for name in args.models:
-        variants = {kernels: load_model(ModelSpec(name, kernels=kernels)) for kernels in ("default", "onednn")}
+        variants = {variant: load_model(ModelSpec(name, **VARIANTS[variant])) for variant in args.variants}
         for batch, tokens in SHAPES:
             new = torch.randint(100, 5000, (batch, tokens), generator=torch.Generator().manual_seed(batch + tokens))
-            caches = {kernels: random_cache(loaded.model, batch, args.context) for kernels, loaded in variants.items()}
-            samples = {kernels: [] for kernels in variants}
+            caches = {variant: random_cache(loaded.model, batch, args.context, loaded.model.dtype)
+                      for variant, loaded in variants.items()}
+            samples = {variant: [] for variant in variants}
             for attempt in range(args.repeats + 1):  # alternating, one forward each per round; the first a warm-up
-                for kernels, loaded in variants.items():
-                    elapsed = timed_forward(loaded.model, caches[kernels], new)
+                for variant, loaded in variants.items():
+                    elapsed = timed_forward(loaded.model, caches[variant], new)
                     if attempt:
-                        samples[kernels].append(elapsed)
-            default_ms, onednn_ms = (statistics.median(samples[k]) for k in ("default", "onednn"))
-            rows.append({"model": name, "batch": batch, "tokens": tokens, "default_ms": default_ms,
-                         "onednn_ms": onednn_ms, "speedup": default_ms / onednn_ms,
-                         "weight_mb_default": variants["default"].weight_bytes / 1e6,
-                         "weight_mb_onednn": variants["onednn"].weight_bytes / 1e6})
+                        samples[variant].append(elapsed)
+            row = {"model": name, "batch": batch, "tokens": tokens}
+            for variant, loaded in variants.items():
+                row[f"{variant}_ms"] = statistics.median(samples[variant])
+                row[f"weight_mb_{variant}"] = loaded.weight_bytes / 1e6
+            for variant in args.variants[1:]:
+                row[f"speedup_{variant}"] = row[f"{first}_ms"] / row[f"{variant}_ms"]
+            rows.append(row)
             print(rows[-1], flush=True)
         del variants
         gc.collect()
     table = pd.DataFrame(rows)
-    print(f"\n== forward ms, default vs oneDNN linears, fp32, context {args.context}, "
+    print(f"\n== forward ms per variant ({', '.join(args.variants)}), context {args.context}, "
           f"{device_name('cpu')}, {torch.get_num_threads()} threads, median of {args.repeats} ==")
     print(table.round(2).to_string(index=False))
     at = table.set_index(["model", "batch", "tokens"])
     ratios = pd.DataFrame([{
-        "model": name, **{f"verify5_over_step1_{k}": at.loc[(name, 1, 5), f"{k}_ms"] / at.loc[(name, 1, 1), f"{k}_ms"]
-                          for k in ("default", "onednn")},
-        **{f"batch8_over_one_{k}": at.loc[(name, 8, 1), f"{k}_ms"] / at.loc[(name, 1, 1), f"{k}_ms"]
-           for k in ("default", "onednn")}} for name in args.models])
+        "model": name, **{f"verify5_over_step1_{v}": at.loc[(name, 1, 5), f"{v}_ms"] / at.loc[(name, 1, 1), f"{v}_ms"]
+                          for v in args.variants},
+        **{f"batch8_over_one_{v}": at.loc[(name, 8, 1), f"{v}_ms"] / at.loc[(name, 1, 1), f"{v}_ms"]
+           for v in args.variants}} for name in args.models])
     print("\n== what SD and batching pay: a 5-token verify / a 1-token step; 8 sequences / one ==")
     print(ratios.round(2).to_string(index=False))
     write_report(args.out, {"rows": rows, "ratios": ratios.to_dict("records"), "settings": vars(args),

@@ -443,3 +443,22 @@ def test_through_a_worker_only_the_heaviest_load_is_checked_besides_the_best_poi
     picked = [r["label"] for r in _to_measure(pd.DataFrame(rows), spec(cs=0.0, measure_top=2))]
     assert picked[:3] == ["d K=4 x1", "d K=2 x1", "lookup K=4 x1"]
     assert picked[3:] == ["d K=4 x8"] and not any(" x2" in p or " x4" in p for p in picked)
+
+
+def test_each_candidates_best_is_its_best_by_the_objective_not_its_fastest():
+    """At cs 0.5 a candidate's best point is the one with the lowest J: prompt lookup at K=2 (a little slower
+    than K=4, at half the cost) is measured, not K=4; at cs 0 (speed alone) K=4 is."""
+    import pandas as pd
+
+    from specbench.tune.run import _to_measure
+
+    rows = [dict(label="target-only", candidate="target-only", kind="none", k=0, clients=1, tokens_per_s=10.0,
+                 total_cost_usd_per_mtok=1.0),
+            dict(label="d K=4", candidate="d", kind="chain", k=4, clients=1, tokens_per_s=30.0,
+                 total_cost_usd_per_mtok=0.2),
+            dict(label="lookup K=2", candidate="lookup", kind="chain", k=2, clients=1, tokens_per_s=17.0,
+                 total_cost_usd_per_mtok=0.5),
+            dict(label="lookup K=4", candidate="lookup", kind="chain", k=4, clients=1, tokens_per_s=19.0,
+                 total_cost_usd_per_mtok=1.0)]
+    assert [r["label"] for r in _to_measure(pd.DataFrame(rows), spec(cs=0.5, measure_top=1))] == ["d K=4", "lookup K=2"]
+    assert [r["label"] for r in _to_measure(pd.DataFrame(rows), spec(cs=0.0, measure_top=1))] == ["d K=4", "lookup K=4"]

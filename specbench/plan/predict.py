@@ -236,16 +236,23 @@ def choose(rows: Sequence[dict], cs: float, cost: str = "total_cost_usd_per_mtok
     draft is, or was, the minimum. An objective that is zero at the reference (target-only spends no
     draft energy) is scaled by the energy the reference spends per token on the target instead, still
     a property of the reference; when every point costs nothing, speed alone decides."""
-    check_cs(cs)
     if not rows:
         raise SpecbenchError("no operating points to choose from")
+    values = knob_values(rows, cs, cost, reference_label)
+    return rows[values.index(min(values))]
+
+
+def knob_values(rows: Sequence[dict], cs: float, cost: str = "total_cost_usd_per_mtok",
+                reference_label: Optional[str] = None) -> list[float]:
+    """Each row's J at cs, as `choose` ranks them (the same reference row and scaling)."""
+    check_cs(cs)
     base = next((r for r in rows if r["label"] == reference_label), None) if reference_label else None
     base = base or next((r for r in rows if r.get("kind") == "none"), rows[0])
     objective = by_column(cost)
     cost_ref = base[cost] if base[cost] > 0 else base.get(objective.free_scale, 0.0) if objective else 0.0
     if cost_ref <= 0 or all(r[cost] <= 0 for r in rows):
         cost_ref, cs = 1.0, 0.0
-    return min(rows, key=lambda r: cost_knob(cs, r[cost], cost_ref, r["tokens_per_s"], base["tokens_per_s"]))
+    return [cost_knob(cs, r[cost], cost_ref, r["tokens_per_s"], base["tokens_per_s"]) for r in rows]
 
 
 def break_even_acceptance(target: LatencyProfile, draft: LatencyProfile, k: int, context: int = 256,

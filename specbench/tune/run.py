@@ -294,10 +294,11 @@ def _method(row: dict, candidates) -> tuple:
 
 
 def _to_measure(predicted: pd.DataFrame, spec: TuneSpec) -> list[dict]:
-    """The predicted best points (by the cost knob at `cs`) and each candidate's best, best first; through a
-    worker, also the best point at the heaviest load planned for, where queueing weighs most on the price
-    (lighter loads are priced by the same simulation, and the recommendation is measured wherever it lands)."""
-    from specbench.plan.predict import choose
+    """The predicted best points and each candidate's best (by the cost knob J at `cs`: the objective the
+    choice is made by), best first; through a worker, also the best point at the heaviest load planned for,
+    where queueing weighs most on the price (lighter loads are priced by the same simulation, and the
+    recommendation is measured wherever it lands)."""
+    from specbench.plan.predict import choose, knob_values
 
     column = cost_column(spec.objective)
     rows = predicted[predicted["kind"] != "none"].to_dict("records")
@@ -313,7 +314,8 @@ def _to_measure(predicted: pd.DataFrame, spec: TuneSpec) -> list[dict]:
         pool = [r for r in pool if r["label"] != best["label"]]
     for name in dict.fromkeys(r["candidate"] for r in rows):
         own = [r for r in rows if r["candidate"] == name]
-        best = max(own, key=lambda r: r["tokens_per_s"])
+        values = knob_values(base + own, spec.cs, cost=column)[len(base):]  # target-only the reference
+        best = own[values.index(min(values))]
         if best["label"] not in {r["label"] for r in ranked + chosen}:
             chosen.append(best)
     heaviest = max((int(r["clients"]) for r in rows), default=1)
