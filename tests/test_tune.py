@@ -462,3 +462,27 @@ def test_each_candidates_best_is_its_best_by_the_objective_not_its_fastest():
                  total_cost_usd_per_mtok=1.0)]
     assert [r["label"] for r in _to_measure(pd.DataFrame(rows), spec(cs=0.5, measure_top=1))] == ["d K=4", "lookup K=2"]
     assert [r["label"] for r in _to_measure(pd.DataFrame(rows), spec(cs=0.0, measure_top=1))] == ["d K=4", "lookup K=4"]
+
+
+def test_a_loaded_model_draft_point_comes_after_its_one_client_run_and_the_heavy_check_needs_none_more():
+    """Through a worker a model draft's loaded point replays its one-client run: the tune lists that run first
+    (measured and reported, not done silently), and checks the heaviest load with its best point among those
+    needing no one-client run besides the listed ones (here the draft's K=4, not the unlisted K=2)."""
+    import pandas as pd
+
+    from specbench.tune.run import _to_measure
+
+    def point(name, kind, k, clients, speed):
+        label = f"{name} K={k} x{clients}"
+        return dict(label=label, candidate=name, kind=kind, k=k, clients=clients, tokens_per_s=speed,
+                    total_cost_usd_per_mtok=1.0)
+
+    speeds = {("d", 2): {1: 20, 2: 12, 8: 9}, ("d", 4): {1: 25, 2: 14, 8: 8}, ("lookup", 2): {1: 15, 2: 9, 8: 6}}
+    rows = [point("target-only", "none", 0, c, s) for c, s in ((1, 10), (2, 7), (8, 4))]
+    rows += [point(n, "chain", k, c, s) for (n, k), by in speeds.items() for c, s in by.items()]
+    listed = lambda: [r["label"] for r in _to_measure(pd.DataFrame(rows), spec(cs=0.0, measure_top=1,  # noqa: E731
+                                                                               endpoint="tcp://127.0.0.1:1",
+                                                                               clients=(1, 2, 8)), free={"lookup"})]
+    assert listed() == ["d K=4 x1", "lookup K=2 x1", "d K=4 x8"]  # d K=2 x8 is faster but would need d K=2 x1
+    rows[[r["label"] for r in rows].index("d K=2 x2")]["tokens_per_s"] = 40  # now the best point of all
+    assert listed() == ["d K=2 x1", "d K=2 x2", "lookup K=2 x1", "d K=2 x8"]

@@ -15,7 +15,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Optional
 
 import pandas as pd
 from tqdm.auto import tqdm
@@ -121,7 +121,7 @@ def tune(spec: TuneSpec, folder: Optional[str | Path] = None, progress: bool = T
     predicted["raw_tokens_per_s"] = raw["tokens_per_s"].values
     phase("calibration")
     measured = [_row("target-only", "target-only", 0, baseline, predicted, raw, spec, rtt_ms)]
-    for row in _to_measure(predicted, spec):
+    for row in _to_measure(predicted, spec, free={c.name for c in candidates if c.method in FREE}):
         clients = int(row["clients"])
         estimate = -(-len(held) // clients) * spec.max_new_tokens / max(row["tokens_per_s"], 1e-3)
         if time.monotonic() + estimate > deadline:
@@ -293,16 +293,20 @@ def _method(row: dict, candidates) -> tuple:
                        "eagle": "eagle-tree"}.get(candidate.method, "tree")
 
 
-def _to_measure(predicted: pd.DataFrame, spec: TuneSpec) -> list[dict]:
+def _to_measure(predicted: pd.DataFrame, spec: TuneSpec, free: Iterable[str] = ()) -> list[dict]:
     """The predicted best points and each candidate's best (by the cost knob J at `cs`: the objective the
-    choice is made by), best first; through a worker, also the best point at the heaviest load planned for,
-    where queueing weighs most on the price (lighter loads are priced by the same simulation, and the
-    recommendation is measured wherever it lands)."""
+    choice is made by), best first; through a worker, also a point at the heaviest load planned for, where
+    queueing weighs most on the price (lighter loads are priced by the same simulation, and the
+    recommendation is measured wherever it lands). A model draft's loaded point replays its one-client
+    run's proposals, so that run comes first, listed (measured, reported and learned from like any other);
+    the heaviest load's check is its best point among those needing no one-client run besides the listed
+    ones (target-only, drafts in `free`, or a draft and K already listed at one client)."""
     from specbench.plan.predict import choose, knob_values
 
     column = cost_column(spec.objective)
-    rows = predicted[predicted["kind"] != "none"].to_dict("records")
-    base = predicted[predicted["kind"] == "none"].to_dict("records")
+    every = predicted.to_dict("records")
+    rows = [r for r in every if r["kind"] != "none"]
+    base = [r for r in every if r["kind"] == "none"]
     ranked, chosen = [], []
     pool = list(rows)
     while pool and len(ranked) < spec.measure_top:
@@ -318,12 +322,25 @@ def _to_measure(predicted: pd.DataFrame, spec: TuneSpec) -> list[dict]:
         best = own[values.index(min(values))]
         if best["label"] not in {r["label"] for r in ranked + chosen}:
             chosen.append(best)
+    listed = ranked + chosen
+    twin = lambda r: (r["candidate"], r["kind"], int(r["k"]))  # noqa: E731  the same draft and K, any load
+    alone = {twin(r) for r in listed}  # a listed point at any load has its one-client run measured
+    ready = lambda r: r["kind"] == "none" or r["candidate"] in free or twin(r) in alone  # noqa: E731
     heaviest = max((int(r["clients"]) for r in rows), default=1)
     if heaviest > 1:
-        best = choose([r for r in base + rows if int(r["clients"]) == heaviest], spec.cs, cost=column)
-        if best["label"] not in {r["label"] for r in ranked + chosen}:
-            chosen.append(best)
-    return ranked + chosen
+        load = [r for r in base + rows if int(r["clients"]) == heaviest]
+        best = choose([r for r in load if ready(r)] or load, spec.cs, cost=column)
+        if best["label"] not in {r["label"] for r in listed}:
+            listed.append(best)
+    ordered = []
+    for row in listed:  # a model draft's one-client run before its loaded point
+        if int(row["clients"]) > 1 and row["kind"] != "none" and row["candidate"] not in free:
+            first = next((r for r in every if twin(r) == twin(row) and int(r["clients"]) == 1), None)
+            if first is not None and first["label"] not in {r["label"] for r in ordered}:
+                ordered.append(first)
+        if row["label"] not in {r["label"] for r in ordered}:
+            ordered.append(row)
+    return ordered
 
 
 def _row(candidate: str, method: str, k: int, records: pd.DataFrame, predicted: pd.DataFrame, raw: pd.DataFrame,
