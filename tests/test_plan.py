@@ -167,6 +167,21 @@ def test_profile_grid_measures_batches(tiny_target):
     assert all(r["median_s"] > 0 for r in rows)
 
 
+def test_profile_grid_warms_its_first_point_longer(tiny_target):
+    """The grid's first point runs warmup + (warmup + repeats) untimed forwards before its timed ones (a
+    worker's first forwards can run cold); every later point runs warmup."""
+    from specbench.decode.profile import forward_latency_grid
+
+    widths = []
+    hook = tiny_target.model.register_forward_hook(lambda module, args, kwargs, out: widths.append(
+        kwargs["input_ids"].shape[1]), with_kwargs=True)
+    try:
+        forward_latency_grid(tiny_target.model, tokens=[1, 3], contexts=[8], repeats=2, warmup=1)
+    finally:
+        hook.remove()
+    assert widths == [8] + [1] * (1 + 3 + 2) + [3] * (1 + 2)  # the prefill, then each point's forwards
+
+
 def two_prompts():
     """Measured steps of two prompts: prompt 0 (context 10) a 4-token draft, 3 accepted (4 emitted),
     then a plain step (1 emitted); prompt 1 (context 20) one 0-draft step. 0.01 s per step on the client."""

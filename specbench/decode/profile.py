@@ -47,6 +47,9 @@ def forward_latency_steps(model, tokens: Sequence[int], contexts: Sequence[int],
     device = model.get_input_embeddings().weight.device
     vocab = model.get_input_embeddings().weight.shape[0]
     generator = torch.Generator().manual_seed(0)
+    # the grid's first point warms up twice as long: a worker's first forwards can run cold (the Qwen 1.5B in bf16
+    # on the 2-core VM timed its first point, 1 token, at 330 ms after 2 warm-ups; the next at 136)
+    cold = warmup + repeats
     for batch, context in ((b, c) for b in batches for c in contexts):
         cache = new_cache(model.config)
         prefix = torch.randint(0, vocab, (batch, context), generator=generator).to(device)
@@ -57,15 +60,15 @@ def forward_latency_steps(model, tokens: Sequence[int], contexts: Sequence[int],
             yield None
         for count in tokens:
             new = torch.randint(0, vocab, (batch, count), generator=generator).to(device)
-            samples = []
-            for attempt in range(warmup + repeats):
+            samples, untimed, cold = [], warmup + cold, 0
+            for attempt in range(untimed + repeats):
                 start = device_time(device)
                 with torch.inference_mode():
                     model(input_ids=new, past_key_values=cache, use_cache=True)
-                if attempt >= warmup:
+                if attempt >= untimed:
                     samples.append(device_time(device) - start)
                 crop_to(cache, context)
-                if attempt + 1 < warmup + repeats:
+                if attempt + 1 < untimed + repeats:
                     yield None
             samples.sort()
             yield {"tokens": count, "context": context, "batch": batch, "median_s": statistics.median(samples),
