@@ -80,18 +80,28 @@ def test_profile_and_stats(worker):
 
 
 def test_a_batch_profile_times_packed_verifies_and_leaves_no_session(worker, monkeypatch):
-    """Several sequences on a packed target are timed as its batched verifies run (`profile_packed`): each
-    repeat on the same context (the sessions put back after it), no profiling session left behind."""
+    """Several sequences on a packed target are timed as its batched verifies run (`profile_packed`): its rows
+    at contexts spread around the point's (their mean the point's), each repeat on the same contexts (the
+    sessions put back after it), the token counts taken in turn, no profiling session left behind."""
     import specbench.decode.profile_packed as profile_packed
     from specbench.decode.kv import cached_length
 
+    assert profile_packed.spread(12, 3) == [6, 12, 18] and profile_packed.spread(2, 2) == [2, 3]
+    assert profile_packed.spread(100, 3, room=120) == [80, 100, 120]  # the longest kept within the model
     target = LocalTarget(tiny_model(seed=0))
-    seen = []
+    seen, rows = {}, []
     for piece in profile_packed.packed_batch_steps(target, [1, 3], [12], repeats=2, warmup=1, batches=[2, 3]):
-        seen += [cached_length(s.cache) for s in target.sessions.values()]
+        for name, state in target.sessions.items():
+            seen.setdefault(name, set()).add(cached_length(state.cache))
         if piece is not None:
             assert piece["median_s"] > 0 and piece["batch"] in (2, 3)
-    assert set(seen) == {11} and not target.sessions
+            rows.append((piece["batch"], piece["tokens"]))
+    assert rows == [(2, 1), (2, 3), (3, 1), (3, 3)] and not target.sessions
+    lengths = {name.rsplit("-", 3)[-3]: [] for name in seen}
+    for name, cached in seen.items():
+        assert len(cached) == 1, (name, cached)  # put back after every repeat
+        lengths[name.rsplit("-", 3)[-3]].append(cached.pop())
+    assert sorted(lengths["2"]) == [5, 17] and sorted(lengths["3"]) == [5, 11, 17]  # each spread's tail not cached
     # two profiles under way at once (two tenants' jobs, a slice each in turn) keep to their own sessions
     first, second = (profile_packed.packed_batch_steps(target, tokens, [12], repeats=2, warmup=1, batches=[2])
                      for tokens in ([2], [1, 2, 3]))
