@@ -102,6 +102,11 @@ def test_a_batch_profile_times_packed_verifies_and_leaves_no_session(worker, mon
         assert len(cached) == 1, (name, cached)  # put back after every repeat
         lengths[name.rsplit("-", 3)[-3]].append(cached.pop())
     assert sorted(lengths["2"]) == [5, 17] and sorted(lengths["3"]) == [5, 11, 17]  # each spread's tail not cached
+    # a worker's --max-prompt-tokens bounds the longest row as it bounds the point's context
+    bounded = set()
+    for _ in profile_packed.packed_batch_steps(target, [1], [12], repeats=1, warmup=0, batches=[3], longest=14):
+        bounded |= {cached_length(state.cache) for state in target.sessions.values()}
+    assert bounded == {9, 11, 13} and not target.sessions
     # two profiles under way at once (two tenants' jobs, a slice each in turn) keep to their own sessions
     first, second = (profile_packed.packed_batch_steps(target, tokens, [12], repeats=2, warmup=1, batches=[2])
                      for tokens in ([2], [1, 2, 3]))
@@ -110,10 +115,12 @@ def test_a_batch_profile_times_packed_verifies_and_leaves_no_session(worker, mon
     calls = []
     real = profile_packed.packed_batch_steps
     monkeypatch.setattr(profile_packed, "packed_batch_steps",
-                        lambda *a, **k: calls.append(k["batches"]) or real(*a, **k))
+                        lambda *a, **k: calls.append((k["batches"], k["longest"])) or real(*a, **k))
     profile = RemoteTarget(worker.endpoint).profile(tokens=[1, 2], contexts=[12], repeats=2, batches=[1, 2])
     assert sorted((r["tokens"], r["batch"]) for r in profile["rows"]) == [(1, 1), (1, 2), (2, 1), (2, 2)]
-    assert calls == [[2]]
+    from specbench.worker.limits import WorkerLimits
+
+    assert calls == [([2], WorkerLimits().max_prompt_tokens)]  # the worker's own bound on a prompt, passed down
 
 
 def _client_process(endpoint, prompt, queue):

@@ -27,18 +27,22 @@ from specbench.types import DraftTree, SamplingParams
 
 
 def packed_batch_steps(target, tokens: Sequence[int], contexts: Sequence[int], repeats: int = 5, warmup: int = 2,
-                       batches: Sequence[int] = (2,), slice_tokens: Optional[int] = None) -> Iterator[Optional[dict]]:
+                       batches: Sequence[int] = (2,), slice_tokens: Optional[int] = None,
+                       longest: Optional[int] = None) -> Iterator[Optional[dict]]:
     """Rows (tokens, context, batch, median_s, ...) as `forward_latency_steps` yields them, None after each
-    piece of work (a prefill chunk, one timed repeat), for `batches` of a packed LocalTarget."""
+    piece of work (a prefill chunk, one timed repeat), for `batches` of a packed LocalTarget; no row's prompt
+    longer than `longest` (a worker's `--max-prompt-tokens`) nor than the model's context less the widest
+    verify."""
     from specbench.decode.batch import VerifyRequest, verify_batch
     from specbench.decode.kv import cached_length
 
     generator = torch.Generator().manual_seed(0)
     run = uuid.uuid4().hex[:12]  # two profiles under way on one worker (two tenants) never share a session
+    bounds = [b for b in (longest, target.max_context and target.max_context - max(tokens)) if b]
+    room = min(bounds) if bounds else None
     for batch, context in ((b, c) for b in batches for c in contexts):
         names = [f"profile-packed-{run}-{batch}-{context}-{i}" for i in range(batch)]
         try:
-            room = (target.max_context - max(tokens)) if target.max_context else None
             for name, length in zip(names, spread(context, batch, room)):
                 job = target.prefill_job(name, torch.randint(0, target.vocab_size, (length,),
                                                              generator=generator).tolist())
@@ -74,7 +78,7 @@ def packed_batch_steps(target, tokens: Sequence[int], contexts: Sequence[int], r
 def spread(context: int, batch: int, room: int | None = None) -> list[int]:
     """Prompt lengths of `batch` rows around `context` (the tail included: `context - 1` cached on average),
     evenly from half to one and a half times it, each at least 2, narrower where the longest would pass `room`
-    (the model's context less the widest verify). Example: spread(100, 3) == [50, 100, 150]."""
+    (the longest prompt allowed). Example: spread(100, 3) == [50, 100, 150]."""
     context = max(context, 2)
     half = context // 2 if room is None else max(0, min(context // 2, room - context))
     if batch == 1:

@@ -55,7 +55,8 @@ def profile(ops, header: dict, curve_key: str) -> Job:
         from specbench.decode.profile_packed import packed_batch_steps
 
         steps = itertools.chain(steps, packed_batch_steps(target, tokens, contexts, repeats, batches=packed,
-                                                          slice_tokens=ops.config.slice_tokens))
+                                                          slice_tokens=ops.config.slice_tokens,
+                                                          longest=limits.max_prompt_tokens))
 
     def run():
         rows = []
