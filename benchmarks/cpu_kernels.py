@@ -3,11 +3,11 @@ shapes, side by side.
 
 For each model, every variant (`default`: fp32 with PyTorch's kernels, `onednn`: fp32 with oneDNN's
 linears, `bf16`: bfloat16 weights and activations, which pays on CPUs with AVX-512 bf16 instructions)
-is loaded and timed alternately (repeat by repeat, so drift on a shared box hits all alike) on forwards of `batch` sequences x `tokens` new tokens over a cached
-context: (1, 1) a target-only step, (1, 5) a K=4 chain verify, (8, 1) and (8, 5) the same for 8
-clients batched on a worker. Besides the speed-up per shape it prints the two ratios that decide SD
-and batching on a CPU: what a 5-token verify costs against a 1-token step, and what a batch of 8 costs
-against one sequence. Prints a table and writes results/cpu_kernels.json.
+is loaded and timed alternately (repeat by repeat, so drift on a shared box hits all alike) on forwards
+of `batch` sequences x `tokens` new tokens over a cached context: (1, 1) a target-only step, (1, 5) a K=4
+chain verify, (8, 1) and (8, 5) the same for 8 clients batched on a worker. Besides the speed-up per shape
+it prints the two ratios that decide SD and batching on a CPU: what a 5-token verify costs against a
+1-token step, and what a batch of 8 costs against one sequence. Prints a table and writes results/cpu_kernels.json.
 
     python benchmarks/cpu_kernels.py [--models smollm2-135m qwen2.5-coder-0.5b qwen2.5-coder-1.5b] \
         [--variants default onednn bf16]

@@ -89,7 +89,8 @@ def main() -> None:
     parser.add_argument("--cs", type=float, default=0.5)
     parser.add_argument("--cost", default="total_cost")
     parser.add_argument("--budget-minutes", type=float, default=15)
-    parser.add_argument("--dtype", default="float32", help="the drafts' (and a local target's) dtype; a worker's is its own")
+    parser.add_argument("--dtype", default="float32",
+                        help="the drafts' (and a local target's) dtype; a worker's is its own")
     parser.add_argument("--out-dir", default=str(RESULTS / "fidelity"))
     parser.add_argument("--out", default=str(RESULTS / "fidelity.json"))
     args = parser.parse_args()
