@@ -311,10 +311,55 @@ def test_runs_teach_each_width_and_each_draft_its_in_loop_cost():
         assert drafts_now["d"].forward_s(1, 64) == pytest.approx(0.010 * calibrator.draft_factors["d"][1])
 
 
+def test_a_loaded_runs_rounds_teach_the_batch_grid_between_the_lone_factor_and_the_learned_batches():
+    """Mode "runs": a run of several clients gives the worker's rounds (rows sharing a forward time and batch size;
+    a group short of its batch size dropped), each priced at its rows' mean width and context; a batch's factor
+    scales the grid's rows of that batch, batches between 1 and it interpolate from the lone width factor, and a
+    batch with under MIN_STEPS rounds teaches nothing."""
+    import pandas as pd
+
+    from specbench.tune.calibrate import MIN_STEPS, Calibrator, worker_rounds
+
+    target = LatencyProfile(model="t", device="cpu", dtype="float32", quantization="none", weight_bytes=1,
+                            kv_bytes_per_token=1, rows=((1, 64, 0.100, 1), (3, 64, 0.100, 1), (1, 64, 0.150, 4),
+                                                        (3, 64, 0.250, 4), (1, 64, 0.200, 8), (3, 64, 0.300, 8)))
+    rows = []
+    for step in range(MIN_STEPS):  # 4 rows a round, two clients at width 1 and two at width 3: priced 0.200
+        for client in range(4):
+            rows.append(dict(client=client, prompt_index=client, step=step, drafted=2 * (client % 2), emitted=1,
+                             prompt_tokens=40, batch_size=4, target_forward_s=0.24 + step / 1000))
+    for step in range(MIN_STEPS - 1):  # rounds of 8 too few to count
+        rows += [dict(client=c, prompt_index=c, step=100 + step, drafted=0, emitted=1, prompt_tokens=40, batch_size=8,
+                      target_forward_s=9.0 + step) for c in range(8)]
+    rows.append(dict(client=0, prompt_index=0, step=200, drafted=0, emitted=1, prompt_tokens=40, batch_size=2,
+                     target_forward_s=5.0))  # its round's other row belongs to another run
+    records = pd.DataFrame(rows)
+    rounds = worker_rounds(records)
+    assert sorted(rounds["rows"].value_counts().items()) == [(4, MIN_STEPS), (8, MIN_STEPS - 1)]
+    four = rounds[rounds["rows"] == 4]
+    assert four["width"].eq(2.0).all() and four["context"].between(40, 40 + MIN_STEPS).all()
+    baseline = pd.DataFrame({"target_forward_s": [0.12] * 20, "overhead_s": [0.0] * 20, "drafted": [0] * 20})
+    for mode in ("runs", "speed"):
+        calibrator = Calibrator.from_baseline(baseline, object(), target, {}, {}, context=64, widths=[3], repeats=1,
+                                              mode=mode)
+        calibrator.learn_rounds(records)
+        now, _ = calibrator.profiles()
+        if mode == "speed":  # the lone factor scales every batch
+            assert calibrator.batch_factors == {} and now.forward_s(1, 64, 4) == pytest.approx(0.150 * 1.2)
+            continue
+        factor = (0.24 + (MIN_STEPS - 1) / 2000) / 0.200  # the median round over its price
+        assert calibrator.batch_factors == pytest.approx({4: factor}, rel=1e-3)
+        assert now.forward_s(3, 64, 4) == pytest.approx(0.250 * factor, rel=1e-3)
+        assert now.forward_s(1, 64, 8) == pytest.approx(0.200 * factor, rel=1e-3)  # beyond: the nearest learned
+        assert now.forward_s(1, 64) == pytest.approx(0.120)  # the lone forward keeps its own factor
+        assert calibrator.terms["batch_factors"] == calibrator.batch_factors
+
+
 def test_a_tune_through_a_worker_measures_each_client_count_with_its_clients_at_once(tmp_path):
     """With a worker endpoint and clients (1, 2), the heaviest load planned for is measured: the 2-client point runs
     two clients together (each its own connection; the worker's batches of 2 show in the records), priced at
-    that load (per-client tokens/s, the target's cost split), and only 1-client runs teach the calibration;
+    that load (per-client tokens/s, the target's cost split), and only 1-client runs teach the calibration's widths
+    (the loaded run's rounds, found in its records, its batch grid);
     greedy outputs through the clients at once equal the prompts decoded alone."""
     import sys
     from pathlib import Path
@@ -343,6 +388,10 @@ def test_a_tune_through_a_worker_measures_each_client_count_with_its_clients_at_
                    substitute_quantization="8bit", dtype="float32", seed=0, warmup=False)
         together = phases.together(worker.endpoint, 2, held, job, progress=False)
         assert sorted(together["client"].unique()) == [0, 1] and together["batch_size"].max() == 2
+        from specbench.tune.calibrate import worker_rounds
+
+        rounds = worker_rounds(together)
+        assert (rounds["rows"] == 2).any() and rounds["rows"].sum() == len(together), rounds
         from specbench.api import run
         from specbench.worker.client import RemoteTarget
 

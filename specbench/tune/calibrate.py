@@ -5,7 +5,8 @@ Why: a CPU's speed drifts within hours, so a profile taken at another moment pre
 By default (`runs`) one factor, the run's in-loop 1-token forward over the profile's, scales the
 target's profile and each draft's 1-token forward is re-timed; then every point the tune measures
 teaches the rest: its steps give the target's in-loop forward at each width it verified and its
-draft's in-loop cost, and the points measured after it are priced with those (`learn`). `speed` stops
+draft's in-loop cost, and the points measured after it are priced with those (`learn`); a run of several
+clients through a worker teaches the batch grid from the worker's rounds (`learn_rounds`). `speed` stops
 after the first part. Two modes re-time forwards separately, every width after the run (`widths`)
 and each point's widths just before it runs (`per-point`); on the 2-core VM of 2026-11-26 both predicted
 worse than one factor (a separately timed forward is not the loop's, and a few repeats carry more
@@ -26,9 +27,16 @@ MODES = ("runs", "speed", "widths", "per-point")  # what the calibration learns 
 MIN_STEPS = 10  # a width's steps in one run before that run's median forward at it counts
 
 
-def scaled(profile, factors: dict):
-    """`profile` with each row's time multiplied by its width's factor (`factor_at`)."""
-    return replace(profile, rows=tuple((r[0], r[1], r[2] * factor_at(factors, r[0]), *r[3:]) for r in profile.rows))
+def scaled(profile, factors: dict, batch_factors: Optional[dict] = None):
+    """`profile` with each row's time multiplied by its width's factor (`factor_at`); a row of several sequences,
+    where `batch_factors` ({batch: factor}) were learned, by the factor at its batch between its width's (batch 1)
+    and the learned batches'."""
+    def factor(row) -> float:
+        lone = factor_at(factors, row[0])
+        batch = row[3] if len(row) > 3 else 1
+        return lone if batch <= 1 or not batch_factors else factor_at({1: lone, **batch_factors}, batch)
+
+    return replace(profile, rows=tuple((r[0], r[1], r[2] * factor(r), *r[3:]) for r in profile.rows))
 
 
 def factor_at(factors: dict, width: int) -> float:
@@ -42,6 +50,23 @@ def factor_at(factors: dict, width: int) -> float:
     index = bisect.bisect_left(widths, width)
     low, high = widths[index - 1], widths[index]
     return factors[low] + (factors[high] - factors[low]) * (width - low) / (high - low)
+
+
+def worker_rounds(records: pd.DataFrame) -> pd.DataFrame:
+    """The worker's rounds in a run's steps: (rows, forward_s, width, context) per round, its rows' mean width
+    (tokens verified) and context. A round's rows carry the same forward time and batch size (the worker times
+    one forward for all of them); a group whose size is not its batch size (a row of another run) is dropped."""
+    columns = ["rows", "forward_s", "width", "context"]
+    if records.empty or "batch_size" not in records or "client" not in records:
+        return pd.DataFrame(columns=columns)
+    steps = records.assign(width=records["drafted"].fillna(0) + 1)
+    before = steps.sort_values("step").groupby(["client", "prompt_index"])["emitted"].cumsum() - steps["emitted"]
+    steps = steps.assign(context=steps["prompt_tokens"] + before)
+    found = steps.groupby(["target_forward_s", "batch_size"]).agg(count=("width", "size"), width=("width", "mean"),
+                                                                   context=("context", "mean")).reset_index()
+    found = found[found["count"] == found["batch_size"]]
+    return pd.DataFrame({"rows": found["batch_size"].astype(int), "forward_s": found["target_forward_s"],
+                         "width": found["width"], "context": found["context"]})[columns].reset_index(drop=True)
 
 
 def draft_factor(profile, records: pd.DataFrame, context: int) -> Optional[float]:
@@ -99,6 +124,10 @@ class Calibrator:
     width_samples: dict = field(default_factory=dict)
     draft_samples: dict = field(default_factory=dict)
     runs: int = 0
+    # and from runs of several clients through a worker (`learn_rounds`): batch -> a run's median round over
+    # the profile's forward of that many rows; `batch_factors` their medians
+    batch_samples: dict = field(default_factory=dict)
+    batch_factors: dict = field(default_factory=dict)
 
     @classmethod
     def from_baseline(cls, baseline: pd.DataFrame, runner, target_profile, drafts: dict, draft_profiles: dict,
@@ -158,6 +187,27 @@ class Calibrator:
         self.terms.update(width_factors=self.target_factors, runs_learned=self.runs - 1,
                           draft_speed_factors={n: f.get(1) for n, f in self.draft_factors.items()})
 
+    def learn_rounds(self, records: pd.DataFrame) -> None:
+        """In mode "runs": the target's batched forward at each batch size, from the worker's rounds in a run of
+        several clients (`worker_rounds`): a run's median round at B rows over what the profile prices for those
+        rows (their mean width and context), a batch's factor the median over runs (batches with under MIN_STEPS
+        rounds in a run do not count there). Why: the lone forward's factor does not carry over to rounds of
+        several rows (on the 2-core VM of 2026-11-27, the Qwen 1.5B in bf16 ran its lone forwards 1.32x the
+        profile's and its 8-row rounds 1.13x: scaled by the first, 8 clients were predicted 15-20% slow)."""
+        if self.mode != "runs":
+            return
+        rounds = worker_rounds(records)
+        for batch, found in rounds.groupby("rows"):
+            if batch < 2 or len(found) < MIN_STEPS:
+                continue
+            ratios = [seconds / priced for seconds, priced in
+                      ((s, self.target_profile.forward_s(w, round(c), int(batch)))
+                       for s, w, c in zip(found["forward_s"], found["width"], found["context"])) if priced > 0]
+            if ratios:
+                self.batch_samples.setdefault(int(batch), []).append(statistics.median(ratios))
+        self.batch_factors = {b: round(statistics.median(f), 4) for b, f in sorted(self.batch_samples.items())}
+        self.terms.update(batch_factors=self.batch_factors)
+
     def drafting(self, name: str, records: pd.DataFrame) -> None:
         """In mode "runs": the draft `name`'s cost from its drafter's own steps timed now (`replay.drafting_steps`),
         until a measured run of it teaches better (`learn`)."""
@@ -182,7 +232,7 @@ class Calibrator:
         draft_factors = {**self.draft_factors, **(draft_factors or {})}
         drafts = {name: scaled(profile, draft_factors.get(name) or target_factors) if profile else None
                   for name, profile in self.draft_profiles.items()}
-        return scaled(self.target_profile, target_factors), drafts
+        return scaled(self.target_profile, target_factors, self.batch_factors), drafts
 
     def refresh(self, candidate: Optional[str], k: int):
         """In mode "per-point": the profiles re-timed now at the widths a point of `candidate` at `k` uses

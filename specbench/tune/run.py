@@ -137,9 +137,11 @@ def tune(spec: TuneSpec, folder: Optional[str | Path] = None, progress: bool = T
                                  progress, clients=clients)
         measured.append(_row(candidate.name, method, int(row["k"]), records, predicted, raw, spec, rtt_ms,
                              label=row["label"], at_run=at_run, clients=clients))
-        if clients == 1:  # a shared target's batched forwards are priced by the profile's batch grid, not learned
+        if clients == 1:
             calibrator.learn(candidate.name, records)
             alone[(row["candidate"], row["kind"], int(row["k"]))] = records
+        else:  # a shared target's rounds of several rows teach its batch grid
+            calibrator.learn_rounds(records)
     phase("measurements")
     # every point priced with all the measured points taught (mode "runs"; the window's prices otherwise)
     predicted = now(calibrator.profiles()).assign(raw_tokens_per_s=raw["tokens_per_s"].values,
