@@ -379,6 +379,7 @@ def test_a_tune_through_a_worker_measures_each_client_count_with_its_clients_at_
         two = measured[measured["clients"] == 2].iloc[0]
         assert "2 clients" in two["label"] and two["measured_tokens_per_s"] > 0
         assert result.calibration["runs_learned"] == int((measured["clients"] == 1).sum()) - 1
+        assert "batch_factors" in result.calibration  # the loaded run's rounds were learned from
         # the loaded chain and target-only points are priced by simulating two clients against the worker
         loaded = result.predicted[(result.predicted["clients"] == 2) & (result.predicted["kind"] != "tree")]
         assert len(loaded) and loaded["simulated"].eq(True).all(), loaded[["label", "simulated"]]

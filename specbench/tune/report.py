@@ -81,6 +81,9 @@ def write_report(path: Path, spec: TuneSpec, result) -> Path:
         note += (f" Points at several clients: {loaded['priced']} (a round waits {loaded['window_ms']:g} ms, and up to "
                  f"{loaded['wait_cap_ms']:g} ms for a session expected back; host work {loaded['host_fixed_ms']:g} ms "
                  f"+ {loaded['host_row_ms']:g} ms a row), trees excepted.")
+        batches = ", ".join(f"{b} rows {f:.3g}x" for b, f in (result.calibration.get("batch_factors") or {}).items())
+        if batches:
+            note += f" The worker's rounds of a loaded run ran its batch grid at: {batches}."
     page = write_pareto_report(path, [{"title": f"tune {spec.target}", "predicted": predicted,
                                        "measured": measured[["label", "tokens_per_s", column]], "cs": spec.cs}],
                                cost=spec.objective, note=note)
