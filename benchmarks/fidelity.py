@@ -72,6 +72,9 @@ def summary(frame: pd.DataFrame, column: str) -> pd.DataFrame:
         "median_err_window": grouped["error_window"].apply(lambda v: quantile(v, 0.5)),
         "median_err_after": grouped["error_after"].apply(lambda v: quantile(v, 0.5)),
         "p90_err_after": grouped["error_after"].apply(lambda v: quantile(v, 0.9)),
+        # the cost objective (`column`, per token) as priced after calibration against its measured value
+        "median_cost_err_after": grouped["cost_error_after"].apply(lambda v: quantile(v, 0.5)),
+        "p90_cost_err_after": grouped["cost_error_after"].apply(lambda v: quantile(v, 0.9)),
     }).reset_index()
 
 
@@ -121,6 +124,8 @@ def main() -> None:
                "median_err_before": round(float(sweep["error_before"].abs().median()), 4),
                "median_err_window": round(float(sweep["error_window"].abs().median()), 4),
                "p90_err_window": round(float(sweep["error_window"].abs().quantile(0.9)), 4),
+               "median_cost_err_after": round(float(sweep["cost_error_after"].abs().median()), 4),
+               "p90_cost_err_after": round(float(sweep["cost_error_after"].abs().quantile(0.9)), 4),
                "calibration": result.calibration, "left_out": result.left_out}
         rows.append(row)
         summaries.append(summary(sweep, column).assign(dataset=dataset))

@@ -58,6 +58,8 @@ def test_a_prefill_rides_in_the_next_verify_round_up_to_its_slice():
     out = simulate([[a], [b]], WorkerRules(lambda width, context, rows: 1.0, window_s=0.0))
     assert out.rows == [1, 1] and out.step_s == pytest.approx(3.54 + 1.0)
     assert out.seconds == pytest.approx(2.56 + 3.54 + 1.0)
+    # the rounds' busy time holds the riding prefill, kept apart: a step's verify is priced without it
+    assert out.busy_s == pytest.approx(2.0 + 2.54) and out.riding_s == pytest.approx(2.54)
 
 
 def test_clients_are_dealt_the_prompts_as_a_loaded_tune_deals_them():

@@ -75,6 +75,25 @@ def test_record_figures_and_measured_points():
     assert measured.iloc[1]["tokens_per_step"] == pytest.approx(10 / 3)  # emitted 5, 2, 3
 
 
+def test_measured_points_split_the_targets_time_between_the_rows_of_each_round():
+    """At several clients a round's seconds are shared by its own rows (its `batch_size`), not by every client:
+    4 clients whose rounds held 1 and 3 rows cost what those rounds took per token, as a prediction prices it."""
+    from specbench.plan.costs import Prices
+
+    rows = [{"method": "chain", "kind": "chain", "k": 2, "planned": False, "drafted": 2, "accepted": 1, "emitted": 2,
+             "draft_s": 0.0, "verify_s": seconds, "network_s": 0.0, "step_s": 0.5, "overhead_s": 0.0, "bytes_up": 0,
+             "bytes_down": 0, "batch_size": batch} for seconds, batch in [(0.1, 1)] + [(0.3, 3)] * 3]
+    data = pd.DataFrame(rows)
+    prices = Prices()
+    measured = measured_points(data, prices=prices, clients=4).iloc[0]
+    # the target was busy 0.1 + 0.3 s for the 8 tokens of the four steps
+    per_token = prices.target_usd_per_hour / 3600 * 0.4 / 8 * 1e6
+    assert measured["api_cost_usd_per_mtok"] == pytest.approx(per_token)
+    assert measured["aggregate_tokens_per_s"] == pytest.approx(4 * 8 / 2.0)
+    alone = measured_points(data.assign(batch_size=1), prices=prices, clients=1).iloc[0]
+    assert alone["api_cost_usd_per_mtok"] == pytest.approx(prices.target_usd_per_hour / 3600 * 1.0 / 8 * 1e6)
+
+
 def test_report_and_cli_write_html_from_cached_files(tmp_path, capsys):
     path = write_pareto_report(tmp_path / "r.html", [{"title": "synthetic", "predicted": frame(), "cs": 0.5}])
     page = path.read_text()

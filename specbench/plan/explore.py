@@ -197,12 +197,18 @@ def measured_points(records: pd.DataFrame, prices: Prices = Prices(), power: Pow
     """Measured runs (records from `specbench.api.run`) priced like predictions, one row per (method, k),
     labelled as the matching predicted operating point so the two overlay in one figure. `clients`: how
     many clients shared the target while these records ran (all of their records given: tokens/s is
-    per client, the target's cost split between them, as a prediction at that load prices it)."""
+    per client, the target's time split between the rows of each of its rounds, as a prediction at that load
+    prices it: a round of 3 rows while 8 clients run costs each of its rows a third, not an eighth)."""
     rows = []
     for (method, k), group in records.groupby(["method", "k"], sort=False):
         emitted_per_step = group["emitted"].sum() / len(group)
+        shared = clients
+        if clients > 1 and "batch_size" in group and group["verify_s"].sum() > 0:
+            # the rows a round's seconds are split between, as the target's seconds per token see them
+            rows_of = group["batch_size"].fillna(1).clip(lower=1)
+            shared = float(group["verify_s"].sum() / (group["verify_s"] / rows_of).sum())
         step = StepCost(emitted_per_step, group["draft_s"].mean(), group["verify_s"].mean(), group["network_s"].mean(),
-                        group["overhead_s"].mean(), group["bytes_up"].mean(), group["bytes_down"].mean(), clients)
+                        group["overhead_s"].mean(), group["bytes_up"].mean(), group["bytes_down"].mean(), shared)
         kind = group["kind"].iloc[0]
         label = OperatingPoint(kind_method(kind), int(k), where, rtt_ms, clients=clients).label
         if group["planned"].any():  # K varies per step; no fixed-K prediction to overlay
@@ -211,6 +217,7 @@ def measured_points(records: pd.DataFrame, prices: Prices = Prices(), power: Pow
                      "where": where, "rtt_ms": rtt_ms, **priced(step, prices, power),
                      # measured speed: emitted tokens over wall time of the steps (not 1 / mean step)
                      "tokens_per_s": group["emitted"].sum() / group["step_s"].sum(), "steps": len(group)})
+        rows[-1]["aggregate_tokens_per_s"] = clients * rows[-1]["tokens_per_s"]
     return pd.DataFrame(rows)
 
 

@@ -53,6 +53,7 @@ class Simulated:
     rows: list = field(default_factory=list)  # rows of each verify round
     queue_s: list = field(default_factory=list)  # each step's wait in the worker before its round ran
     busy_s: float = 0.0  # the verify rounds' seconds (prefill chunks riding in them included)
+    riding_s: float = 0.0  # of which the prefill chunks riding in them
     seconds: float = 0.0  # until the last client finished
 
     @property
@@ -100,9 +101,11 @@ def simulate(clients: Sequence[Sequence[ClientPrompt]], worker: WorkerRules) -> 
             batch = sorted(waiting, key=waiting.get)[:worker.max_batch]
             steps = [clients[c][cursor[c][0]].steps[cursor[c][1]] for c in batch]
             seconds = worker.forward_s(mean(s.width for s in steps), round(mean(s.context for s in steps)), len(steps))
-            seconds += worker.host.at(len(steps)) + _ride(prefills, worker.slice_tokens)
+            riding = _ride(prefills, worker.slice_tokens)
+            seconds += worker.host.at(len(steps)) + riding
             out.rows.append(len(steps))
             out.busy_s += seconds
+            out.riding_s += riding
             out.queue_s += [clock - waiting[c] for c in batch]
             clock += seconds
             for client, step in zip(batch, steps):

@@ -356,9 +356,14 @@ def _row(candidate: str, method: str, k: int, records: pd.DataFrame, predicted: 
     priced = measured_points(records.assign(method=method, k=k), where=where, rtt_ms=rtt_ms, clients=clients).iloc[0]
     label = label or predicted.loc[predicted["kind"] == "none", "label"].iloc[0]
     at = predicted["label"] == label
-    value = lambda frame: float(frame.loc[(frame["label"] == label).values, "tokens_per_s"].iloc[0])  # noqa: E731
+    cost = cost_column(spec.objective)
+
+    def value(frame: pd.DataFrame, column: str = "tokens_per_s") -> float:
+        return float(frame.loc[(frame["label"] == label).values, column].iloc[0])
+
     window, before = value(predicted), value(raw)
     calibrated = value(at_run) if at_run is not None else window
+    calibrated_cost = value(at_run if at_run is not None else predicted, cost)
     measured = float(priced["tokens_per_s"])
     row = {"label": label, "candidate": candidate, "method": method, "k": k, "clients": clients,
            "measured_tokens_per_s": measured,
@@ -367,7 +372,9 @@ def _row(candidate: str, method: str, k: int, records: pd.DataFrame, predicted: 
            "error_after": calibrated / measured - 1,
            "measured_tokens_per_step": float(priced["tokens_per_step"]),
            "predicted_tokens_per_step": float(predicted.loc[at, "tokens_per_step"].iloc[0]),
-           cost_column(spec.objective): float(priced[cost_column(spec.objective)]), "steps": int(priced["steps"]),
+           cost: float(priced[cost]), "calibrated_cost": calibrated_cost,
+           "cost_error_after": calibrated_cost / float(priced[cost]) - 1 if float(priced[cost]) else float("nan"),
+           "steps": int(priced["steps"]),
            "measured_forward_ms": 1000 * float(records["target_forward_s"].mean()),
            "queue_ms": 1000 * float(records["queue_s"].mean())}
     row["flag"] = _reason(row) if abs(row["error_after"]) > GOAL_ERROR else ""
