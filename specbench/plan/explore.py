@@ -213,11 +213,11 @@ def measured_points(records: pd.DataFrame, prices: Prices = Prices(), power: Pow
         label = OperatingPoint(kind_method(kind), int(k), where, rtt_ms, clients=clients).label
         if group["planned"].any():  # K varies per step; no fixed-K prediction to overlay
             label = f"{method} K<={int(k)} ({label.rsplit('(', 1)[1]}"
+        # measured speed: emitted tokens over wall time of the steps (not 1 / mean step)
+        tokens_per_s = group["emitted"].sum() / group["step_s"].sum()
         rows.append({"label": label, "method": method, "kind": kind, "k": int(k), "clients": clients,
-                     "where": where, "rtt_ms": rtt_ms, **priced(step, prices, power),
-                     # measured speed: emitted tokens over wall time of the steps (not 1 / mean step)
-                     "tokens_per_s": group["emitted"].sum() / group["step_s"].sum(), "steps": len(group)})
-        rows[-1]["aggregate_tokens_per_s"] = clients * rows[-1]["tokens_per_s"]
+                     "where": where, "rtt_ms": rtt_ms, **priced(step, prices, power), "tokens_per_s": tokens_per_s,
+                     "aggregate_tokens_per_s": clients * tokens_per_s, "steps": len(group)})
     return pd.DataFrame(rows)
 
 

@@ -200,9 +200,9 @@ class Calibrator:
         for batch, found in rounds.groupby("rows"):
             if batch < 2 or len(found) < MIN_STEPS:
                 continue
-            ratios = [seconds / priced for seconds, priced in
-                      ((s, self.target_profile.forward_s(w, round(c), int(batch)))
-                       for s, w, c in zip(found["forward_s"], found["width"], found["context"])) if priced > 0]
+            priced = [self.target_profile.forward_s(w, round(c), int(batch))
+                      for w, c in zip(found["width"], found["context"])]
+            ratios = [seconds / price for seconds, price in zip(found["forward_s"], priced) if price > 0]
             if ratios:
                 self.batch_samples.setdefault(int(batch), []).append(statistics.median(ratios))
         self.batch_factors = {b: round(statistics.median(f), 4) for b, f in sorted(self.batch_samples.items())}
