@@ -30,7 +30,7 @@ def exhaustive(spec: TuneSpec, result, progress: bool) -> tuple[pd.DataFrame, fl
     """Every point the tune predicted (one client; every load through a worker), measured on its held-back
     prompts with the tune's own target and drafts (reusing what the tune measured); the seconds the measuring
     took, the tune's own points included."""
-    from specbench.tune.run import _method, _row
+    from specbench.tune.run import _method, _row, measuring_s
     from specbench.tune.spec import candidate, split_prompts
     from specbench.datasets import load_prompts
 
@@ -55,8 +55,7 @@ def exhaustive(spec: TuneSpec, result, progress: bool) -> tuple[pd.DataFrame, fl
         at_run = result.predict_now(retimed) if retimed is not None else result.predicted
         records = phases.measure(store, runner, candidate, method, int(row["k"]), held, drafts[candidate.name], spec,
                                  progress, clients=clients)
-        # measuring time: the clients' steps overlap, so their summed seconds over the clients
-        seconds += (records["step_s"].sum() + records["prefill_s"].drop_duplicates().sum()) / clients
+        seconds += measuring_s(records, clients)
         rows.append(tuned.get(row["label"]) or _row(row["candidate"], method, int(row["k"]), records, window, raw, spec,
                                                     rtt_ms, label=row["label"], at_run=at_run, clients=clients))
     return pd.DataFrame(rows), seconds

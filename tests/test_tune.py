@@ -48,6 +48,12 @@ def test_tune_end_to_end_chooses_a_measured_point_and_writes_what_run_reads(tmp_
     assert "Predicted vs measured" in result.report_path.read_text()
     # tiny random prompts repeat no 4-token run, but prompt lookup's partial matches are priced at their widths
     assert (result.predicted["candidate"] == "prompt-lookup").any() and not result.left_out
+    assert result.measuring["sweep_estimate_s"] > 0 and "Measuring took" in result.report_path.read_text()
+    # the whole share allowed: the best measured point's neighbouring K measured too, after the listed points
+    every = tune(spec(measure_share=1.0), tmp_path / "every", progress=False)
+    assert every.measuring["neighbours"] and every.measured["label"].tolist()[-len(every.measuring["neighbours"]):] \
+        == every.measuring["neighbours"] and every.measured["label"].is_unique
+    assert tune(spec(measure_share=0.0), tmp_path / "none", progress=False).measuring["neighbours"] == []
     from specbench.cli import build_parser
     from specbench.tune.command import apply_config
 
@@ -536,3 +542,50 @@ def test_a_loaded_model_draft_point_comes_after_its_one_client_run_and_the_heavy
     assert listed() == ["d K=4 x1", "lookup K=2 x1", "d K=4 x8"]  # d K=2 x8 is faster but would need d K=2 x1
     rows[[r["label"] for r in rows].index("d K=2 x2")]["tokens_per_s"] = 40  # now the best point of all
     assert listed() == ["d K=2 x1", "d K=2 x2", "lookup K=2 x1", "d K=2 x8"]
+
+
+def test_the_share_left_measures_the_best_measured_points_neighbouring_k_then_the_next_bests():
+    """Around the best measured point by J: its draft's neighbouring K at the same load (the better predicted
+    first), a model draft's one-client run before its loaded neighbour, then the next best's neighbours; none
+    once every neighbour is measured, and target-only has no K to look around."""
+    import pandas as pd
+
+    from specbench.tune.run import _neighbour
+
+    def point(name, k, clients, speed):
+        return dict(label=f"{name} K={k} x{clients}", candidate=name, kind="none" if name == "target-only" else "chain",
+                    k=k, clients=clients, tokens_per_s=speed, total_cost_usd_per_mtok=1.0)
+
+    predicted = pd.DataFrame([point("target-only", 0, 1, 10), point("target-only", 0, 2, 8)]
+                             + [point(n, k, c, 10 + k + (n == "d")) for n in ("d", "lookup") for k in (2, 4, 6)
+                                for c in (1, 2)])
+
+    def measured(*points):
+        return pd.DataFrame([dict(label=f"{n} K={k} x{c}", candidate=n, method="target-only" if n == "target-only"
+                                  else "chain", k=k, clients=c, measured_tokens_per_s=s, total_cost_usd_per_mtok=1.0)
+                             for n, k, c, s in points])
+
+    cases = spec(cs=0.0, chain_ks=(2, 4, 6), endpoint="tcp://127.0.0.1:1", clients=(1, 2))
+    first = measured(("target-only", 0, 1, 10), ("d", 4, 1, 20), ("lookup", 2, 1, 15))
+    assert _neighbour(predicted, first, cases, free={"lookup"})["label"] == "d K=6 x1"  # predicted faster than K=2
+    both = measured(("target-only", 0, 1, 10), ("d", 4, 1, 20), ("d", 6, 1, 18), ("d", 2, 1, 17))
+    assert _neighbour(predicted, both, cases, free={"lookup"}) is None  # the best's neighbours measured; K=6 and
+    # K=2's neighbours too (K=4): nothing left around the drafting points
+    loaded = measured(("target-only", 0, 1, 10), ("d", 4, 2, 30), ("d", 4, 1, 20), ("d", 2, 1, 16), ("d", 6, 1, 17))
+    assert _neighbour(predicted, loaded, cases, free={"lookup"})["label"] == "d K=6 x2"  # its one-client run is there
+    alone = measured(("target-only", 0, 1, 10), ("d", 4, 2, 30), ("d", 4, 1, 20))
+    assert _neighbour(predicted, alone, cases, free={"lookup"})["label"] == "d K=6 x1"  # the replayed run first
+    lookup = measured(("target-only", 0, 1, 10), ("lookup", 4, 2, 30))
+    assert _neighbour(predicted, lookup, cases, free={"lookup"})["label"] == "lookup K=6 x2"  # drafts live: no run first
+    slow = measured(("target-only", 0, 1, 30), ("d", 4, 1, 20))
+    assert _neighbour(predicted, slow, cases, free={"lookup"})["label"] == "d K=6 x1"  # target-only skipped, not an end
+
+
+def test_the_measuring_share_scales_the_sweeps_estimate_by_what_measured_points_took():
+    from specbench.tune.run import MeasuringShare
+
+    share = MeasuringShare(0.2, estimated_s=1000)
+    assert share.sweep_s() == 1000 and share.allows(150, 50) and not share.allows(150, 51)
+    share.took(estimate_s=100, taken_s=150)  # the points took 1.5x their estimates: so would the sweep's
+    assert share.sweep_s() == 1500 and share.allows(200, 66) and not share.allows(200, 67)
+    assert not MeasuringShare(0.0, 1000).allows(0, 1)

@@ -26,8 +26,11 @@ def add_tune(commands) -> None:
     tune.add_argument("--k", type=int, nargs="+", default=[1, 2, 3, 4, 6], help="chain lengths to consider")
     tune.add_argument("--tree-budgets", type=int, nargs="*", default=[])
     tune.add_argument("--max-new-tokens", type=int, default=32)
-    tune.add_argument("--measure-top", type=int, default=2, help="predicted best points measured, besides each "
+    tune.add_argument("--measure-top", type=int, default=1, help="predicted best points measured, besides each "
                                                                 "candidate's best")
+    tune.add_argument("--measure-share", type=float, default=0.18,
+                      help="of an exhaustive sweep's measuring time (estimated): then the best measured point's "
+                           "neighbouring K")
     tune.add_argument("--budget-minutes", type=float, default=15.0)
     tune.add_argument("--dtype", default="float32")
     tune.add_argument("--draft-budget-mib", type=float)
@@ -42,7 +45,7 @@ def _tune(args) -> int:
                     calibration_share=args.calibration_share, calibration=args.calibration, endpoint=args.worker,
                     clients=tuple(args.clients),
                     objective=args.cost, cs=args.cs, chain_ks=tuple(args.k), tree_budgets=tuple(args.tree_budgets),
-                    max_new_tokens=args.max_new_tokens, measure_top=args.measure_top,
+                    max_new_tokens=args.max_new_tokens, measure_top=args.measure_top, measure_share=args.measure_share,
                     budget_minutes=args.budget_minutes, dtype=args.dtype, draft_budget_mib=args.draft_budget_mib)
     result = tune(spec, args.out_dir)
     columns = ["label", "measured_tokens_per_s", "predicted_tokens_per_s", "calibrated_tokens_per_s", "error_after",

@@ -94,11 +94,24 @@ def write_report(path: Path, spec: TuneSpec, result) -> Path:
              f"calibration window {_median(result.measured['error_window']):.1%}, after "
              f"{_median(result.measured['error_after']):.1%}.</p>"
              + errors.to_html(index=False, float_format=lambda v: f"{v:.4g}")
+             + _measuring(result.measuring)
              + "<h2>Left out</h2><ul>" + "".join(f"<li>{html.escape(line)}</li>" for line in result.left_out)
              + "</ul><h2>Time per phase (s)</h2>" + pd.DataFrame([result.seconds]).to_html(index=False))
     text = page.read_text()
     page.write_text(text.replace("</body>", extra + "</body>"))
     return page
+
+
+def _measuring(measuring: dict) -> str:
+    """What the measuring cost against an exhaustive sweep, and what the share left measured around the best."""
+    if not measuring:
+        return ""
+    spent = f" ({measuring['spent_share']:.1%})" if measuring.get("spent_share") is not None else ""
+    around = ", ".join(measuring["neighbours"]) or "none"
+    return html.escape(f"Measuring took {measuring['spent_s']:g} s{spent} of an exhaustive sweep's estimated "
+                       f"{measuring['sweep_estimate_s']:g} s (share allowed {measuring['share']:.0%}); neighbours of "
+                       f"the best measured points measured within it: {around}; stopped: {measuring['stopped']}.")\
+        .join(("<p>", "</p>"))
 
 
 def _median(values: pd.Series) -> float:

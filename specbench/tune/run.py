@@ -41,6 +41,7 @@ class TuneResult:
     calibration: dict = field(default_factory=dict)
     left_out: list = field(default_factory=list)
     seconds: dict = field(default_factory=dict)  # per phase
+    measuring: dict = field(default_factory=dict)  # its share of a sweep's measuring time, the neighbours it measured
     calibrator: Optional[Calibrator] = field(default=None, repr=False)  # re-times a point now ("per-point")
     predict_now: Optional[object] = field(default=None, repr=False)  # profiles -> the prediction table
 
@@ -121,13 +122,16 @@ def tune(spec: TuneSpec, folder: Optional[str | Path] = None, progress: bool = T
     predicted["raw_tokens_per_s"] = raw["tokens_per_s"].values
     phase("calibration")
     measured = [_row("target-only", "target-only", 0, baseline, predicted, raw, spec, rtt_ms)]
-    for row in _to_measure(predicted, spec, free={c.name for c in candidates if c.method in FREE}):
+    sweep = predicted[(predicted["clients"] == 1) | bool(spec.endpoint)]  # what an exhaustive sweep would measure
+    share = MeasuringShare(spec.measure_share, sum(_estimate_s(r, len(held), spec) for r in sweep.to_dict("records")))
+
+    def measure(row: dict) -> None:
         clients = int(row["clients"])
-        estimate = -(-len(held) // clients) * spec.max_new_tokens / max(row["tokens_per_s"], 1e-3)
+        estimate = _estimate_s(row, len(held), spec)
         if time.monotonic() + estimate > deadline:
             left_out.append(f"{row['label']}: not measured, ~{estimate:.0f} s would pass the {spec.budget_minutes:g}-minute "
                             f"budget")
-            continue
+            return
         candidate, method = _method(row, candidates)
         retimed = calibrator.refresh(candidate.name, int(row["k"]))  # "per-point": its widths, just before it runs
         if retimed is None and calibrator.mode == "runs":  # priced with what the points measured before it taught
@@ -135,6 +139,7 @@ def tune(spec: TuneSpec, folder: Optional[str | Path] = None, progress: bool = T
         at_run = now(retimed) if retimed is not None else None
         records = phases.measure(store, runner, candidate, method, int(row["k"]), held, drafts[candidate.name], spec,
                                  progress, clients=clients)
+        share.took(estimate, measuring_s(records, clients))
         measured.append(_row(candidate.name, method, int(row["k"]), records, predicted, raw, spec, rtt_ms,
                              label=row["label"], at_run=at_run, clients=clients))
         if clients == 1:
@@ -142,6 +147,27 @@ def tune(spec: TuneSpec, folder: Optional[str | Path] = None, progress: bool = T
             alone[(row["candidate"], row["kind"], int(row["k"]))] = records
         else:  # a shared target's rounds of several rows teach its batch grid
             calibrator.learn_rounds(records)
+
+    measuring_from, free = time.monotonic(), {c.name for c in candidates if c.method in FREE}
+    for row in _to_measure(predicted, spec, free=free):
+        measure(row)
+    # then, while the share of a sweep's measuring time allows, the best measured point's neighbouring K:
+    # the choice is made among measured points, and a neighbour the prediction ranked just below is often
+    # as good (a model draft's neighbour at one client is also one more run the calibration learns from)
+    listed, stopped = len(measured), "every neighbour of the measured points is measured"
+    while (row := _neighbour(predicted, pd.DataFrame(measured), spec, free)) is not None:
+        if not share.allows(time.monotonic() - measuring_from, _estimate_s(row, len(held), spec)):
+            stopped = f"{row['label']} would pass the share"
+            break
+        before = len(measured)
+        measure(row)
+        if len(measured) == before:
+            stopped = "the time budget"
+            break
+    spent = time.monotonic() - measuring_from
+    measuring = {"share": spec.measure_share, "sweep_estimate_s": round(share.sweep_s(), 1), "spent_s": round(spent, 1),
+                 "spent_share": round(spent / share.sweep_s(), 4) if share.sweep_s() > 0 else None,
+                 "neighbours": [r["label"] for r in measured[listed:]], "stopped": stopped}
     phase("measurements")
     # every point priced with all the measured points taught (mode "runs"; the window's prices otherwise)
     predicted = now(calibrator.profiles()).assign(raw_tokens_per_s=raw["tokens_per_s"].values,
@@ -154,8 +180,8 @@ def tune(spec: TuneSpec, folder: Optional[str | Path] = None, progress: bool = T
     result = TuneResult(predicted, table, chosen, folder, left_out=left_out,
                         calibration=dict(calibrator.terms, acceptance_replayed=replayed,
                                          **_loaded_terms(stats, calibrator)),
-                        seconds={name: round(value, 1) for name, value in seconds.items()}, calibrator=calibrator,
-                        predict_now=now)
+                        seconds={name: round(value, 1) for name, value in seconds.items()}, measuring=measuring,
+                        calibrator=calibrator, predict_now=now)
     result.config_path = write_config(folder / "tune.json", spec, chosen)
     result.report_path = write_report(folder / "report.html", spec, result)
     return result
@@ -282,6 +308,77 @@ def _held_back(references: dict, candidates, drafts: dict, held: list, baseline:
         if found is not None and not lookup and calibrator is not None and calibrator.mode == "runs":
             calibrator.drafting(candidate.name, drafting_steps(drafts[candidate.name], prompts_ids, outputs, max(ks)))
     return replayed
+
+
+def _estimate_s(row: dict, held: int, spec: TuneSpec) -> float:
+    """Seconds a point's run takes as predicted: its clients share the held-back prompts."""
+    return -(-held // int(row["clients"])) * spec.max_new_tokens / max(row["tokens_per_s"], 1e-3)
+
+
+def measuring_s(records: pd.DataFrame, clients: int = 1) -> float:
+    """The seconds a run's steps and prefills took; its clients' steps overlap, so their sum over the clients."""
+    return float(records["step_s"].sum() + records["prefill_s"].drop_duplicates().sum()) / clients
+
+
+@dataclass
+class MeasuringShare:
+    """How much measuring the tune may still do: `share` of an exhaustive sweep's measuring time, that time
+    estimated from the predictions (`estimated_s`) and scaled by how long the measured points took against
+    their own estimates (the predictions leave out prefills and the loop's own time)."""
+
+    share: float
+    estimated_s: float
+    estimates_s: float = 0.0
+    taken_s: float = 0.0
+
+    def took(self, estimate_s: float, taken_s: float) -> None:
+        self.estimates_s += estimate_s
+        self.taken_s += taken_s
+
+    def ratio(self) -> float:
+        return self.taken_s / self.estimates_s if self.estimates_s > 0 else 1.0
+
+    def sweep_s(self) -> float:
+        return self.ratio() * self.estimated_s
+
+    def allows(self, spent_s: float, estimate_s: float) -> bool:
+        """Whether a point estimated at `estimate_s` fits, after `spent_s` seconds of measuring."""
+        return spent_s + self.ratio() * estimate_s <= self.share * self.sweep_s()
+
+
+def _neighbour(predicted: pd.DataFrame, measured: pd.DataFrame, spec: TuneSpec, free: Iterable[str]) -> Optional[dict]:
+    """The next point to measure around the best measured one (by J at `cs`): its draft at the neighbouring K
+    of `spec.chain_ks` under the same load, the better predicted first; for a model draft's loaded point, its
+    one-client run first (the loaded run replays its proposals). None when every neighbour is measured."""
+    from specbench.plan.predict import knob_values
+
+    column = cost_column(spec.objective)
+    done = set(measured["label"])
+    rows = [dict(r, kind="none" if r["method"] == "target-only" else "chain", tokens_per_s=r["measured_tokens_per_s"])
+            for r in measured.to_dict("records")]
+    values = knob_values(rows, spec.cs, cost=column)
+    every = predicted.to_dict("records")
+    base = [r for r in every if r["kind"] == "none"]
+    for best in (measured.iloc[i] for i in sorted(range(len(rows)), key=values.__getitem__)):
+        if best["method"] == "target-only":
+            continue  # no K to look around
+        point = next(r for r in every if r["label"] == best["label"])
+        ks = sorted({int(r["k"]) for r in every if (r["candidate"], r["kind"]) == (point["candidate"], point["kind"])})
+        at = ks.index(int(point["k"])) if int(point["k"]) in ks else None
+        near = [] if at is None else [ks[i] for i in (at - 1, at + 1) if 0 <= i < len(ks)]
+        around = [r for r in every if r["candidate"] == point["candidate"] and r["kind"] == point["kind"]
+                  and int(r["clients"]) == int(point["clients"]) and int(r["k"]) in near and r["label"] not in done]
+        if not around:
+            continue  # the best's neighbours are measured: look around the next best
+        scores = knob_values(base + around, spec.cs, cost=column)[len(base):]
+        row = around[scores.index(min(scores))]
+        if int(row["clients"]) > 1 and row["candidate"] not in free:
+            first = next((r for r in every if (r["candidate"], r["kind"], int(r["k"])) == (row["candidate"], row["kind"],
+                          int(row["k"])) and int(r["clients"]) == 1), None)
+            if first is not None and first["label"] not in done:
+                return first
+        return row
+    return None
 
 
 def _method(row: dict, candidates) -> tuple:

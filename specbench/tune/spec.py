@@ -46,7 +46,8 @@ class TuneSpec:
     chain_ks: tuple[int, ...] = (1, 2, 3, 4, 6)
     tree_budgets: tuple[int, ...] = ()
     max_new_tokens: int = 32
-    measure_top: int = 2  # the predicted best points measured, besides each candidate's best
+    measure_top: int = 1  # the predicted best points measured, besides each candidate's best
+    measure_share: float = 0.18  # of an exhaustive sweep's measuring time: then the best measured point's neighbours
     budget_minutes: float = 15.0
     dtype: str = "float32"
     draft_budget_mib: Optional[float] = None
@@ -77,6 +78,8 @@ class TuneSpec:
             raise SpecbenchError(f"clients must be counts >= 1, got {self.clients}")
         if any(n > 1 for n in self.clients) and self.endpoint is None:
             raise SpecbenchError("clients share a remote target: give a worker endpoint for client counts above 1")
+        if not 0 <= self.measure_share <= 1:
+            raise SpecbenchError(f"measure_share is a share of a sweep's measuring time, 0 to 1: got {self.measure_share}")
         if self.budget_minutes < 1:
             raise SpecbenchError(f"a budget of {self.budget_minutes} minutes leaves no time to profile, record and "
                                  f"measure anything: give --budget-minutes 1 or more")
