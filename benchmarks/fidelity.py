@@ -7,6 +7,13 @@ Printed: per family of setting (the candidate and its kind), the median and p90 
 and of the cost objective, before and after the tune's calibration; the tune's choice against the
 sweep's best (tokens/s and the objective's J at cs), and the tune's measuring time against the sweep's.
 
+The sweep runs for many minutes after the tune's calibration, and a shared VM's speed moves that much
+(10-20% within half an hour here). So the sweep probes the machine every few points: target-only on the
+first held-back prompts, the same work the calibration run did on them, whose forward time over the
+calibration's is the machine's speed at that moment. Each swept point's error is also given with its
+prediction scaled by that speed (`error_drift`, interpolated between probes): what the tune would have
+predicted had its calibration been taken when the point ran. The headline figures stay the raw ones.
+
     python benchmarks/fidelity.py                                        # SmolLM2, bench + humaneval, local
     python benchmarks/fidelity.py --target qwen2.5-coder-1.5b --drafts qwen2.5-coder-0.5b prompt-lookup \\
         --worker tcp://127.0.0.1:5555 --clients 1 2 4 8
@@ -16,6 +23,7 @@ from __future__ import annotations
 import argparse
 import time
 
+import numpy as np
 import pandas as pd
 
 from specbench.plan.explore import cost_column
@@ -24,6 +32,9 @@ from specbench.tune import TuneSpec, tune
 from specbench.tune import phases
 
 from common import RESULTS, write_report
+
+PROBE_PROMPTS = 3  # held-back prompts a machine-speed probe decodes target-only
+PROBE_EVERY = 4  # swept points between probes
 
 
 def exhaustive(spec: TuneSpec, result, progress: bool) -> tuple[pd.DataFrame, float]:
@@ -40,8 +51,11 @@ def exhaustive(spec: TuneSpec, result, progress: bool) -> tuple[pd.DataFrame, fl
     prompts = [row["prompt"] for row in load_prompts(spec.prompts, limit=spec.prompt_count, seed=spec.seed)]
     _, held = split_prompts(prompts, spec.calibration_share)
     store = phases.Store(result.folder)
-    rows, seconds = [], 0.0
+    rows, seconds, spans = [], 0.0, []
     tuned = {row["label"]: row for row in result.measured.to_dict("records")}
+    baseline = phases.measure(store, runner, candidates[0], "target-only", 0, held, None, spec, False)  # the tune's
+    reference = float(baseline.loc[baseline["prompt_index"] < PROBE_PROMPTS, "target_forward_s"].median())
+    probes = [probe(runner, held, spec, reference)]
     points = result.predicted[(result.predicted["clients"] == 1) | bool(spec.endpoint)]
     window = result.predicted.assign(tokens_per_s=result.predicted["window_tokens_per_s"])
     raw = result.predicted.assign(tokens_per_s=result.predicted["raw_tokens_per_s"])
@@ -53,12 +67,34 @@ def exhaustive(spec: TuneSpec, result, progress: bool) -> tuple[pd.DataFrame, fl
         # points keep the errors they had when the tune measured them
         retimed = None if row["label"] in tuned else result.calibrator.refresh(candidate.name, int(row["k"]))
         at_run = result.predict_now(retimed) if retimed is not None else result.predicted
+        began = time.monotonic()
         records = phases.measure(store, runner, candidate, method, int(row["k"]), held, drafts[candidate.name], spec,
                                  progress, clients=clients)
         seconds += measuring_s(records, clients)
         rows.append(tuned.get(row["label"]) or _row(row["candidate"], method, int(row["k"]), records, window, raw, spec,
                                                     rtt_ms, label=row["label"], at_run=at_run, clients=clients))
-    return pd.DataFrame(rows), seconds
+        spans.append(None if row["label"] in tuned else (began + time.monotonic()) / 2)  # the tune's: in its window
+        if sum(span is not None for span in spans) % PROBE_EVERY == 0 and spans[-1] is not None:
+            probes.append(probe(runner, held, spec, reference))
+    probes.append(probe(runner, held, spec, reference))
+    frame = pd.DataFrame(rows)
+    when, speed = [t for t, _ in probes], [s for _, s in probes]
+    frame["machine_speed"] = [1.0 if at is None else float(np.interp(at, when, speed)) for at in spans]
+    frame["error_drift"] = frame["calibrated_tokens_per_s"] * frame["machine_speed"] / frame["measured_tokens_per_s"] - 1
+    started = when[0]
+    return frame, seconds, [(round((t - started) / 60, 2), round(s, 4)) for t, s in probes]
+
+
+def probe(runner, held: list, spec: TuneSpec, reference_s: float) -> tuple[float, float]:
+    """(when, the machine's speed against the calibration window): target-only on the first held-back prompts,
+    the calibration run's own work on them (greedy: the same tokens), its median forward over theirs; above 1
+    the machine runs faster now, and a prediction calibrated then should be scaled up by as much."""
+    from specbench.api import run
+
+    records = run(runner, held[:PROBE_PROMPTS], method="target-only", k=0, max_new_tokens=spec.max_new_tokens,
+                  dtype=spec.dtype, seed=spec.seed, warmup=False, tokenizer=getattr(runner, "tokenizer", None),
+                  progress=False)
+    return time.monotonic(), reference_s / float(records["target_forward_s"].median())
 
 
 def summary(frame: pd.DataFrame, column: str) -> pd.DataFrame:
@@ -71,6 +107,7 @@ def summary(frame: pd.DataFrame, column: str) -> pd.DataFrame:
         "median_err_window": grouped["error_window"].apply(lambda v: quantile(v, 0.5)),
         "median_err_after": grouped["error_after"].apply(lambda v: quantile(v, 0.5)),
         "p90_err_after": grouped["error_after"].apply(lambda v: quantile(v, 0.9)),
+        "p90_err_drift": grouped["error_drift"].apply(lambda v: quantile(v, 0.9)),
         # the cost objective (`column`, per token) as priced after calibration against its measured value
         "median_cost_err_after": grouped["cost_error_after"].apply(lambda v: quantile(v, 0.5)),
         "p90_cost_err_after": grouped["cost_error_after"].apply(lambda v: quantile(v, 0.9)),
@@ -106,7 +143,7 @@ def main() -> None:
         started = time.perf_counter()
         result = tune(spec, f"{args.out_dir}/{args.target}-{dataset}")
         tune_s = time.perf_counter() - started
-        sweep, sweep_measuring_s = exhaustive(spec, result, progress=True)
+        sweep, sweep_measuring_s, probes = exhaustive(spec, result, progress=True)
         column = cost_column(args.cost)
         candidates = [dict(r, kind="none" if r["method"] == "target-only" else "chain",
                            tokens_per_s=r["measured_tokens_per_s"]) for r in sweep.to_dict("records")]
@@ -120,6 +157,9 @@ def main() -> None:
                "chosen_vs_best": round(float(chosen["measured_tokens_per_s"]) / float(best["measured_tokens_per_s"]), 3),
                "median_err_after": round(float(sweep["error_after"].abs().median()), 4),
                "p90_err_after": round(float(sweep["error_after"].abs().quantile(0.9)), 4),
+               "median_err_drift": round(float(sweep["error_drift"].abs().median()), 4),
+               "p90_err_drift": round(float(sweep["error_drift"].abs().quantile(0.9)), 4),
+               "machine_speed_probes": probes,  # (minutes into the sweep, speed against the calibration window)
                "median_err_before": round(float(sweep["error_before"].abs().median()), 4),
                "median_err_window": round(float(sweep["error_window"].abs().median()), 4),
                "p90_err_window": round(float(sweep["error_window"].abs().quantile(0.9)), 4),
