@@ -49,10 +49,6 @@ def test_tune_end_to_end_chooses_a_measured_point_and_writes_what_run_reads(tmp_
     # tiny random prompts repeat no 4-token run, but prompt lookup's partial matches are priced at their widths
     assert (result.predicted["candidate"] == "prompt-lookup").any() and not result.left_out
     assert result.measuring["sweep_estimate_s"] > 0 and "Measuring took" in result.report_path.read_text()
-    # the whole share allowed: the best measured point's neighbouring K measured too, after the listed points
-    every = tune(spec(measure_share=1.0), tmp_path / "every", progress=False)
-    assert every.measuring["neighbours"] and every.measured["label"].tolist()[-len(every.measuring["neighbours"]):] \
-        == every.measuring["neighbours"] and every.measured["label"].is_unique
     assert tune(spec(measure_share=0.0), tmp_path / "none", progress=False).measuring["neighbours"] == []
     from specbench.cli import build_parser
     from specbench.tune.command import apply_config
@@ -61,6 +57,19 @@ def test_tune_end_to_end_chooses_a_measured_point_and_writes_what_run_reads(tmp_
     apply_config(args)
     assert (args.target, args.method[-1], args.k) == ("tiny-random:seed=0", config["method"], config["k"])
     assert args.draft == config["draft"] and args.self_draft_layers == config["self_draft_layers"]
+
+
+def test_with_the_share_unspent_the_tune_measures_every_neighbour_after_its_list(tmp_path, monkeypatch):
+    """A tiny model's runs take milliseconds, the tune's own bookkeeping more: no share covers its wall time, so
+    the share is taken as never spent here; the neighbours then come after the listed points, each once, until
+    none is left."""
+    from specbench.tune.share import MeasuringShare
+
+    monkeypatch.setattr(MeasuringShare, "allows", lambda self, spent_s, estimate_s: True)
+    every = tune(spec(), tmp_path, progress=False)
+    neighbours = every.measuring["neighbours"]
+    assert neighbours and every.measured["label"].tolist()[-len(neighbours):] == neighbours
+    assert every.measured["label"].is_unique and every.measuring["stopped"].startswith("every neighbour")
 
 
 def test_a_rerun_resumes_and_a_killed_tune_resumes_where_it_stopped(tmp_path):
@@ -550,7 +559,7 @@ def test_the_share_left_measures_the_best_measured_points_neighbouring_k_then_th
     once every neighbour is measured, and target-only has no K to look around."""
     import pandas as pd
 
-    from specbench.tune.run import _neighbour
+    from specbench.tune.share import neighbour
 
     def point(name, k, clients, speed):
         return dict(label=f"{name} K={k} x{clients}", candidate=name, kind="none" if name == "target-only" else "chain",
@@ -567,22 +576,22 @@ def test_the_share_left_measures_the_best_measured_points_neighbouring_k_then_th
 
     cases = spec(cs=0.0, chain_ks=(2, 4, 6), endpoint="tcp://127.0.0.1:1", clients=(1, 2))
     first = measured(("target-only", 0, 1, 10), ("d", 4, 1, 20), ("lookup", 2, 1, 15))
-    assert _neighbour(predicted, first, cases, free={"lookup"})["label"] == "d K=6 x1"  # predicted faster than K=2
+    assert neighbour(predicted, first, cases, free={"lookup"})["label"] == "d K=6 x1"  # predicted faster than K=2
     both = measured(("target-only", 0, 1, 10), ("d", 4, 1, 20), ("d", 6, 1, 18), ("d", 2, 1, 17))
-    assert _neighbour(predicted, both, cases, free={"lookup"}) is None  # the best's neighbours measured; K=6 and
+    assert neighbour(predicted, both, cases, free={"lookup"}) is None  # the best's neighbours measured; K=6 and
     # K=2's neighbours too (K=4): nothing left around the drafting points
     loaded = measured(("target-only", 0, 1, 10), ("d", 4, 2, 30), ("d", 4, 1, 20), ("d", 2, 1, 16), ("d", 6, 1, 17))
-    assert _neighbour(predicted, loaded, cases, free={"lookup"})["label"] == "d K=6 x2"  # its one-client run is there
+    assert neighbour(predicted, loaded, cases, free={"lookup"})["label"] == "d K=6 x2"  # its one-client run is there
     alone = measured(("target-only", 0, 1, 10), ("d", 4, 2, 30), ("d", 4, 1, 20))
-    assert _neighbour(predicted, alone, cases, free={"lookup"})["label"] == "d K=6 x1"  # the replayed run first
+    assert neighbour(predicted, alone, cases, free={"lookup"})["label"] == "d K=6 x1"  # the replayed run first
     lookup = measured(("target-only", 0, 1, 10), ("lookup", 4, 2, 30))
-    assert _neighbour(predicted, lookup, cases, free={"lookup"})["label"] == "lookup K=6 x2"  # drafts live: no run first
+    assert neighbour(predicted, lookup, cases, free={"lookup"})["label"] == "lookup K=6 x2"  # drafts live: no run first
     slow = measured(("target-only", 0, 1, 30), ("d", 4, 1, 20))
-    assert _neighbour(predicted, slow, cases, free={"lookup"})["label"] == "d K=6 x1"  # target-only skipped, not an end
+    assert neighbour(predicted, slow, cases, free={"lookup"})["label"] == "d K=6 x1"  # target-only skipped, not an end
 
 
 def test_the_measuring_share_scales_the_sweeps_estimate_by_what_measured_points_took():
-    from specbench.tune.run import MeasuringShare
+    from specbench.tune.share import MeasuringShare
 
     share = MeasuringShare(0.2, estimated_s=1000)
     assert share.sweep_s() == 1000 and share.allows(150, 50) and not share.allows(150, 51)

@@ -9,8 +9,9 @@ local path, a tiny test model or a Hugging Face id cached on this machine.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
-from specbench.tune.spec import LOOKUP, SUFFIX, Candidate, TuneSpec, candidate
+from specbench.tune.spec import FREE, LOOKUP, SUFFIX, Candidate, TuneSpec, candidate
 from specbench.types import SpecbenchError
 
 
@@ -81,3 +82,30 @@ def _check_model(name: str) -> None:
     except Exception:  # noqa: BLE001 - any failure means the same to the user: no such model here
         raise SpecbenchError(f"unknown draft {name!r}: not an embedded model ({sorted(CATALOG)}), a local path, a "
                              f"tiny-random name, or a Hugging Face model cached on this machine") from None
+
+
+def head_label(candidate) -> Optional[str]:
+    """A head's name in profiles and references (`eagle:<folder>`); None for any other candidate."""
+    from specbench.heads.profile import head_label as label
+
+    return label(candidate.draft) if candidate.method == "eagle" else None
+
+
+def draft_model(candidate, target, spec: TuneSpec):
+    """`candidate`'s draft, loaded once for the whole tune: none for prompt lookup and suffix decoding, a head
+    over `target`, a view of the target's first layers, the target quantized, or a model of its own."""
+    from specbench.models.loading import load_model
+    from specbench.models.self_draft import truncated_view
+    from specbench.models.spec import ModelSpec
+
+    if candidate.method in FREE:
+        return None
+    if candidate.method == "eagle":
+        from specbench.heads.layouts import load_head
+
+        return load_head(candidate.draft, target)
+    if candidate.method == "self-draft":
+        return truncated_view(target, candidate.self_draft_layers)
+    if candidate.method == "substitute":
+        return load_model(target.spec.with_(quantization=candidate.quantization))
+    return load_model(ModelSpec(candidate.draft, dtype=spec.dtype))

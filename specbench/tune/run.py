@@ -24,7 +24,8 @@ from specbench.plan.costs import Power, Prices
 from specbench.plan.explore import cost_column, measured_points, operating_points, prediction_frame, recommend
 import specbench.tune.phases as phases
 from specbench.tune.calibrate import Calibrator
-from specbench.tune.candidates import check_drafts, resolve_candidates
+from specbench.tune.candidates import check_drafts, draft_model, head_label, resolve_candidates
+from specbench.tune.share import MeasuringShare, estimate_s, measuring_s, neighbour
 from specbench.tune.spec import FREE, GOAL_ERROR, TuneSpec, split_prompts
 from specbench.types import SpecbenchError
 
@@ -82,8 +83,8 @@ def tune(spec: TuneSpec, folder: Optional[str | Path] = None, progress: bool = T
                    "contexts": [context], "batches": sorted(set(spec.clients)) if spec.endpoint else [1]}
     draft_grid = {"tokens": [1, 2, 4], "contexts": [context], "batches": [1]}
     target_profile = phases.profile(store, runner, target_grid, spec, progress)
-    drafts = {c.name: _draft_model(c, target, spec) for c in candidates}
-    draft_profiles = {c.name: phases.profile(store, drafts[c.name], draft_grid, spec, progress, label=_head_label(c))
+    drafts = {c.name: draft_model(c, target, spec) for c in candidates}
+    draft_profiles = {c.name: phases.profile(store, drafts[c.name], draft_grid, spec, progress, label=head_label(c))
                       if drafts[c.name] is not None else None for c in candidates}
     phase("profiles")
     dataset = f"{Path(spec.prompts).stem if isinstance(spec.prompts, str) else 'prompts'}[{len(calibration)} calibration]"
@@ -123,11 +124,11 @@ def tune(spec: TuneSpec, folder: Optional[str | Path] = None, progress: bool = T
     phase("calibration")
     measured = [_row("target-only", "target-only", 0, baseline, predicted, raw, spec, rtt_ms)]
     sweep = predicted[(predicted["clients"] == 1) | bool(spec.endpoint)]  # what an exhaustive sweep would measure
-    share = MeasuringShare(spec.measure_share, sum(_estimate_s(r, len(held), spec) for r in sweep.to_dict("records")))
+    share = MeasuringShare(spec.measure_share, sum(estimate_s(r, len(held), spec) for r in sweep.to_dict("records")))
 
     def measure(row: dict) -> None:
         clients = int(row["clients"])
-        estimate = _estimate_s(row, len(held), spec)
+        estimate = estimate_s(row, len(held), spec)
         if time.monotonic() + estimate > deadline:
             left_out.append(f"{row['label']}: not measured, ~{estimate:.0f} s would pass the {spec.budget_minutes:g}-minute "
                             f"budget")
@@ -155,8 +156,8 @@ def tune(spec: TuneSpec, folder: Optional[str | Path] = None, progress: bool = T
     # the choice is made among measured points, and a neighbour the prediction ranked just below is often
     # as good (a model draft's neighbour at one client is also one more run the calibration learns from)
     listed, stopped = len(measured), "every neighbour of the measured points is measured"
-    while (row := _neighbour(predicted, pd.DataFrame(measured), spec, free)) is not None:
-        if not share.allows(time.monotonic() - measuring_from, _estimate_s(row, len(held), spec)):
+    while (row := neighbour(predicted, pd.DataFrame(measured), spec, free)) is not None:
+        if not share.allows(time.monotonic() - measuring_from, estimate_s(row, len(held), spec)):
             stopped = f"{row['label']} would pass the share"
             break
         before = len(measured)
@@ -232,31 +233,6 @@ def _context(tokenizer, prompts: list, max_new_tokens: int) -> int:
     return int(statistics.median(lengths) + max_new_tokens // 2)
 
 
-def _head_label(candidate) -> Optional[str]:
-    """A head's name in profiles and references (`eagle:<folder>`); None for any other candidate."""
-    from specbench.heads.profile import head_label
-
-    return head_label(candidate.draft) if candidate.method == "eagle" else None
-
-
-def _draft_model(candidate, target, spec: TuneSpec):
-    from specbench.models.loading import load_model
-    from specbench.models.self_draft import truncated_view
-    from specbench.models.spec import ModelSpec
-
-    if candidate.method in FREE:
-        return None
-    if candidate.method == "eagle":
-        from specbench.heads.layouts import load_head
-
-        return load_head(candidate.draft, target)
-    if candidate.method == "self-draft":
-        return truncated_view(target, candidate.self_draft_layers)
-    if candidate.method == "substitute":
-        return load_model(target.spec.with_(quantization=candidate.quantization))
-    return load_model(ModelSpec(candidate.draft, dtype=spec.dtype))
-
-
 def _predict(candidates, target_profile, draft_profiles, references, points, context, spec: TuneSpec,
              overhead_s: float = 0.0) -> pd.DataFrame:
     frames = []
@@ -308,77 +284,6 @@ def _held_back(references: dict, candidates, drafts: dict, held: list, baseline:
         if found is not None and not lookup and calibrator is not None and calibrator.mode == "runs":
             calibrator.drafting(candidate.name, drafting_steps(drafts[candidate.name], prompts_ids, outputs, max(ks)))
     return replayed
-
-
-def _estimate_s(row: dict, held: int, spec: TuneSpec) -> float:
-    """Seconds a point's run takes as predicted: its clients share the held-back prompts."""
-    return -(-held // int(row["clients"])) * spec.max_new_tokens / max(row["tokens_per_s"], 1e-3)
-
-
-def measuring_s(records: pd.DataFrame, clients: int = 1) -> float:
-    """The seconds a run's steps and prefills took; its clients' steps overlap, so their sum over the clients."""
-    return float(records["step_s"].sum() + records["prefill_s"].drop_duplicates().sum()) / clients
-
-
-@dataclass
-class MeasuringShare:
-    """How much measuring the tune may still do: `share` of an exhaustive sweep's measuring time, that time
-    estimated from the predictions (`estimated_s`) and scaled by how long the measured points took against
-    their own estimates (the predictions leave out prefills and the loop's own time)."""
-
-    share: float
-    estimated_s: float
-    estimates_s: float = 0.0
-    taken_s: float = 0.0
-
-    def took(self, estimate_s: float, taken_s: float) -> None:
-        self.estimates_s += estimate_s
-        self.taken_s += taken_s
-
-    def ratio(self) -> float:
-        return self.taken_s / self.estimates_s if self.estimates_s > 0 else 1.0
-
-    def sweep_s(self) -> float:
-        return self.ratio() * self.estimated_s
-
-    def allows(self, spent_s: float, estimate_s: float) -> bool:
-        """Whether a point estimated at `estimate_s` fits, after `spent_s` seconds of measuring."""
-        return spent_s + self.ratio() * estimate_s <= self.share * self.sweep_s()
-
-
-def _neighbour(predicted: pd.DataFrame, measured: pd.DataFrame, spec: TuneSpec, free: Iterable[str]) -> Optional[dict]:
-    """The next point to measure around the best measured one (by J at `cs`): its draft at the neighbouring K
-    of `spec.chain_ks` under the same load, the better predicted first; for a model draft's loaded point, its
-    one-client run first (the loaded run replays its proposals). None when every neighbour is measured."""
-    from specbench.plan.predict import knob_values
-
-    column = cost_column(spec.objective)
-    done = set(measured["label"])
-    rows = [dict(r, kind="none" if r["method"] == "target-only" else "chain", tokens_per_s=r["measured_tokens_per_s"])
-            for r in measured.to_dict("records")]
-    values = knob_values(rows, spec.cs, cost=column)
-    every = predicted.to_dict("records")
-    base = [r for r in every if r["kind"] == "none"]
-    for best in (measured.iloc[i] for i in sorted(range(len(rows)), key=values.__getitem__)):
-        if best["method"] == "target-only":
-            continue  # no K to look around
-        point = next(r for r in every if r["label"] == best["label"])
-        ks = sorted({int(r["k"]) for r in every if (r["candidate"], r["kind"]) == (point["candidate"], point["kind"])})
-        at = ks.index(int(point["k"])) if int(point["k"]) in ks else None
-        near = [] if at is None else [ks[i] for i in (at - 1, at + 1) if 0 <= i < len(ks)]
-        around = [r for r in every if r["candidate"] == point["candidate"] and r["kind"] == point["kind"]
-                  and int(r["clients"]) == int(point["clients"]) and int(r["k"]) in near and r["label"] not in done]
-        if not around:
-            continue  # the best's neighbours are measured: look around the next best
-        scores = knob_values(base + around, spec.cs, cost=column)[len(base):]
-        row = around[scores.index(min(scores))]
-        if int(row["clients"]) > 1 and row["candidate"] not in free:
-            first = next((r for r in every if (r["candidate"], r["kind"], int(r["k"])) == (row["candidate"], row["kind"],
-                          int(row["k"])) and int(r["clients"]) == 1), None)
-            if first is not None and first["label"] not in done:
-                return first
-        return row
-    return None
 
 
 def _method(row: dict, candidates) -> tuple:
