@@ -30,6 +30,7 @@ from specbench.plan.explore import cost_column
 from specbench.plan.predict import choose
 from specbench.tune import TuneSpec, tune
 from specbench.tune import phases
+from specbench.tune.share import as_points
 
 from common import RESULTS, write_report
 
@@ -41,7 +42,8 @@ def exhaustive(spec: TuneSpec, result, progress: bool) -> tuple[pd.DataFrame, fl
     """Every point the tune predicted (one client; every load through a worker), measured on its held-back
     prompts with the tune's own target and drafts (reusing what the tune measured); the seconds the measuring
     took, the tune's own points included."""
-    from specbench.tune.run import _method, _row, measuring_s
+    from specbench.tune.run import _method, _row
+    from specbench.tune.share import measuring_s, sweep_points
     from specbench.tune.spec import candidate, split_prompts
     from specbench.datasets import load_prompts
 
@@ -56,7 +58,7 @@ def exhaustive(spec: TuneSpec, result, progress: bool) -> tuple[pd.DataFrame, fl
     baseline = phases.measure(store, runner, candidates[0], "target-only", 0, held, None, spec, False)  # the tune's
     reference = float(baseline.loc[baseline["prompt_index"] < PROBE_PROMPTS, "target_forward_s"].median())
     probes = [probe(runner, held, spec, reference)]
-    points = result.predicted[(result.predicted["clients"] == 1) | bool(spec.endpoint)]
+    points = sweep_points(result.predicted, spec)
     window = result.predicted.assign(tokens_per_s=result.predicted["window_tokens_per_s"])
     raw = result.predicted.assign(tokens_per_s=result.predicted["raw_tokens_per_s"])
     for row in points.to_dict("records"):
@@ -145,9 +147,7 @@ def main() -> None:
         tune_s = time.perf_counter() - started
         sweep, sweep_measuring_s, probes = exhaustive(spec, result, progress=True)
         column = cost_column(args.cost)
-        candidates = [dict(r, kind="none" if r["method"] == "target-only" else "chain",
-                           tokens_per_s=r["measured_tokens_per_s"]) for r in sweep.to_dict("records")]
-        best = choose(candidates, args.cs, cost=column)
+        best = choose(as_points(sweep), args.cs, cost=column)
         chosen = sweep[sweep["label"] == result.chosen["label"]].iloc[0]
         row = {"dataset": dataset, "tune_s": round(tune_s, 1), "tune_measuring_s": result.seconds.get("measurements"),
                "sweep_measuring_s": round(sweep_measuring_s, 1), "points_predicted": len(result.predicted),

@@ -108,10 +108,10 @@ def _measuring(measuring: dict) -> str:
         return ""
     spent = f" ({measuring['spent_share']:.1%})" if measuring.get("spent_share") is not None else ""
     around = ", ".join(measuring["neighbours"]) or "none"
-    return html.escape(f"Measuring took {measuring['spent_s']:g} s{spent} of an exhaustive sweep's estimated "
-                       f"{measuring['sweep_estimate_s']:g} s (share allowed {measuring['share']:.0%}); neighbours of "
-                       f"the best measured points measured within it: {around}; stopped: {measuring['stopped']}.")\
-        .join(("<p>", "</p>"))
+    return "<p>" + html.escape(f"Measuring took {measuring['spent_s']:g} s{spent} of an exhaustive sweep's estimated "
+                               f"{measuring['sweep_estimate_s']:g} s (share allowed {measuring['share']:.0%}); "
+                               f"neighbours of the best measured points measured within it: {around}; stopped: "
+                               f"{measuring['stopped']}.") + "</p>"
 
 
 def _median(values: pd.Series) -> float:

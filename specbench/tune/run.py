@@ -25,7 +25,8 @@ from specbench.plan.explore import cost_column, measured_points, operating_point
 import specbench.tune.phases as phases
 from specbench.tune.calibrate import Calibrator
 from specbench.tune.candidates import check_drafts, draft_model, head_label, resolve_candidates
-from specbench.tune.share import MeasuringShare, estimate_s, measuring_s, neighbour
+from specbench.tune.share import (MeasuringShare, as_points, estimate_s, measuring_s, neighbour, one_client_run,
+                                  sweep_points)
 from specbench.tune.spec import FREE, GOAL_ERROR, TuneSpec, split_prompts
 from specbench.types import SpecbenchError
 
@@ -123,8 +124,8 @@ def tune(spec: TuneSpec, folder: Optional[str | Path] = None, progress: bool = T
     predicted["raw_tokens_per_s"] = raw["tokens_per_s"].values
     phase("calibration")
     measured = [_row("target-only", "target-only", 0, baseline, predicted, raw, spec, rtt_ms)]
-    sweep = predicted[(predicted["clients"] == 1) | bool(spec.endpoint)]  # what an exhaustive sweep would measure
-    share = MeasuringShare(spec.measure_share, sum(estimate_s(r, len(held), spec) for r in sweep.to_dict("records")))
+    share = MeasuringShare(spec.measure_share, sum(estimate_s(r, len(held), spec)
+                                                   for r in sweep_points(predicted, spec).to_dict("records")))
 
     def measure(row: dict) -> None:
         clients = int(row["clients"])
@@ -339,7 +340,7 @@ def _to_measure(predicted: pd.DataFrame, spec: TuneSpec, free: Iterable[str] = (
     ordered = []
     for row in listed:  # a model draft's one-client run before its loaded point
         if int(row["clients"]) > 1 and row["kind"] != "none" and row["candidate"] not in free:
-            first = next((r for r in every if twin(r) == twin(row) and int(r["clients"]) == 1), None)
+            first = one_client_run(every, row)
             if first is not None and first["label"] not in {r["label"] for r in ordered}:
                 ordered.append(first)
         if row["label"] not in {r["label"] for r in ordered}:
@@ -399,9 +400,7 @@ def _choose(table: pd.DataFrame, spec: TuneSpec, candidates) -> dict:
     from specbench.plan.predict import choose
 
     column = cost_column(spec.objective)
-    rows = [dict(r, kind="none" if r["method"] == "target-only" else "chain", tokens_per_s=r["measured_tokens_per_s"])
-            for r in table.to_dict("records")]
-    best = choose(rows, spec.cs, cost=column)
+    best = choose(as_points(table), spec.cs, cost=column)
     candidate = next((c for c in candidates if c.name == best["candidate"]), None)
     return {"target": spec.target, "endpoint": spec.endpoint, "method": best["method"], "k": int(best["k"]),
             "draft": candidate.draft if candidate else None,

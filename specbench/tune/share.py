@@ -16,6 +16,23 @@ from specbench.plan.explore import cost_column
 from specbench.tune.spec import TuneSpec
 
 
+def sweep_points(predicted: pd.DataFrame, spec: TuneSpec) -> pd.DataFrame:
+    """What an exhaustive sweep of a tune's points measures: every point at one client; through a worker, every load."""
+    return predicted[(predicted["clients"] == 1) | bool(spec.endpoint)]
+
+
+def as_points(measured: pd.DataFrame) -> list[dict]:
+    """Measured rows as points `plan.predict.choose` ranks: their measured speed, target-only the reference."""
+    return [dict(r, kind="none" if r["method"] == "target-only" else "chain", tokens_per_s=r["measured_tokens_per_s"])
+            for r in measured.to_dict("records")]
+
+
+def one_client_run(every: list[dict], row: dict) -> Optional[dict]:
+    """The one-client point of `row`'s draft and K, which a model draft's loaded point replays; None if not predicted."""
+    twin = (row["candidate"], row["kind"], int(row["k"]))
+    return next((r for r in every if (r["candidate"], r["kind"], int(r["k"])) == twin and int(r["clients"]) == 1), None)
+
+
 def estimate_s(row: dict, held: int, spec: TuneSpec) -> float:
     """Seconds a point's run takes as predicted: its clients share the held-back prompts."""
     return -(-held // int(row["clients"])) * spec.max_new_tokens / max(row["tokens_per_s"], 1e-3)
@@ -60,8 +77,7 @@ def neighbour(predicted: pd.DataFrame, measured: pd.DataFrame, spec: TuneSpec, f
 
     column = cost_column(spec.objective)
     done = set(measured["label"])
-    rows = [dict(r, kind="none" if r["method"] == "target-only" else "chain", tokens_per_s=r["measured_tokens_per_s"])
-            for r in measured.to_dict("records")]
+    rows = as_points(measured)
     values = knob_values(rows, spec.cs, cost=column)
     every = predicted.to_dict("records")
     base = [r for r in every if r["kind"] == "none"]
@@ -70,8 +86,8 @@ def neighbour(predicted: pd.DataFrame, measured: pd.DataFrame, spec: TuneSpec, f
             continue  # no K to look around
         point = next(r for r in every if r["label"] == best["label"])
         ks = sorted({int(r["k"]) for r in every if (r["candidate"], r["kind"]) == (point["candidate"], point["kind"])})
-        at = ks.index(int(point["k"])) if int(point["k"]) in ks else None
-        near = [] if at is None else [ks[i] for i in (at - 1, at + 1) if 0 <= i < len(ks)]
+        at = ks.index(int(point["k"]))
+        near = [ks[i] for i in (at - 1, at + 1) if 0 <= i < len(ks)]
         around = [r for r in every if r["candidate"] == point["candidate"] and r["kind"] == point["kind"]
                   and int(r["clients"]) == int(point["clients"]) and int(r["k"]) in near and r["label"] not in done]
         if not around:
@@ -79,8 +95,7 @@ def neighbour(predicted: pd.DataFrame, measured: pd.DataFrame, spec: TuneSpec, f
         scores = knob_values(base + around, spec.cs, cost=column)[len(base):]
         row = around[scores.index(min(scores))]
         if int(row["clients"]) > 1 and row["candidate"] not in free:
-            first = next((r for r in every if (r["candidate"], r["kind"], int(r["k"])) == (row["candidate"], row["kind"],
-                          int(row["k"])) and int(r["clients"]) == 1), None)
+            first = one_client_run(every, row)
             if first is not None and first["label"] not in done:
                 return first
         return row
