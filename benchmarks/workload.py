@@ -10,6 +10,7 @@ family back to back (their order reversed every other family, so a drifting mach
 suffix method with its own cache (named), which sees only that method's earlier requests.
 
     python benchmarks/workload.py --spec-bench ~/.cache/specbench/datasets/spec-bench/question.jsonl
+    python benchmarks/workload.py --spec-bench ... --dtype bfloat16    # the target in bf16
 """
 from __future__ import annotations
 
@@ -93,11 +94,13 @@ def main() -> None:
     parser.add_argument("--draft-quant", default="int8-dynamic", help="chain candidates' draft: the target at this "
                                                               "quantization (the substitute draft), loaded once")
     parser.add_argument("--max-new-tokens", type=int, default=40)
+    parser.add_argument("--dtype", default="float32", help="the target's (bfloat16 on a CPU with AVX-512 bf16: a verify of "
+                                                         "16 tokens then costs about 1.4x one token's, in float32 2x)")
     parser.add_argument("--out", default=str(RESULTS / "workload.json"))
     args = parser.parse_args()
 
     started = time.perf_counter()
-    loaded = load_model(ModelSpec(args.target))
+    loaded = load_model(ModelSpec(args.target, dtype=args.dtype))
     target = LocalTarget(loaded)
     draft = load_model(ModelSpec(args.target, quantization=args.draft_quant)) if any(
         c.startswith(("chain", "tree")) for c in args.candidates) else None
