@@ -40,7 +40,7 @@ def trained(args) -> tuple[str, dict]:
         return args.head, {}
     spec = TrainSpec(target=args.target, prompts="sharegpt", prompt_count=args.train_prompts, held_out=4,
                      minutes=args.train_minutes, epochs=args.epochs, draft_vocab=args.draft_vocab, max_new_tokens=64,
-                     max_length=192)
+                     max_length=192, dtype=args.dtype)
     started = time.perf_counter()
     result = train_head(spec, args.train_dir)
     last = result.history.dropna(subset=["held_out_tokens_per_step"]) if "held_out_tokens_per_step" in \
@@ -107,11 +107,13 @@ def main() -> None:
     parser.add_argument("--placements", action="store_true", help="also through a worker, the head on either side")
     parser.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
                         help="the local comparison per K (--no-compare: placements only)")
+    parser.add_argument("--dtype", default="float32", help="the target's, in training and comparing (bfloat16 on a CPU "
+                                                         "with AVX-512 bf16: wide verifies nearly cost a 1-token one)")
     parser.add_argument("--out", default=str(RESULTS / "heads.json"))
     args = parser.parse_args()
 
     head, training = trained(args)
-    target = LocalTarget(load_model(ModelSpec(args.target))) if args.compare else None
+    target = LocalTarget(load_model(ModelSpec(args.target, dtype=args.dtype))) if args.compare else None
     rows, positions = [], []
     for dataset in args.datasets if args.compare else ():
         prompts = [row["prompt"] for row in load_prompts(dataset, limit=args.prompt_count, seed=1)]

@@ -295,6 +295,26 @@ def test_train_draft_learns_what_drafting_asks_resumes_and_writes_a_loadable_hea
     assert all(got[("eagle", i)] == got[("target-only", i)] for i in range(3))
 
 
+def test_training_for_a_bf16_target_keeps_fp32_weights_and_leaves_the_target_in_bf16(tmp_path):
+    """A bf16 target trains its head under bf16 autocast with fp32 master weights (a bf16 weight would drop
+    every update under 1/256 of itself), the target's shared embeddings untouched in bf16; the loss falls,
+    and the written head loads for the bf16 target in its dtype."""
+    from specbench.heads.train import TrainSpec, train_head
+    from specbench.models.loading import load_model
+    from specbench.models.spec import ModelSpec
+
+    prompts = tuple([(i * 11 + j * 7) % 90 + 3 for j in range(6 + i % 5)] for i in range(10))
+    spec = TrainSpec(target="tiny-random:seed=0,layers=4", prompts=prompts, prompt_count=10, held_out=2,
+                     max_new_tokens=12, draft_vocab=96, labels="greedy", ttt_steps=2, epochs=25, learning_rate=3e-3,
+                     batch=4, checkpoint_every=1_000, eval_every=10_000, dtype="bfloat16")
+    result = train_head(spec, tmp_path, progress=False)
+    assert result.head.fc.weight.dtype == result.head.lm_head.weight.dtype == torch.float32
+    assert result.head.embed_tokens.weight.dtype == torch.bfloat16  # the target's own, shared
+    assert result.history["loss_0"].tail(5).mean() < 0.5 * result.history["loss_0"].head(5).mean()
+    target = load_model(ModelSpec("tiny-random:seed=0,layers=4", dtype="bfloat16"))
+    assert load_head(tmp_path / "head", target).lm_head.weight.dtype == torch.bfloat16
+
+
 @pytest.mark.real_model
 def test_a_head_on_smollm2_drafts_chains_and_trees_losslessly(smollm2, tmp_path):
     """SmolLM2-135M (fp32) with a head of its own shape (random weights, written in the speculators layout

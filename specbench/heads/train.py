@@ -199,6 +199,10 @@ def train_head(spec: TrainSpec, folder: str | Path, progress: bool = True) -> Tr
         head, state = _initial_head(target, vocabulary, spec.seed), None
     head.train()
     trainable = [p for name, p in head.named_parameters() if not name.startswith("embed_tokens")]
+    for parameter in trainable:  # fp32 master weights: a bf16 weight drops any update under 1/256 of itself
+        parameter.data = parameter.data.float()
+    # a bf16 target: the head's matmuls in bf16 too (about 2x faster on a CPU with AVX-512 bf16), its weights fp32
+    mixed = torch.autocast("cpu", dtype=torch.bfloat16, enabled=target.model.dtype == torch.bfloat16)
     total_steps = max(1, int(spec.epochs * len(passes) / spec.batch))
     optimizer, schedule, step, history = optimization(trainable, spec, total_steps, state)
     to_draft = torch.full((target.vocab_size,), -100, dtype=torch.long)
@@ -213,9 +217,11 @@ def train_head(spec: TrainSpec, folder: str | Path, progress: bool = True) -> Tr
         for slot in range(spec.batch):
             index = int(order[(step * spec.batch + slot) % len(passes)])
             (raw, choices, probs), ids = passes[index], torch.tensor(data["sequences"][index])
-            features = head.fuse(raw[:-1].float())
+            with mixed:
+                features = head.fuse(raw[:-1].float())
+                unrolled = unrolled_logits(head, ids, features, spec.ttt_steps)
             total = torch.zeros(())
-            for j, logits in enumerate(unrolled_logits(head, ids, features, spec.ttt_steps)):
+            for j, logits in enumerate(unrolled):
                 span = slice(1 + j, 1 + j + logits.shape[0])
                 wanted = to_draft[choices[span].long()]
                 if spec.labels == "soft":
