@@ -93,6 +93,9 @@ def main() -> None:
                         default=["target-only", "prompt-lookup:4", "suffix:16", "suffix-tree:16", "chain:4"])
     parser.add_argument("--draft-quant", default="int8-dynamic", help="chain candidates' draft: the target at this "
                                                               "quantization (the substitute draft), loaded once")
+    parser.add_argument("--suffix-factor", type=float, default=SuffixSettings.factor,
+                        help="suffix methods draft up to factor x matched tokens + offset (a cheap wide verify pays more)")
+    parser.add_argument("--suffix-offset", type=float, default=SuffixSettings.offset)
     parser.add_argument("--max-new-tokens", type=int, default=40)
     parser.add_argument("--dtype", default="float32", help="the target's (bfloat16 on a CPU with AVX-512 bf16: a verify of "
                                                          "16 tokens then costs about 1.4x one token's, in float32 2x)")
@@ -114,7 +117,7 @@ def main() -> None:
     def one(method, k, prompts, families, cache, **extra):
         return run(target, [r["ids"] for r in prompts], method=method, k=k, draft=draft,
                    max_new_tokens=args.max_new_tokens, warmup=False, progress=False, families=families,
-                   suffix=SuffixSettings(name=cache), **extra)
+                   suffix=SuffixSettings(name=cache, factor=args.suffix_factor, offset=args.suffix_offset), **extra)
 
     # warm every candidate once (its cache a throwaway one), then calibrate the router
     for c in candidates:
