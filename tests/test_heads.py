@@ -315,6 +315,30 @@ def test_training_for_a_bf16_target_keeps_fp32_weights_and_leaves_the_target_in_
     assert load_head(tmp_path / "head", target).lm_head.weight.dtype == torch.bfloat16
 
 
+def test_train_draft_reads_the_layers_asked_and_never_reuses_features_of_others(tmp_path):
+    """`layers` picks the target layers the head fuses: its config keeps them (drafting taps those), a rerun in the
+    same folder with other layers recomputes the cached features instead of training on the wrong ones, and a
+    layer the target lacks is refused by name before any target pass."""
+    from specbench.heads.train import TrainSpec, train_head
+
+    prompts = tuple([(i * 11 + j * 7) % 90 + 3 for j in range(6 + i % 5)] for i in range(8))
+    spec = TrainSpec(target="tiny-random:seed=0,layers=4", prompts=prompts, prompt_count=8, held_out=2,
+                     max_new_tokens=8, draft_vocab=96, labels="greedy", ttt_steps=1, epochs=2, batch=4,
+                     checkpoint_every=1_000, eval_every=10_000, layers=(0, 1, 3))
+    result = train_head(spec, tmp_path / "a", progress=False)
+    assert result.head.config.layer_ids == (0, 1, 3)
+    data = torch.load(tmp_path / "a" / "data.pt", weights_only=False)
+    assert data["feature_layers"] == [0, 1, 3]
+    other = TrainSpec(**{**spec.__dict__, "layers": (1, 2, 3)})
+    (tmp_path / "a" / "checkpoint.pt").unlink()  # a fresh head over the cached data, other layers
+    features = torch.load(tmp_path / "a" / "features.pt", weights_only=False)[0][0]
+    assert train_head(other, tmp_path / "a", progress=False).head.config.layer_ids == (1, 2, 3)
+    again = torch.load(tmp_path / "a" / "features.pt", weights_only=False)[0][0]
+    assert not torch.equal(features, again)  # recomputed from layers 1, 2, 3
+    with pytest.raises(SpecbenchError, match=r"ids \[4\] do not exist"):
+        train_head(TrainSpec(**{**spec.__dict__, "layers": (0, 2, 4)}), tmp_path / "b", progress=False)
+
+
 @pytest.mark.real_model
 def test_a_head_on_smollm2_drafts_chains_and_trees_losslessly(smollm2, tmp_path):
     """SmolLM2-135M (fp32) with a head of its own shape (random weights, written in the speculators layout

@@ -24,6 +24,8 @@ def add_train_draft(commands) -> None:
     train.add_argument("--own-embeddings", action="store_true",
                        help="write a copy of the target's embeddings with the head (to draft on a worker's client)")
     train.add_argument("--draft-vocab", type=int, default=defaults.draft_vocab)
+    train.add_argument("--layers", type=int, nargs="+", metavar="LAYER",
+                       help="the target layers whose inputs the head fuses (default: EAGLE-3's 2, L/2 and L-3)")
     train.add_argument("--ttt-steps", type=int, default=defaults.ttt_steps, help="training-time-test unroll")
     train.add_argument("--epochs", type=float, default=defaults.epochs)
     train.add_argument("--learning-rate", type=float, default=defaults.learning_rate)
@@ -45,7 +47,7 @@ def _train_draft(args) -> int:
     spec = TrainSpec(target=args.target, prompts=args.prompts, prompt_count=args.prompt_count, held_out=args.held_out,
                      max_new_tokens=args.max_new_tokens, max_length=args.max_length, teacher_forced=args.teacher_forced,
                      labels=args.labels, own_embeddings=args.own_embeddings,
-                     draft_vocab=args.draft_vocab, ttt_steps=args.ttt_steps, epochs=args.epochs,
+                     draft_vocab=args.draft_vocab, layers=tuple(args.layers) if args.layers else None, ttt_steps=args.ttt_steps, epochs=args.epochs,
                      learning_rate=args.learning_rate, batch=args.batch, minutes=args.minutes, layout=args.layout,
                      dtype=args.dtype)
     if args.distil:

@@ -75,6 +75,12 @@ def target_pass(target, ids: list[int], layer_ids, top: int = 16) -> tuple[torch
     return raw.to(torch.float16), choices.to(torch.int32), probs.to(torch.float16)
 
 
+def layer_ids_of_default(target) -> tuple:
+    from specbench.heads.config import default_layer_ids
+
+    return default_layer_ids(target.model.config.num_hidden_layers)
+
+
 @dataclass
 class Prepared:
     """What both trainings read: the target, the sequences, one target pass per sequence (features,
@@ -131,10 +137,16 @@ def prepare(spec, folder: str | Path, layer_ids_of, progress: bool) -> Prepared:
     layer_ids = layer_ids_of(target.model.config.num_hidden_layers)
     features_path = folder / "features.pt"
     passes = torch.load(features_path, weights_only=False) if features_path.exists() else None
+    # the layers the cached features came from (a cache written before they were kept: the default ones)
+    cached_layers = tuple(data.get("feature_layers", layer_ids_of_default(target)))
     if (passes is None or len(passes) != len(data["sequences"]) or passes[0][1].shape[-1] != spec.soft_top
-            or (layer_ids and passes[0][0].shape[-1] != len(layer_ids) * target.model.config.hidden_size)):
+            or (layer_ids and (passes[0][0].shape[-1] != len(layer_ids) * target.model.config.hidden_size
+                               or cached_layers != tuple(layer_ids)))):
         passes = [target_pass(target, ids, layer_ids, spec.soft_top) for ids in tqdm(
             data["sequences"], desc="train-draft: target features", unit="sequence", disable=not progress)]
         torch.save(passes, features_path)
+        if layer_ids:
+            data["feature_layers"] = list(layer_ids)
+            torch.save(data, data_path)
     seconds["features"] = round(time.monotonic() - started - sum(seconds.values()), 1)
     return Prepared(target, folder, data, passes, held, seconds, started)

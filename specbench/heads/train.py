@@ -47,6 +47,7 @@ class TrainSpec:
     soft_top: int = 16
     own_embeddings: bool = False  # write a copy of the target's embeddings with the head (to draft on a worker's client)
     draft_vocab: int = 8192
+    layers: Optional[tuple] = None  # the target layers whose inputs the head fuses (default: EAGLE-3's low, middle, high)
     ttt_steps: int = 3
     epochs: float = 2.0
     learning_rate: float = 1e-3
@@ -62,6 +63,9 @@ class TrainSpec:
         if self.prompt_count < self.held_out + 2:
             raise SpecbenchError(f"prompt_count {self.prompt_count} leaves nothing to train on after {self.held_out} "
                                  f"held-out prompts")
+        if self.layers is not None and (len(self.layers) < 1 or min(self.layers) < 0):
+            raise SpecbenchError(f"layers names the target layers whose inputs the head reads, e.g. (2, 15, 27); got "
+                                 f"{self.layers}")
         if self.ttt_steps < 1 or self.draft_vocab < 2 or self.batch < 1 or self.epochs <= 0 or self.soft_top < 1:
             raise SpecbenchError("ttt_steps, batch, epochs and soft_top must be positive and draft_vocab at least 2")
         if self.labels not in ("soft", "greedy"):
@@ -140,10 +144,10 @@ def unrolled_logits(head: EagleHead, ids: torch.Tensor, features: torch.Tensor, 
     return out
 
 
-def _initial_head(target, vocabulary: list[int], seed: int) -> EagleHead:
+def _initial_head(target, vocabulary: list[int], seed: int, layer_ids) -> EagleHead:
     from specbench.heads.build import new_head
 
-    head = new_head(target, draft_ids=vocabulary, seed=seed)
+    head = new_head(target, draft_ids=vocabulary, layer_ids=layer_ids, seed=seed)
     with torch.no_grad():  # start from the target's own output rows and final norm
         head.lm_head.weight.copy_(target.model.get_output_embeddings().weight[vocabulary])
         final_norm = getattr(target.model.model, "norm", None)
@@ -182,7 +186,13 @@ def train_head(spec: TrainSpec, folder: str | Path, progress: bool = True) -> Tr
     from specbench.heads.layouts import load_head
 
     spec.check()
-    prepared = prepare(spec, folder, default_layer_ids, progress)
+    def layer_ids_of(count: int) -> tuple:
+        bad = [i for i in spec.layers or () if i >= count]
+        if bad:
+            raise SpecbenchError(f"layers {list(spec.layers)}: the target has {count} layers (ids {bad} do not exist)")
+        return tuple(spec.layers) if spec.layers else default_layer_ids(count)
+
+    prepared = prepare(spec, folder, layer_ids_of, progress)
     target, data, passes, held, seconds, started = (prepared.target, prepared.data, prepared.passes, prepared.held,
                                                     prepared.seconds, prepared.started)
     folder, data_path = prepared.folder, prepared.folder / "data.pt"
@@ -196,7 +206,7 @@ def train_head(spec: TrainSpec, folder: str | Path, progress: bool = True) -> Tr
         head = load_head(head_folder, target)
         state = torch.load(checkpoint, weights_only=False)
     else:
-        head, state = _initial_head(target, vocabulary, spec.seed), None
+        head, state = _initial_head(target, vocabulary, spec.seed, layer_ids_of(target.model.config.num_hidden_layers)), None
     head.train()
     trainable = [p for name, p in head.named_parameters() if not name.startswith("embed_tokens")]
     for parameter in trainable:  # fp32 master weights: a bf16 weight drops any update under 1/256 of itself
