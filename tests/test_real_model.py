@@ -26,6 +26,16 @@ def test_quantized_substitute_of_itself_is_lossless(smollm2, quantization, agree
     assert substitute["accepted"].sum() / substitute["drafted"].sum() > agreement
 
 
+def test_a_bf16_targets_int8_dynamic_substitute_quantizes_float32_weights():
+    """PyTorch's dynamic int8 quantizes float32 Linear layers only: a bf16 target's substitute loads the same
+    weights in float32 and quantizes those (it was refused, naming the dtype); greedy output stays the target's."""
+    records = run("tiny-random:seed=0,layers=4", [[5, 9, 14, 3, 7]], method=["target-only", "substitute"],
+                  substitute_quantization="int8-dynamic", dtype="bfloat16", k=3, max_new_tokens=12, progress=False)
+    produced = outputs(records)
+    assert produced[("substitute", 0)] == produced[("target-only", 0)]
+    assert records.loc[records.method == "substitute", "drafted"].sum() > 0
+
+
 @pytest.mark.parametrize("quantization, at_most", [("8bit", 0.5), ("4bit", 0.4), ("int8-dynamic", 0.55)])
 def test_quantized_weights_are_measured_smaller(smollm2, quantization, at_most):
     quantized = load_model(ModelSpec("smollm2-135m", quantization=quantization))
