@@ -93,6 +93,8 @@ def main() -> None:
                         default=["target-only", "prompt-lookup:4", "suffix:16", "suffix-tree:16", "chain:4"])
     parser.add_argument("--draft-quant", default="int8-dynamic", help="chain candidates' draft: the target at this "
                                                               "quantization (the substitute draft), loaded once")
+    parser.add_argument("--head", help="a trained draft head's folder: the draft of `eagle`/`eagle-tree` candidates "
+                                         "(then no chain or tree candidate: one draft per run)")
     parser.add_argument("--suffix-factor", type=float, default=SuffixSettings.factor,
                         help="suffix methods draft up to factor x matched tokens + offset (a cheap wide verify pays more)")
     parser.add_argument("--suffix-offset", type=float, default=SuffixSettings.offset)
@@ -105,8 +107,10 @@ def main() -> None:
     started = time.perf_counter()
     loaded = load_model(ModelSpec(args.target, dtype=args.dtype))
     target = LocalTarget(loaded)
-    draft = load_model(ModelSpec(args.target, quantization=args.draft_quant)) if any(
-        c.startswith(("chain", "tree")) for c in args.candidates) else None
+    models = any(c.startswith(("chain", "tree")) for c in args.candidates)
+    if args.head and models:
+        raise SystemExit("--head drafts the eagle candidates; chain and tree candidates would need another draft")
+    draft = args.head or (load_model(ModelSpec(args.target, quantization=args.draft_quant)) if models else None)
     candidates = candidates_from(args.candidates)
     found = requests(args, target)
     scripted_s = time.perf_counter() - started
