@@ -192,9 +192,7 @@ def _substitute(source: DraftSource):
     from specbench.decode.drafters import ModelDrafter
     from specbench.models.loading import load_model
 
-    spec = source.own_weights("substitute").spec.with_(quantization=source.substitute_quantization)
-    if spec.quantization == "int8-dynamic":  # PyTorch's dynamic int8 quantizes float32 Linear layers, whatever the target's dtype
-        spec = spec.with_(dtype="float32")
+    spec = source.own_weights("substitute").spec.quantized(source.substitute_quantization)
     return ModelDrafter(load_model(spec), source.target.vocab_size, name=f"substitute:{spec.label}")
 
 

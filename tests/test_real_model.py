@@ -34,6 +34,8 @@ def test_a_bf16_targets_int8_dynamic_substitute_quantizes_float32_weights():
     produced = outputs(records)
     assert produced[("substitute", 0)] == produced[("target-only", 0)]
     assert records.loc[records.method == "substitute", "drafted"].sum() > 0
+    bf16 = ModelSpec("smollm2-135m", dtype="bfloat16")  # the one rule `run`'s substitute and a tune's candidate share
+    assert bf16.quantized("int8-dynamic").dtype == "float32" and bf16.quantized("8bit").dtype == "bfloat16"
 
 
 @pytest.mark.parametrize("quantization, at_most", [("8bit", 0.5), ("4bit", 0.4), ("int8-dynamic", 0.55)])

@@ -17,6 +17,13 @@ def default_layer_ids(target_layers: int) -> tuple[int, int, int]:
     return clamp(2), clamp(target_layers // 2), clamp(target_layers - 3)
 
 
+def check_layer_ids(ids, target_layers: int, what: str) -> None:
+    """Refuse, by name, layer ids a target of `target_layers` layers does not have."""
+    bad = [i for i in ids if not 0 <= i < target_layers]
+    if bad:
+        raise SpecbenchError(f"{what} {list(ids)}, but the target has {target_layers} layers (ids {bad} do not exist)")
+
+
 @dataclass(frozen=True)
 class HeadConfig:
     hidden_size: int
@@ -48,8 +55,5 @@ class HeadConfig:
         from dataclasses import replace
 
         ids = tuple(self.layer_ids) or default_layer_ids(target_layers)
-        bad = [i for i in ids if not 0 <= i < target_layers]
-        if bad:
-            raise SpecbenchError(f"draft head reads target layers {list(ids)}, but the target has {target_layers} "
-                                 f"layers (ids {bad} do not exist)")
+        check_layer_ids(ids, target_layers, "draft head reads target layers")
         return replace(self, layer_ids=ids)

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from specbench.heads.config import default_layer_ids
 from specbench.types import SpecbenchError
 
 
@@ -75,12 +76,6 @@ def target_pass(target, ids: list[int], layer_ids, top: int = 16) -> tuple[torch
     return raw.to(torch.float16), choices.to(torch.int32), probs.to(torch.float16)
 
 
-def layer_ids_of_default(target) -> tuple:
-    from specbench.heads.config import default_layer_ids
-
-    return default_layer_ids(target.model.config.num_hidden_layers)
-
-
 @dataclass
 class Prepared:
     """What both trainings read: the target, the sequences, one target pass per sequence (features,
@@ -138,7 +133,7 @@ def prepare(spec, folder: str | Path, layer_ids_of, progress: bool) -> Prepared:
     features_path = folder / "features.pt"
     passes = torch.load(features_path, weights_only=False) if features_path.exists() else None
     # the layers the cached features came from (a cache written before they were kept: the default ones)
-    cached_layers = tuple(data.get("feature_layers", layer_ids_of_default(target)))
+    cached_layers = tuple(data.get("feature_layers", default_layer_ids(target.model.config.num_hidden_layers)))
     if (passes is None or len(passes) != len(data["sequences"]) or passes[0][1].shape[-1] != spec.soft_top
             or (layer_ids and (passes[0][0].shape[-1] != len(layer_ids) * target.model.config.hidden_size
                                or cached_layers != tuple(layer_ids)))):

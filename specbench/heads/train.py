@@ -181,15 +181,14 @@ def optimization(trainable: list, spec: TrainSpec, total_steps: int, state: Opti
 def train_head(spec: TrainSpec, folder: str | Path, progress: bool = True) -> TrainResult:
     """Train a head for `spec.target`; resumes from `folder`'s checkpoint. The head is written to
     `folder/head` in `spec.layout` (what `run(method="eagle", draft=...)` reads)."""
-    from specbench.heads.config import default_layer_ids
+    from specbench.heads.config import check_layer_ids, default_layer_ids
     from specbench.heads.data import prepare
     from specbench.heads.layouts import load_head
 
     spec.check()
     def layer_ids_of(count: int) -> tuple:
-        bad = [i for i in spec.layers or () if i >= count]
-        if bad:
-            raise SpecbenchError(f"layers {list(spec.layers)}: the target has {count} layers (ids {bad} do not exist)")
+        if spec.layers:
+            check_layer_ids(spec.layers, count, "train-draft --layers")
         return tuple(spec.layers) if spec.layers else default_layer_ids(count)
 
     prepared = prepare(spec, folder, layer_ids_of, progress)

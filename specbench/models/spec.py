@@ -41,6 +41,11 @@ class ModelSpec:
         fields = {**self.__dict__, **changes}
         return ModelSpec(**fields)
 
+    def quantized(self, quantization: str) -> "ModelSpec":
+        """The same weights at `quantization` (a substitute draft's): PyTorch's dynamic int8 quantizes float32
+        Linear layers, so int8-dynamic loads them in float32 whatever this spec's dtype."""
+        return self.with_(quantization=quantization, **({"dtype": "float32"} if quantization == "int8-dynamic" else {}))
+
     @property
     def label(self) -> str:
         quant = "" if self.quantization == "none" else f"@{self.quantization}"

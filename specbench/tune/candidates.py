@@ -107,5 +107,5 @@ def draft_model(candidate, target, spec: TuneSpec):
     if candidate.method == "self-draft":
         return truncated_view(target, candidate.self_draft_layers)
     if candidate.method == "substitute":
-        return load_model(target.spec.with_(quantization=candidate.quantization))
+        return load_model(target.spec.quantized(candidate.quantization))
     return load_model(ModelSpec(candidate.draft, dtype=spec.dtype))
