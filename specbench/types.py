@@ -148,6 +148,7 @@ class Timing:
     verify_s: float = 0.0
     queue_s: float = 0.0
     batch_size: int = 1  # verifies that shared the target's forward
+    batch_round: int = -1  # the worker's number for that forward (-1: local)
     network_s: float = 0.0
     emulated_network_s: float = 0.0
     bytes_up: int = 0
@@ -188,6 +189,7 @@ class StepRecord:
     verify_s: float
     queue_s: float  # waiting in a shared worker's queue
     batch_size: int  # verifies that shared the target's forward (1 locally)
+    batch_round: int  # the worker's number for that forward: rows with one number shared it (-1 locally)
     network_s: float
     emulated_network_s: float
     step_s: float

@@ -408,6 +408,11 @@ def test_a_tune_through_a_worker_measures_each_client_count_with_its_clients_at_
 
         rounds = worker_rounds(together)
         assert (rounds["rows"] == 2).any() and rounds["rows"].sum() == len(together), rounds
+        # each reply names its batch: rows of one number share one forward time, and differ from the next's
+        shared = together.groupby("batch_round")["target_forward_s"].nunique()
+        assert (together["batch_round"] > 0).all() and (shared == 1).all()
+        unnumbered = together.assign(batch_round=-1)  # records of an older worker: grouped by forward time
+        assert worker_rounds(unnumbered)["rows"].sum() <= len(together)
         from specbench.api import run
         from specbench.worker.client import RemoteTarget
 

@@ -15,7 +15,7 @@ def record_step(step: Step, emitted: list[int], *, prompt_index: int, index: int
         drafted=len(tree), accepted=len(step.verdict.accepted_path), emitted=len(emitted),
         emitted_tokens=list(emitted), bonus_token=step.verdict.bonus_token, draft_s=step.draft_s,
         target_forward_s=timing.target_forward_s, verify_s=timing.verify_s, queue_s=timing.queue_s,
-        batch_size=timing.batch_size, network_s=timing.network_s,
+        batch_size=timing.batch_size, batch_round=timing.batch_round, network_s=timing.network_s,
         emulated_network_s=timing.emulated_network_s, step_s=step_s,
         overhead_s=max(0.0, step_s - step.draft_s - timing.queue_s - timing.verify_s - timing.network_s),
         bytes_up=timing.bytes_up, bytes_down=timing.bytes_down, tree_depth=max(tree.depths(), default=0),

@@ -54,18 +54,21 @@ def factor_at(factors: dict, width: int) -> float:
 
 def worker_rounds(records: pd.DataFrame) -> pd.DataFrame:
     """The worker's rounds in a run's steps: (rows, forward_s, width, context) per round, its rows' mean width
-    (tokens verified) and context. A round's rows carry the same forward time and batch size (the worker times
-    one forward for all of them); a group whose size is not its batch size (a row of another run) is dropped."""
+    (tokens verified) and context. A round's rows carry the worker's number for it (`batch_round`; records
+    without one are grouped by forward time and batch size, which two rounds share now and then to the
+    nanosecond); a group whose size is not its batch size (a row of another run) is dropped."""
     columns = ["rows", "forward_s", "width", "context"]
     if records.empty or "batch_size" not in records or "client" not in records:
         return pd.DataFrame(columns=columns)
     steps = records.assign(width=records["drafted"].fillna(0) + 1)
     before = steps.sort_values("step").groupby(["client", "prompt_index"])["emitted"].cumsum() - steps["emitted"]
     steps = steps.assign(context=steps["prompt_tokens"] + before)
-    found = steps.groupby(["target_forward_s", "batch_size"]).agg(count=("width", "size"), width=("width", "mean"),
-                                                                   context=("context", "mean")).reset_index()
+    numbered = "batch_round" in steps and bool((steps["batch_round"] >= 0).all())
+    found = steps.groupby(["batch_round" if numbered else "target_forward_s", "batch_size"]).agg(
+        forward=("target_forward_s", "first"), count=("width", "size"), width=("width", "mean"),
+        context=("context", "mean")).reset_index()
     found = found[found["count"] == found["batch_size"]]
-    return pd.DataFrame({"rows": found["batch_size"].astype(int), "forward_s": found["target_forward_s"],
+    return pd.DataFrame({"rows": found["batch_size"].astype(int), "forward_s": found["forward"],
                          "width": found["width"], "context": found["context"]})[columns].reset_index(drop=True)
 
 

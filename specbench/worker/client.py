@@ -371,5 +371,6 @@ class PendingVerify:
         return Verdict(path, bonus, Timing(
             target_forward_s=float(reply["target_forward_s"]), verify_s=float(reply["verify_s"]),
             queue_s=float(reply.get("queue_s", 0.0)), batch_size=int(reply.get("batch_size", 1)),
+            batch_round=int(reply.get("round", -1)),
             network_s=timing["network_s"], emulated_network_s=timing["emulated_network_s"], bytes_up=timing["bytes_up"],
             bytes_down=timing["bytes_down"]))

@@ -121,6 +121,7 @@ class Worker:
                 raise SpecbenchError(f"--batch-wait-ms takes milliseconds or 'auto', not {self.wait_ms!r}") from None
         self.stats = Stats()
         self._round_s = 0.0  # how long the last round of requests took
+        self._batches = 0  # verify batches run: each reply names its batch, so records group rows exactly
         self.ops = Ops(config, self.stats, log)
         if config.model is not None and not config.lazy:
             self.ops.ensure_loaded()
@@ -347,9 +348,11 @@ class Worker:
             if not job.prefill.remaining:
                 job.advance()  # its last chunk rode here: the session goes live, the reply goes out this round
         out, replied = [], time.perf_counter()
+        self._batches += 1
         for (message, request), result in zip(batch, results):
             if not isinstance(result, Exception):
-                result = (dict(result[0], batch_size=len(batch), queue_s=started - message.received), result[1])
+                result = (dict(result[0], batch_size=len(batch), round=self._batches, queue_s=started - message.received),
+                          result[1])
                 request.session.replied_at = replied
             out.append((message, self._reply(message, result)))
         if succeeded and not riding:
