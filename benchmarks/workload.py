@@ -93,11 +93,16 @@ def main() -> None:
                         default=["target-only", "prompt-lookup:4", "suffix:16", "suffix-tree:16", "chain:4"])
     parser.add_argument("--draft-quant", default="int8-dynamic", help="chain candidates' draft: the target at this "
                                                               "quantization (the substitute draft), loaded once")
-    parser.add_argument("--head", help="a trained draft head's folder: the draft of `eagle`/`eagle-tree` candidates "
-                                         "(then no chain or tree candidate: one draft per run)")
+    parser.add_argument("--head", help="a trained draft head's folder: the draft of `eagle`, `eagle-tree` and "
+                                       "`suffix-eagle` candidates (then no chain or tree candidate: one draft per run)")
     parser.add_argument("--suffix-factor", type=float, default=SuffixSettings.factor,
                         help="suffix methods draft up to factor x matched tokens + offset (a cheap wide verify pays more)")
     parser.add_argument("--suffix-offset", type=float, default=SuffixSettings.offset)
+    parser.add_argument("--hand-over", type=float, default=SuffixSettings.hand_over,
+                        help="suffix-eagle candidates: the head drafts a step whose suffix proposal expects fewer "
+                             "accepted tokens than this")
+    parser.add_argument("--head-k", type=int, default=SuffixSettings.head_k,
+                        help="suffix-eagle candidates: the head's budget on the steps it drafts")
     parser.add_argument("--max-new-tokens", type=int, default=40)
     parser.add_argument("--dtype", default="float32", help="the target's (bfloat16 on a CPU with AVX-512 bf16: a verify of "
                                                          "16 tokens then costs about 1.4x one token's, in float32 2x)")
@@ -121,7 +126,8 @@ def main() -> None:
     def one(method, k, prompts, families, cache, **extra):
         return run(target, [r["ids"] for r in prompts], method=method, k=k, draft=draft,
                    max_new_tokens=args.max_new_tokens, warmup=False, progress=False, families=families,
-                   suffix=SuffixSettings(name=cache, factor=args.suffix_factor, offset=args.suffix_offset), **extra)
+                   suffix=SuffixSettings(name=cache, factor=args.suffix_factor, offset=args.suffix_offset,
+                                         hand_over=args.hand_over, head_k=args.head_k), **extra)
 
     # warm every candidate once (its cache a throwaway one), then calibrate the router
     for c in candidates:

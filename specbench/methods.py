@@ -196,6 +196,15 @@ def _substitute(source: DraftSource):
     return ModelDrafter(load_model(spec), source.target.vocab_size, name=f"substitute:{spec.label}")
 
 
+def _suffix_eagle(source: DraftSource, tree: bool = False):
+    from specbench.decode.hybrid_drafter import HybridDrafter
+    from specbench.heads.drafter import head_drafter
+
+    head = head_drafter(source, tree=tree)  # first: a missing head is refused before any cache is made
+    name = "suffix-eagle-tree" if tree else "suffix-eagle"
+    return HybridDrafter(_suffix(source, tree=tree), head, source.suffix.hand_over, source.suffix.head_k, name=name)
+
+
 def _eagle(source: DraftSource):
     from specbench.heads.drafter import head_drafter
 
@@ -227,6 +236,9 @@ for _method in (
            worker_build=lambda source, key=(): _suffix(source, tree=True, key=key)),
     Method("eagle", "chain", _eagle, reads_features=True),  # a draft head over the target's hidden states (heads/)
     Method("eagle-tree", "tree", _eagle_tree, reads_features=True),  # its EAGLE-2 dynamic tree
+    # suffix decoding where its counts vouch for a continuation (SuffixSettings.hand_over), the head elsewhere
+    Method("suffix-eagle", "chain", _suffix_eagle, reads_features=True),
+    Method("suffix-eagle-tree", "tree", lambda source: _suffix_eagle(source, tree=True), reads_features=True),
     Method("server-only", "chain", on_worker=True),  # AutoDraft's Server-Only: the worker drafts too
     Method("server-only-ar", "none", on_worker=True),  # AutoDraft's Server-Only-AR
     # a draft head on the worker (the server-side placement): only finished tokens travel, no features

@@ -115,6 +115,56 @@ def test_sampled_drafting_with_a_head_keeps_the_targets_distribution(method, rul
     check_two_token_marginals(local, target, drafter, Decoding(3 if method == "eagle" else 6, 2, sampling), vocab)
 
 
+def test_suffix_with_a_head_drafts_each_step_from_whichever_vouches_and_stays_lossless(target):
+    """`suffix-eagle`: a step whose suffix proposal expects at least `hand_over` accepted tokens is drafted
+    by suffix decoding, every other by the head; on prompts that repeat themselves both draft, and greedy
+    output equals target-only token for token, chains and trees."""
+    from specbench.decode.loop import Decoding, generate
+    from specbench.decode.suffix_drafter import SuffixSettings
+    from specbench.methods import DraftSource, make_drafter
+
+    head = new_head(target, seed=3)
+    prompts = PROMPTS + [[5, 6, 7, 8, 9] * 4, [11, 12, 13] * 5 + [11]]
+    local = LocalTarget(target)
+    records = run(local, prompts, method=["target-only", "suffix-eagle", "suffix-eagle-tree"], draft=head, k=4,
+                  max_new_tokens=24, progress=False, warmup=False)
+    got = outputs(records)
+    for index in range(len(prompts)):
+        assert got[("suffix-eagle", index)] == got[("target-only", index)] == got[("suffix-eagle-tree", index)]
+    for method in ("suffix-eagle", "suffix-eagle-tree"):
+        drafter = make_drafter(method, DraftSource(local, target, head, suffix=SuffixSettings(cache="drafter")))
+        for index, prompt in enumerate(prompts):
+            assert generate(local, drafter, prompt, Decoding(4, 24)).output_ids == got[("target-only", index)]
+        assert drafter.steps["suffix"] > 0 and drafter.steps["other"] > 0, drafter.steps
+    never = make_drafter("suffix-eagle", DraftSource(local, target, head, suffix=SuffixSettings(hand_over=99.0)))
+    generate(local, never, prompts[-1], Decoding(4, 12))
+    assert never.steps["suffix"] == 0 and never.steps["other"] > 0
+    with pytest.raises(SpecbenchError, match="needs a draft head"):
+        make_drafter("suffix-eagle", DraftSource(local, target, None))
+
+
+@pytest.mark.parametrize("method,rule,hand_over", [("suffix-eagle", "rejection", 1.0),
+                                                   ("suffix-eagle-tree", "sample-match", 0.5)])
+def test_sampled_drafting_with_suffix_and_a_head_keeps_the_targets_distribution(method, rule, hand_over):
+    """Each step's proposal carries its own drafter's q (a point mass for suffix decoding, the head's
+    distribution otherwise), and which drafter proposes is a function of the context: the first two
+    tokens follow the target's marginals (chi-square) with both drafters proposing across the draws."""
+    from specbench.decode.loop import Decoding
+    from specbench.decode.suffix_drafter import SuffixSettings
+    from specbench.methods import DraftSource, make_drafter
+    from tests.test_distributions import check_two_token_marginals
+
+    vocab = 16
+    target = tiny_model(seed=3, vocab_size=vocab)
+    sampling = SamplingParams(temperature=1.5, rule=rule, draft_top_k=8)
+    local = LocalTarget(target)
+    drafter = make_drafter(method, DraftSource(local, target, new_head(target, seed=6),
+                                               suffix=SuffixSettings(cache="drafter", hand_over=hand_over)))
+    check_two_token_marginals(local, target, drafter, Decoding(3 if method == "suffix-eagle" else 6, 4, sampling),
+                              vocab)
+    assert min(drafter.steps.values()) > 100, drafter.steps
+
+
 @pytest.mark.parametrize("layout", ["eagle3", "speculators"])
 def test_each_published_layout_writes_and_reads_back_the_same_head(target, tmp_path, layout):
     head = new_head(target, draft_ids=range(0, 96, 2), seed=2)
@@ -351,18 +401,18 @@ def test_a_head_on_smollm2_drafts_chains_and_trees_losslessly(smollm2, tmp_path)
     head = new_head(smollm2, draft_ids=range(0, 4096, 2), seed=0)
     folder = save_head(head, tmp_path / "head", layout="speculators", target_name="smollm2-135m")
     prompts = ["Write a Python function that reverses a string.", "Name three primary colours."]
-    records = run(LocalTarget(smollm2), prompts, method=["target-only", "eagle", "eagle-tree"], draft=str(folder), k=4,
-                  max_new_tokens=16, progress=False, warmup=False)
+    records = run(LocalTarget(smollm2), prompts, method=["target-only", "eagle", "eagle-tree", "suffix-eagle-tree"],
+                  draft=str(folder), k=4, max_new_tokens=16, progress=False, warmup=False)
     got = outputs(records)
     running = ThreadWorker(model=ModelSpec("smollm2-135m", dtype="float32"), draft=None, allow_load=(str(folder),))
     try:
         remote = RemoteTarget(running.endpoint, tokenizer=smollm2.tokenizer)
-        got.update(outputs(run(remote, prompts, method=["eagle", "eagle-server", "eagle-tree-server"],
+        got.update(outputs(run(remote, prompts, method=["eagle", "suffix-eagle", "eagle-server", "eagle-tree-server"],
                                draft=str(folder), k=4, max_new_tokens=16, progress=False, warmup=False)))
     finally:
         running.stop()
     for index in range(len(prompts)):
-        for method in ("eagle", "eagle-tree", "eagle-server", "eagle-tree-server"):
+        for method in ("eagle", "eagle-tree", "suffix-eagle-tree", "suffix-eagle", "eagle-server", "eagle-tree-server"):
             assert got[(method, index)] == got[("target-only", index)], (method, index)
 
 
@@ -386,8 +436,8 @@ def test_a_head_drafts_through_a_worker_on_either_side_losslessly(tmp_path, batc
         remote = RemoteTarget(running.endpoint)
         with pytest.raises(SpecbenchError, match="shares its target's embeddings"):
             run(remote, PROMPTS[:1], method="eagle", draft=str(shared), k=3, max_new_tokens=4, progress=False)
-        client = run(remote, PROMPTS, method=["target-only", "eagle", "eagle-tree"], draft=str(own), k=4,
-                     max_new_tokens=20, progress=False, warmup=False)
+        client = run(remote, PROMPTS, method=["target-only", "eagle", "eagle-tree", "suffix-eagle"], draft=str(own),
+                     k=4, max_new_tokens=20, progress=False, warmup=False)
         server = run(remote, PROMPTS, method=["eagle-server", "eagle-tree-server"], draft=str(shared), k=4,
                      max_new_tokens=20, progress=False, warmup=False)
         remote.keep_features("held", head.config.layer_ids)
@@ -401,7 +451,7 @@ def test_a_head_drafts_through_a_worker_on_either_side_losslessly(tmp_path, batc
         running.stop()
     got, reference = {**outputs(client), **outputs(server)}, outputs(local)
     for index in range(len(PROMPTS)):
-        for method in ("target-only", "eagle", "eagle-tree", "eagle-server", "eagle-tree-server"):
+        for method in ("target-only", "eagle", "eagle-tree", "suffix-eagle", "eagle-server", "eagle-tree-server"):
             assert got[(method, index)] == reference[("target-only", index)], (method, index)
     drafted = client[client["method"] == "eagle"]
     assert (drafted["drafted"] > 0).mean() > 0.8

@@ -30,7 +30,9 @@ class SuffixSettings:
     (a long match earns a long draft), none with an estimated probability under `min_prob`; `depth`
     bounds both the match and the draft. The cache keeps at most `cache_requests` outputs and
     `cache_tokens` tokens (its index holds up to `depth` nodes a token: about 1.5 KB a token at depth 24
-    on random text, less on text that repeats)."""
+    on random text, less on text that repeats). In a hybrid (`suffix-eagle`), a step whose suffix proposal
+    expects fewer accepted tokens than `hand_over` is drafted by the head instead, with at most `head_k`
+    tokens (chain) or nodes (tree): a head's budget pays at a few nodes, suffix decoding's at many."""
 
     depth: int = 24
     factor: float = 1.0
@@ -40,6 +42,8 @@ class SuffixSettings:
     cache_requests: int = 1000
     cache_tokens: int = 100_000
     name: str = ""  # "process" scope: drafters naming one cache share it, others keep theirs apart
+    hand_over: float = 1.0
+    head_k: int = 4
 
     def __post_init__(self):
         if self.cache not in CACHE_SCOPES:
@@ -49,6 +53,8 @@ class SuffixSettings:
                                  f"cache_tokens {self.cache_tokens} must be >= 1 (cache='off' turns it off)")
         if not 0.0 <= self.min_prob <= 1.0:
             raise SpecbenchError(f"min_prob must be in [0, 1], got {self.min_prob}")
+        if self.hand_over < 0 or self.head_k < 1:
+            raise SpecbenchError(f"need hand_over >= 0 and head_k >= 1, got {self.hand_over}, {self.head_k}")
         if self.factor <= 0 or self.offset < 0:
             raise SpecbenchError(f"need factor > 0 and offset >= 0, got {self.factor}, {self.offset}")
 
