@@ -32,7 +32,7 @@ from specbench.decode.target import LocalTarget
 from specbench.models.loading import load_model
 from specbench.models.spec import ModelSpec
 from specbench.route.auto import candidates_from
-from specbench.route.router import fit_router
+from specbench.route.router import MARGIN, fit_router
 
 from common import RESULTS, write_report
 
@@ -103,6 +103,8 @@ def main() -> None:
                              "accepted tokens than this")
     parser.add_argument("--head-k", type=int, default=SuffixSettings.head_k,
                         help="suffix-eagle candidates: the head's budget on the steps it drafts")
+    parser.add_argument("--margin", type=float, default=MARGIN, help="the router leaves its default candidate "
+                        "only for one predicted better by more than this share")
     parser.add_argument("--max-new-tokens", type=int, default=40)
     parser.add_argument("--dtype", default="float32", help="the target's (bfloat16 on a CPU with AVX-512 bf16: a verify of "
                                                          "16 tokens then costs about 1.4x one token's, in float32 2x)")
@@ -138,7 +140,7 @@ def main() -> None:
         calibration_records.append(records)
         print(f"calibration {c.label}: {records['emitted'].sum() / records['step_s'].sum():.2f} tok/s (steps)")
     router = fit_router(pd.concat(calibration_records), [r["ids"] for r in calibration], candidates,
-                        [r["set"] for r in calibration])
+                        [r["set"] for r in calibration], margin=args.margin)
     if "target-only" in args.candidates:  # the calibration prompts with the target's own outputs, for replays
         produced = outputs(calibration_records[args.candidates.index("target-only")])
         Path(args.out).with_suffix(".calibration.json").write_text(json.dumps(

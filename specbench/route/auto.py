@@ -7,7 +7,7 @@ import pandas as pd
 
 from specbench.api import as_target, encode_prompts, run
 from specbench.methods import get_method
-from specbench.route.router import Candidate, Router, fit_router
+from specbench.route.router import MARGIN, Candidate, Router, fit_router
 from specbench.types import SpecbenchError
 
 
@@ -28,7 +28,8 @@ def candidates_from(specs: Sequence[str]) -> list[Candidate]:
 
 def train_router(target, prompts: Sequence, candidates: Sequence[Candidate], *, draft=None,
                  families: Optional[Sequence[str]] = None, objective: str = "speed", max_new_tokens: int = 64,
-                 ridge: float = 1.0, progress: bool = True, **run_options) -> tuple[Router, pd.DataFrame]:
+                 ridge: float = 1.0, margin: float = MARGIN, progress: bool = True,
+                 **run_options) -> tuple[Router, pd.DataFrame]:
     """Run each candidate over `prompts` (text or ids), fit a router on their per-prompt records, and return
     it with the records. Candidates are checked before anything runs; `run_options` go to every `run`."""
     candidates = list(candidates)
@@ -46,4 +47,4 @@ def train_router(target, prompts: Sequence, candidates: Sequence[Candidate], *, 
                   progress=f"router calibration: {c.label}" if progress else False, **run_options)
               for c in candidates]
     records = pd.concat(frames, ignore_index=True)
-    return fit_router(records, ids, candidates, families, objective, ridge), records
+    return fit_router(records, ids, candidates, families, objective, ridge, margin), records

@@ -13,6 +13,9 @@ def add_route(commands) -> None:
     route.add_argument("--prompt-count", type=int, default=40)
     route.add_argument("--max-new-tokens", type=int, default=64)
     route.add_argument("--objective", choices=("speed", "verify_tokens"), default="speed")
+    route.add_argument("--margin", type=float, default=0.05,
+                       help="a prompt leaves the candidate best over all calibration prompts only for one predicted "
+                            "better by more than this share (default %(default)s; 0: always the predicted best)")
     route.add_argument("--dtype", default="float32")
     route.add_argument("--out", default="router.json")
     route.set_defaults(handler=_route)
@@ -28,9 +31,11 @@ def _route(args) -> int:
     draft = ModelSpec(args.draft, dtype=args.dtype) if args.draft else None
     router, records = train_router(ModelSpec(args.target, dtype=args.dtype), [row["prompt"] for row in rows],
                                    candidates, draft=draft, families=[row["set"] for row in rows],
-                                   objective=args.objective, max_new_tokens=args.max_new_tokens, dtype=args.dtype)
+                                   objective=args.objective, max_new_tokens=args.max_new_tokens, dtype=args.dtype,
+                                   margin=args.margin)
     path = router.save(args.out)
     counts = records.groupby("method")["emitted"].sum() / records.groupby("method")["step_s"].sum()
     print("calibration tokens/s: " + ", ".join(f"{method} {speed:.2f}" for method, speed in counts.items()))
-    print(f"router: {path} ({len(candidates)} candidates, families {router.families or 'none'})")
+    print(f"router: {path} ({len(candidates)} candidates, families {router.families or 'none'}; default "
+          f"{router.default}, left for another predicted {router.margin:.0%} better)")
     return 0

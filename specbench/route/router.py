@@ -7,6 +7,11 @@ target's forward at that width, shared by all candidates, plus a model draft's o
 prompt is tokens per step over the cost of such a step, so the router optimises speed, or the cost
 objective `verify_tokens` (target tokens verified per output token: what a per-token verify service
 bills), not acceptance alone. Each choice keeps its reason: every candidate's predicted figures.
+
+A prompt leaves the default (the candidate best over all calibration prompts, measured) only for a candidate
+predicted better by more than `margin`: per-candidate fits from a few dozen prompts differ by more than
+candidates that draft alike do, and without a margin that noise chose a close second for half the prompts
+(benchmarks/results/2026-11-27-workload-hybrid.md).
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from specbench.route.features import feature_names, prompt_features
 from specbench.types import SpecbenchError
 
 OBJECTIVES = ("speed", "verify_tokens")
+MARGIN = 0.05
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,8 @@ class Router:
     mean: Optional[np.ndarray] = None
     scale: Optional[np.ndarray] = None
     fits: dict[str, _Fit] = field(default_factory=dict)
+    default: Optional[str] = None  # the label of the candidate best over all calibration prompts
+    margin: float = 0.0  # how much better (relative) another candidate must be predicted to replace it
 
     def predict(self, ids: Sequence[int], family: Optional[str] = None) -> pd.DataFrame:
         """Each candidate's predicted tokens per step, draft tokens per step, step seconds, tokens/s and
@@ -80,13 +88,19 @@ class Router:
     def choose(self, ids: Sequence[int], family: Optional[str] = None) -> tuple[Candidate, pd.DataFrame]:
         """The best candidate under the objective, and every candidate's predictions (the reason)."""
         table = self.predict(ids, family)
-        best = table["tokens_per_s"].idxmax() if self.objective == "speed" else table["verify_tokens"].idxmin()
-        return self.candidates[int(best)], table
+        score = table["tokens_per_s"] if self.objective == "speed" else 1.0 / table["verify_tokens"]
+        best = int(score.idxmax())
+        if self.default is not None and self.margin > 0:
+            default = int(table.index[table["candidate"] == self.default][0])
+            if score[best] <= score[default] * (1.0 + self.margin):
+                best = default
+        return self.candidates[best], table
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
         body = {"candidates": [[c.method, c.k] for c in self.candidates], "families": self.families,
                 "objective": self.objective, "mean": self.mean.tolist(), "scale": self.scale.tolist(),
+                "default": self.default, "margin": self.margin,
                 "features": feature_names(self.families),
                 "fits": {label: {"tokens": fit.tokens.tolist(), "drafted": fit.drafted.tolist(),
                                  "fixed_s": fit.fixed_s, "per_token_s": fit.per_token_s}
@@ -101,7 +115,7 @@ class Router:
             return cls([Candidate(m, int(k)) for m, k in body["candidates"]], list(body["families"]),
                        body["objective"], np.asarray(body["mean"]), np.asarray(body["scale"]),
                        {label: _Fit(np.asarray(f["tokens"]), np.asarray(f["drafted"]), f["fixed_s"], f["per_token_s"])
-                        for label, f in body["fits"].items()})
+                        for label, f in body["fits"].items()}, body.get("default"), float(body.get("margin", 0.0)))
         except (OSError, ValueError, KeyError, TypeError) as error:
             raise SpecbenchError(f"{path}: not a router file ({type(error).__name__}: {error}); "
                                  f"train one with train_router(...) and save it") from None
@@ -109,11 +123,13 @@ class Router:
 
 def fit_router(records: pd.DataFrame, prompts: Sequence[Sequence[int]], candidates: Sequence[Candidate],
                families: Optional[Sequence[Optional[str]]] = None, objective: str = "speed",
-               ridge: float = 1.0) -> Router:
+               ridge: float = 1.0, margin: float = MARGIN) -> Router:
     """A router from `run` records of each candidate over `prompts` (rows labelled by method and k;
     `families[i]` is prompt i's family, when known)."""
     if objective not in OBJECTIVES:
         raise SpecbenchError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    if margin < 0:
+        raise SpecbenchError(f"margin must be >= 0, got {margin}")
     if not prompts:
         raise SpecbenchError("a router needs calibration prompts: got none")
     families = list(families) if families is not None else [None] * len(prompts)
@@ -122,8 +138,9 @@ def fit_router(records: pd.DataFrame, prompts: Sequence[Sequence[int]], candidat
     mean, scale = features.mean(axis=0), features.std(axis=0)
     scale[scale == 0] = 1.0
     x = np.hstack([(features - mean) / scale, np.ones((len(prompts), 1))])
-    router = Router(list(candidates), known, objective, mean, scale)
     steps = {candidate: _rows_of(records, candidate) for candidate in candidates}
+    router = Router(list(candidates), known, objective, mean, scale, default=_best_overall(steps, objective),
+                    margin=margin)
     costs = _step_costs(steps)
     for candidate, rows in steps.items():
         per_prompt = rows.groupby("prompt_index").agg(tokens=("emitted", "mean"), drafted=("drafted", "mean"))
@@ -136,6 +153,16 @@ def fit_router(records: pd.DataFrame, prompts: Sequence[Sequence[int]], candidat
         router.fits[candidate.label] = _Fit(_ridge(x, per_prompt["tokens"].to_numpy(), ridge),
                                             _ridge(x, per_prompt["drafted"].to_numpy(), ridge), fixed, per_token)
     return router
+
+
+def _best_overall(steps: dict[Candidate, pd.DataFrame], objective: str) -> str:
+    """The candidate best over every calibration prompt together, as measured: tokens over seconds (speed),
+    or fewest verified tokens per output token."""
+    def score(rows: pd.DataFrame) -> float:
+        if objective == "speed":
+            return rows["emitted"].sum() / max(rows["step_s"].sum(), 1e-12)
+        return rows["emitted"].sum() / (len(rows) + rows["drafted"].sum())
+    return max(steps, key=lambda candidate: score(steps[candidate])).label
 
 
 def _rows_of(records: pd.DataFrame, candidate: Candidate) -> pd.DataFrame:
