@@ -1,6 +1,8 @@
 """The per-prompt router: it learns which candidate is fastest where, method "auto" stays lossless and
 says what it chose and why, and bad inputs are refused by name."""
 import json
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -236,3 +238,31 @@ def test_a_worker_refuses_a_router_whose_candidates_cannot_run_there(tmp_path):
                                                                       Candidate("prompt-lookup", 4)])
     with pytest.raises(SpecbenchError, match=r"\['prompt-lookup k=4'\] have no worker method"):
         worker_router(str(router.save(tmp_path / "router.json")))
+
+
+def test_drafting_is_priced_per_step_where_records_time_it():
+    """A hybrid drafting 12 cheap tokens a step on repetitive prompts and 3 costly ones on plain prompts: priced
+    per drafted token (the whole step's time regressed on drafted tokens) it looks dear exactly where it drafts
+    most; with `draft_s` in the records each prompt's drafting seconds are fitted from its features, and the
+    target's forward from everything else."""
+    prompts = REPETITIVE + PLAIN
+    rows = []
+    for index, ids in enumerate(prompts):
+        repetitive = index < len(REPETITIVE)
+        for step in range(6):
+            rows.append(dict(method="target-only", k=0, prompt_index=index, emitted=1, drafted=0, draft_s=0.0,
+                             step_s=0.010))
+            drafted, draft_s = (12, 0.0005) if repetitive else (3, 0.006)
+            rows.append(dict(method="suffix-eagle-tree", k=16, prompt_index=index, emitted=5 if repetitive else 2,
+                             drafted=drafted, draft_s=draft_s, step_s=0.010 + 0.0005 * (1 + drafted) + draft_s))
+    records = pd.DataFrame(rows)
+    candidates = [Candidate("target-only"), Candidate("suffix-eagle-tree", 16)]
+    router = fit_router(records, prompts, candidates, ridge=0.01)
+    for ids, (drafted, draft_s) in ((REPETITIVE[0], (12, 0.0005)), (PLAIN[0], (3, 0.006))):
+        table = router.predict(ids).set_index("candidate")
+        assert table.loc["suffix-eagle-tree k=16", "step_s"] == pytest.approx(
+            0.010 + 0.0005 * (1 + drafted) + draft_s, rel=0.05)
+    again = Router.load(router.save(Path(tempfile.mkdtemp()) / "router.json"))
+    assert again.predict(PLAIN[0])["step_s"].tolist() == pytest.approx(router.predict(PLAIN[0])["step_s"].tolist())
+    untimed = fit_router(records.drop(columns="draft_s"), prompts, candidates, ridge=0.01)
+    assert untimed.fits["suffix-eagle-tree k=16"].draft_s is None

@@ -2,9 +2,11 @@
 
 Trained on per-prompt records of every candidate run over calibration prompts: per candidate, a ridge
 regression from the prompt's features (`route/features.py`) to its tokens per step and draft tokens per
-step (acceptance), and a step cost fitted on the same records (seconds = fixed + per verified token, the
-target's forward at that width, shared by all candidates, plus a model draft's own cost per drafted token). The predicted tokens/s of a candidate on a
-prompt is tokens per step over the cost of such a step, so the router optimises speed, or the cost
+step (acceptance), and a step cost fitted on the same records: the target's forward (fixed + per verified
+token, shared by all candidates) plus the candidate's drafting seconds per step, itself a ridge regression on
+the features where records time drafting (`draft_s`), else a cost per drafted token. Per step, not per drafted
+token: a hybrid (`suffix-eagle`) drafts many cheap suffix tokens on one prompt and few head tokens on another.
+The predicted tokens/s of a candidate on a prompt is tokens per step over the cost of such a step, so the router optimises speed, or the cost
 objective `verify_tokens` (target tokens verified per output token: what a per-token verify service
 bills), not acceptance alone. Each choice keeps its reason: every candidate's predicted figures.
 
@@ -52,8 +54,9 @@ class Candidate:
 class _Fit:
     tokens: np.ndarray  # ridge weights: features (+1) -> tokens emitted per step
     drafted: np.ndarray  # -> draft tokens (nodes) verified per step
-    fixed_s: float  # a step's seconds: fixed_s + per_token_s * (1 + drafted)
+    fixed_s: float  # a step's seconds: fixed_s + per_token_s * (1 + drafted) + drafting
     per_token_s: float
+    draft_s: Optional[np.ndarray] = None  # -> drafting seconds per step, where records time drafting (draft_s)
 
 
 @dataclass
@@ -79,7 +82,8 @@ class Router:
             tokens = max(1.0, float(x @ fit.tokens))
             drafted = 0.0 if not candidate.drafts else min(float(candidate.k), max(0.0, x @ fit.drafted))
             tokens = min(tokens, 1.0 + drafted)  # a step emits at most what it verified
-            step_s = fit.fixed_s + fit.per_token_s * (1.0 + drafted)
+            drafting = 0.0 if fit.draft_s is None else max(0.0, float(x @ fit.draft_s))
+            step_s = fit.fixed_s + fit.per_token_s * (1.0 + drafted) + drafting
             rows.append({"candidate": candidate.label, "method": candidate.method, "k": candidate.k,
                          "tokens_per_step": tokens, "drafted_per_step": drafted, "step_s": step_s,
                          "tokens_per_s": tokens / step_s, "verify_tokens": (1.0 + drafted) / tokens})
@@ -103,7 +107,8 @@ class Router:
                 "default": self.default, "margin": self.margin,
                 "features": feature_names(self.families),
                 "fits": {label: {"tokens": fit.tokens.tolist(), "drafted": fit.drafted.tolist(),
-                                 "fixed_s": fit.fixed_s, "per_token_s": fit.per_token_s}
+                                 "fixed_s": fit.fixed_s, "per_token_s": fit.per_token_s,
+                                 "draft_s": None if fit.draft_s is None else fit.draft_s.tolist()}
                          for label, fit in self.fits.items()}}
         path.write_text(json.dumps(body, indent=1))
         return path
@@ -114,7 +119,8 @@ class Router:
             body = json.loads(Path(path).read_text())
             return cls([Candidate(m, int(k)) for m, k in body["candidates"]], list(body["families"]),
                        body["objective"], np.asarray(body["mean"]), np.asarray(body["scale"]),
-                       {label: _Fit(np.asarray(f["tokens"]), np.asarray(f["drafted"]), f["fixed_s"], f["per_token_s"])
+                       {label: _Fit(np.asarray(f["tokens"]), np.asarray(f["drafted"]), f["fixed_s"], f["per_token_s"],
+                                    None if f.get("draft_s") is None else np.asarray(f["draft_s"]))
                         for label, f in body["fits"].items()}, body.get("default"), float(body.get("margin", 0.0)))
         except (OSError, ValueError, KeyError, TypeError) as error:
             raise SpecbenchError(f"{path}: not a router file ({type(error).__name__}: {error}); "
@@ -141,9 +147,12 @@ def fit_router(records: pd.DataFrame, prompts: Sequence[Sequence[int]], candidat
     steps = {candidate: _rows_of(records, candidate) for candidate in candidates}
     router = Router(list(candidates), known, objective, mean, scale, default=_best_overall(steps, objective),
                     margin=margin)
-    costs = _step_costs(steps)
+    timed = all("draft_s" in rows and rows["draft_s"].notna().all() for rows in steps.values())
+    costs = _step_costs({c: rows.assign(step_s=rows["step_s"] - rows["draft_s"]) for c, rows in steps.items()},
+                        own_draft_cost=False) if timed else _step_costs(steps)
     for candidate, rows in steps.items():
-        per_prompt = rows.groupby("prompt_index").agg(tokens=("emitted", "mean"), drafted=("drafted", "mean"))
+        per_prompt = rows.assign(draft_s=rows["draft_s"] if timed else 0.0).groupby("prompt_index").agg(
+            tokens=("emitted", "mean"), drafted=("drafted", "mean"), draft_s=("draft_s", "mean"))
         missing = sorted(set(range(len(prompts))) - set(per_prompt.index))
         if missing:
             raise SpecbenchError(f"records of {candidate.label} lack prompts {missing[:5]}: run every candidate "
@@ -151,7 +160,8 @@ def fit_router(records: pd.DataFrame, prompts: Sequence[Sequence[int]], candidat
         per_prompt = per_prompt.sort_index()
         fixed, per_token = costs[candidate.label]
         router.fits[candidate.label] = _Fit(_ridge(x, per_prompt["tokens"].to_numpy(), ridge),
-                                            _ridge(x, per_prompt["drafted"].to_numpy(), ridge), fixed, per_token)
+                                            _ridge(x, per_prompt["drafted"].to_numpy(), ridge), fixed, per_token,
+                                            _ridge(x, per_prompt["draft_s"].to_numpy(), ridge) if timed else None)
     return router
 
 
@@ -175,14 +185,15 @@ def _rows_of(records: pd.DataFrame, candidate: Candidate) -> pd.DataFrame:
     return rows
 
 
-def _step_costs(steps: dict[Candidate, pd.DataFrame]) -> dict[str, tuple[float, float]]:
+def _step_costs(steps: dict[Candidate, pd.DataFrame], own_draft_cost: bool = True) -> dict[str, tuple[float, float]]:
     """(fixed, per verified token) seconds per candidate, fitted jointly: one target's step is the same forward
-    whoever drafted, so every candidate's steps share a fixed cost and a cost per verified token, and a model
-    draft adds its own cost per drafted token. One fit over all steps is far better determined than one per
-    candidate (a lookup's widths vary little). Where the joint fit comes out negative, each its own."""
+    whoever drafted, so every candidate's steps share a fixed cost and a cost per verified token, and (with
+    `own_draft_cost`, for records whose drafting is not timed apart) a model draft adds its own cost per drafted
+    token. One fit over all steps is far better determined than one per candidate (a lookup's widths vary
+    little). Where the joint fit comes out negative, each its own."""
     from specbench.methods import get_method
 
-    drafting = [c for c in steps if c.drafts and not get_method(c.method).lookup]
+    drafting = [c for c in steps if c.drafts and not get_method(c.method).lookup] if own_draft_cost else []
     columns, seconds = [], []
     for candidate, rows in steps.items():
         drafted = rows["drafted"].to_numpy(dtype=float)
