@@ -12,8 +12,7 @@ bills), not acceptance alone. Each choice keeps its reason: every candidate's pr
 
 A prompt leaves the default (the candidate best over all calibration prompts, measured) only for a candidate
 predicted better by more than `margin`: per-candidate fits from a few dozen prompts differ by more than
-candidates that draft alike do, and without a margin that noise chose a close second for half the prompts
-(benchmarks/results/2026-11-27-workload-hybrid.md).
+candidates that draft alike do (benchmarks/results/2026-11-27-workload-hybrid.md).
 """
 from __future__ import annotations
 
