@@ -47,7 +47,8 @@ def _train_draft(args) -> int:
     spec = TrainSpec(target=args.target, prompts=args.prompts, prompt_count=args.prompt_count, held_out=args.held_out,
                      max_new_tokens=args.max_new_tokens, max_length=args.max_length, teacher_forced=args.teacher_forced,
                      labels=args.labels, own_embeddings=args.own_embeddings,
-                     draft_vocab=args.draft_vocab, layers=tuple(args.layers) if args.layers else None, ttt_steps=args.ttt_steps, epochs=args.epochs,
+                     draft_vocab=args.draft_vocab, layers=tuple(args.layers) if args.layers else None,
+                     ttt_steps=args.ttt_steps, epochs=args.epochs,
                      learning_rate=args.learning_rate, batch=args.batch, minutes=args.minutes, layout=args.layout,
                      dtype=args.dtype)
     if args.distil:

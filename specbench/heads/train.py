@@ -47,7 +47,7 @@ class TrainSpec:
     soft_top: int = 16
     own_embeddings: bool = False  # write a copy of the target's embeddings with the head (to draft on a worker's client)
     draft_vocab: int = 8192
-    layers: Optional[tuple] = None  # the target layers whose inputs the head fuses (default: EAGLE-3's low, middle, high)
+    layers: Optional[tuple] = None  # the target layers whose inputs the head fuses (default: EAGLE-3's 2, L/2, L-3)
     ttt_steps: int = 3
     epochs: float = 2.0
     learning_rate: float = 1e-3
@@ -205,7 +205,8 @@ def train_head(spec: TrainSpec, folder: str | Path, progress: bool = True) -> Tr
         head = load_head(head_folder, target)
         state = torch.load(checkpoint, weights_only=False)
     else:
-        head, state = _initial_head(target, vocabulary, spec.seed, layer_ids_of(target.model.config.num_hidden_layers)), None
+        layer_ids = layer_ids_of(target.model.config.num_hidden_layers)
+        head, state = _initial_head(target, vocabulary, spec.seed, layer_ids), None
     head.train()
     trainable = [p for name, p in head.named_parameters() if not name.startswith("embed_tokens")]
     for parameter in trainable:  # fp32 master weights: a bf16 weight drops any update under 1/256 of itself

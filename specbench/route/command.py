@@ -1,6 +1,8 @@
 """`specbench route`: train a per-prompt router on a dataset and write it where `run --router` reads it."""
 from __future__ import annotations
 
+from specbench.route.router import MARGIN
+
 
 def add_route(commands) -> None:
     route = commands.add_parser("route", help="train a per-prompt router (method and K per prompt) on calibration "
@@ -13,7 +15,7 @@ def add_route(commands) -> None:
     route.add_argument("--prompt-count", type=int, default=40)
     route.add_argument("--max-new-tokens", type=int, default=64)
     route.add_argument("--objective", choices=("speed", "verify_tokens"), default="speed")
-    route.add_argument("--margin", type=float, default=0.05,
+    route.add_argument("--margin", type=float, default=MARGIN,
                        help="a prompt leaves the candidate best over all calibration prompts only for one predicted "
                             "better by more than this share (default %(default)s; 0: always the predicted best)")
     route.add_argument("--dtype", default="float32")

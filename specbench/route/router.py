@@ -6,9 +6,10 @@ step (acceptance), and a step cost fitted on the same records: the target's forw
 token, shared by all candidates) plus the candidate's drafting seconds per step, itself a ridge regression on
 the features where records time drafting (`draft_s`), else a cost per drafted token. Per step, not per drafted
 token: a hybrid (`suffix-eagle`) drafts many cheap suffix tokens on one prompt and few head tokens on another.
-The predicted tokens/s of a candidate on a prompt is tokens per step over the cost of such a step, so the router optimises speed, or the cost
-objective `verify_tokens` (target tokens verified per output token: what a per-token verify service
-bills), not acceptance alone. Each choice keeps its reason: every candidate's predicted figures.
+The predicted tokens/s of a candidate on a prompt is tokens per step over the cost of such a step, so the
+router optimises speed, or the cost objective `verify_tokens` (target tokens verified per output token:
+what a per-token verify service bills), not acceptance alone. Each choice keeps its reason: every candidate's
+predicted figures.
 
 A prompt leaves the default (the candidate best over all calibration prompts, measured) only for a candidate
 predicted better by more than `margin`: per-candidate fits from a few dozen prompts differ by more than

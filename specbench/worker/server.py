@@ -351,8 +351,8 @@ class Worker:
         self._batches += 1
         for (message, request), result in zip(batch, results):
             if not isinstance(result, Exception):
-                result = (dict(result[0], batch_size=len(batch), round=self._batches, queue_s=started - message.received),
-                          result[1])
+                result = (dict(result[0], batch_size=len(batch), round=self._batches,
+                               queue_s=started - message.received), result[1])
                 request.session.replied_at = replied
             out.append((message, self._reply(message, result)))
         if succeeded and not riding:
