@@ -16,5 +16,8 @@ if ls .whl/*.whl >/dev/null 2>&1 && "$python" -c 'import sys; sys.exit(sys.versi
   export PYTHONPATH="/tmp/site"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# fail at once, not part by part, when a carried wheel's own needs are missing there
+"$python" -c "import specbench.api, specbench.worker.server, transformers.models.qwen2, huggingface_hub.hf_api" \
+  || { echo "the packages do not import: carry the missing wheels in .whl/ (docs/gpu.md)"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
 exec "$python" benchmarks/gpu_check.py --out "$out" "$@"

@@ -1,8 +1,9 @@
 """Draft heads and suffix decoding on a device, against the same runs on the CPU: one smoke run, fp32 greedy.
 
 A head is trained here for a few seconds on a tiny random target (`specbench.heads.train`, on the CPU:
-nothing is downloaded), then the target decodes the same prompts with target-only, eagle, eagle-tree and
-suffix on each device, with `run`'s defaults (on CUDA the fast path, which yields to the head methods).
+nothing is downloaded), then the target decodes the same prompts with target-only, eagle, eagle-tree,
+suffix and the two hybrids (suffix-eagle, suffix-eagle-tree) on each device, with `run`'s defaults (on CUDA
+the fast path, which yields to the head methods).
 Every method's tokens must equal target-only's on that device, and each device's must equal the CPU's.
 Prints a table and writes JSON.
 
@@ -22,7 +23,7 @@ from specbench.hardware import device_name
 
 from common import RESULTS, device_agreement, write_report
 
-METHODS = ("target-only", "eagle", "eagle-tree", "suffix")
+METHODS = ("target-only", "eagle", "eagle-tree", "suffix", "suffix-eagle", "suffix-eagle-tree")
 TARGET = "tiny-random:seed=0,layers=4"
 
 

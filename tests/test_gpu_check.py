@@ -36,5 +36,5 @@ def test_the_gpu_check_rehearses_every_part_on_a_cpu(tmp_path):
     assert alone["accepted_per_step"] == 0
     assert report["parts"][5]["report"]["identical"] == {"cpu": 9}
     heads = report["parts"][6]["report"]
-    assert heads["identical"] == heads["agree_with_target_only"] == {"cpu": 24}
+    assert heads["identical"] == heads["agree_with_target_only"] == {"cpu": 36}
     assert heads["accepted_per_step"]["cpu"]["eagle"] > 0.5  # the trained head is accepted: a real smoke
