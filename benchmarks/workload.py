@@ -32,7 +32,7 @@ from specbench.decode.target import LocalTarget
 from specbench.models.loading import load_model
 from specbench.models.spec import ModelSpec
 from specbench.route.auto import candidates_from
-from specbench.route.router import MARGIN, fit_router
+from specbench.route.router import LEARN, MARGIN, fit_router, parse_margin
 
 from common import RESULTS, write_report
 
@@ -96,18 +96,19 @@ def main() -> None:
     parser.add_argument("--head", help="a trained draft head's folder: the draft of `eagle`, `eagle-tree` and "
                                        "`suffix-eagle` candidates (then no chain or tree candidate: one draft per run)")
     parser.add_argument("--suffix-factor", type=float, default=SuffixSettings.factor,
-                        help="suffix methods draft up to factor x matched tokens + offset (a cheap wide verify pays more)")
+                        help="suffix methods draft up to factor x matched tokens + offset "
+                             "(a cheap wide verify pays more)")
     parser.add_argument("--suffix-offset", type=float, default=SuffixSettings.offset)
     parser.add_argument("--hand-over", type=float, default=SuffixSettings.hand_over,
                         help="suffix-eagle candidates: the head drafts a step whose suffix proposal expects fewer "
                              "accepted tokens than this")
     parser.add_argument("--head-k", type=int, default=SuffixSettings.head_k,
                         help="suffix-eagle candidates: the head's budget on the steps it drafts")
-    parser.add_argument("--margin", type=float, default=MARGIN, help="the router leaves its default candidate "
-                        "only for one predicted better by more than this share")
+    parser.add_argument("--margin", type=parse_margin, default=MARGIN, help="the router leaves its default candidate "
+                        f"only for one predicted better by more than this share ({LEARN}: cross-validated)")
     parser.add_argument("--max-new-tokens", type=int, default=40)
-    parser.add_argument("--dtype", default="float32", help="the target's (bfloat16 on a CPU with AVX-512 bf16: a verify of "
-                                                         "16 tokens then costs about 1.4x one token's, in float32 2x)")
+    parser.add_argument("--dtype", default="float32", help="the target's (bfloat16 on a CPU with AVX-512 bf16: a "
+                        "verify of 16 tokens then costs about 1.4x one token's, in float32 2x)")
     parser.add_argument("--out", default=str(RESULTS / "workload.json"))
     args = parser.parse_args()
 
@@ -139,6 +140,7 @@ def main() -> None:
         records = one(c.method, c.k, calibration, None, f"calibration {c.label}")
         calibration_records.append(records)
         print(f"calibration {c.label}: {records['emitted'].sum() / records['step_s'].sum():.2f} tok/s (steps)")
+    pd.concat(calibration_records).to_pickle(Path(args.out).with_suffix(".calibration-records.pkl"))  # re-fits
     router = fit_router(pd.concat(calibration_records), [r["ids"] for r in calibration], candidates,
                         [r["set"] for r in calibration], margin=args.margin)
     if "target-only" in args.candidates:  # the calibration prompts with the target's own outputs, for replays
@@ -146,6 +148,8 @@ def main() -> None:
         Path(args.out).with_suffix(".calibration.json").write_text(json.dumps(
             [dict(r, output=produced[("target-only", i)]) for i, r in enumerate(calibration)]))
     router.save(Path(args.out).with_suffix(".router.json"))
+    print(f"router: default {router.default}, margin {router.margin}"
+          + (f" (cross-validated tok/s by margin: {router.margins})" if router.margins else ""))
 
     rows = []
     families = sorted(set(r["set"] for r in held), key=lambda f: (f not in MULTI_TURN, f))
@@ -165,7 +169,9 @@ def main() -> None:
         print(f"held out {family}: done ({len(prompts)} prompts)")
     report = summarise(pd.DataFrame(rows), [c.label for c in candidates])
     report.update({"args": vars(args), "requests": len(found), "calibration": len(calibration), "held_out": len(held),
-                   "seconds": round(time.perf_counter() - started, 1),
+                   "seconds": round(time.perf_counter() - started, 1), "router_default": router.default,
+                   "router_margin": str(router.margin),
+                   "router_margins": {str(m): v for m, v in router.margins.items()},
                    "router_features": json.loads(Path(args.out).with_suffix(".router.json").read_text())["features"]})
     write_report(args.out, report)
 

@@ -67,6 +67,44 @@ def test_a_prompt_leaves_the_default_only_for_a_candidate_predicted_better_by_th
         fit_router(records, prompts, candidates, margin=-0.1)
 
 
+def _mixed_prompts(count: int, seed: int) -> list[list[int]]:
+    """Half repetitive (a short phrase repeated), half plain (distinct ids), of varied lengths, interleaved."""
+    rng = np.random.default_rng(seed)
+    prompts = []
+    for index in range(count):
+        if index % 2 == 0:
+            phrase = rng.integers(3, 90, size=int(rng.integers(2, 5))).tolist()
+            prompts.append((phrase * 12)[:int(rng.integers(12, 30))])
+        else:
+            prompts.append(rng.permutation(np.arange(3, 90))[:int(rng.integers(6, 30))].tolist())
+    return prompts
+
+
+def test_a_learned_margin_routes_where_features_tell_and_keeps_the_default_where_they_do_not(tmp_path):
+    """Cross-validation picks the margin: where repetition decides whether lookup pays (4 tokens a step against
+    1), routing beats the default (lookup) on prompts the folds never saw, so a narrow margin wins; where
+    lookup's gain is decided by something the features cannot see, every routed prompt is a guess, and the
+    widest margin (always the default) wins."""
+    prompts = _mixed_prompts(30, seed=0)
+    candidates = [Candidate("target-only"), Candidate("prompt-lookup", 4)]
+    told = _records(prompts, lambda ids: 4 if repeat_share(ids, 2) > 0.3 else 1)
+    router = fit_router(told, prompts, candidates, ridge=0.1, margin="learn")
+    assert router.default == "prompt-lookup k=4" and router.margin <= 0.3  # the widest that still routes
+    assert router.margins[router.margin] > 1.1 * router.margins[np.inf]  # routing measured faster, held out
+    assert router.choose([50, 81, 3, 66, 12, 97, 25, 44])[0].method == "target-only"
+    hidden = np.random.default_rng(1).permutation([4] * 20 + [1] * 10)  # lookup's gain, unrelated to features
+    blind = _records(prompts, lambda ids: int(hidden[prompts.index(ids)]))
+    kept = fit_router(blind, prompts, candidates, ridge=0.01, margin="learn")
+    assert kept.margin == np.inf and kept.margins[0.0] < kept.margins[np.inf]  # routing was tried, and lost
+    assert all(kept.choose(ids)[0].method == "prompt-lookup" for ids in prompts)
+    again = Router.load(kept.save(tmp_path / "router.json"))
+    assert again.margin == np.inf and again.margins == pytest.approx(kept.margins)
+    with pytest.raises(SpecbenchError, match="at least 10 calibration prompts"):
+        fit_router(told[told.prompt_index < 8], prompts[:8], candidates, margin="learn")
+    with pytest.raises(SpecbenchError, match="margin must be"):
+        fit_router(told, prompts, candidates, margin="wide")
+
+
 def test_router_uses_a_family_when_features_do_not_tell():
     prompts = PLAIN + [list(reversed(p)) for p in PLAIN]
     families = ["code"] * 3 + ["chat"] * 3

@@ -28,7 +28,7 @@ def candidates_from(specs: Sequence[str]) -> list[Candidate]:
 
 def train_router(target, prompts: Sequence, candidates: Sequence[Candidate], *, draft=None,
                  families: Optional[Sequence[str]] = None, objective: str = "speed", max_new_tokens: int = 64,
-                 ridge: float = 1.0, margin: float = MARGIN, progress: bool = True,
+                 ridge: float = 1.0, margin: float | str = MARGIN, progress: bool = True,
                  **run_options) -> tuple[Router, pd.DataFrame]:
     """Run each candidate over `prompts` (text or ids), fit a router on their per-prompt records, and return
     it with the records. Candidates are checked before anything runs; `run_options` go to every `run`."""

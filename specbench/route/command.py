@@ -1,7 +1,7 @@
 """`specbench route`: train a per-prompt router on a dataset and write it where `run --router` reads it."""
 from __future__ import annotations
 
-from specbench.route.router import MARGIN
+from specbench.route.router import LEARN, MARGIN, parse_margin
 
 
 def add_route(commands) -> None:
@@ -15,9 +15,10 @@ def add_route(commands) -> None:
     route.add_argument("--prompt-count", type=int, default=40)
     route.add_argument("--max-new-tokens", type=int, default=64)
     route.add_argument("--objective", choices=("speed", "verify_tokens"), default="speed")
-    route.add_argument("--margin", type=float, default=MARGIN,
+    route.add_argument("--margin", type=parse_margin, default=MARGIN,
                        help="a prompt leaves the candidate best over all calibration prompts only for one predicted "
-                            "better by more than this share (default %(default)s; 0: always the predicted best)")
+                            f"better by more than this share (default %(default)s; 0: always the predicted best; inf: "
+                            f"never; {LEARN}: chosen by cross-validation on the calibration prompts)")
     route.add_argument("--dtype", default="float32")
     route.add_argument("--out", default="router.json")
     route.set_defaults(handler=_route)
@@ -40,4 +41,7 @@ def _route(args) -> int:
     print("calibration tokens/s: " + ", ".join(f"{method} {speed:.2f}" for method, speed in counts.items()))
     print(f"router: {path} ({len(candidates)} candidates, families {router.families or 'none'}; default "
           f"{router.default}, left for another predicted {router.margin:.0%} better)")
+    if router.margins:
+        print("margin cross-validated, tokens/s by margin: "
+              + ", ".join(f"{m:.0%} {score:.2f}" for m, score in router.margins.items()))
     return 0

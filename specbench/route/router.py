@@ -13,11 +13,15 @@ predicted figures.
 
 A prompt leaves the default (the candidate best over all calibration prompts, measured) only for a candidate
 predicted better by more than `margin`: per-candidate fits from a few dozen prompts differ by more than
-candidates that draft alike do (benchmarks/results/2026-11-27-workload-hybrid.md).
+candidates that draft alike do (benchmarks/results/2026-11-27-workload-hybrid.md). `margin="learn"` picks it
+by cross-validation on the calibration prompts: each fold's router routes prompts it never saw, and the margin
+whose choices were fastest as measured wins (the widest of equals; `inf`: always the default), since how far
+per-prompt predictions can be trusted depends on the candidates and on how many prompts calibrate them.
 """
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
@@ -30,6 +34,9 @@ from specbench.types import SpecbenchError
 
 OBJECTIVES = ("speed", "verify_tokens")
 MARGIN = 0.05
+LEARN = "learn"  # margin: chosen by cross-validation on the calibration prompts
+MARGINS = (0.0, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, math.inf)  # what cross-validation chooses among
+FOLDS = 5
 
 
 @dataclass(frozen=True)
@@ -69,6 +76,7 @@ class Router:
     fits: dict[str, _Fit] = field(default_factory=dict)
     default: Optional[str] = None  # the label of the candidate best over all calibration prompts
     margin: float = 0.0  # how much better (relative) another candidate must be predicted to replace it
+    margins: dict = field(default_factory=dict)  # a learned margin's reason: {margin: cross-validated score}
 
     def predict(self, ids: Sequence[int], family: Optional[str] = None) -> pd.DataFrame:
         """Each candidate's predicted tokens per step, draft tokens per step, step seconds, tokens/s and
@@ -104,7 +112,8 @@ class Router:
         path = Path(path)
         body = {"candidates": [[c.method, c.k] for c in self.candidates], "families": self.families,
                 "objective": self.objective, "mean": self.mean.tolist(), "scale": self.scale.tolist(),
-                "default": self.default, "margin": self.margin,
+                "default": self.default, "margin": _finite(self.margin),
+                "margins": {str(_finite(m)): score for m, score in self.margins.items()},
                 "features": feature_names(self.families),
                 "fits": {label: {"tokens": fit.tokens.tolist(), "drafted": fit.drafted.tolist(),
                                  "fixed_s": fit.fixed_s, "per_token_s": fit.per_token_s,
@@ -121,7 +130,8 @@ class Router:
                        body["objective"], np.asarray(body["mean"]), np.asarray(body["scale"]),
                        {label: _Fit(np.asarray(f["tokens"]), np.asarray(f["drafted"]), f["fixed_s"], f["per_token_s"],
                                     None if f.get("draft_s") is None else np.asarray(f["draft_s"]))
-                        for label, f in body["fits"].items()}, body.get("default"), float(body.get("margin", 0.0)))
+                        for label, f in body["fits"].items()}, body.get("default"), float(body.get("margin", 0.0)),
+                       {float(m): float(score) for m, score in body.get("margins", {}).items()})
         except (OSError, ValueError, KeyError, TypeError) as error:
             raise SpecbenchError(f"{path}: not a router file ({type(error).__name__}: {error}); "
                                  f"train one with train_router(...) and save it") from None
@@ -129,16 +139,21 @@ class Router:
 
 def fit_router(records: pd.DataFrame, prompts: Sequence[Sequence[int]], candidates: Sequence[Candidate],
                families: Optional[Sequence[Optional[str]]] = None, objective: str = "speed",
-               ridge: float = 1.0, margin: float = MARGIN) -> Router:
+               ridge: float = 1.0, margin: float | str = MARGIN) -> Router:
     """A router from `run` records of each candidate over `prompts` (rows labelled by method and k;
-    `families[i]` is prompt i's family, when known)."""
+    `families[i]` is prompt i's family, when known). `margin`: a share, or "learn" (cross-validated)."""
     if objective not in OBJECTIVES:
         raise SpecbenchError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
-    if margin < 0:
-        raise SpecbenchError(f"margin must be >= 0, got {margin}")
+    margin = parse_margin(margin)
     if not prompts:
         raise SpecbenchError("a router needs calibration prompts: got none")
     families = list(families) if families is not None else [None] * len(prompts)
+    if margin == LEARN:
+        router = fit_router(records, prompts, candidates, families, objective, ridge, margin=0.0)
+        router.margins = learn_margin(records, prompts, candidates, families, objective, ridge)
+        best = max(router.margins.values())
+        router.margin = max(m for m, score in router.margins.items() if score >= best)
+        return router
     known = sorted({f for f in families if f})
     features = np.stack([prompt_features(ids, family, known) for ids, family in zip(prompts, families)])
     mean, scale = features.mean(axis=0), features.std(axis=0)
@@ -163,6 +178,57 @@ def fit_router(records: pd.DataFrame, prompts: Sequence[Sequence[int]], candidat
                                             _ridge(x, per_prompt["drafted"].to_numpy(), ridge), fixed, per_token,
                                             _ridge(x, per_prompt["draft_s"].to_numpy(), ridge) if timed else None)
     return router
+
+
+def parse_margin(value) -> float | str:
+    """A margin as given on a command line or in code: a share >= 0, "inf", or "learn"."""
+    if value == LEARN:
+        return LEARN
+    try:
+        margin = float(value)
+    except (TypeError, ValueError):
+        raise SpecbenchError(f"margin must be a share >= 0, 'inf' or {LEARN!r}, got {value!r}") from None
+    if not margin >= 0:
+        raise SpecbenchError(f"margin must be >= 0, got {value}")
+    return margin
+
+
+def learn_margin(records: pd.DataFrame, prompts: Sequence[Sequence[int]], candidates: Sequence[Candidate],
+                 families: Sequence[Optional[str]], objective: str = "speed", ridge: float = 1.0,
+                 folds: int = FOLDS) -> dict[float, float]:
+    """{margin: score} over `MARGINS`: `folds` routers, each fitted without every folds-th prompt, route those
+    prompts; each prompt's chosen candidate is scored as its records measured it (tokens over step seconds
+    for speed, tokens over verified tokens for the cost objective), summed over all prompts."""
+    count = len(prompts)
+    if count < 2 * folds:
+        raise SpecbenchError(f"a learned margin needs at least {2 * folds} calibration prompts, got {count}")
+    steps = {c: _rows_of(records, c) for c in candidates}
+    measured = {c.label: rows.assign(verified=1 + rows["drafted"]).groupby("prompt_index")[
+        ["emitted", "step_s", "verified"]].sum() for c, rows in steps.items()}
+    cost = "step_s" if objective == "speed" else "verified"
+    totals = {m: [0.0, 0.0] for m in MARGINS}
+    for fold in range(folds):
+        held = [i for i in range(count) if i % folds == fold]
+        kept = [i for i in range(count) if i % folds != fold]
+        renumber = {old: new for new, old in enumerate(kept)}
+        subset = records[records["prompt_index"].isin(kept)].assign(
+            prompt_index=lambda d: d["prompt_index"].map(renumber))
+        router = fit_router(subset, [prompts[i] for i in kept], candidates, [families[i] for i in kept],
+                            objective, ridge, margin=0.0)
+        for i in held:
+            table = router.predict(prompts[i], families[i])
+            score = table["tokens_per_s"] if objective == "speed" else 1.0 / table["verify_tokens"]
+            best, default = table.loc[int(score.idxmax()), "candidate"], router.default
+            gain = score.max() / float(score[table["candidate"] == default].iloc[0])
+            for m in MARGINS:
+                chosen = measured[best if gain > 1.0 + m else default].loc[i]
+                totals[m][0] += chosen["emitted"]
+                totals[m][1] += chosen[cost]
+    return {m: tokens / max(seconds, 1e-12) for m, (tokens, seconds) in totals.items()}
+
+
+def _finite(margin: float):
+    return margin if math.isfinite(margin) else "inf"
 
 
 def _best_overall(steps: dict[Candidate, pd.DataFrame], objective: str) -> str:
