@@ -3,7 +3,7 @@
 One run. Requests: Spec-Bench's 13 families (its question file, by path), and multi-turn sessions whose
 later requests repeat earlier outputs (the project's `agentic` set: self-refinement, code edits, tool
 calls; and ShareGPT conversations), scripted with the target's own greedy answers. Each family's
-prompts are split: the router trains on the calibration half (every candidate run over it) and is judged
+prompts are split: the router trains on the calibration half (every candidate run over it, interleaved) and is judged
 on the held-out half, where every candidate, `auto`, and the per-prompt oracle (the best candidate for
 each prompt, from those same runs) are compared. Held-out runs go family by family, the methods of a
 family back to back (their order reversed every other family, so a drifting machine favours none), each
@@ -31,7 +31,7 @@ from specbench.decode.suffix_drafter import SuffixSettings
 from specbench.decode.target import LocalTarget
 from specbench.models.loading import load_model
 from specbench.models.spec import ModelSpec
-from specbench.route.auto import candidates_from
+from specbench.route.auto import calibrate, candidates_from
 from specbench.route.router import LEARN, MARGIN, fit_router, parse_margin
 
 from common import RESULTS, write_report
@@ -126,25 +126,30 @@ def main() -> None:
     print(f"{len(found)} requests ({len(calibration)} calibration, {len(held)} held out) in "
           f"{len(set(r['set'] for r in found))} families; scripted in {scripted_s:.0f} s")
 
+    def settings(cache):
+        return SuffixSettings(name=cache, factor=args.suffix_factor, offset=args.suffix_offset,
+                              hand_over=args.hand_over, head_k=args.head_k)
+
     def one(method, k, prompts, families, cache, **extra):
         return run(target, [r["ids"] for r in prompts], method=method, k=k, draft=draft,
                    max_new_tokens=args.max_new_tokens, warmup=False, progress=False, families=families,
-                   suffix=SuffixSettings(name=cache, factor=args.suffix_factor, offset=args.suffix_offset,
-                                         hand_over=args.hand_over, head_k=args.head_k), **extra)
+                   suffix=settings(cache), **extra)
 
     # warm every candidate once (its cache a throwaway one), then calibrate the router
     for c in candidates:
         one(c.method, c.k, calibration[:1], None, "warm")
-    calibration_records = []
+    calibration_records = calibrate(target, [r["ids"] for r in calibration], candidates, draft=draft,
+                                    max_new_tokens=args.max_new_tokens, warmup=False, progress=False,
+                                    suffix=settings("calibration "))  # interleaved: drift weighs on all alike
     for c in candidates:
-        records = one(c.method, c.k, calibration, None, f"calibration {c.label}")
-        calibration_records.append(records)
+        records = calibration_records[(calibration_records["method"] == c.method)
+                                      & ((calibration_records["k"] == c.k) | (not c.drafts))]
         print(f"calibration {c.label}: {records['emitted'].sum() / records['step_s'].sum():.2f} tok/s (steps)")
-    pd.concat(calibration_records).to_pickle(Path(args.out).with_suffix(".calibration-records.pkl"))  # re-fits
-    router = fit_router(pd.concat(calibration_records), [r["ids"] for r in calibration], candidates,
+    calibration_records.to_pickle(Path(args.out).with_suffix(".calibration-records.pkl"))  # for re-fits
+    router = fit_router(calibration_records, [r["ids"] for r in calibration], candidates,
                         [r["set"] for r in calibration], margin=args.margin)
     if "target-only" in args.candidates:  # the calibration prompts with the target's own outputs, for replays
-        produced = outputs(calibration_records[args.candidates.index("target-only")])
+        produced = outputs(calibration_records[calibration_records["method"] == "target-only"])
         Path(args.out).with_suffix(".calibration.json").write_text(json.dumps(
             [dict(r, output=produced[("target-only", i)]) for i, r in enumerate(calibration)]))
     router.save(Path(args.out).with_suffix(".router.json"))

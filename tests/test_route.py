@@ -159,6 +159,30 @@ def test_auto_is_lossless_and_says_what_it_chose(tiny_target, tiny_draft):
     assert (auto["route_s"] < 0.05).all()
 
 
+def test_calibration_interleaves_candidates_and_keeps_their_suffix_caches_apart(tiny_target):
+    """Candidates take turns chunk by chunk (order reversed every other chunk), so drift weighs on all alike;
+    each suffix candidate drafts exactly as it would alone with its own cache, never from another candidate's
+    answers to the same prompts (which would inflate its acceptance)."""
+    from specbench.decode.suffix_drafter import SuffixSettings
+    from specbench.route.auto import calibrate
+
+    prompts = PROMPTS * 2  # repeats: a cache shared across candidates would recall the first one's answers
+    candidates = candidates_from(["target-only", "suffix:8", "suffix-tree:8"])
+    records = calibrate(tiny_target, prompts, candidates, max_new_tokens=16, chunk=3, progress=False)
+    blocks = records.groupby(["method", "prompt_index"], sort=False).size().index.tolist()
+    firsts = [method for method, index in blocks if index in (0, 3, 6)]  # each chunk's first prompt, in run order
+    assert firsts == ["target-only", "suffix", "suffix-tree", "suffix-tree", "suffix", "target-only",
+                      "target-only", "suffix", "suffix-tree"]
+    assert sorted(set(records["prompt_index"])) == list(range(len(prompts)))
+    for method in ("suffix", "suffix-tree"):
+        alone = run(tiny_target, prompts, method=method, k=8, max_new_tokens=16, progress=False,
+                    suffix=SuffixSettings(cache="drafter"))
+        mine = records[records["method"] == method]
+        assert mine.groupby("prompt_index")["drafted"].apply(list).tolist() == \
+            alone.groupby("prompt_index")["drafted"].apply(list).tolist()
+        assert outputs(mine) == outputs(alone)
+
+
 def test_auto_routes_to_worker_methods(tiny_target):
     """Candidates that run wholly on a worker (the worker's own suffix cache, its draft model) are routed to
     from the client: only the choice is made here."""
