@@ -39,8 +39,9 @@ def _route(args) -> int:
     path = router.save(args.out)
     counts = records.groupby("method")["emitted"].sum() / records.groupby("method")["step_s"].sum()
     print("calibration tokens/s: " + ", ".join(f"{method} {speed:.2f}" for method, speed in counts.items()))
+    leave = "never left" if router.margin == float("inf") else f"left for another predicted {router.margin:.0%} better"
     print(f"router: {path} ({len(candidates)} candidates, families {router.families or 'none'}; default "
-          f"{router.default}, left for another predicted {router.margin:.0%} better)")
+          f"{router.default}, {leave})")
     if router.margins:
         print("margin cross-validated, tokens/s by margin: "
               + ", ".join(f"{m:.0%} {score:.2f}" for m, score in router.margins.items()))
