@@ -104,8 +104,9 @@ def main() -> None:
                              "accepted tokens than this")
     parser.add_argument("--head-k", type=int, default=SuffixSettings.head_k,
                         help="suffix-eagle candidates: the head's budget on the steps it drafts")
-    parser.add_argument("--margin", type=parse_margin, default=MARGIN, help="the router leaves its default candidate "
-                        f"only for one predicted better by more than this share ({LEARN}: cross-validated)")
+    parser.add_argument("--margin", type=parse_margin, default=None, help="the router leaves its default candidate "
+                        f"only for one predicted better by more than this share ({LEARN}: cross-validated, the "
+                        f"default from 10 calibration prompts, {MARGIN} below)")
     parser.add_argument("--max-new-tokens", type=int, default=40)
     parser.add_argument("--dtype", default="float32", help="the target's (bfloat16 on a CPU with AVX-512 bf16: a "
                         "verify of 16 tokens then costs about 1.4x one token's, in float32 2x)")

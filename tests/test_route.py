@@ -11,7 +11,7 @@ import pytest
 from specbench.api import outputs, run
 from specbench.route.auto import candidates_from, train_router
 from specbench.route.features import repeat_share
-from specbench.route.router import Candidate, Router, fit_router
+from specbench.route.router import MARGIN, Candidate, Router, fit_router
 from specbench.types import SpecbenchError
 
 from conftest import PROMPTS
@@ -92,6 +92,10 @@ def test_a_learned_margin_routes_where_features_tell_and_keeps_the_default_where
     assert router.default == "prompt-lookup k=4" and router.margin <= 0.3  # the widest that still routes
     assert router.margins[router.margin] > 1.1 * router.margins[np.inf]  # routing measured faster, held out
     assert router.choose([50, 81, 3, 66, 12, 97, 25, 44])[0].method == "target-only"
+    by_default = fit_router(told, prompts, candidates, ridge=0.1)  # 30 prompts: enough to learn it
+    assert by_default.margins == router.margins and by_default.margin == router.margin
+    few = fit_router(told[told.prompt_index < 9], prompts[:9], candidates, ridge=0.1)
+    assert few.margin == MARGIN and not few.margins  # too few to cross-validate: the fixed margin
     hidden = np.random.default_rng(1).permutation([4] * 20 + [1] * 10)  # lookup's gain, unrelated to features
     blind = _records(prompts, lambda ids: int(hidden[prompts.index(ids)]))
     kept = fit_router(blind, prompts, candidates, ridge=0.01, margin="learn")

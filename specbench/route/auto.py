@@ -12,7 +12,7 @@ from specbench.api import as_target, encode_prompts, run
 from specbench.decode.suffix_drafter import SuffixSettings
 from specbench.methods import get_method
 from specbench.models.loading import as_loaded
-from specbench.route.router import MARGIN, Candidate, Router, fit_router
+from specbench.route.router import Candidate, Router, fit_router
 from specbench.types import SpecbenchError
 
 CHUNK = 8  # calibration prompts per round of candidates
@@ -35,7 +35,7 @@ def candidates_from(specs: Sequence[str]) -> list[Candidate]:
 
 def train_router(target, prompts: Sequence, candidates: Sequence[Candidate], *, draft=None,
                  families: Optional[Sequence[str]] = None, objective: str = "speed", max_new_tokens: int = 64,
-                 ridge: float = 1.0, margin: float | str = MARGIN, progress: bool = True,
+                 ridge: float = 1.0, margin: float | str | None = None, progress: bool = True,
                  **run_options) -> tuple[Router, pd.DataFrame]:
     """Run each candidate over `prompts` (text or ids), fit a router on their per-prompt records, and return
     it with the records. Candidates are checked before anything runs; `run_options` go to every `run`."""

@@ -1,7 +1,7 @@
 """`specbench route`: train a per-prompt router on a dataset and write it where `run --router` reads it."""
 from __future__ import annotations
 
-from specbench.route.router import LEARN, MARGIN, parse_margin
+from specbench.route.router import FOLDS, LEARN, MARGIN, parse_margin
 
 
 def add_route(commands) -> None:
@@ -15,10 +15,11 @@ def add_route(commands) -> None:
     route.add_argument("--prompt-count", type=int, default=40)
     route.add_argument("--max-new-tokens", type=int, default=64)
     route.add_argument("--objective", choices=("speed", "verify_tokens"), default="speed")
-    route.add_argument("--margin", type=parse_margin, default=MARGIN,
+    route.add_argument("--margin", type=parse_margin, default=None,
                        help="a prompt leaves the candidate best over all calibration prompts only for one predicted "
-                            f"better by more than this share (default %(default)s; 0: always the predicted best; inf: "
-                            f"never; {LEARN}: chosen by cross-validation on the calibration prompts)")
+                            f"better by more than this share (0: always the predicted best; inf: never; {LEARN}: "
+                            f"chosen by cross-validation on the calibration prompts, the default from "
+                            f"{2 * FOLDS} prompts; {MARGIN} below that)")
     route.add_argument("--dtype", default="float32")
     route.add_argument("--out", default="router.json")
     route.set_defaults(handler=_route)

@@ -16,7 +16,9 @@ predicted better by more than `margin`: per-candidate fits from a few dozen prom
 candidates that draft alike do (benchmarks/results/2026-11-27-workload-hybrid.md). `margin="learn"` picks it
 by cross-validation on the calibration prompts: each fold's router routes prompts it never saw, and the margin
 whose choices were fastest as measured wins (the widest of equals; `inf`: always the default), since how far
-per-prompt predictions can be trusted depends on the candidates and on how many prompts calibrate them.
+per-prompt predictions can be trusted depends on the candidates and on how many prompts calibrate them. It is
+the default wherever there are prompts enough to cross-validate (benchmarks/results/2026-11-27-workload-learned-
+margin.md: learned, `auto` kept pace with the best fixed method; at a fixed 5% it ran 0.92-0.95x it).
 """
 from __future__ import annotations
 
@@ -139,11 +141,14 @@ class Router:
 
 def fit_router(records: pd.DataFrame, prompts: Sequence[Sequence[int]], candidates: Sequence[Candidate],
                families: Optional[Sequence[Optional[str]]] = None, objective: str = "speed",
-               ridge: float = 1.0, margin: float | str = MARGIN) -> Router:
+               ridge: float = 1.0, margin: float | str | None = None) -> Router:
     """A router from `run` records of each candidate over `prompts` (rows labelled by method and k;
-    `families[i]` is prompt i's family, when known). `margin`: a share, or "learn" (cross-validated)."""
+    `families[i]` is prompt i's family, when known). `margin`: a share, "learn" (cross-validated), or None:
+    learned where there are at least 2 x `FOLDS` prompts, else `MARGIN`."""
     if objective not in OBJECTIVES:
         raise SpecbenchError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    if margin is None:
+        margin = LEARN if len(prompts) >= 2 * FOLDS else MARGIN
     margin = parse_margin(margin)
     if not prompts:
         raise SpecbenchError("a router needs calibration prompts: got none")
