@@ -32,7 +32,7 @@ from specbench.decode.target import LocalTarget
 from specbench.models.loading import load_model
 from specbench.models.spec import ModelSpec
 from specbench.route.auto import calibrate, candidates_from
-from specbench.route.router import LEARN, MARGIN, fit_router, parse_margin
+from specbench.route.router import LEARN, MARGIN, fit_router, parse_margin, rows_of
 
 from common import RESULTS, write_report
 
@@ -143,8 +143,7 @@ def main() -> None:
                                     max_new_tokens=args.max_new_tokens, warmup=False, progress=False,
                                     suffix=settings("calibration "))  # interleaved: drift weighs on all alike
     for c in candidates:
-        records = calibration_records[(calibration_records["method"] == c.method)
-                                      & ((calibration_records["k"] == c.k) | (not c.drafts))]
+        records = rows_of(calibration_records, c)
         print(f"calibration {c.label}: {records['emitted'].sum() / records['step_s'].sum():.2f} tok/s (steps)")
     calibration_records.to_pickle(Path(args.out).with_suffix(".calibration-records.pkl"))  # for re-fits
     router = fit_router(calibration_records, [r["ids"] for r in calibration], candidates,

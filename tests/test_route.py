@@ -279,7 +279,7 @@ def test_a_lookup_references_family_is_priced_from_that_familys_steps_only(tiny_
 def test_step_costs_are_fitted_jointly_with_a_model_drafts_own_cost():
     """One target forward for every candidate (fixed + per verified token), plus a model draft's cost per drafted
     token: recovered from noisy steps, also for a lookup whose widths alone would not tell them apart."""
-    from specbench.route.router import _rows_of, _step_costs
+    from specbench.route.router import _step_costs, rows_of
 
     rng = np.random.default_rng(0)
     rows = []
@@ -289,7 +289,7 @@ def test_step_costs_are_fitted_jointly_with_a_model_drafts_own_cost():
             rows.append(dict(method=method, k=k, prompt_index=0, drafted=drafted, emitted=1,
                              step_s=0.05 + 0.004 * (1 + drafted) + draft_s * drafted + rng.normal(0, 0.003)))
     records = pd.DataFrame(rows)
-    costs = _step_costs({c: _rows_of(records, c) for c in (Candidate("target-only"), Candidate("prompt-lookup", 4),
+    costs = _step_costs({c: rows_of(records, c) for c in (Candidate("target-only"), Candidate("prompt-lookup", 4),
                                                            Candidate("chain", 4))})
     assert costs["prompt-lookup k=4"] == pytest.approx((0.05, 0.004), abs=0.002)
     fixed, per_token = costs["chain k=4"]

@@ -43,8 +43,7 @@ def train_router(target, prompts: Sequence, candidates: Sequence[Candidate], *, 
     if not candidates:
         raise SpecbenchError("a router needs at least one candidate")
     for candidate in candidates:
-        method = get_method(candidate.method)
-        if method.kind != "none" and not method.lookup and draft is None and not method.on_worker:
+        if _needs_a_draft(get_method(candidate.method)) and draft is None:
             raise SpecbenchError(f"candidate {candidate.label} drafts with a model: pass draft=...")
     if not prompts:
         raise SpecbenchError("a router needs calibration prompts: got none")
@@ -84,6 +83,11 @@ def calibrate(target, ids: Sequence[Sequence[int]], candidates: Sequence[Candida
     return pd.concat(frames, ignore_index=True)
 
 
+def _needs_a_draft(method) -> bool:
+    """A draft model or head, here: not target-only, not a lookup, not one the worker drafts for itself."""
+    return method.kind != "none" and not method.lookup and not method.on_worker
+
+
 def _drafts_with_a_model(candidate: Candidate) -> bool:
     method = get_method(candidate.method)
-    return method.kind != "none" and not method.lookup and not method.reads_features and not method.on_worker
+    return _needs_a_draft(method) and not method.reads_features  # a head folder is not a model to load

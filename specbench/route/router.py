@@ -102,13 +102,7 @@ class Router:
     def choose(self, ids: Sequence[int], family: Optional[str] = None) -> tuple[Candidate, pd.DataFrame]:
         """The best candidate under the objective, and every candidate's predictions (the reason)."""
         table = self.predict(ids, family)
-        score = table["tokens_per_s"] if self.objective == "speed" else 1.0 / table["verify_tokens"]
-        best = int(score.idxmax())
-        if self.default is not None and self.margin > 0:
-            default = int(table.index[table["candidate"] == self.default][0])
-            if score[best] <= score[default] * (1.0 + self.margin):
-                best = default
-        return self.candidates[best], table
+        return self.candidates[_pick(table, self.objective, self.default, self.margin)], table
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -164,7 +158,7 @@ def fit_router(records: pd.DataFrame, prompts: Sequence[Sequence[int]], candidat
     mean, scale = features.mean(axis=0), features.std(axis=0)
     scale[scale == 0] = 1.0
     x = np.hstack([(features - mean) / scale, np.ones((len(prompts), 1))])
-    steps = {candidate: _rows_of(records, candidate) for candidate in candidates}
+    steps = {candidate: rows_of(records, candidate) for candidate in candidates}
     router = Router(list(candidates), known, objective, mean, scale, default=_best_overall(steps, objective),
                     margin=margin)
     timed = all("draft_s" in rows and rows["draft_s"].notna().all() for rows in steps.values())
@@ -207,7 +201,7 @@ def learn_margin(records: pd.DataFrame, prompts: Sequence[Sequence[int]], candid
     count = len(prompts)
     if count < 2 * folds:
         raise SpecbenchError(f"a learned margin needs at least {2 * folds} calibration prompts, got {count}")
-    steps = {c: _rows_of(records, c) for c in candidates}
+    steps = {c: rows_of(records, c) for c in candidates}
     measured = {c.label: rows.assign(verified=1 + rows["drafted"]).groupby("prompt_index")[
         ["emitted", "step_s", "verified"]].sum() for c, rows in steps.items()}
     cost = "step_s" if objective == "speed" else "verified"
@@ -222,14 +216,23 @@ def learn_margin(records: pd.DataFrame, prompts: Sequence[Sequence[int]], candid
                             objective, ridge, margin=0.0)
         for i in held:
             table = router.predict(prompts[i], families[i])
-            score = table["tokens_per_s"] if objective == "speed" else 1.0 / table["verify_tokens"]
-            best, default = table.loc[int(score.idxmax()), "candidate"], router.default
-            gain = score.max() / float(score[table["candidate"] == default].iloc[0])
             for m in MARGINS:
-                chosen = measured[best if gain > 1.0 + m else default].loc[i]
+                chosen = measured[table.loc[_pick(table, objective, router.default, m), "candidate"]].loc[i]
                 totals[m][0] += chosen["emitted"]
                 totals[m][1] += chosen[cost]
     return {m: tokens / max(seconds, 1e-12) for m, (tokens, seconds) in totals.items()}
+
+
+def _pick(table: pd.DataFrame, objective: str, default: Optional[str], margin: float) -> int:
+    """The row of `table` (a router's predictions) to run: the best under the objective, unless it is predicted
+    better than the default by no more than `margin`."""
+    score = table["tokens_per_s"] if objective == "speed" else 1.0 / table["verify_tokens"]
+    best = int(score.idxmax())
+    if default is not None and margin > 0:
+        kept = int(table.index[table["candidate"] == default][0])
+        if score[best] <= score[kept] * (1.0 + margin):
+            return kept
+    return best
 
 
 def _finite(margin: float):
@@ -246,7 +249,8 @@ def _best_overall(steps: dict[Candidate, pd.DataFrame], objective: str) -> str:
     return max(steps, key=lambda candidate: score(steps[candidate])).label
 
 
-def _rows_of(records: pd.DataFrame, candidate: Candidate) -> pd.DataFrame:
+def rows_of(records: pd.DataFrame, candidate: Candidate) -> pd.DataFrame:
+    """The records of one candidate: its method's rows, at its K where it drafts."""
     rows = records[records["method"] == candidate.method]
     if candidate.drafts:
         rows = rows[rows["k"] == candidate.k]
