@@ -30,6 +30,11 @@ def test_a_head_drafts_losslessly_and_reads_every_committed_position(target):
     got = outputs(records)
     for index in range(len(PROMPTS)):
         assert got[("eagle", index)] == got[("target-only", index)] == got[("eagle-tree", index)]
+    same = tiny_model(seed=0, num_layers=4)  # a model of its own: one tap per model, and this head reads other layers
+    final = new_head(same, layer_ids=(1, 4), seed=3)  # 4: the final hidden state
+    tapped = outputs(run(LocalTarget(same), PROMPTS, method="eagle", draft=final, k=4, max_new_tokens=24,
+                         progress=False, warmup=False))
+    assert all(tapped[("eagle", i)] == got[("target-only", i)] for i in range(len(PROMPTS)))
     trees = records[records["method"] == "eagle-tree"]
     assert trees["drafted"].max() == 4 and (trees["tree_depth"] < 4).any()  # a tree: siblings, not only a chain
     steps = records[records["method"] == "eagle"]
@@ -233,8 +238,8 @@ def test_heads_that_do_not_fit_the_target_are_refused_by_name(target, tmp_path):
     wider = tiny_model(seed=0, hidden_size=32, num_layers=4)
     with pytest.raises(SpecbenchError, match="features of size 64, the target's hidden size is 32"):
         load_head(folder, wider)
-    shallow = tiny_model(seed=0, num_layers=2)
-    with pytest.raises(SpecbenchError, match=r"reads target layers \[2, 2, 1\], but the target has 2"):
+    shallow = tiny_model(seed=0, num_layers=1)
+    with pytest.raises(SpecbenchError, match=r"reads target layers \[2, 2, 1\], but the target has 1"):
         load_head(folder, shallow)
     (tmp_path / "not-a-head").mkdir()
     (tmp_path / "not-a-head" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
@@ -246,15 +251,19 @@ def test_heads_that_do_not_fit_the_target_are_refused_by_name(target, tmp_path):
         run(LocalTarget(target), PROMPTS[:1], method="eagle", max_new_tokens=4, progress=False, warmup=False)
 
 
-def test_the_head_reads_position_t_with_token_t_plus_1_and_the_targets_layer_inputs_at_t(target):
+@pytest.mark.parametrize("layer_ids", [None, (0, 2, 4)])
+def test_the_head_reads_position_t_with_token_t_plus_1_and_the_targets_layer_inputs_at_t(target, layer_ids):
     """After a prefill and two verified steps, the drafter's incremental state (features kept by the tap
     per verify, the head's cache fed piece by piece, drafted positions dropped) equals one pass of the
-    head over the whole context with the layer inputs Hugging Face reports (`hidden_states[i]`)."""
+    head over the whole context with the layer inputs Hugging Face reports (`hidden_states[i]`; id 4 of
+    this 4-layer target: the final hidden state, as training reads it)."""
     from specbench.heads.model import HeadCache
     from specbench.methods import DraftSource, make_drafter
     from specbench.sampling.streams import Streams
 
-    head = new_head(target, seed=7)
+    if layer_ids:
+        target = tiny_model(seed=0, num_layers=4)  # a model of its own: one tap per model
+    head = new_head(target, layer_ids=layer_ids, seed=7)
     local = LocalTarget(target)
     drafter = make_drafter("eagle", DraftSource(local, target, head))
     drafter.bind(local, "s")
@@ -385,8 +394,8 @@ def test_train_draft_reads_the_layers_asked_and_never_reuses_features_of_others(
     assert train_head(other, tmp_path / "a", progress=False).head.config.layer_ids == (1, 2, 3)
     again = torch.load(tmp_path / "a" / "features.pt", weights_only=False)[0][0]
     assert not torch.equal(features, again)  # recomputed from layers 1, 2, 3
-    with pytest.raises(SpecbenchError, match=r"ids \[4\] do not exist"):
-        train_head(TrainSpec(**{**spec.__dict__, "layers": (0, 2, 4)}), tmp_path / "b", progress=False)
+    with pytest.raises(SpecbenchError, match=r"ids \[5\] do not exist; 4 is its final hidden state"):
+        train_head(TrainSpec(**{**spec.__dict__, "layers": (0, 2, 5)}), tmp_path / "b", progress=False)
 
 
 @pytest.mark.real_model

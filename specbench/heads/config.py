@@ -18,10 +18,12 @@ def default_layer_ids(target_layers: int) -> tuple[int, int, int]:
 
 
 def check_layer_ids(ids, target_layers: int, what: str) -> None:
-    """Refuse, by name, layer ids a target of `target_layers` layers does not have."""
-    bad = [i for i in ids if not 0 <= i < target_layers]
+    """Refuse, by name, layer ids a target of `target_layers` layers does not have. Id `target_layers`
+    itself is the target's final hidden state (its last norm's output, what its LM head reads)."""
+    bad = [i for i in ids if not 0 <= i <= target_layers]
     if bad:
-        raise SpecbenchError(f"{what} {list(ids)}, but the target has {target_layers} layers (ids {bad} do not exist)")
+        raise SpecbenchError(f"{what} {list(ids)}, but the target has {target_layers} layers (ids {bad} do not "
+                             f"exist; {target_layers} is its final hidden state)")
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,7 @@ class HeadConfig:
     vocab_size: int  # the target's: what token ids mean
     draft_vocab_size: int  # the head's output rows, mapped to target ids by d2t
     target_hidden_size: Optional[int] = None  # None: the head's own hidden size
-    layer_ids: tuple[int, ...] = ()  # the target layers whose inputs are fused (empty: default_layer_ids)
+    layer_ids: tuple[int, ...] = ()  # the target layers whose inputs are fused (empty: default_layer_ids; L: final)
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     head_dim: Optional[int] = None

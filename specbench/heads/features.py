@@ -25,17 +25,23 @@ def decoder_layers(model) -> Sequence[torch.nn.Module]:
 
 
 class FeatureTap:
-    """Keeps the input of layers `layer_ids` of `model` on every forward (batch 1), for `rows`."""
+    """Keeps the input of layers `layer_ids` of `model` on every forward (batch 1), for `rows`; id L (the
+    layer count) keeps the final norm's output, as `output_hidden_states` reports it last."""
 
     def __init__(self, model, layer_ids: Sequence[int]):
         layers = decoder_layers(model)
         self.layer_ids = tuple(layer_ids)
         self.captured: dict[int, torch.Tensor] = {}
         self.handles = [layers[i].register_forward_pre_hook(partial(self._keep, i), with_kwargs=True)
-                        for i in self.layer_ids]
+                        for i in self.layer_ids if i < len(layers)]
+        if len(layers) in self.layer_ids:
+            self.handles.append(model.model.norm.register_forward_hook(partial(self._keep_output, len(layers))))
 
     def _keep(self, index: int, module, args, kwargs) -> None:
         self.captured[index] = args[0] if args else kwargs["hidden_states"]
+
+    def _keep_output(self, index: int, module, args, output) -> None:
+        self.captured[index] = output
 
     def joined(self) -> torch.Tensor:
         """The last forward's features, [batch, inputs, layers x hidden]; read once."""
