@@ -99,6 +99,9 @@ def main() -> None:
                         help="suffix methods draft up to factor x matched tokens + offset "
                              "(a cheap wide verify pays more)")
     parser.add_argument("--suffix-offset", type=float, default=SuffixSettings.offset)
+    parser.add_argument("--suffix-min-prob", type=float, default=SuffixSettings.min_prob,
+                        help="suffix methods draft no token whose estimated probability is under this "
+                             "(a dear wide verify wants it higher)")
     parser.add_argument("--hand-over", type=float, default=SuffixSettings.hand_over,
                         help="suffix-eagle candidates: the head drafts a step whose suffix proposal expects fewer "
                              "accepted tokens than this")
@@ -129,7 +132,7 @@ def main() -> None:
 
     def settings(cache):
         return SuffixSettings(name=cache, factor=args.suffix_factor, offset=args.suffix_offset,
-                              hand_over=args.hand_over, head_k=args.head_k)
+                              min_prob=args.suffix_min_prob, hand_over=args.hand_over, head_k=args.head_k)
 
     def one(method, k, prompts, families, cache, **extra):
         return run(target, [r["ids"] for r in prompts], method=method, k=k, draft=draft,

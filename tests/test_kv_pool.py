@@ -234,3 +234,38 @@ def test_a_shared_sliding_window_target_verifies_each_session_as_alone():
     drafters = [ModelDrafter(draft, 64), ModelDrafter(draft, 64), None]
     assert_batches_match_lone_verifies(batched, alone, [list(range(1, 11)), [11, 12, 13], [20]], drafters, steps=12)
     assert len(batched.committed("s0")) > 10 + 12  # well past the window of 4
+
+
+@pytest.mark.parametrize("count, mask_kind", [(1, None), (1, "bool"), (3, "bool"), (16, "additive"), (17, "bool")])
+def test_gqa_attention_on_a_cpu_folds_query_heads_and_equals_transformers_sdpa(count, mask_kind, monkeypatch):
+    """Up to FOLD queries of a GQA layer attend folded (each key/value head's query heads as its rows, the
+    mask tiled per head) over the cache as it lies in the pool (a strided view), equal to transformers'
+    own SDPA attention; more queries, or options the fold lacks, go to transformers' attention."""
+    from types import SimpleNamespace
+
+    from transformers.integrations import sdpa_attention
+
+    from specbench.decode.packed_attention import FOLD, sdpa
+
+    torch.manual_seed(0)
+    pool = torch.randn(2, 3, 3, 40, 8)  # [keys/values, slots, kv heads, capacity, head dim]
+    keys, values = pool[0, 1:, :, :29], pool[1, 1:, :, :29]  # two rows, 29 positions cached: strided views
+    query = torch.randn(2, 12, count, 8)
+    visible = torch.rand(2, 1, count, 29) > 0.3
+    visible[..., 0] = True
+    mask = {None: None, "bool": visible,
+            "additive": torch.zeros(visible.shape).masked_fill(~visible, torch.finfo(torch.float32).min)}[mask_kind]
+    module = SimpleNamespace(num_key_value_groups=4, is_causal=True, training=False)
+    wanted, _ = sdpa_attention.sdpa_attention_forward(module, query, keys, values, mask, dropout=0.0, scaling=0.3)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("transformers' attention was called where the fold applies")
+
+    if count <= FOLD:
+        monkeypatch.setattr(sdpa_attention, "sdpa_attention_forward", refused)
+    got, _ = sdpa(module, query, keys, values, mask, dropout=0.0, scaling=0.3, use_cache=True)
+    assert got.shape == (2, count, 12, 8)
+    torch.testing.assert_close(got, wanted, rtol=1e-5, atol=1e-6)
+    if count <= FOLD:  # an option the fold does not honour goes to transformers
+        with pytest.raises(AssertionError, match="fold applies"):
+            sdpa(module, query, keys, values, mask, scaling=0.3, softcap=30.0)
