@@ -269,3 +269,21 @@ def test_gqa_attention_on_a_cpu_folds_query_heads_and_equals_transformers_sdpa(c
     if count <= FOLD:  # an option the fold does not honour goes to transformers
         with pytest.raises(AssertionError, match="fold applies"):
             sdpa(module, query, keys, values, mask, scaling=0.3, softcap=30.0)
+
+
+def test_a_draft_models_steps_go_through_the_folded_attention_and_draft_as_before():
+    """A model drafter installs specbench's attention on its model (its one-token steps fold on a CPU) and
+    drafts the same greedy chain as transformers' own attention over an identical model."""
+    from specbench.decode.drafters import ModelDrafter
+    from specbench.decode.packed_attention import ATTENTION
+    from specbench.models.tiny import tiny_model
+
+    drafted, plain = tiny_model(seed=1), tiny_model(seed=1)
+    drafter = ModelDrafter(drafted, target_vocab_size=drafted.vocab_size)
+    assert drafted.model.config._attn_implementation == ATTENTION
+    assert plain.model.config._attn_implementation == "sdpa"
+    context = list(PROMPTS[0]) * 3
+    chain = drafter.propose(context, 6, SamplingParams(), torch.Generator().manual_seed(0)).tokens
+    with torch.no_grad():
+        wanted = plain.model.generate(torch.tensor([context]), max_new_tokens=6, do_sample=False)[0, len(context):]
+    assert list(chain) == wanted.tolist()

@@ -5,6 +5,7 @@ from typing import Optional, Protocol, Sequence
 
 import torch
 
+from specbench.decode import packed_attention
 from specbench.decode.kv import cached_length, can_crop_to, crop_to, new_cache
 from specbench.models.loaded import LoadedModel
 from specbench.sampling.probs import draft_distribution, sample_sparse
@@ -39,6 +40,8 @@ class ModelDrafter:
         self.model = draft.model
         self.name = name
         self.fast = fast  # a FastForward over the draft model: fixed-shape steps on a static cache
+        if fast is None:  # its one-token steps attend folded on a CPU, as the target's do (`packed_attention.sdpa`)
+            packed_attention.install(self.model)
         # Padded vocabularies: ids at or past the target's size never get proposed.
         self.vocab_limit = min(draft.vocab_size, target_vocab_size)
         self.cache = None

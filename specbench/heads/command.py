@@ -25,7 +25,8 @@ def add_train_draft(commands) -> None:
                        help="write a copy of the target's embeddings with the head (to draft on a worker's client)")
     train.add_argument("--draft-vocab", type=int, default=defaults.draft_vocab)
     train.add_argument("--layers", type=int, nargs="+", metavar="LAYER",
-                       help="the target layers whose inputs the head fuses (default: EAGLE-3's 2, L/2 and L-3)")
+                       help="the target layers whose inputs the head fuses (default: EAGLE-3's 2, L/2 and L-3; "
+                            "L: the final hidden state)")
     train.add_argument("--ttt-steps", type=int, default=defaults.ttt_steps, help="training-time-test unroll")
     train.add_argument("--epochs", type=float, default=defaults.epochs)
     train.add_argument("--learning-rate", type=float, default=defaults.learning_rate)
