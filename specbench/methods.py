@@ -196,13 +196,14 @@ def _substitute(source: DraftSource):
     return ModelDrafter(load_model(spec), source.target.vocab_size, name=f"substitute:{spec.label}")
 
 
-def _suffix_eagle(source: DraftSource, tree: bool = False):
+def _suffix_eagle(source: DraftSource, tree: bool = False, key: tuple = ()):
     from specbench.decode.hybrid_drafter import HybridDrafter
     from specbench.heads.drafter import head_drafter
 
     head = head_drafter(source, tree=tree)  # first: a missing head is refused before any cache is made
     name = "suffix-eagle-tree" if tree else "suffix-eagle"
-    return HybridDrafter(_suffix(source, tree=tree), head, source.suffix.hand_over, source.suffix.head_k, name=name)
+    return HybridDrafter(_suffix(source, tree=tree, key=key), head, source.suffix.hand_over, source.suffix.head_k,
+                         name=name)
 
 
 def _eagle(source: DraftSource):
@@ -242,8 +243,13 @@ for _method in (
     Method("server-only", "chain", on_worker=True),  # AutoDraft's Server-Only: the worker drafts too
     Method("server-only-ar", "none", on_worker=True),  # AutoDraft's Server-Only-AR
     # a draft head on the worker (the server-side placement): only finished tokens travel, no features
-    Method("eagle-server", "chain", on_worker=True, worker_build=_eagle),
-    Method("eagle-tree-server", "tree", on_worker=True, worker_build=_eagle_tree),
+    Method("eagle-server", "chain", on_worker=True, worker_build=lambda source, key=(): _eagle(source)),
+    Method("eagle-tree-server", "tree", on_worker=True, worker_build=lambda source, key=(): _eagle_tree(source)),
+    # the hybrid on the worker: its head there, its suffix cache the worker's (per tenant unless told otherwise)
+    Method("suffix-eagle-server", "chain", on_worker=True,
+           worker_build=lambda source, key=(): _suffix_eagle(source, key=key)),
+    Method("suffix-eagle-tree-server", "tree", on_worker=True,
+           worker_build=lambda source, key=(): _suffix_eagle(source, tree=True, key=key)),
     # the worker's router (`specbench worker --router FILE`) picks each prompt's worker method and K
     Method("auto-server", "chain", on_worker=True),
 ):

@@ -447,7 +447,8 @@ def test_a_head_drafts_through_a_worker_on_either_side_losslessly(tmp_path, batc
             run(remote, PROMPTS[:1], method="eagle", draft=str(shared), k=3, max_new_tokens=4, progress=False)
         client = run(remote, PROMPTS, method=["target-only", "eagle", "eagle-tree", "suffix-eagle"], draft=str(own),
                      k=4, max_new_tokens=20, progress=False, warmup=False)
-        server = run(remote, PROMPTS, method=["eagle-server", "eagle-tree-server"], draft=str(shared), k=4,
+        server = run(remote, PROMPTS, method=["eagle-server", "eagle-tree-server", "suffix-eagle-server",
+                                              "suffix-eagle-tree-server"], draft=str(shared), k=4,
                      max_new_tokens=20, progress=False, warmup=False)
         remote.keep_features("held", head.config.layer_ids)
         remote.prefill("held", PROMPTS[0])
@@ -460,7 +461,8 @@ def test_a_head_drafts_through_a_worker_on_either_side_losslessly(tmp_path, batc
         running.stop()
     got, reference = {**outputs(client), **outputs(server)}, outputs(local)
     for index in range(len(PROMPTS)):
-        for method in ("target-only", "eagle", "eagle-tree", "suffix-eagle", "eagle-server", "eagle-tree-server"):
+        for method in ("target-only", "eagle", "eagle-tree", "suffix-eagle", "eagle-server", "eagle-tree-server",
+                       "suffix-eagle-server", "suffix-eagle-tree-server"):
             assert got[(method, index)] == reference[("target-only", index)], (method, index)
     drafted = client[client["method"] == "eagle"]
     assert (drafted["drafted"] > 0).mean() > 0.8
@@ -468,7 +470,10 @@ def test_a_head_drafts_through_a_worker_on_either_side_losslessly(tmp_path, batc
     width = 2 * 3 * model.model.config.hidden_size  # float16 rows of three layers' inputs
     for _, step in drafted.iterrows():  # a row per committed position (the accepted path's and the old tail's)
         assert abs(step["bytes_down"] - plain - width * (step["accepted"] + 1) - 4 * step["accepted"]) < 64
-    assert set(server["method"]) == {"eagle-server", "eagle-tree-server"}
+    assert set(server["method"]) == {"eagle-server", "eagle-tree-server", "suffix-eagle-server",
+                                     "suffix-eagle-tree-server"}
+    hybrid = server[server["method"] == "suffix-eagle-server"]
+    assert (hybrid["drafted"] > 0).mean() > 0.5  # drafted on the worker, by its suffix cache or its head
 
 
 def test_the_cost_model_prices_each_placements_wire_bytes():

@@ -113,7 +113,7 @@ def generate(ops, header: dict, arrays: dict, curve_key: str):
         if draft_spec is None:
             raise SpecbenchError("server-only needs a draft model: start the worker with --draft or send one")
         ops.policy.check(draft_spec)
-        drafter = _server_drafter(ops, target, METHODS[method], draft_spec)
+        drafter = _server_drafter(ops, target, METHODS[method], draft_spec, principal)
     decoding = Decoding(k, max_new_tokens, sampling, method=method, kind=METHODS[method].kind)
     steps = generate_steps(target, drafter, prompt.tolist(), decoding, seed=seed,
                            session=f"generate/{ops.stats.requests}", prefill_chunk=ops.config.slice_tokens)
@@ -131,10 +131,11 @@ def generate(ops, header: dict, arrays: dict, curve_key: str):
     return Job(run(), key=key, principal=principal, op="generate", busy=ops.stats.add_busy)
 
 
-def _server_drafter(ops, target, method, draft_spec):
+def _server_drafter(ops, target, method, draft_spec, principal: str):
     """The worker's drafter for a generate: the draft model's (kept between requests; the prompt it drafts
     for is in its context), or, for a head method, a drafter of its own over the kept head (a head drafter
-    is bound to one session, and generates of several clients interleave)."""
+    is bound to one session, and generates of several clients interleave; a hybrid's suffix half drafts
+    from the worker's cache, as `_suffix_drafter`'s)."""
     from specbench.methods import DraftSource
     from specbench.models.loading import load_model
 
@@ -146,7 +147,8 @@ def _server_drafter(ops, target, method, draft_spec):
             ops.log(f"loading draft head {draft_spec.label}")
             head = load_head(draft_spec.model, target.loaded)
             ops.heads = {draft_spec: head}  # one head kept, like one draft model
-        return method.worker_build(DraftSource(target, target.loaded, head))
+        settings, key = _suffix_scope(ops, principal)
+        return method.worker_build(DraftSource(target, target.loaded, head, suffix=settings), key=key)
     if ops.draft is None or ops.draft.draft.spec != draft_spec:
         ops.log(f"loading draft {draft_spec.label}")
         # through the method table, so a draft with another tokenizer is translated, not misread
@@ -156,7 +158,8 @@ def _server_drafter(ops, target, method, draft_spec):
 
 # a method that runs in the client, as the worker runs it itself
 ON_WORKER = {"target-only": "server-only-ar", "chain": "server-only", "suffix": "suffix-server",
-             "suffix-tree": "suffix-tree-server", "eagle": "eagle-server", "eagle-tree": "eagle-tree-server"}
+             "suffix-tree": "suffix-tree-server", "eagle": "eagle-server", "eagle-tree": "eagle-tree-server",
+             "suffix-eagle": "suffix-eagle-server", "suffix-eagle-tree": "suffix-eagle-tree-server"}
 
 
 def worker_router(path: str):
@@ -188,15 +191,21 @@ def _routed(ops, prompt: list) -> tuple[str, int, dict]:
 
 
 def _suffix_drafter(ops, target, method, principal: str):
-    """A suffix drafter per request over the worker's cache of earlier outputs: one per tenant by default
+    """A suffix drafter per request over the worker's cache of earlier outputs (`_suffix_scope`)."""
+    from specbench.methods import DraftSource
+
+    settings, key = _suffix_scope(ops, principal)
+    return method.worker_build(DraftSource(target, target.loaded, suffix=settings), key=key)
+
+
+def _suffix_scope(ops, principal: str):
+    """(suffix settings, cache key) of a request on this worker: a cache per tenant by default
     (`--suffix-cache tenant`), one for all (`shared`), or none (`off`)."""
     from specbench.decode.suffix_drafter import SuffixSettings
-    from specbench.methods import DraftSource
 
     scope = ops.config.suffix_cache
     settings = SuffixSettings(cache="off" if scope == "off" else "process")
-    key = ("worker", ops.identity) + (() if scope == "shared" else (principal,))
-    return method.worker_build(DraftSource(target, target.loaded, suffix=settings), key=key)
+    return settings, ("worker", ops.identity) + (() if scope == "shared" else (principal,))
 
 
 def _generate_key(header: dict, arrays: dict, principal: str) -> Optional[tuple]:
