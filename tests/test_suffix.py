@@ -214,25 +214,35 @@ def test_warm_up_leaves_the_cache_as_it_was(tiny_target):
     assert len(cache) == 1 and cache.tokens == 12  # the measured prompt's output only
 
 
-@pytest.mark.parametrize("scope", ["tenant", "shared"])
-def test_worker_keeps_each_tenants_outputs_apart_unless_told_to_share(scope):
-    """suffix-server: two clients (two tenants) each generate once; per tenant, each worker cache holds one
-    output, none of the other's; shared, one cache holds both."""
+@pytest.mark.parametrize("scope, method", [("tenant", "suffix-server"), ("shared", "suffix-server"),
+                                           ("tenant", "suffix-eagle-server")])
+def test_worker_keeps_each_tenants_outputs_apart_unless_told_to_share(scope, method, tmp_path, monkeypatch):
+    """suffix-server (and the hybrid on the worker, its suffix half): two clients (two tenants) each generate
+    once; per tenant, each worker cache holds one output, none of the other's; shared, one cache holds both."""
     from specbench.decode import suffix_drafter
+    from specbench.heads.build import new_head
+    from specbench.heads.layouts import save_head
+    from specbench.models.loading import load_model
+    from specbench.models.spec import ModelSpec
     from specbench.worker.client import RemoteTarget
-    from worker_helpers import ThreadWorker
+    from worker_helpers import TARGET, ThreadWorker
 
-    running = ThreadWorker(suffix_cache=scope)
+    from collections import OrderedDict
+
+    monkeypatch.setattr(suffix_drafter, "_PROCESS_CACHES", OrderedDict())  # only this test's caches are read
+    head = None
+    if method == "suffix-eagle-server":  # a head the worker may load, drafting where the suffix cache has nothing
+        head = str(save_head(new_head(load_model(ModelSpec(TARGET)), seed=3), tmp_path / "head"))
+    running = ThreadWorker(suffix_cache=scope, allow_load=(head,) if head else ())
     try:
         for prompt in PROMPTS[:2]:  # a client each: each RemoteTarget is a tenant of its own
-            run(RemoteTarget(running.endpoint), [prompt], method="suffix-server", k=6, max_new_tokens=12,
+            run(RemoteTarget(running.endpoint), [prompt], method=method, k=6, max_new_tokens=12, draft=head,
                 progress=False, warmup=False)
     finally:
         running.stop()
     # process caches by key (target label, vocabulary, "worker", worker model[, tenant]), most recent last
     worker = [(key[0], cache) for key, cache in suffix_drafter._PROCESS_CACHES.items() if "worker" in key[0]]
     if scope == "tenant":
-        recent = [cache for key, cache in worker if len(key) == 5][-2:]
-        assert [len(cache) for cache in recent] == [1, 1]
+        assert [len(cache) for key, cache in worker if len(key) == 5] == [1, 1]
     else:
         assert len([cache for key, cache in worker if len(key) == 4][-1]) == 2
