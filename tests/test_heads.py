@@ -249,6 +249,12 @@ def test_heads_that_do_not_fit_the_target_are_refused_by_name(target, tmp_path):
         load_head(tmp_path / "nowhere", target)
     with pytest.raises(SpecbenchError, match="needs a draft head"):
         run(LocalTarget(target), PROMPTS[:1], method="eagle", max_new_tokens=4, progress=False, warmup=False)
+    from specbench.heads.features import FeatureTap
+
+    normless = tiny_model(seed=0, num_layers=4).model
+    normless.model.norm = None
+    with pytest.raises(SpecbenchError, match=r"reading layer 4 \(the final hidden state\) taps the target's final"):
+        FeatureTap(normless, (1, 4))
 
 
 @pytest.mark.parametrize("layer_ids", [None, (0, 2, 4)])

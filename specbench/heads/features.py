@@ -35,7 +35,11 @@ class FeatureTap:
         self.handles = [layers[i].register_forward_pre_hook(partial(self._keep, i), with_kwargs=True)
                         for i in self.layer_ids if i < len(layers)]
         if len(layers) in self.layer_ids:
-            self.handles.append(model.model.norm.register_forward_hook(partial(self._keep_output, len(layers))))
+            norm = getattr(model.model, "norm", None)
+            if norm is None:
+                raise SpecbenchError(f"a draft head reading layer {len(layers)} (the final hidden state) taps the "
+                                     f"target's final norm (model.norm), and {type(model).__name__} has none")
+            self.handles.append(norm.register_forward_hook(partial(self._keep_output, len(layers))))
 
     def _keep(self, index: int, module, args, kwargs) -> None:
         self.captured[index] = args[0] if args else kwargs["hidden_states"]
