@@ -102,6 +102,9 @@ def main() -> None:
     parser.add_argument("--suffix-min-prob", type=float, default=SuffixSettings.min_prob,
                         help="suffix methods draft no token whose estimated probability is under this "
                              "(a dear wide verify wants it higher)")
+    parser.add_argument("--suffix-min-score", type=float, default=SuffixSettings.min_score,
+                        help="suffix methods draft nothing on a step whose proposal expects fewer accepted tokens "
+                             "(where a verify of 2 tokens costs much more than 1: float32 on an AVX2 CPU)")
     parser.add_argument("--hand-over", type=float, default=SuffixSettings.hand_over,
                         help="suffix-eagle candidates: the head drafts a step whose suffix proposal expects fewer "
                              "accepted tokens than this")
@@ -132,7 +135,8 @@ def main() -> None:
 
     def settings(cache):
         return SuffixSettings(name=cache, factor=args.suffix_factor, offset=args.suffix_offset,
-                              min_prob=args.suffix_min_prob, hand_over=args.hand_over, head_k=args.head_k)
+                              min_prob=args.suffix_min_prob, min_score=args.suffix_min_score,
+                              hand_over=args.hand_over, head_k=args.head_k)
 
     def one(method, k, prompts, families, cache, **extra):
         return run(target, [r["ids"] for r in prompts], method=method, k=k, draft=draft,

@@ -151,6 +151,34 @@ def test_an_earlier_output_drafts_a_later_request_only_where_the_cache_is_shared
     assert drafter.propose([3, 4, 5, 3, 4], 4, SamplingParams(), None).tokens == (5, 3, 4)  # its own context
 
 
+def test_min_score_drops_only_the_proposals_expected_to_accept_less():
+    """(1, 2) is seen three times, twice followed by 3, 4, 5, 9: each token's path probability 2/3, the
+    proposal's score 8/3. Drafted under a floor of 2, not under 3, where the step still reports its score."""
+    context = [1, 2, 3, 4, 5, 9, 1, 2, 3, 4, 5, 9, 1, 2]
+    for min_score, drafted in ((0.0, True), (2.0, True), (3.0, False)):
+        drafter = SuffixDrafter(SuffixSettings(depth=8, cache="off", min_prob=0.0, factor=2.0, min_score=min_score))
+        tree = drafter.propose(context, 4, SamplingParams(), None)
+        assert bool(tree.tokens) is drafted and tree.expected_accepted == pytest.approx(8 / 3)
+        if drafted:
+            assert tree.tokens == (3, 4, 5, 9)
+    with pytest.raises(SpecbenchError, match="min_score must be >= 0"):
+        SuffixSettings(min_score=-1.0)
+
+
+def test_min_score_keeps_greedy_output_and_drafts_less(tiny_target):
+    settings = {m: SuffixSettings(cache="drafter", min_score=m) for m in (0.0, 2.0)}
+    produced, drafted = {}, {}
+    for min_score, suffix in settings.items():
+        records = run(tiny_target, PROMPTS, method=["target-only", "suffix"], k=8, max_new_tokens=40, progress=False,
+                      suffix=suffix)
+        produced[min_score] = outputs(records)
+        steps = records[records.method == "suffix"]
+        drafted[min_score] = (steps["drafted"] > 0).mean()
+        for index in range(len(PROMPTS)):
+            assert produced[min_score][("suffix", index)] == produced[min_score][("target-only", index)]
+    assert drafted[2.0] < drafted[0.0]  # the floor turned some steps into the target's alone
+
+
 @pytest.mark.parametrize("k", [1, 4, 16])
 def test_suffix_greedy_matches_target_only(tiny_target, k):
     methods = ["target-only", "suffix", "suffix-tree"]
