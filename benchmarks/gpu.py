@@ -195,6 +195,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40, help="SD steps replayed per pair")
     parser.add_argument("--step-tokens", type=int, nargs="+", default=[1, 4, 5, 8],
                         help="lone fast steps timed lean and with Hugging Face's forward (at --batch-contexts[0])")
+    parser.add_argument("--lean-only", action="store_true",
+                        help="time only the lean step in --step-tokens (each variant compiles its own graphs on a "
+                             "compiled backend)")
     parser.add_argument("--prompts", type=int, nargs="+", default=[100, 512, 2048],
                         help="prompt lengths whose prefill is timed, eager and fast")
     parser.add_argument("--bandwidth-mib", type=int, default=1024, help="size of the copy that measures bandwidth")
@@ -282,7 +285,7 @@ def step_rows(model, arch: str, args, fast: str, bytes_per_s: float) -> list[dic
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     context = args.batch_contexts[0]
-    variants = {"lean": (True, None), "hf_step": (False, None)}
+    variants = {"lean": (True, None)} if args.lean_only else {"lean": (True, None), "hf_step": (False, None)}
     variants.update({f"lean_{name}": (True, getattr(SDPBackend, name.upper())) for name in args.sdpa})
     forwards = {variant: FastForward(model, rounded(context + 64), fast, lean=lean)
                 for variant, (lean, _) in variants.items()}
@@ -317,8 +320,10 @@ def step_rows(model, arch: str, args, fast: str, bytes_per_s: float) -> list[dic
                 caches[variant].set_length(context)
         median = {variant: statistics.median(times) for variant, times in samples.items() if times}
         floor = floor_s(model, n, context, bytes_per_s)
-        row = {"arch": arch, "tokens": n, "context": context, "lean_ms": 1000 * median["lean"],
-               "hf_step_ms": 1000 * median["hf_step"], "hf_over_lean": median["hf_step"] / median["lean"],
+        hf = median.get("hf_step")
+        row = {"arch": arch, "tokens": n, "context": context, "backend": fast, "lean_ms": 1000 * median["lean"],
+               "hf_step_ms": None if hf is None else 1000 * hf,
+               "hf_over_lean": None if hf is None else hf / median["lean"],
                "floor_ms": 1000 * floor, "lean_over_floor": median["lean"] / floor}
         row.update({f"{variant}_ms": 1000 * median[variant] for variant in median if variant.startswith("lean_")})
         rows.append(row)

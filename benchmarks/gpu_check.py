@@ -38,6 +38,8 @@ def parts(cuda: bool, out: Path, work: Path) -> list[dict]:
                 "--sdpa", "math", "efficient_attention", "cudnn_attention"]
         load = ["--arch", "qwen2.5-1.5b", "--clients", "1", "2", "4", "8", "--max-new-tokens", "64", "--rounds", "2",
                 "--prompt-tokens", "100"]
+        compiled = ["--archs", "qwen2.5-1.5b", "--backend", "compiled-graph", "--tokens", "1", "--contexts", "512",
+                    "--batches", "1", "--step-tokens", "1", "8", "--lean-only", "--prompts", "100", "--repeats", "20"]
         grid = ["--archs", "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "--tokens", "1", "2", "3", "4", "5", "6",
                 "8", "12", "16", "24", "32", "--contexts", "128", "512", "2048", "--batches", "2", "4", "8",
                 "--batch-tokens", "1", "2", "4", "5", "8", "--batch-contexts", "512", "--step-tokens", "1",
@@ -48,6 +50,8 @@ def parts(cuda: bool, out: Path, work: Path) -> list[dict]:
                 "4", "--prompts", "32", "--kernels", *tiny]
         load = ["--device", "cpu", "--dtype", "float32", "--arch", "tiny", "--clients", "1", "2",
                 "--max-new-tokens", "16", "--rounds", "1", "--prompt-tokens", "16"]
+        compiled = ["--archs", "tiny", "--tokens", "1", "--contexts", "32", "--batches", "1", "--step-tokens", "1",
+                    "--lean-only", "--prompts", "32", *tiny]  # compiled-graph is CUDA's: static stands in for it
         grid = ["--archs", "tiny-draft", "tiny", "--tokens", "1", "2", "--contexts", "32", "--batches", "2",
                 "--batch-tokens", "1", "--batch-contexts", "32", "--step-tokens", "1", "--prompts", "32", *tiny]
     pytest = py + ["-m", "pytest", "-v", "-p", "no:cacheprovider", "-rfE", "--durations=5",
@@ -76,6 +80,10 @@ def parts(cuda: bool, out: Path, work: Path) -> list[dict]:
         {"name": "heads", "what": "draft heads (eagle, eagle-tree) and suffix decoding on the device vs the CPU, fp32",
          "command": py + [str(HERE / "gpu_heads.py"), "--out", str(out / "heads.json")], "limit": 90,
          "json": out / "heads.json"},
+        {"name": "step-compiled", "what": "the 1.5B lean verify step compiled, then captured (`compiled-graph`: "
+         "fused elementwise kernels) vs the memory floor",
+         "command": py + [str(HERE / "gpu.py"), *compiled, "--no-pairs", "--out", str(out / "step-compiled.json")],
+         "limit": 240, "json": out / "step-compiled.json"},
         {"name": "cuda-tests-compiled", "what": "tests/test_cuda.py's compiled backends (compile, compiled-graph)",
          "command": pytest + ["-k", "compile"], "limit": 150, "json": None},
     ]
@@ -113,7 +121,7 @@ def run_part(part: dict, limit: float, log, env: dict | None = None) -> dict:
 
 def table(rows: list[dict], columns: list[str], digits: int = 3) -> list[str]:
     def cell(value):
-        return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+        return f"{value:.{digits}f}" if isinstance(value, float) else "" if value is None else str(value)
 
     return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)] + [
         "| " + " | ".join(cell(row.get(c, "")) for c in columns) + " |" for row in rows]
@@ -128,11 +136,11 @@ def summary(result: dict, cuda: bool) -> list[str]:
     report = result.get("report") or {}
     if result["name"].startswith("cuda-tests"):
         lines += ["```", *[line for line in result["tail"] if line.strip()], "```"]
-    elif result["name"] == "step" and report:
+    elif result["name"] in ("step", "step-compiled") and report:
         held = sorted({key for row in report.get("steps", []) for key in row  # attention held to a kernel (--sdpa)
                        if key.startswith("lean_") and key.endswith("_ms") and key != "lean_ms"})
-        lines += table(report.get("steps", []), ["arch", "tokens", "context", "lean_ms", "hf_step_ms", *held,
-                                                 "floor_ms", "lean_over_floor"])
+        lines += table(report.get("steps", []), ["arch", "tokens", "context", "backend", "lean_ms", "hf_step_ms",
+                                                 *held, "floor_ms", "lean_over_floor"])
         met = [row["lean_over_floor"] <= 2.0 for row in report.get("steps", [])]
         lines += ["", f"goal (lean step within 2x of the floor): {'met' if met and all(met) else 'not met'}", ""]
         lines += table(report.get("forwards", []), ["arch", "tokens", "context", "eager_ms", "fast_ms", "floor_ms"])

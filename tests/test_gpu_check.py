@@ -10,7 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ["cuda-tests", "step", "worker-load", "worker-load-target-only", "profiles", "serve", "heads",
-         "cuda-tests-compiled"]
+         "step-compiled", "cuda-tests-compiled"]
 
 
 def test_the_gpu_check_rehearses_every_part_on_a_cpu(tmp_path):
@@ -38,3 +38,5 @@ def test_the_gpu_check_rehearses_every_part_on_a_cpu(tmp_path):
     heads = report["parts"][6]["report"]
     assert heads["identical"] == heads["agree_with_target_only"] == {"cpu": 36}
     assert heads["accepted_per_step"]["cpu"]["eagle"] > 0.5  # the trained head is accepted: a real smoke
+    compiled = report["parts"][7]["report"]["steps"]  # the lean step alone (no Hugging Face step to compile)
+    assert [row["tokens"] for row in compiled] == [1] and compiled[0]["hf_step_ms"] is None
