@@ -20,10 +20,12 @@ import argparse
 import json
 from pathlib import Path
 
+import pandas as pd
 import torch
 
 from specbench.decode.drafters import PromptLookupDrafter
 from specbench.decode.suffix_drafter import SuffixDrafter, SuffixSettings
+from specbench.route.suffix_floor import fit_step_cost
 from specbench.types import SamplingParams
 
 from common import RESULTS, write_report
@@ -75,18 +77,6 @@ SETTINGS = {
 }
 
 
-def fit_step_cost(records_path: str) -> dict:
-    """Step seconds = fixed + per verified token + a surcharge when anything is drafted, least squares over the
-    calibration steps of every method (the surcharge: a multi-row verify's slower kernels)."""
-    import pandas as pd
-
-    steps = pd.read_pickle(records_path)
-    design = torch.tensor([[1.0, 1.0 + d, float(d > 0)] for d in steps["drafted"]], dtype=torch.float64)
-    fixed, per_token, surcharge = torch.linalg.lstsq(
-        design, torch.tensor(steps["step_s"].to_numpy(), dtype=torch.float64)[:, None]).solution[:, 0].tolist()
-    return {"fixed_s": fixed, "per_verified_token_s": per_token, "drafted_step_surcharge_s": surcharge}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", default=str(RESULTS / "workload.calibration.json"))
@@ -98,19 +88,19 @@ def main() -> None:
     args = parser.parse_args()
     requests = json.loads(Path(args.requests).read_text())
     if args.records:
-        cost = fit_step_cost(args.records)
+        cost = vars(fit_step_cost(pd.read_pickle(args.records)))
     else:
         fits = json.loads(Path(args.router).read_text())["fits"]
         per_token = fits["prompt-lookup k=4"]["per_token_s"]
         cost = {"fixed_s": fits["target-only"]["fixed_s"] + fits["target-only"]["per_token_s"] - per_token,
-                "per_verified_token_s": per_token, "drafted_step_surcharge_s": 0.0}
+                "per_verified_token_s": per_token, "drafted_surcharge_s": 0.0}
     print("step cost: " + ", ".join(f"{name} {value * 1000:.2f} ms" for name, value in cost.items()))
     rows = []
     for scope, members in (("multi-turn", [r for r in requests if r["set"] in MULTI_TURN]), ("all", requests)):
         for name, (make, k) in SETTINGS.items():
             found = replay(members, make, k)
             seconds = (found["steps"] * cost["fixed_s"] + cost["per_verified_token_s"] * found["verified"]
-                       + cost["drafted_step_surcharge_s"] * found["drafting_steps"])
+                       + cost["drafted_surcharge_s"] * found["drafting_steps"])
             rows.append({"requests": scope, "setting": name, **found, "priced_tokens_per_s": found["tokens"] / seconds})
             print(f"{scope:10s} {name:32s} tok/step {found['tokens_per_step']:.3f}  verified/step "
                   f"{found['verified_per_step']:.2f}  priced {rows[-1]['priced_tokens_per_s']:.2f} tok/s")

@@ -33,6 +33,7 @@ from specbench.models.loading import load_model
 from specbench.models.spec import ModelSpec
 from specbench.route.auto import calibrate, candidates_from
 from specbench.route.router import LEARN, MARGIN, fit_router, parse_margin, rows_of
+from specbench.route.suffix_floor import choose_min_score
 
 from common import RESULTS, write_report
 
@@ -102,9 +103,11 @@ def main() -> None:
     parser.add_argument("--suffix-min-prob", type=float, default=SuffixSettings.min_prob,
                         help="suffix methods draft no token whose estimated probability is under this "
                              "(a dear wide verify wants it higher)")
-    parser.add_argument("--suffix-min-score", type=float, default=SuffixSettings.min_score,
+    parser.add_argument("--suffix-min-score", type=floor_or_auto, default=SuffixSettings.min_score,
                         help="suffix methods draft nothing on a step whose proposal expects fewer accepted tokens "
-                             "(where a verify of 2 tokens costs much more than 1: float32 on an AVX2 CPU)")
+                             "(where a verify of 2 tokens costs much more than 1: float32 on an AVX2 CPU); 'auto': "
+                             "calibrate at 0, then the held-out runs take the floor `route.suffix_floor` picks from "
+                             "the calibration run (needs target-only among the candidates)")
     parser.add_argument("--hand-over", type=float, default=SuffixSettings.hand_over,
                         help="suffix-eagle candidates: the head drafts a step whose suffix proposal expects fewer "
                              "accepted tokens than this")
@@ -133,9 +136,13 @@ def main() -> None:
     print(f"{len(found)} requests ({len(calibration)} calibration, {len(held)} held out) in "
           f"{len(set(r['set'] for r in found))} families; scripted in {scripted_s:.0f} s")
 
+    if args.suffix_min_score == "auto" and "target-only" not in args.candidates:
+        raise SystemExit("--suffix-min-score auto replays the target's own outputs: add target-only to --candidates")
+    floor = {"min_score": 0.0 if args.suffix_min_score == "auto" else args.suffix_min_score}  # auto: chosen below
+
     def settings(cache):
         return SuffixSettings(name=cache, factor=args.suffix_factor, offset=args.suffix_offset,
-                              min_prob=args.suffix_min_prob, min_score=args.suffix_min_score,
+                              min_prob=args.suffix_min_prob, min_score=floor["min_score"],
                               hand_over=args.hand_over, head_k=args.head_k)
 
     def one(method, k, prompts, families, cache, **extra):
@@ -159,6 +166,13 @@ def main() -> None:
         produced = outputs(calibration_records[calibration_records["method"] == "target-only"])
         Path(args.out).with_suffix(".calibration.json").write_text(json.dumps(
             [dict(r, output=produced[("target-only", i)]) for i, r in enumerate(calibration)]))
+        if args.suffix_min_score == "auto":
+            floor["min_score"], floors = choose_min_score(
+                [r["ids"] for r in calibration], [produced[("target-only", i)] for i in range(len(calibration))],
+                calibration_records, settings("replay"), k=max((c.k for c in candidates if c.method == "suffix"),
+                                                                default=16))
+            print(f"suffix floor from the calibration run: min_score {floor['min_score']} "
+                  f"({floors.attrs['step_cost']})\n{floors.round(3).to_string(index=False)}")
     router.save(Path(args.out).with_suffix(".router.json"))
     print(f"router: default {router.default}, margin {router.margin}"
           + (f" (cross-validated tok/s by margin: {router.margins})" if router.margins else ""))
@@ -182,10 +196,15 @@ def main() -> None:
     report = summarise(pd.DataFrame(rows), [c.label for c in candidates])
     report.update({"args": vars(args), "requests": len(found), "calibration": len(calibration), "held_out": len(held),
                    "seconds": round(time.perf_counter() - started, 1), "router_default": router.default,
-                   "router_margin": str(router.margin),
+                   "router_margin": str(router.margin), "suffix_min_score": floor["min_score"],
+                   **({"suffix_floors": floors.to_dict("records")} if args.suffix_min_score == "auto" else {}),
                    "router_margins": {str(m): v for m, v in router.margins.items()},
                    "router_features": json.loads(Path(args.out).with_suffix(".router.json").read_text())["features"]})
     write_report(args.out, report)
+
+
+def floor_or_auto(text: str) -> float | str:
+    return "auto" if text == "auto" else float(text)
 
 
 def summarise(rows: pd.DataFrame, fixed: list[str]) -> dict:

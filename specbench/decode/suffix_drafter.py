@@ -30,8 +30,8 @@ class SuffixSettings:
     match earns a long draft), none with an estimated probability under `min_prob`; `depth` bounds both the
     match and the draft. A step whose proposal expects fewer than `min_score` accepted tokens drafts nothing:
     where a verify of two tokens costs much more than one (1.7x for SmolLM2 in float32 on an AVX2 CPU, about
-    1.1x in bf16 with AVX-512), a doubtful draft loses more than it brings; pick it from the target's profile,
-    c(2 tokens) / c(1) - 1 at the least. The cache keeps at most `cache_requests` outputs and `cache_tokens`
+    1.1x in bf16 with AVX-512), a doubtful draft loses more than it brings; `route.suffix_floor` picks it
+    from a calibration run. The cache keeps at most `cache_requests` outputs and `cache_tokens`
     tokens (its index holds up to `depth` nodes a token: about 1.5 KB a token at depth 24 on random text, less
     on text that repeats). In a hybrid (`suffix-eagle`), a step whose suffix proposal expects fewer accepted
     tokens than `hand_over` is drafted by the head instead, with at most `head_k` tokens (chain) or nodes
