@@ -136,7 +136,7 @@ def _run_method(chosen, planner, proactive, *, target, source, prompt_ids, k, ma
     decoding = Decoding(k, max_new_tokens, sampling, f"{chosen.name}+planner" if planned else chosen.name,
                         chosen.kind, planned)
     one = dict(target=target, method=chosen, drafter=drafter, decoding=decoding, draft=draft,
-               proactive=proactive and chosen.drafts_ahead)
+               proactive=proactive and chosen.drafts_ahead, suffix=source.suffix)
     if warmup:
         _warm_up(prompt_ids[0], seed, one, source)
     rows = []
@@ -165,7 +165,7 @@ def _run_auto(router, families, *, target, source, prompt_ids, k, max_new_tokens
             decoding = Decoding(max(1, candidate.k), max_new_tokens, sampling, "auto", method.kind)
             built[candidate] = one = dict(target=target, method=method, decoding=decoding, draft=draft,
                                           drafter=wrap(method.build(source)) if method.build else None,
-                                          proactive=False)
+                                          proactive=False, suffix=source.suffix)
             if warmup:
                 _warm_up(prompt_ids[0], seed, one, source)
         return built[candidate]
@@ -237,13 +237,13 @@ def _plannable() -> list[Method]:
     return [m for m in METHODS.values() if m.plannable]
 
 
-def _generate_one(ids, prompt_index, seed, *, target, method, drafter, decoding, draft, proactive):
-    """One prompt through one method; worker methods run wholly on the worker."""
+def _generate_one(ids, prompt_index, seed, *, target, method, drafter, decoding, draft, proactive, suffix=None):
+    """One prompt through one method; worker methods run wholly on the worker (with `suffix`'s step knobs)."""
     if method.on_worker:
         draft_spec = ModelSpec(draft) if isinstance(draft, str) else draft if isinstance(draft, ModelSpec) else None
         return target.generate_on_worker(method.name, ids, k=decoding.k, max_new_tokens=decoding.max_new_tokens,
                                          sampling=decoding.sampling, seed=seed, prompt_index=prompt_index,
-                                         draft=draft_spec)
+                                         draft=draft_spec, suffix=suffix)
     step = ProactiveDrafting() if proactive else speculative_step
     return generate(target, drafter, ids, decoding, seed=seed, prompt_index=prompt_index, step=step)
 

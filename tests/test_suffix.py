@@ -212,6 +212,46 @@ def test_suffix_through_a_worker_on_either_side(tiny_target):
         assert [got[(method, i)] for i in range(3)] == [local[("target-only", i)] for i in range(3)], method
 
 
+def test_a_client_sets_the_worker_side_floor_and_bad_knobs_are_refused_by_name(tiny_target):
+    """`suffix-server` drafts on the worker with the client's step knobs (the floor here): greedy output stays
+    target-only's, a floor nothing reaches drafts nothing; a malformed `suffix` field is refused by name and
+    the worker keeps serving."""
+    import numpy as np
+
+    from specbench.worker import protocol
+    from specbench.worker.client import RemoteTarget
+    from worker_helpers import ThreadWorker
+
+    for bad, message in (({"cache": "off"}, "unknown suffix fields"), ({"min_score": -1.0}, "min_score must be >= 0"),
+                         ({"head_k": 1.5}, "whole number"), ({"factor": float("nan")}, "finite"),
+                         ({"offset": True}, "finite number"), ([1], "must be a map")):
+        with pytest.raises(protocol.ProtocolError, match=message):
+            protocol.suffix_from_wire(bad)
+    assert protocol.suffix_to_wire(SuffixSettings(cache="off", name="x")) == {}  # nothing the worker keeps
+    assert protocol.suffix_to_wire(SuffixSettings(min_score=2.0)) == {"min_score": 2.0}
+    running = ThreadWorker()
+    try:
+        remote = RemoteTarget(running.endpoint)
+        drafted, got = {}, {}
+        for floor in (0.0, 1000.0):
+            records = run(remote, PROMPTS[:3], method="suffix-server", k=6, max_new_tokens=24, progress=False,
+                          suffix=SuffixSettings(min_score=floor))
+            got[floor], drafted[floor] = outputs(records), records["drafted"].sum()
+        header = {"op": "generate", "method": "suffix-server", "k": 4, "max_new_tokens": 4, "seed": 0,
+                  "sampling": protocol.sampling_to_wire(SamplingParams()), "model": remote.model_identity,
+                  "suffix": {"depth": 2}}
+        with pytest.raises(SpecbenchError, match="unknown suffix fields"):
+            remote._request(header, {"tokens": np.asarray(PROMPTS[0], dtype=np.int32)})
+        after = outputs(run(remote, PROMPTS[:1], method="suffix-server", k=6, max_new_tokens=24, progress=False))
+    finally:
+        running.stop()
+    local = outputs(run(tiny_target, PROMPTS[:3], method="target-only", max_new_tokens=24, progress=False))
+    for floor in got:
+        assert [got[floor][("suffix-server", i)] for i in range(3)] == [local[("target-only", i)] for i in range(3)]
+    assert drafted[0.0] > 0 and drafted[1000.0] == 0
+    assert after[("suffix-server", 0)] == local[("target-only", 0)]
+
+
 @pytest.mark.parametrize("tree", [False, True])
 def test_suffix_sampling_follows_the_target(tree):
     """Point-mass proposals from counts: the first two sampled tokens follow the target exactly."""

@@ -156,8 +156,9 @@ class RemoteTarget:
     # -- worker-side operations ------------------------------------------------------------------
     def generate_on_worker(self, method: str, prompt_ids: Sequence[int], *, k: int, max_new_tokens: int,
                            sampling: SamplingParams, seed: int, prompt_index: int = 0,
-                           draft: Optional[ModelSpec] = None) -> Generation:
-        """Server-only baselines (AutoDraft's Server-Only and Server-Only-AR): only finished tokens travel."""
+                           draft: Optional[ModelSpec] = None, suffix=None) -> Generation:
+        """Server-only baselines (AutoDraft's Server-Only and Server-Only-AR): only finished tokens travel.
+        `suffix` (SuffixSettings): its step knobs (floor, factor, ...) shape the worker's suffix drafting."""
         # `model`: run only on the model this client decodes with; `request`: a resend after a timeout
         # joins (or replays) the run under way instead of starting a second one
         header = {"op": "generate", "method": method, "k": k, "max_new_tokens": max_new_tokens,
@@ -165,6 +166,8 @@ class RemoteTarget:
                   "request": uuid.uuid4().hex}
         if draft is not None:
             header["draft"] = protocol.spec_to_wire(draft)
+        if suffix is not None and protocol.suffix_to_wire(suffix):
+            header["suffix"] = protocol.suffix_to_wire(suffix)
         reply, arrays, timing = self._request(header, {"tokens": np.asarray(list(prompt_ids), dtype=np.int32)},
                                               with_timing=True)
         self._confirm_model(reply)

@@ -90,6 +90,7 @@ def generate(ops, header: dict, arrays: dict, curve_key: str):
     prompt = protocol.array(arrays, "tokens")
     check(len(prompt), limits.max_prompt_tokens, "prompt tokens", "--max-prompt-tokens")
     sampling = protocol.sampling_from_wire(get(header, "sampling", dict))
+    suffix = protocol.suffix_from_wire(header["suffix"]) if "suffix" in header else {}
     seed = protocol.integer(header, "seed", 0, MAX_SEED, 0)
     draft_spec = protocol.spec_from_wire(header["draft"]) if "draft" in header else ops.config.draft
     target = ops.ensure_loaded()
@@ -108,12 +109,12 @@ def generate(ops, header: dict, arrays: dict, curve_key: str):
     ops.check_kv(incoming=len(prompt) + max_new_tokens + k)
     drafter = None
     if METHODS[method].lookup:  # suffix decoding on the worker: no draft model
-        drafter = _suffix_drafter(ops, target, METHODS[method], principal)
+        drafter = _suffix_drafter(ops, target, METHODS[method], principal, suffix)
     elif METHODS[method].kind != "none":  # the worker drafts too
         if draft_spec is None:
             raise SpecbenchError("server-only needs a draft model: start the worker with --draft or send one")
         ops.policy.check(draft_spec)
-        drafter = _server_drafter(ops, target, METHODS[method], draft_spec, principal)
+        drafter = _server_drafter(ops, target, METHODS[method], draft_spec, principal, suffix)
     decoding = Decoding(k, max_new_tokens, sampling, method=method, kind=METHODS[method].kind)
     steps = generate_steps(target, drafter, prompt.tolist(), decoding, seed=seed,
                            session=f"generate/{ops.stats.requests}", prefill_chunk=ops.config.slice_tokens)
@@ -131,7 +132,7 @@ def generate(ops, header: dict, arrays: dict, curve_key: str):
     return Job(run(), key=key, principal=principal, op="generate", busy=ops.stats.add_busy)
 
 
-def _server_drafter(ops, target, method, draft_spec, principal: str):
+def _server_drafter(ops, target, method, draft_spec, principal: str, suffix: dict):
     """The worker's drafter for a generate: the draft model's (kept between requests; the prompt it drafts
     for is in its context), or, for a head method, a drafter of its own over the kept head (a head drafter
     is bound to one session, and generates of several clients interleave; a hybrid's suffix half drafts
@@ -147,7 +148,7 @@ def _server_drafter(ops, target, method, draft_spec, principal: str):
             ops.log(f"loading draft head {draft_spec.label}")
             head = load_head(draft_spec.model, target.loaded)
             ops.heads = {draft_spec: head}  # one head kept, like one draft model
-        settings, key = _suffix_scope(ops, principal)
+        settings, key = _suffix_scope(ops, principal, suffix)
         return method.worker_build(DraftSource(target, target.loaded, head, suffix=settings), key=key)
     if ops.draft is None or ops.draft.draft.spec != draft_spec:
         ops.log(f"loading draft {draft_spec.label}")
@@ -190,21 +191,22 @@ def _routed(ops, prompt: list) -> tuple[str, int, dict]:
     return method, max(1, candidate.k), told
 
 
-def _suffix_drafter(ops, target, method, principal: str):
+def _suffix_drafter(ops, target, method, principal: str, suffix: dict):
     """A suffix drafter per request over the worker's cache of earlier outputs (`_suffix_scope`)."""
     from specbench.methods import DraftSource
 
-    settings, key = _suffix_scope(ops, principal)
+    settings, key = _suffix_scope(ops, principal, suffix)
     return method.worker_build(DraftSource(target, target.loaded, suffix=settings), key=key)
 
 
-def _suffix_scope(ops, principal: str):
+def _suffix_scope(ops, principal: str, suffix: dict):
     """(suffix settings, cache key) of a request on this worker: a cache per tenant by default
-    (`--suffix-cache tenant`), one for all (`shared`), or none (`off`)."""
+    (`--suffix-cache tenant`), one for all (`shared`), or none (`off`); the request's own step knobs
+    (`suffix`, checked by `protocol.suffix_from_wire`) on top."""
     from specbench.decode.suffix_drafter import SuffixSettings
 
     scope = ops.config.suffix_cache
-    settings = SuffixSettings(cache="off" if scope == "off" else "process")
+    settings = SuffixSettings(cache="off" if scope == "off" else "process", **suffix)
     return settings, ("worker", ops.identity) + (() if scope == "shared" else (principal,))
 
 

@@ -164,6 +164,43 @@ def sampling_from_wire(data: Any) -> SamplingParams:
         raise ProtocolError(f"bad sampling settings: {error}") from None
 
 
+# suffix decoding's per-step knobs a client may set for its own worker-side requests; the cache's scope, depth
+# and size stay the worker's (its cache is shared by the tenant's requests, or by all)
+SUFFIX_STEP_FIELDS = ("factor", "offset", "min_prob", "min_score", "hand_over", "head_k")
+
+
+def suffix_to_wire(settings) -> dict:
+    """The step knobs of `settings` (a SuffixSettings) that differ from the defaults: empty for defaults,
+    so a client that sets none sends nothing a worker of before would refuse."""
+    from specbench.decode.suffix_drafter import SuffixSettings
+
+    default = SuffixSettings()
+    return {name: getattr(settings, name) for name in SUFFIX_STEP_FIELDS
+            if getattr(settings, name) != getattr(default, name)}
+
+
+def suffix_from_wire(data: Any) -> dict:
+    """Checked step knobs (changes to apply to the worker's SuffixSettings), each refused by name."""
+    from specbench.decode.suffix_drafter import SuffixSettings
+
+    if not isinstance(data, dict):
+        raise ProtocolError("field 'suffix' must be a map of suffix decoding settings")
+    unknown = set(data) - set(SUFFIX_STEP_FIELDS)
+    if unknown:
+        raise ProtocolError(f"unknown suffix fields {sorted(map(str, unknown))} (a client sets "
+                            f"{list(SUFFIX_STEP_FIELDS)}; the cache is the worker's)")
+    for name, value in data.items():
+        whole = name == "head_k"
+        if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)) \
+                or not math.isfinite(value):
+            raise ProtocolError(f"suffix field {name!r} must be a finite {'whole number' if whole else 'number'}")
+    try:
+        SuffixSettings(**data)  # its own range checks
+    except (SpecbenchError, TypeError) as error:
+        raise ProtocolError(f"bad suffix settings: {error}") from None
+    return dict(data)
+
+
 def spec_to_wire(spec: ModelSpec) -> dict:
     return {key: value for key, value in spec.__dict__.items() if value is not None}
 
