@@ -25,7 +25,7 @@ import torch
 
 from specbench.decode.drafters import PromptLookupDrafter
 from specbench.decode.suffix_drafter import SuffixDrafter, SuffixSettings
-from specbench.route.suffix_floor import fit_step_cost
+from specbench.route.suffix_floor import StepCost, fit_step_cost
 from specbench.types import SamplingParams
 
 from common import RESULTS, write_report
@@ -88,23 +88,21 @@ def main() -> None:
     args = parser.parse_args()
     requests = json.loads(Path(args.requests).read_text())
     if args.records:
-        cost = vars(fit_step_cost(pd.read_pickle(args.records)))
+        cost = fit_step_cost(pd.read_pickle(args.records))
     else:
         fits = json.loads(Path(args.router).read_text())["fits"]
         per_token = fits["prompt-lookup k=4"]["per_token_s"]
-        cost = {"fixed_s": fits["target-only"]["fixed_s"] + fits["target-only"]["per_token_s"] - per_token,
-                "per_verified_token_s": per_token, "drafted_surcharge_s": 0.0}
-    print("step cost: " + ", ".join(f"{name} {value * 1000:.2f} ms" for name, value in cost.items()))
+        cost = StepCost(fits["target-only"]["fixed_s"] + fits["target-only"]["per_token_s"] - per_token, per_token, 0.0)
+    print("step cost: " + ", ".join(f"{name} {value * 1000:.2f} ms" for name, value in vars(cost).items()))
     rows = []
     for scope, members in (("multi-turn", [r for r in requests if r["set"] in MULTI_TURN]), ("all", requests)):
         for name, (make, k) in SETTINGS.items():
             found = replay(members, make, k)
-            seconds = (found["steps"] * cost["fixed_s"] + cost["per_verified_token_s"] * found["verified"]
-                       + cost["drafted_surcharge_s"] * found["drafting_steps"])
+            seconds = cost.seconds(found["steps"], found["verified"], found["drafting_steps"])
             rows.append({"requests": scope, "setting": name, **found, "priced_tokens_per_s": found["tokens"] / seconds})
             print(f"{scope:10s} {name:32s} tok/step {found['tokens_per_step']:.3f}  verified/step "
                   f"{found['verified_per_step']:.2f}  priced {rows[-1]['priced_tokens_per_s']:.2f} tok/s")
-    write_report(args.out, {"rows": rows, "step_cost": cost, "requests": len(requests)})
+    write_report(args.out, {"rows": rows, "step_cost": vars(cost), "requests": len(requests)})
 
 
 if __name__ == "__main__":

@@ -166,8 +166,9 @@ class RemoteTarget:
                   "request": uuid.uuid4().hex}
         if draft is not None:
             header["draft"] = protocol.spec_to_wire(draft)
-        if suffix is not None and protocol.suffix_to_wire(suffix):
-            header["suffix"] = protocol.suffix_to_wire(suffix)
+        knobs = protocol.suffix_to_wire(suffix) if suffix is not None else {}
+        if knobs:
+            header["suffix"] = knobs
         reply, arrays, timing = self._request(header, {"tokens": np.asarray(list(prompt_ids), dtype=np.int32)},
                                               with_timing=True)
         self._confirm_model(reply)
