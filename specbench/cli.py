@@ -61,12 +61,22 @@ def _run(args) -> int:
     records = run(target, args.prompt or DEMO_PROMPTS, method=args.method, draft=draft, k=args.k,
                   max_new_tokens=args.max_new_tokens, sampling=sampling, dtype=args.dtype, planner=planner,
                   substitute_quantization=args.substitute_quant, cross_tokenizer=args.cross_tokenizer,
-                  fast=args.fast, self_draft_layers=getattr(args, "self_draft_layers", None), router=_router(args))
+                  fast=args.fast, self_draft_layers=getattr(args, "self_draft_layers", None), router=_router(args),
+                  suffix=_suffix(args))
     print(summarize(records).round(3).to_string(index=False))
     if args.out:
         records.to_csv(args.out, index=False)
         print(f"per-step records: {args.out}")
     return 0
+
+
+def _suffix(args):
+    """`--suffix KEY=VALUE ...`: suffix decoding's settings for the suffix methods (and `auto`'s)."""
+    if not args.suffix:
+        return None
+    from specbench.decode.suffix_drafter import SuffixSettings, suffix_options
+
+    return SuffixSettings(**suffix_options(args.suffix))
 
 
 def _router(args):
@@ -241,6 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
     run_parser.add_argument("--draft-budget-mib", type=float, default=None,
                             help="with --plan: the draft device's memory; K only where the draft's weights and "
                                  "cache fit, plain target steps beyond")
+    run_parser.add_argument("--suffix", nargs="+", metavar="KEY=VALUE",
+                            help="suffix decoding's settings, e.g. min_score=2 factor=2 cache=drafter (the fields of "
+                                 "SuffixSettings; docs/methods/suffix.md)")
     run_parser.add_argument("--router", help="method auto: the router file (`specbench route`) that picks each "
                                              "prompt's method and K")
     run_parser.set_defaults(handler=_run)

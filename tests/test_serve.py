@@ -38,7 +38,7 @@ class Served(BackgroundServer):
 
 
 def settings(**changes) -> ServeSettings:
-    base = dict(target=MODEL, methods=("target-only", "chain", "prompt-lookup"), draft=MODEL, k=3,
+    base = dict(target=MODEL, methods=("target-only", "chain", "prompt-lookup", "suffix"), draft=MODEL, k=3,
                 port=free_port(), limits=Limits(max_tokens=128, max_prompt_tokens=256, max_body_bytes=20_000))
     return ServeSettings(**{**base, **changes})
 
@@ -138,6 +138,24 @@ def test_concurrent_requests_get_what_they_get_alone(local, expected):
     assert texts == [expected["chat"][index] for index, _, _ in jobs]
 
 
+def test_a_request_sets_suffix_decodings_step_knobs(local, expected):
+    """speculative.suffix changes the knobs of that request only: a floor no proposal reaches drafts
+    nothing, the server's defaults draft the repeating prompt, and the text is target-only's either way."""
+    client = local.client()
+
+    def ask(suffix):
+        extra = {"speculative": {"method": "suffix", "k": 8, **({"suffix": suffix} if suffix else {})}}
+        reply = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=TOKENS, temperature=0,
+                                          extra_body=extra)
+        return reply.choices[0].text, reply.usage.speculative
+
+    floored, usage = ask({"min_score": 1000.0, "factor": 2})
+    assert floored == expected["raw"][1] and usage["drafted_tokens"] == 0
+    assert usage["suffix"] == {"factor": 2, "min_score": 1000.0}
+    plain, usage = ask(None)
+    assert plain == expected["raw"][1] and usage["accepted_tokens"] > 0 and "suffix" not in usage
+
+
 def test_a_planned_server_picks_k_per_step_and_stays_lossless(remote, expected):
     """--plan: the shipped SmolLM2 profile and prompt-lookup reference steer K step by step."""
     import threading
@@ -227,6 +245,12 @@ BAD = [
      "speculative.method"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "speculative": {"method": "chain", "k": 99}},
      {}, 400, "speculative.k"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+      "speculative": {"method": "suffix", "suffix": {"min_score": -1}}}, {}, 400, "speculative.suffix"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+      "speculative": {"method": "suffix", "suffix": {"cache": "off"}}}, {}, 400, "speculative.suffix"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+      "speculative": {"method": "chain", "suffix": {"min_score": 1}}}, {}, 400, "speculative.suffix"),
     ({"model": MODEL, "prompt": [0, 1, 10**9]}, {}, 400, "prompt"),
     ({"model": MODEL, "prompt": "word " * 400}, {}, 400, "prompt"),
     ({"model": MODEL, "prompt": "x" * 30_000}, {}, 413, None),
@@ -324,7 +348,7 @@ def test_chat_page_streams_a_coloured_reply_and_switches_method(local, expected)
     try:
         driver.get(local.url)
         wait = WebDriverWait(driver, 120)
-        wait.until(lambda d: len(Select(d.find_element(By.ID, "method")).options) == 3)
+        wait.until(lambda d: len(Select(d.find_element(By.ID, "method")).options) == 4)
         for turn, method in enumerate(("chain", "target-only")):
             Select(driver.find_element(By.ID, "method")).select_by_visible_text(method)
             driver.find_element(By.ID, "max-tokens").clear()

@@ -135,6 +135,22 @@ def test_settings_refuse_nonsense_by_name():
         SuffixIndex(1)
 
 
+def test_command_line_words_become_settings_each_refused_by_name():
+    """`specbench run --suffix ...` and `specbench serve --suffix ...`: KEY=VALUE typed as the field."""
+    from specbench.cli import _suffix, build_parser
+    from specbench.decode.suffix_drafter import suffix_options
+
+    args = build_parser().parse_args(["run", "--method", "suffix", "--suffix", "min_score=2", "factor=2",
+                                      "head-k=3", "cache=drafter"])
+    assert _suffix(args) == SuffixSettings(min_score=2.0, factor=2.0, head_k=3, cache="drafter")
+    assert _suffix(build_parser().parse_args(["run"])) is None
+    for words, message in ((["depth=3.5"], "depth must be a whole number"), (["floor=1"], "KEY one of"),
+                           (["min_score"], "KEY=VALUE"), (["min_prob=nan"], "finite"),
+                           (["min_prob=2"], "min_prob must be in"), (["cache=everywhere"], "suffix cache must be")):
+        with pytest.raises(SpecbenchError, match=message):
+            suffix_options(words)
+
+
 def test_an_earlier_output_drafts_a_later_request_only_where_the_cache_is_shared():
     """Two requests in one drafter: the second repeats the first's output, which only a cache carries."""
     first, second = [7, 1, 2, 3, 4, 5, 6, 8, 9], [11, 12]

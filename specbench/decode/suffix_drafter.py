@@ -13,6 +13,7 @@ drafter's requests only: one `run` call) or "off" (each request drafts from itse
 """
 from __future__ import annotations
 
+import math
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -63,6 +64,31 @@ class SuffixSettings:
             raise SpecbenchError(f"need hand_over >= 0 and head_k >= 1, got {self.hand_over}, {self.head_k}")
         if self.factor <= 0 or self.offset < 0:
             raise SpecbenchError(f"need factor > 0 and offset >= 0, got {self.factor}, {self.offset}")
+
+
+def suffix_options(words: Sequence[str]) -> dict:
+    """SuffixSettings fields from `KEY=VALUE` words (`--suffix min_score=2 factor=2`), each typed as its
+    field and refused by name: the command line's way to the knobs `run(suffix=...)` takes."""
+    from dataclasses import fields
+
+    kinds = {field.name: {"int": int, "float": float, "str": str}[str(field.type)] for field in fields(SuffixSettings)}
+    changes = {}
+    for word in words:
+        name, equals, text = word.partition("=")
+        name = name.strip().replace("-", "_")
+        if not equals or name not in kinds:
+            raise SpecbenchError(f"--suffix takes KEY=VALUE with KEY one of {list(kinds)}, got {word!r}")
+        kind = kinds[name]
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or (kind is float and not math.isfinite(value)):
+            wanted = {int: "a whole number", float: "a finite number"}.get(kind, "text")
+            raise SpecbenchError(f"--suffix {name} must be {wanted}, got {text!r}")
+        changes[name] = value
+    SuffixSettings(**changes)  # its own range checks, by name
+    return changes
 
 
 class SuffixCache:

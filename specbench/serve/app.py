@@ -232,6 +232,8 @@ class Answer:
                        "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
                        "tokens_per_step": round(generated / len(records), 4) if records else None,
                        "target_forwards": len(records) + 1}  # each step's verify plus the prefill
+        if self.job.speculation.suffix:
+            speculative["suffix"] = dict(self.job.speculation.suffix)
         return {"prompt_tokens": len(self.job.prompt_ids), "completion_tokens": generated,
                 "total_tokens": len(self.job.prompt_ids) + generated, "speculative": speculative}
 

@@ -15,6 +15,9 @@ def add_serve(commands) -> None:
                             "chain with --draft)")
     serve.add_argument("--k", type=int, default=4, help="default K (chain tokens or tree nodes)")
     serve.add_argument("--max-k", type=int, default=8, help="largest K a request may ask for")
+    serve.add_argument("--suffix", nargs="+", metavar="KEY=VALUE",
+                       help="suffix decoding's settings for the suffix methods, e.g. min_score=2 factor=2 (a request "
+                            "may change the step knobs in speculative.suffix; the cache stays the server's)")
     serve.add_argument("--plan", action="store_true", help="a step planner from the cached profiles picks K per step")
     serve.add_argument("--worker", help="a worker endpoint serving the target (default: one started in this process)")
     serve.add_argument("--dtype", default="float32")
@@ -51,6 +54,10 @@ def settings_from(args):
     if not target:
         raise SpecbenchError("serve needs --target (or --config from `specbench tune`)")
     methods = tuple(methods or (["target-only", "chain"] if draft else ["target-only"]))
+    if args.suffix:
+        from specbench.decode.suffix_drafter import SuffixSettings, suffix_options
+
+        extra["suffix"] = SuffixSettings(**suffix_options(args.suffix))
     limits = Limits(max_tokens=args.max_tokens, max_prompt_tokens=args.max_prompt_tokens,
                     max_concurrent=args.max_concurrent, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes)
     return ServeSettings(target=target, methods=methods, draft=draft, k=k, max_k=max(args.max_k, k), plan=args.plan,

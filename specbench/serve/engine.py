@@ -13,7 +13,7 @@ import queue
 import random
 import threading
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator, Optional
 
 from specbench.decode.loop import Decoding, generate_steps
@@ -73,7 +73,11 @@ class Engine:
         self.vocab_size, self.eos_token_ids = probe.vocab_size, probe.eos_token_ids
         self._clients.put(probe)
         self._draft = self._load_draft()
-        self._drafters: dict[str, queue.SimpleQueue] = {name: queue.SimpleQueue() for name in settings.methods}
+        from specbench.decode.suffix_drafter import SuffixSettings
+
+        self._suffix = settings.suffix or SuffixSettings()
+        # free drafters per (method, a request's suffix knobs); the suffix methods' cache is shared between them
+        self._drafters: dict[tuple, queue.SimpleQueue] = {}
         self._planners = self._build_planners()
         self.live = 0  # generations holding a worker session now (the tests count them)
         self._live_lock = threading.Lock()
@@ -148,24 +152,26 @@ class Engine:
         return planners
 
     # -- pools -------------------------------------------------------------------------------------
-    def _take_drafter(self, method: str, client):
-        """A free drafter of `method`, or a new one (drafters hold their own caches; at most one per
-        running generation is ever built). `client` is the caller's connection: the target it drafts for."""
+    def _take_drafter(self, method: str, client, suffix: tuple = ()):
+        """A free drafter of `method` with a request's `suffix` knobs, or a new one (drafters hold their own
+        state; at most one per running generation is ever built). `client` is the caller's connection: the
+        target it drafts for."""
         try:
-            return self._drafters[method].get_nowait()
+            return self._drafters.setdefault((method, suffix), queue.SimpleQueue()).get_nowait()
         except queue.Empty:
             found = get_method(method)
             if found.build is None:
                 return None
             target_model = self._worker.ops.target.loaded if self._worker is not None else None
             settings = self.settings
+            knobs = replace(self._suffix, **dict(suffix))
             source = DraftSource(client, target_model, self._draft, settings.dtype,
-                                 settings.self_draft_layers, settings.substitute_quantization)
+                                 settings.self_draft_layers, settings.substitute_quantization, suffix=knobs)
             return found.build(source)
 
-    def _give_drafter(self, method: str, drafter) -> None:
+    def _give_drafter(self, method: str, drafter, suffix: tuple = ()) -> None:
         if drafter is not None:
-            self._drafters[method].put(drafter)
+            self._drafters[(method, suffix)].put(drafter)
 
     # -- one request -------------------------------------------------------------------------------
     def check_prompt(self, prompt_ids: list[int]) -> list[int]:
@@ -187,7 +193,7 @@ class Engine:
         client, drafter = self._clients.get(), None
         steps = None
         try:
-            drafter = self._take_drafter(method.name, client)
+            drafter = self._take_drafter(method.name, client, job.speculation.suffix)
             planner = copy.deepcopy(self._planners[method.name]) if method.name in self._planners else None
             decoding = Decoding(job.speculation.k if method.kind != "none" else 0, job.max_tokens, job.sampling,
                                 method.name, method.kind, planner)
@@ -231,7 +237,7 @@ class Engine:
                 steps.close()  # closes the worker session
                 with self._live_lock:
                     self.live -= 1
-            self._give_drafter(method.name, drafter)
+            self._give_drafter(method.name, drafter, job.speculation.suffix)
             self._clients.put(client)
 
 

@@ -6,7 +6,7 @@ server offers (methods, K, limits); a request asking for anything else is refuse
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from specbench.types import SpecbenchError
 
@@ -64,6 +64,7 @@ class ServeSettings:
     port: int = 8000
     api_key: Optional[str] = field(default=None, repr=False)
     limits: Limits = Limits()
+    suffix: Any = None  # SuffixSettings of the suffix methods (`--suffix`): default knobs, the cache's scope
 
     def __post_init__(self):
         from specbench.methods import get_method
@@ -84,10 +85,12 @@ class ServeSettings:
 
 @dataclass(frozen=True)
 class Speculation:
-    """What one request decodes with: a method the server offers and its K."""
+    """What one request decodes with: a method the server offers, its K, and for suffix methods the
+    step knobs it changes (`suffix`: sorted (field, value) pairs over the server's settings)."""
 
     method: str
     k: int
+    suffix: tuple = ()
 
     @classmethod
     def from_request(cls, asked, settings: ServeSettings) -> "Speculation":
@@ -96,9 +99,9 @@ class Speculation:
             return cls(settings.default_method, settings.k)
         if not isinstance(asked, dict):
             raise RequestError("speculative must be an object like {\"method\": \"chain\", \"k\": 4}", "speculative")
-        unknown = set(asked) - {"method", "k"}
+        unknown = set(asked) - {"method", "k", "suffix"}
         if unknown:
-            raise RequestError(f"speculative takes method and k, not {sorted(unknown)}", "speculative")
+            raise RequestError(f"speculative takes method, k and suffix, not {sorted(unknown)}", "speculative")
         method = asked.get("method", settings.default_method)
         if method not in settings.methods:
             raise RequestError(f"method {method!r} is not offered by this server (started with "
@@ -107,4 +110,19 @@ class Speculation:
         k = asked.get("k", settings.k)
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= settings.max_k:
             raise RequestError(f"speculative.k must be an integer in 1..{settings.max_k}, got {k!r}", "speculative.k")
-        return cls(method, k)
+        return cls(method, k, _suffix_knobs(asked.get("suffix"), method))
+
+
+def _suffix_knobs(asked, method: str) -> tuple:
+    """A request's suffix step knobs, checked as a worker checks a client's (`protocol.suffix_from_wire`)."""
+    if asked is None:
+        return ()
+    if not method.startswith("suffix"):
+        raise RequestError(f"speculative.suffix sets suffix decoding's knobs; method {method!r} does not use them",
+                           "speculative.suffix")
+    from specbench.worker.protocol import ProtocolError, suffix_from_wire
+
+    try:
+        return tuple(sorted(suffix_from_wire(asked).items()))
+    except ProtocolError as error:
+        raise RequestError(str(error), "speculative.suffix") from None
