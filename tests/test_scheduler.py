@@ -79,7 +79,7 @@ def test_resent_prefill_joins_and_newer_one_supersedes():
 
 
 def test_eight_clients_keep_stepping_through_long_requests(tiny_target, tiny_draft):
-    """Seven client processes decode while an eighth sends a 480-token prompt and a 300-token
+    """Seven client processes decode while an eighth sends a 480-token prompt and a 150-token
     server-only generate: the seven's steps keep completing during both (a slice at a time, prefill
     chunks also riding in their verify batches), and every output, the long ones included, equals the
     same prompt run alone."""
@@ -88,7 +88,7 @@ def test_eight_clients_keep_stepping_through_long_requests(tiny_target, tiny_dra
         ready, go, results = [context.Event() for _ in range(7)], context.Event(), context.Queue()
         prompts = [PROMPTS[i % len(PROMPTS)][: 4 + i % 4] for i in range(7)]
         clients = [context.Process(target=decode_in_process,
-                                   args=(worker.endpoint, prompts[i], 400, "chain" if i % 2 else "target-only",
+                                   args=(worker.endpoint, prompts[i], 240, "chain" if i % 2 else "target-only",
                                          ready[i], go, results)) for i in range(7)]
         for client in clients:
             client.start()
@@ -101,7 +101,7 @@ def test_eight_clients_keep_stepping_through_long_requests(tiny_target, tiny_dra
         long = generate(remote, None, LONG_PROMPT, Decoding(0, 20, kind="none"), session="long")
         prefill_window = (started, started + long.prefill_s)
         started = time.time()
-        server_only = remote.generate_on_worker("server-only-ar", PROMPTS[0], k=1, max_new_tokens=300,
+        server_only = remote.generate_on_worker("server-only-ar", PROMPTS[0], k=1, max_new_tokens=150,
                                                 sampling=SamplingParams(), seed=0)
         generate_window = (started, time.time())
         finished = [results.get(timeout=300) for _ in clients]
@@ -114,7 +114,7 @@ def test_eight_clients_keep_stepping_through_long_requests(tiny_target, tiny_dra
     during_generate = sum(generate_window[0] < t < generate_window[1] for *_, stamps in finished for t in stamps)
     longest_gap = max(b - a for *_, stamps in finished for a, b in zip(stamps, stamps[1:]))
     print(f"\nother clients' steps during the 480-token prefill ({long.prefill_s:.2f} s): {during_prefill}; "
-          f"during the 300-token generate ({generate_window[1] - generate_window[0]:.2f} s): {during_generate}; "
+          f"during the 150-token generate ({generate_window[1] - generate_window[0]:.2f} s): {during_generate}; "
           f"longest wait between two steps of a client: {longest_gap:.2f} s")
     assert during_prefill >= 20 and during_generate >= 50, "long requests held the other clients"
     assert batched_prefill > 0, "no prefill chunk rode in the others' verify batches"
@@ -124,9 +124,9 @@ def test_eight_clients_keep_stepping_through_long_requests(tiny_target, tiny_dra
     assert sum(busy.values()) < stats["uptime_s"], busy
     assert longest_gap < 10.0
     for prompt, method, output, _ in finished:
-        assert output == greedy_alone(tiny_target, prompt, 400), (prompt, method)
+        assert output == greedy_alone(tiny_target, prompt, 240), (prompt, method)
     assert long.output_ids == greedy_alone(tiny_target, LONG_PROMPT, 20)
-    assert server_only.output_ids == greedy_alone(tiny_target, PROMPTS[0], 300)
+    assert server_only.output_ids == greedy_alone(tiny_target, PROMPTS[0], 150)
 
 
 def test_a_clients_long_requests_count_against_its_quota():
