@@ -219,8 +219,8 @@ def _longest_requests(vocab: int) -> dict:
     short, so the test takes seconds, not the minutes a 4,096-token profile point takes on a CPU)."""
     prompt = lambda n, step: _tokens([(i * step) % (vocab - 10) + 5 for i in range(n)])  # noqa: E731
     return {
-        "profile": ({"op": "profile", "tokens": [SLICE], "contexts": [256], "batches": [1], "repeats": 20}, None),
-        "generate": ({"op": "generate", "method": "server-only", "k": 8, "max_new_tokens": 32, "sampling": GREEDY},
+        "profile": ({"op": "profile", "tokens": [SLICE], "contexts": [256], "batches": [1], "repeats": 8}, None),
+        "generate": ({"op": "generate", "method": "server-only", "k": 8, "max_new_tokens": 16, "sampling": GREEDY},
                      prompt(768, 11)),
         "prefill": ({"op": "prefill", "session": "long", "epoch": 1}, prompt(1536, 13)),
     }
@@ -228,7 +228,7 @@ def _longest_requests(vocab: int) -> dict:
 
 @pytest.mark.serial
 def test_one_tenants_longest_requests_hold_a_decoding_tenant_one_slice_at_most():
-    """The fairness bound, on SmolLM2: beside another client's profile point (20 repeats of 256 tokens),
+    """The fairness bound, on SmolLM2: beside another client's profile point (8 repeats of 256 tokens),
     a server-only generate (a 768-token prompt, k 8) and a 1,536-token prefill, sent together, a
     decoding client's worst step stays within one slice plus one batch (x1.5, + 0.25 s for
     this box's scheduling), and its output is identical to its undisturbed run. A slice is the longer of
