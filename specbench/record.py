@@ -56,7 +56,7 @@ def record_reference(target: ModelLike, draft: ModelLike, prompts, dataset: str,
     `progress`: a bar per run (the chain, each tree budget), labelled with the pair or the string given.
     Each step keeps its prompt's index, and `families` (one per prompt) its family, so the reference can be
     narrowed to one family (`AcceptanceReference.for_family`)."""
-    from specbench.heads.profile import head_label, is_head
+    from specbench.heads.profile import head_feature_bytes, head_label, is_head
 
     sampling = sampling or SamplingParams()
     target_loaded = as_loaded(target, dtype)
@@ -115,7 +115,8 @@ def record_reference(target: ModelLike, draft: ModelLike, prompts, dataset: str,
         dataset=dataset, rule=sampling.effective_rule, temperature=sampling.temperature, max_chain=max_chain,
         chain_accepts=tuple(int(a) for a in full["accepted"]), tree_accepts=tree_accepts,
         tree_depth=tree_depth, tree_width=tree_width, chain_prompts=tuple(int(p) for p in full["prompt_index"]),
-        tree_prompts=tree_prompts, prompt_families=tuple(str(f) for f in families) if families else ())
+        tree_prompts=tree_prompts, prompt_families=tuple(str(f) for f in families) if families else (),
+        feature_bytes=head_feature_bytes(draft) if chain_method == "eagle" else 0)
 
 
 def _asked(chain, max_chain: int, max_new_tokens: int):

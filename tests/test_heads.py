@@ -531,6 +531,27 @@ def test_a_head_is_profiled_recorded_and_predicted_like_any_draft(tmp_path):
     assert full["accepted"].sum() > 0
     assert rows[0]["tokens_per_step"] == pytest.approx(1 + full["accepted"].mean())
     assert rows[0]["tokens_per_s"] > 0 and rows[1]["tokens_per_step"] >= 1
+    # remote: both placements, the client side's feature rows (3 layers' inputs, float16) in its bytes
+    from specbench.plan.explore import operating_points
+    from specbench.plan.library import load_references, save_reference
+
+    assert reference.feature_bytes == 2 * head.fc.in_features == 2 * 3 * target.model.config.hidden_size
+    saved = save_reference(reference, folder=tmp_path / "references")
+    assert load_references(saved.parent)[0].feature_bytes == reference.feature_bytes
+    points = operating_points(reference, (4,), rtts_ms=(100.0,), remote=True, local=False)
+    by_label = {point.label: point for point in points}
+    assert sorted(by_label) == ["eagle K=4 (remote 100ms)", "eagle-server K=4 (remote 100ms)",
+                                "eagle-tree budget=4 (remote 100ms)", "eagle-tree-server budget=4 (remote 100ms)",
+                                "target-only (remote 100ms)"]
+    assert by_label["eagle K=4 (remote 100ms)"].feature_bytes == reference.feature_bytes
+    assert by_label["eagle-server K=4 (remote 100ms)"].feature_bytes == 0
+    priced = {row["label"]: row for row in predict(points, target_profile, profile, reference, context=16)}
+    client, server = priced["eagle K=4 (remote 100ms)"], priced["eagle-server K=4 (remote 100ms)"]
+    assert client["tokens_per_step"] == server["tokens_per_step"]
+    assert client["bytes_per_token"] > server["bytes_per_token"] + reference.feature_bytes  # a row per position
+    assert server["tokens_per_s"] > client["tokens_per_s"]  # no round trip per step on the worker's side
+    assert all(p.method in ("target-only", "eagle", "eagle-tree") for p in operating_points(
+        reference, (4,), rtts_ms=(100.0,), remote=True, local=False, worker_side=False))
 
 
 def test_distilling_the_targets_first_layers_gives_a_draft_that_is_accepted_more(tmp_path):

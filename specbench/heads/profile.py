@@ -68,6 +68,19 @@ def profile_head(head: EagleHead, label: str, tokens: Sequence[int] = (1, 2, 3, 
                      "power_watts": None}
 
 
+def head_feature_bytes(draft) -> int:
+    """Bytes of one position's feature row as a worker sends it to a client-side head (float16, the layers'
+    inputs side by side): what that placement adds to a verify reply per committed position."""
+    from pathlib import Path
+
+    if isinstance(draft, EagleHead):
+        return 2 * draft.fc.in_features
+    from specbench.heads.layouts import read_config
+
+    config, _ = read_config(Path(draft).expanduser())
+    return 2 * len(config.layer_ids or (0, 0, 0)) * config.features_size
+
+
 def is_head(draft) -> bool:
     """A draft that is a head (an EagleHead, or a folder whose config is a head's), not a model."""
     from pathlib import Path

@@ -5,6 +5,7 @@ question ("every method x size x place x RTT for this pair, priced") and must ge
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional, Sequence
 
 import pandas as pd
@@ -22,10 +23,13 @@ from specbench.types import SpecbenchError
 
 def operating_points(reference: Optional[AcceptanceReference], chain_ks: Sequence[int] = (1, 2, 3, 4, 5, 6, 8),
                      rtts_ms: Sequence[float] = (0.0,), remote: bool = False, local: bool = True,
-                     rule: str = "greedy", clients: Sequence[int] = (1,)) -> list[OperatingPoint]:
+                     rule: str = "greedy", clients: Sequence[int] = (1,),
+                     worker_side: bool = True) -> list[OperatingPoint]:
     """Target-only plus every chain K the reference covers and every tree budget it measured,
     at each place (local; remote at each RTT); with several client counts, each remote point again
-    per count (clients share a remote worker, never a local target)."""
+    per count (clients share a remote worker, never a local target). A draft head's remote points come
+    in both placements: on the client (its feature rows priced per committed position) and, with
+    `worker_side`, on the worker (`eagle-server`: tokens only, no round trip per step)."""
     places = ([("local", 0.0)] if local else []) + ([("remote", float(r)) for r in rtts_ms] if remote else [])
     if not places:
         raise SpecbenchError("choose local, remote or both")
@@ -36,8 +40,15 @@ def operating_points(reference: Optional[AcceptanceReference], chain_ks: Sequenc
         # a reference without a full chain step (prompt lookup that never matched K tokens) predicts no chain
         sizes += [(chain, k) for k in chain_ks if 1 <= k <= reference.max_chain and reference.has_chains]
         sizes += [(tree, int(b)) for b in sorted(int(b) for b in reference.tree_accepts)]
-    return [OperatingPoint(method, k, where, rtt, rule, n) for where, rtt in places for method, k in sizes
-            for n in (clients if where == "remote" else (1,))]
+    points = [OperatingPoint(method, k, where, rtt, rule, n) for where, rtt in places for method, k in sizes
+              for n in (clients if where == "remote" else (1,))]
+    if reference is None or not reference.draft.startswith("eagle:"):
+        return points
+    rows = reference.feature_bytes
+    served = {"eagle": "eagle-server", "eagle-tree": "eagle-tree-server"}
+    heads = [replace(p, feature_bytes=rows) for p in points if p.where == "remote" and p.method in served]
+    return ([p for p in points if p.where == "local" or p.method not in served] + heads
+            + ([replace(p, method=served[p.method], feature_bytes=0) for p in heads] if worker_side else []))
 
 
 def prediction_frame(target: LatencyProfile, draft: Optional[LatencyProfile],

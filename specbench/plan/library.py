@@ -104,6 +104,8 @@ def save_reference(reference: AcceptanceReference, extra: Optional[dict] = None,
         metadata.update(cross_tokenizer=reference.cross_tokenizer, draft_per_target=reference.draft_per_target)
     if reference.chain_hits:
         metadata.update(chain_hits={str(k): v for k, v in reference.chain_hits.items()})
+    if reference.feature_bytes:
+        metadata.update(feature_bytes=reference.feature_bytes)
     metadata = _stamped(metadata, extra)
     payload = {"chain_accepts": list(reference.chain_accepts),
                "tree_accepts": {str(k): list(v) for k, v in reference.tree_accepts.items()},
@@ -132,7 +134,7 @@ def load_references(folder: Path = REFERENCES, by_family: bool = False, **match)
             chain_hits={int(k): v for k, v in (m.get("chain_hits") or {}).items()}, origin=origin,
             chain_prompts=tuple(p.get("chain_prompts", ())),
             tree_prompts={int(k): tuple(v) for k, v in (p.get("tree_prompts") or {}).items()},
-            prompt_families=tuple(p.get("prompt_families", ())),
+            prompt_families=tuple(p.get("prompt_families", ())), feature_bytes=int(m.get("feature_bytes", 0)),
             steps_at_k={int(k): tuple(tuple(step) for step in v) for k, v in (p.get("steps_at_k") or {}).items()},
             steps_prompts={int(k): tuple(v) for k, v in (p.get("steps_prompts") or {}).items()}))
     if by_family:  # each family of a reference as a reference of its own, beside the whole

@@ -49,6 +49,9 @@ class AcceptanceReference:
     chain_prompts: tuple[int, ...] = ()
     tree_prompts: dict = field(default_factory=dict)
     prompt_families: tuple[str, ...] = ()
+    # a draft head's feature row on the wire per committed position (layers x hidden, float16): what the
+    # client-side placement receives each step for every position it commits; 0 for other drafts
+    feature_bytes: int = 0
     origin: str = field(default="", compare=False)  # "shipped" or "own", as for profiles
 
     def families(self) -> list[str]:

@@ -93,7 +93,8 @@ def tune(spec: TuneSpec, folder: Optional[str | Path] = None, progress: bool = T
                   for c in candidates}
     phase("references")
     points = lambda reference: operating_points(reference, spec.chain_ks, rtts_ms=(rtt_ms,), local=not spec.endpoint,  # noqa: E731
-                                                remote=bool(spec.endpoint), clients=spec.clients)
+                                                remote=bool(spec.endpoint), clients=spec.clients,
+                                                worker_side=False)  # a tune measures what it predicts: client-side drafts
     for name, reference in references.items():
         if not reference.has_chains and not reference.tree_accepts:
             left_out.append(f"{name}: no draft step on the calibration prompts (prompt lookup or suffix decoding "
