@@ -76,8 +76,7 @@ class Engine:
         from specbench.decode.suffix_drafter import SuffixSettings
 
         self._suffix = settings.suffix or SuffixSettings()
-        # free drafters per (method, a request's suffix knobs); the suffix methods' cache is shared between them
-        self._drafters: dict[tuple, queue.SimpleQueue] = {}
+        self._drafters: dict[str, queue.SimpleQueue] = {name: queue.SimpleQueue() for name in settings.methods}
         self._planners = self._build_planners()
         self.live = 0  # generations holding a worker session now (the tests count them)
         self._live_lock = threading.Lock()
@@ -153,25 +152,27 @@ class Engine:
 
     # -- pools -------------------------------------------------------------------------------------
     def _take_drafter(self, method: str, client, suffix: tuple = ()):
-        """A free drafter of `method` with a request's `suffix` knobs, or a new one (drafters hold their own
-        state; at most one per running generation is ever built). `client` is the caller's connection: the
-        target it drafts for."""
-        try:
-            return self._drafters.setdefault((method, suffix), queue.SimpleQueue()).get_nowait()
-        except queue.Empty:
-            found = get_method(method)
-            if found.build is None:
-                return None
-            target_model = self._worker.ops.target.loaded if self._worker is not None else None
-            settings = self.settings
-            knobs = replace(self._suffix, **dict(suffix))
-            source = DraftSource(client, target_model, self._draft, settings.dtype,
-                                 settings.self_draft_layers, settings.substitute_quantization, suffix=knobs)
-            return found.build(source)
+        """A free drafter of `method`, or a new one (drafters hold their own state; at most one per running
+        generation is ever built). `client` is the caller's connection: the target it drafts for. A request
+        with its own `suffix` knobs gets a drafter of its own, never pooled (requests choose any values: a pool
+        per choice would grow without bound); the process-wide suffix cache is shared all the same."""
+        if not suffix:
+            try:
+                return self._drafters[method].get_nowait()
+            except queue.Empty:
+                pass
+        found = get_method(method)
+        if found.build is None:
+            return None
+        target_model = self._worker.ops.target.loaded if self._worker is not None else None
+        settings = self.settings
+        source = DraftSource(client, target_model, self._draft, settings.dtype, settings.self_draft_layers,
+                             settings.substitute_quantization, suffix=replace(self._suffix, **dict(suffix)))
+        return found.build(source)
 
     def _give_drafter(self, method: str, drafter, suffix: tuple = ()) -> None:
-        if drafter is not None:
-            self._drafters[(method, suffix)].put(drafter)
+        if drafter is not None and not suffix:
+            self._drafters[method].put(drafter)
 
     # -- one request -------------------------------------------------------------------------------
     def check_prompt(self, prompt_ids: list[int]) -> list[int]:
