@@ -49,6 +49,12 @@ class HeadConfig:
         return self.target_hidden_size or self.hidden_size
 
     @property
+    def feature_width(self) -> int:
+        """Width of one position's fused input (the read layers' hidden states side by side): `fc`'s input, and
+        a feature row on the wire; three layers until `fitted` names them (EAGLE-3's default)."""
+        return len(self.layer_ids or (0, 0, 0)) * self.features_size
+
+    @property
     def dim(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads
 

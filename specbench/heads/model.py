@@ -109,8 +109,7 @@ class EagleHead(nn.Module):
         self.config = config
         self.embed_tokens = embed_tokens if embed_tokens is not None else nn.Embedding(config.vocab_size,
                                                                                        config.hidden_size)
-        self.fc = nn.Linear(len(config.layer_ids or (0, 0, 0)) * config.features_size, config.hidden_size,
-                            bias=config.fc_bias)
+        self.fc = nn.Linear(config.feature_width, config.hidden_size, bias=config.fc_bias)
         self.layers = nn.ModuleList([_Layer(config)])
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)

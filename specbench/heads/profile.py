@@ -74,11 +74,11 @@ def head_feature_bytes(draft) -> int:
     from pathlib import Path
 
     if isinstance(draft, EagleHead):
-        return 2 * draft.fc.in_features
+        return 2 * draft.config.feature_width
     from specbench.heads.layouts import read_config
 
     config, _ = read_config(Path(draft).expanduser())
-    return 2 * len(config.layer_ids or (0, 0, 0)) * config.features_size
+    return 2 * config.feature_width
 
 
 def is_head(draft) -> bool:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Iterator, Optional
 
 from specbench.decode.loop import Decoding, generate_steps
+from specbench.decode.suffix_drafter import SuffixSettings
 from specbench.methods import DraftSource, get_method
 from specbench.models.loading import load_tokenizer
 from specbench.serve.settings import RequestError, ServeSettings, Speculation
@@ -73,8 +74,6 @@ class Engine:
         self.vocab_size, self.eos_token_ids = probe.vocab_size, probe.eos_token_ids
         self._clients.put(probe)
         self._draft = self._load_draft()
-        from specbench.decode.suffix_drafter import SuffixSettings
-
         self._suffix = settings.suffix or SuffixSettings()
         self._drafters: dict[str, queue.SimpleQueue] = {name: queue.SimpleQueue() for name in settings.methods}
         self._planners = self._build_planners()
