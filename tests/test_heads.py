@@ -404,6 +404,35 @@ def test_train_draft_reads_the_layers_asked_and_never_reuses_features_of_others(
         train_head(TrainSpec(**{**spec.__dict__, "layers": (0, 2, 5)}), tmp_path / "b", progress=False)
 
 
+def test_sampled_responses_add_the_targets_own_text_after_the_greedy_one_and_their_cache_is_kept_apart(tmp_path):
+    """`samples=3`: each training prompt gets its greedy response (the very sequences of `samples=1`) and two
+    drawn at `temperature`, reproducible by seed and not all the greedy text again; data cached with other
+    samples is refused by name rather than trained on."""
+    from specbench.heads.data import sequences
+    from specbench.heads.train import TrainSpec, train_head
+    from specbench.models.loading import load_model
+    from specbench.models.spec import ModelSpec
+
+    target = load_model(ModelSpec("tiny-random:seed=0,layers=4"))
+    prompts = [[(i * 11 + j * 7) % 90 + 3 for j in range(6 + i % 5)] for i in range(5)]
+    spec = TrainSpec(target="tiny-random:seed=0,layers=4", prompts=tuple(prompts), prompt_count=5, held_out=0,
+                     max_new_tokens=10, draft_vocab=96, labels="greedy", ttt_steps=1, epochs=1, batch=2,
+                     checkpoint_every=1_000, eval_every=10_000)
+    greedy = sequences(target, spec, prompts, progress=False)
+    drawn = TrainSpec(**{**spec.__dict__, "samples": 3, "temperature": 1.5})
+    three = sequences(target, drawn, prompts, progress=False)
+    assert len(three) == 15 and three[:5] == greedy
+    assert all(three[5 * s + i][:len(p)] == p for s in (1, 2) for i, p in enumerate(prompts))
+    assert three[5:] != greedy + greedy and three[5:10] != three[10:]
+    assert sequences(target, drawn, prompts, progress=False) == three
+    with pytest.raises(SpecbenchError, match="samples must be at least 1"):
+        TrainSpec(**{**spec.__dict__, "samples": 0}).check()
+    held = TrainSpec(**{**spec.__dict__, "held_out": 2})
+    train_head(held, tmp_path, progress=False)
+    with pytest.raises(SpecbenchError, match=r"other \['samples'\]"):
+        train_head(TrainSpec(**{**held.__dict__, "samples": 2}), tmp_path, progress=False)
+
+
 @pytest.mark.real_model
 def test_a_head_on_smollm2_drafts_chains_and_trees_losslessly(smollm2, tmp_path):
     """SmolLM2-135M (fp32) with a head of its own shape (random weights, written in the speculators layout

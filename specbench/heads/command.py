@@ -18,6 +18,10 @@ def add_train_draft(commands) -> None:
     train.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens,
                        help="tokens of each target response trained on")
     train.add_argument("--max-length", type=int, default=defaults.max_length)
+    train.add_argument("--samples", type=int, default=defaults.samples,
+                       help="target responses per prompt: the greedy one, then sampled ones (default %(default)s)")
+    train.add_argument("--temperature", type=float, default=defaults.temperature,
+                       help="of the sampled responses (default %(default)s)")
     train.add_argument("--teacher-forced", action="store_true", help="train on the prompts' text, no responses")
     train.add_argument("--labels", choices=("soft", "greedy"), default=defaults.labels,
                        help="the target's top-k distribution per position (soft) or its argmax (greedy)")
@@ -46,7 +50,8 @@ def _train_draft(args) -> int:
     from specbench.heads.train import TrainSpec, train_head
 
     spec = TrainSpec(target=args.target, prompts=args.prompts, prompt_count=args.prompt_count, held_out=args.held_out,
-                     max_new_tokens=args.max_new_tokens, max_length=args.max_length, teacher_forced=args.teacher_forced,
+                     max_new_tokens=args.max_new_tokens, max_length=args.max_length,
+                     samples=args.samples, temperature=args.temperature, teacher_forced=args.teacher_forced,
                      labels=args.labels, own_embeddings=args.own_embeddings,
                      draft_vocab=args.draft_vocab, layers=tuple(args.layers) if args.layers else None,
                      ttt_steps=args.ttt_steps, epochs=args.epochs,

@@ -20,7 +20,9 @@ from specbench.types import SpecbenchError
 
 def sequences(target, spec, prompts: list, progress: bool) -> list[list[int]]:
     """Token ids of each training sequence: the prompt (chat template applied) and the target's greedy
-    response, or the prompt alone when `teacher_forced`."""
+    response, then `spec.samples - 1` more responses sampled at `spec.temperature` (more of the target's
+    own text per prompt: the contexts drafting meets off the greedy path), or the prompt alone when
+    `teacher_forced`."""
     from specbench.api import encode_prompts
 
     if spec.teacher_forced:
@@ -30,16 +32,20 @@ def sequences(target, spec, prompts: list, progress: bool) -> list[list[int]]:
     room = max(1, spec.max_length - spec.max_new_tokens)  # the prompt's end, so the response always fits
     encoded = [ids[-room:] for ids in encode_prompts(prompts, target.tokenizer)]
     model, pad = target.model, (target.eos_token_ids or (0,))[0]
-    out, batch = [], 16
-    bar = tqdm(total=len(encoded), desc="train-draft: target responses", unit="prompt", disable=not progress)
-    for start in range(0, len(encoded), batch):
+    out, batch, samples = [], 16, spec.samples
+    bar = tqdm(total=len(encoded) * samples, desc="train-draft: target responses", unit="response",
+               disable=not progress)
+    for sample, start in ((s, b) for s in range(samples) for b in range(0, len(encoded), batch)):
         group = encoded[start:start + batch]
         width = max(len(ids) for ids in group)
         ids = torch.tensor([[pad] * (width - len(g)) + g for g in group])
         mask = torch.tensor([[0] * (width - len(g)) + [1] * len(g) for g in group])
+        sampling = {"do_sample": False} if sample == 0 else {
+            "do_sample": True, "temperature": spec.temperature, "top_p": 1.0, "top_k": 0}
+        torch.manual_seed(spec.seed + 1000 * sample + start)
         with torch.inference_mode():
             generated = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=spec.max_new_tokens,
-                                       do_sample=False, pad_token_id=pad)
+                                       pad_token_id=pad, **sampling)
         for row, prompt in zip(generated[:, width:].tolist(), group):
             response = row
             for index, token in enumerate(row):
@@ -120,8 +126,10 @@ def prepare(spec, folder: str | Path, layer_ids_of, progress: bool) -> Prepared:
     data_path = folder / "data.pt"
     if data_path.exists():
         data = torch.load(data_path, weights_only=False)
-        fields = ("prompts", "prompt_count", "held_out", "max_new_tokens", "max_length", "teacher_forced", "seed")
-        changed = [name for name in fields if data["spec"].get(name) != asdict(spec).get(name)]
+        fields = ("prompts", "prompt_count", "held_out", "max_new_tokens", "max_length", "teacher_forced", "seed",
+                  "samples", "temperature")
+        made = {"samples": 1, "temperature": 1.0, **data["spec"]}  # a cache from before samples were kept
+        changed = [name for name in fields if made.get(name) != asdict(spec).get(name)]
         if changed:
             raise SpecbenchError(f"{folder} holds training data made with other {changed}: resume with the same "
                                  f"settings, or train into a new folder")

@@ -42,6 +42,8 @@ class TrainSpec:
     held_out: int = 8  # prompts kept out of training for the acceptance shown while training
     max_new_tokens: int = 96  # of each target response
     max_length: int = 384  # tokens per training sequence (prompt + response), cut beyond
+    samples: int = 1  # responses per prompt: the greedy one, then sampled ones at `temperature`
+    temperature: float = 1.0
     teacher_forced: bool = False  # train on text as it is (ShareGPT: its exchanges), no responses generated
     labels: str = "soft"  # soft: the target's top-`soft_top` distribution; greedy: its argmax
     soft_top: int = 16
@@ -66,6 +68,9 @@ class TrainSpec:
         if self.layers is not None and (len(self.layers) < 1 or min(self.layers) < 0):
             raise SpecbenchError(f"layers names the target layers whose inputs the head reads, e.g. (2, 15, 27); got "
                                  f"{self.layers}")
+        if self.samples < 1 or not 0 < self.temperature < float("inf"):
+            raise SpecbenchError(f"samples must be at least 1 and temperature positive, got {self.samples} and "
+                                 f"{self.temperature}")
         if self.ttt_steps < 1 or self.draft_vocab < 2 or self.batch < 1 or self.epochs <= 0 or self.soft_top < 1:
             raise SpecbenchError("ttt_steps, batch, epochs and soft_top must be positive and draft_vocab at least 2")
         if self.labels not in ("soft", "greedy"):
