@@ -128,7 +128,7 @@ def prepare(spec, folder: str | Path, layer_ids_of, progress: bool) -> Prepared:
         data = torch.load(data_path, weights_only=False)
         fields = ("prompts", "prompt_count", "held_out", "max_new_tokens", "max_length", "teacher_forced", "seed",
                   "samples", "temperature")
-        made = {"samples": 1, "temperature": 1.0, **data["spec"]}  # a cache from before samples were kept
+        made = {**asdict(type(spec)(target=spec.target)), **data["spec"]}  # fields a cache predates: their defaults
         changed = [name for name in fields if made.get(name) != asdict(spec).get(name)]
         if changed:
             raise SpecbenchError(f"{folder} holds training data made with other {changed}: resume with the same "
