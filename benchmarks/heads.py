@@ -8,6 +8,7 @@ tokens/s against target-only, on MT-bench and HumanEval slices (the head trains 
     python benchmarks/heads.py --train-minutes 30           # train (or resume) the head, then compare
     python benchmarks/heads.py --head results/heads/smollm2-135m/head
     python benchmarks/heads.py --head ... --placements   # also through a worker, the head on either side
+    python benchmarks/heads.py --head ... --tree-nodes 8 16  # also trees as deep as the chain, with more nodes
 
 With `--placements`, the same head drafts through a `specbench worker` on this machine on the client
 (the worker sends feature rows) and on the worker (`eagle-server`): measured bytes per step and per
@@ -28,6 +29,7 @@ from specbench.decode.metrics import per_position_acceptance, summarize
 from specbench.decode.suffix_drafter import SuffixSettings
 from specbench.decode.target import LocalTarget
 from specbench.models.loading import load_model
+from specbench.methods import TreeShape
 from specbench.models.spec import ModelSpec
 
 from common import RESULTS, write_report
@@ -105,6 +107,9 @@ def main() -> None:
     parser.add_argument("--self-draft-layers", type=int, default=7)
     parser.add_argument("--drafts", nargs="*", default=[],
                         help="draft model folders (e.g. `train-draft --distil`'s <out>/draft) run as chains per K too")
+    parser.add_argument("--tree-nodes", type=int, nargs="*", default=[],
+                        help="also the head's tree at depth K with this many nodes (EAGLE-2's depth and budget; "
+                             "`eagle-tree` itself spends K nodes)")
     parser.add_argument("--placements", action="store_true", help="also through a worker, the head on either side")
     parser.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
                         help="the local comparison per K (--no-compare: placements only)")
@@ -129,6 +134,11 @@ def main() -> None:
                 extra = run(target, prompts, method="chain", draft=folder, k=k, max_new_tokens=args.max_new_tokens,
                             progress=f"heads: {dataset}, K={k}, {folder}")
                 extra["method"] = f"chain:{Path(folder).parent.name if Path(folder).name == 'draft' else folder}"
+                records = pd.concat([records, extra], ignore_index=True)
+            for nodes in args.tree_nodes:  # EAGLE-2's shape: as deep as the chain, wider than it
+                extra = run(target, prompts, method="eagle-tree", draft=head, k=nodes, tree=TreeShape(max_depth=k),
+                            max_new_tokens=args.max_new_tokens, progress=f"heads: {dataset}, depth {k}, {nodes} nodes")
+                extra["method"] = f"eagle-tree:{nodes}-nodes"
                 records = pd.concat([records, extra], ignore_index=True)
             table = summarize(records)
             forward = records.loc[records["method"] != "target-only", "target_forward_s"].mean()

@@ -315,6 +315,26 @@ def test_the_training_time_test_unroll_sees_what_drafting_sees(target):
                 torch.testing.assert_close(steps[j][base], logits[0], rtol=1e-4, atol=1e-4)
 
 
+def test_the_unroll_from_a_prompts_end_predicts_what_the_whole_unroll_predicts_there(target):
+    """Training on replies only (`start`: the prompt's positions serve as keys alone) changes no logit it
+    keeps: every step equals the whole unroll's rows from `start` on, and the labels line up with them."""
+    from specbench.heads.train import unrolled_logits
+
+    head = new_head(target, draft_ids=range(0, 96, 3), seed=8)
+    ids = torch.tensor(PROMPTS[2] + PROMPTS[3])
+    with torch.no_grad():
+        states = target.model(ids[None], output_hidden_states=True).hidden_states
+        features = head.fuse(torch.cat([states[i][0] for i in head.config.layer_ids], dim=-1)[:-1])
+        whole = unrolled_logits(head, ids, features, 4)
+        for start in (1, 5, len(ids) - 4):
+            part = unrolled_logits(head, ids, features, 4, start)
+            assert len(part) == min(4, len(ids) - 1 - start)
+            for j, logits in enumerate(part):
+                assert logits.shape[0] == len(ids) - 1 - j - start
+                torch.testing.assert_close(logits, whole[j][start:], rtol=1e-4, atol=1e-4)
+        assert len(unrolled_logits(head, ids, features, 4, len(ids) - 2)) == 1  # one position left: step 0 only
+
+
 def test_soft_labels_are_the_targets_distribution_over_what_the_head_can_draft():
     """Soft cross-entropy: equal to the hard one for a one-hot target; the target's probability outside
     the draft vocabulary renormalized away; rows with nothing draftable left out."""
@@ -408,7 +428,7 @@ def test_sampled_responses_add_the_targets_own_text_after_the_greedy_one_and_the
     """`samples=3`: each training prompt gets its greedy response (the very sequences of `samples=1`) and two
     drawn at `temperature`, reproducible by seed and not all the greedy text again; data cached with other
     samples is refused by name rather than trained on."""
-    from specbench.heads.data import sequences
+    from specbench.heads.data import prompt_lengths, sequences
     from specbench.heads.train import TrainSpec, train_head
     from specbench.models.loading import load_model
     from specbench.models.spec import ModelSpec
@@ -425,12 +445,36 @@ def test_sampled_responses_add_the_targets_own_text_after_the_greedy_one_and_the
     assert all(three[5 * s + i][:len(p)] == p for s in (1, 2) for i, p in enumerate(prompts))
     assert three[5:] != greedy + greedy and three[5:10] != three[10:]
     assert sequences(target, drawn, prompts, progress=False) == three
+    assert prompt_lengths(target, drawn, prompts) == [len(p) for p in prompts] * 3  # where each reply begins
     with pytest.raises(SpecbenchError, match="samples must be at least 1"):
         TrainSpec(**{**spec.__dict__, "samples": 0}).check()
     held = TrainSpec(**{**spec.__dict__, "held_out": 2})
     train_head(held, tmp_path, progress=False)
+    replies = train_head(TrainSpec(**{**held.__dict__, "loss_on": "reply", "ttt_steps": 3}), tmp_path / "replies",
+                         progress=False)  # labels taken from each reply's start on: every step's span lines up
+    assert replies.history["loss_0"].notna().all() and (replies.history[["loss_0", "loss_2"]] > 0).all().all()
+    with pytest.raises(SpecbenchError, match="loss_on"):
+        TrainSpec(**{**spec.__dict__, "loss_on": "prompt"}).check()
     with pytest.raises(SpecbenchError, match=r"other \['samples'\]"):
         train_head(TrainSpec(**{**held.__dict__, "samples": 2}), tmp_path, progress=False)
+
+
+@pytest.mark.real_model
+def test_a_teacher_forced_exchange_knows_where_its_reply_begins():
+    """A ShareGPT exchange trained as text: the turn's tokens are counted up to where the template opens the
+    assistant's reply, so training on replies predicts the reply's tokens and not the question's."""
+    from specbench.heads.data import exchange
+    from specbench.models.loading import load_tokenizer
+
+    tokenizer = load_tokenizer("smollm2-135m")
+    messages = [{"role": "user", "content": "Name three primary colours, please. " * 30},
+                {"role": "assistant", "content": "Red, yellow and blue."}]
+    ids, asked = exchange(tokenizer, messages, max_length=384)
+    assert asked == 96  # the question cut to its last 96 tokens
+    assert tokenizer.decode(ids[asked:]).strip().startswith("Red, yellow and blue.")
+    assert "assistant" in tokenizer.decode(ids[:asked])[-20:]
+    short, asked_short = exchange(tokenizer, messages, max_length=50)
+    assert len(short) == 50 and asked_short == 50
 
 
 @pytest.mark.real_model

@@ -25,6 +25,9 @@ def add_train_draft(commands) -> None:
     train.add_argument("--teacher-forced", action="store_true", help="train on the prompts' text, no responses")
     train.add_argument("--labels", choices=("soft", "greedy"), default=defaults.labels,
                        help="the target's top-k distribution per position (soft) or its argmax (greedy)")
+    train.add_argument("--loss-on", choices=("reply", "all"), default=defaults.loss_on,
+                       help="positions trained to predict: after the prompt, where drafting proposes (reply), or "
+                            "every one (all: the prompt's text too)")
     train.add_argument("--own-embeddings", action="store_true",
                        help="write a copy of the target's embeddings with the head (to draft on a worker's client)")
     train.add_argument("--draft-vocab", type=int, default=defaults.draft_vocab)
@@ -52,7 +55,7 @@ def _train_draft(args) -> int:
     spec = TrainSpec(target=args.target, prompts=args.prompts, prompt_count=args.prompt_count, held_out=args.held_out,
                      max_new_tokens=args.max_new_tokens, max_length=args.max_length,
                      samples=args.samples, temperature=args.temperature, teacher_forced=args.teacher_forced,
-                     labels=args.labels, own_embeddings=args.own_embeddings,
+                     labels=args.labels, loss_on=args.loss_on, own_embeddings=args.own_embeddings,
                      draft_vocab=args.draft_vocab, layers=tuple(args.layers) if args.layers else None,
                      ttt_steps=args.ttt_steps, epochs=args.epochs,
                      learning_rate=args.learning_rate, batch=args.batch, minutes=args.minutes, layout=args.layout,

@@ -27,7 +27,7 @@ def sequences(target, spec, prompts: list, progress: bool) -> list[list[int]]:
 
     if spec.teacher_forced:
         if prompts and isinstance(prompts[0], list) and prompts[0] and isinstance(prompts[0][0], dict):
-            return [exchange_ids(target.tokenizer, messages, spec.max_length) for messages in prompts]
+            return [exchange(target.tokenizer, messages, spec.max_length)[0] for messages in prompts]
         return [ids[-spec.max_length:] for ids in encode_prompts(prompts, target.tokenizer)]
     room = max(1, spec.max_length - spec.max_new_tokens)  # the prompt's end, so the response always fits
     encoded = [ids[-room:] for ids in encode_prompts(prompts, target.tokenizer)]
@@ -58,16 +58,29 @@ def sequences(target, spec, prompts: list, progress: bool) -> list[list[int]]:
     return out
 
 
-def exchange_ids(tokenizer, messages: list[dict], max_length: int, context: int = 96) -> list[int]:
-    """A user turn's last `context` tokens and the assistant's reply after it, through the chat template:
-    the reply is what drafting will be asked to continue."""
-    exchange = messages[:2]
-    asked = tokenizer.apply_chat_template(exchange[:1], tokenize=False, add_generation_prompt=True)
-    whole = tokenizer.apply_chat_template(exchange, tokenize=False)
+def prompt_lengths(target, spec, prompts: list) -> list[int]:
+    """How many tokens of each of `sequences`' sequences (in its order) are prompt: drafting proposes only
+    after them. Plain teacher-forced text has none."""
+    from specbench.api import encode_prompts
+
+    if spec.teacher_forced:
+        if prompts and isinstance(prompts[0], list) and prompts[0] and isinstance(prompts[0][0], dict):
+            return [exchange(target.tokenizer, messages, spec.max_length)[1] for messages in prompts]
+        return [0] * len(prompts)
+    room = max(1, spec.max_length - spec.max_new_tokens)
+    return [min(len(ids), room) for ids in encode_prompts(prompts, target.tokenizer)] * spec.samples
+
+
+def exchange(tokenizer, messages: list[dict], max_length: int, context: int = 96) -> tuple[list[int], int]:
+    """A user turn's last `context` tokens and the assistant's reply after it, through the chat template
+    (the reply is what drafting will be asked to continue), and how many of those tokens are the turn's."""
+    turns = messages[:2]
+    asked = tokenizer.apply_chat_template(turns[:1], tokenize=False, add_generation_prompt=True)
+    whole = tokenizer.apply_chat_template(turns, tokenize=False)
     prompt_ids = tokenizer(asked, add_special_tokens=False)["input_ids"]
     ids = tokenizer(whole, add_special_tokens=False)["input_ids"]
     start = max(0, len(prompt_ids) - context)
-    return ids[start:start + max_length]
+    return ids[start:start + max_length], min(len(prompt_ids) - start, max_length)
 
 
 @torch.inference_mode()
@@ -91,6 +104,7 @@ class Prepared:
     folder: Path
     data: dict
     passes: list
+    prompt_lengths: list  # per sequence: its prompt's tokens
     held: list
     seconds: dict
     started: float
@@ -152,4 +166,8 @@ def prepare(spec, folder: str | Path, layer_ids_of, progress: bool) -> Prepared:
             data["feature_layers"] = list(layer_ids)
             torch.save(data, data_path)
     seconds["features"] = round(time.monotonic() - started - sum(seconds.values()), 1)
-    return Prepared(target, folder, data, passes, held, seconds, started)
+    lengths = prompt_lengths(target, spec, training)
+    if len(lengths) != len(data["sequences"]):
+        raise SpecbenchError(f"{folder} holds {len(data['sequences'])} sequences for {len(lengths)} prompts: train "
+                             f"into a new folder")
+    return Prepared(target, folder, data, passes, lengths, held, seconds, started)

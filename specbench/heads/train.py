@@ -45,6 +45,7 @@ class TrainSpec:
     samples: int = 1  # responses per prompt: the greedy one, then sampled ones at `temperature`
     temperature: float = 1.0
     teacher_forced: bool = False  # train on text as it is (ShareGPT: its exchanges), no responses generated
+    loss_on: str = "all"  # all: predict at every position; reply: only after the prompt, where drafting will
     labels: str = "soft"  # soft: the target's top-`soft_top` distribution; greedy: its argmax
     soft_top: int = 16
     own_embeddings: bool = False  # write a copy of the target's embeddings with the head (to draft on a worker's client)
@@ -73,6 +74,8 @@ class TrainSpec:
                                  f"{self.temperature}")
         if self.ttt_steps < 1 or self.draft_vocab < 2 or self.batch < 1 or self.epochs <= 0 or self.soft_top < 1:
             raise SpecbenchError("ttt_steps, batch, epochs and soft_top must be positive and draft_vocab at least 2")
+        if self.loss_on not in ("reply", "all"):
+            raise SpecbenchError(f"loss_on is 'reply' or 'all', got {self.loss_on!r}")
         if self.labels not in ("soft", "greedy"):
             raise SpecbenchError(f"labels is 'soft' or 'greedy', got {self.labels!r}")
 
@@ -98,45 +101,52 @@ def draft_ids(labels: list[torch.Tensor], size: int) -> list[int]:
     return sorted(counts.topk(size).indices.tolist())
 
 
-def unrolled_logits(head: EagleHead, ids: torch.Tensor, features: torch.Tensor, steps: int) -> list[torch.Tensor]:
-    """Draft-vocabulary logits per training-time-test step: step j [n - j, draft vocab] at base positions
-    p = 0 .. n - 1 - j, each predicting the token after x_{p + 1 + j}.
+def unrolled_logits(head: EagleHead, ids: torch.Tensor, features: torch.Tensor, steps: int,
+                    start: int = 0) -> list[torch.Tensor]:
+    """Draft-vocabulary logits per training-time-test step: step j [n - j - start, draft vocab] at base
+    positions p = start .. n - 1 - j, each predicting the token after x_{p + 1 + j}.
 
     `ids` are x_0 .. x_n, `features` the fused target features of positions 0 .. n - 1. Step 0 is the
     head over the real features; step j reads token x_{p + 1 + j} with step j - 1's output at p as its
-    feature, at position p + j, attending to the real positions 0 .. p and to steps 1 .. j at base p."""
+    feature, at position p + j, attending to the real positions 0 .. p and to steps 1 .. j at base p.
+    Positions before `start` (a prompt, whose continuation drafting never proposes) serve only as keys:
+    nothing is predicted there, which saves most of the work when prompts are long."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     layer = head.layers[0]
     attention = layer.self_attn
     n, group = features.shape[0], attention.heads // attention.kv_heads
+    start = max(0, min(start, n - 1))
     base = torch.arange(n)
     causal = base[None, :] <= base[:, None]  # query p sees real key q <= p
+    scale = 1 / math.sqrt(attention.dim)
     keys, values, out = [], [], []
     feature = features
     for step in range(steps):
-        count = n - step  # base positions that still have a token to read and a label
+        count = n - step - start  # base positions that still have a token to read and a label
         if count <= 0:
             break
-        tokens = ids[1 + step:1 + step + count]
-        current = feature[:count]
+        low = start if step else 0  # step 0 runs over every real position: they are all keys
+        rows = n - step - low
+        tokens = ids[1 + step + low:1 + step + low + rows]
+        current = feature[:rows]
         if layer.norm_before_residual:
             current = layer.hidden_norm(current)
             residual = current
         else:
             residual, current = current, layer.hidden_norm(current)
         x = torch.cat([layer.input_layernorm(head.embed_tokens(tokens).to(current.dtype)), current], dim=-1)
-        q = attention.q_proj(x).view(count, attention.heads, attention.dim).transpose(0, 1)
-        k = attention.k_proj(x).view(count, attention.kv_heads, attention.dim).transpose(0, 1)
-        v = attention.v_proj(x).view(count, attention.kv_heads, attention.dim).transpose(0, 1)
-        cos, sin = head.rotary(x[None], (base[:count] + step)[None])
+        q = attention.q_proj(x).view(rows, attention.heads, attention.dim).transpose(0, 1)
+        k = attention.k_proj(x).view(rows, attention.kv_heads, attention.dim).transpose(0, 1)
+        v = attention.v_proj(x).view(rows, attention.kv_heads, attention.dim).transpose(0, 1)
+        cos, sin = head.rotary(x[None], (base[low:low + rows] + step)[None])
         q, k = apply_rotary_pos_emb(q[None], k[None], cos, sin)
-        q, k = q[0], k[0]
+        q, k = q[0][:, start - low:], k[0]  # queries only where something is predicted
+        residual = residual[start - low:]
         keys.append(k.repeat_interleave(group, dim=0))
         values.append(v.repeat_interleave(group, dim=0))
-        scale = 1 / math.sqrt(attention.dim)
-        real = (q @ keys[0][:, :, :].transpose(1, 2)[:, :, :]) * scale  # [heads, count, n]
-        real = real.masked_fill(~causal[:count, :n], float("-inf"))
+        real = (q @ keys[0].transpose(1, 2)) * scale  # [heads, count, n]
+        real = real.masked_fill(~causal[start:start + count, :n], float("-inf"))
         own = [(q * keys[i][:, :count]).sum(-1, keepdim=True) * scale for i in range(1, step + 1)]  # [heads, count, 1]
         weights = torch.softmax(torch.cat([real, *own], dim=-1), dim=-1)
         mixed = weights[..., :n] @ values[0]
@@ -232,12 +242,15 @@ def train_head(spec: TrainSpec, folder: str | Path, progress: bool = True) -> Tr
         for slot in range(spec.batch):
             index = int(order[(step * spec.batch + slot) % len(passes)])
             (raw, choices, probs), ids = passes[index], torch.tensor(data["sequences"][index])
+            # the first draft after a prompt of P tokens reads position P - 1's features and the target's token P
+            start = max(0, prepared.prompt_lengths[index] - 1) if spec.loss_on == "reply" else 0
             with mixed:
                 features = head.fuse(raw[:-1].float())
-                unrolled = unrolled_logits(head, ids, features, spec.ttt_steps)
+                unrolled = unrolled_logits(head, ids, features, spec.ttt_steps, start)
             total = torch.zeros(())
             for j, logits in enumerate(unrolled):
-                span = slice(1 + j, 1 + j + logits.shape[0])
+                first = 1 + j + min(start, len(ids) - 2)
+                span = slice(first, first + logits.shape[0])
                 wanted = to_draft[choices[span].long()]
                 if spec.labels == "soft":
                     loss = soft_cross_entropy(logits, wanted, probs[span])
