@@ -28,8 +28,8 @@ from specbench.datasets import load_prompts
 from specbench.decode.metrics import per_position_acceptance, summarize
 from specbench.decode.suffix_drafter import SuffixSettings
 from specbench.decode.target import LocalTarget
-from specbench.models.loading import load_model
 from specbench.methods import TreeShape
+from specbench.models.loading import load_model
 from specbench.models.spec import ModelSpec
 
 from common import RESULTS, write_report

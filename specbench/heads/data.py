@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 from tqdm.auto import tqdm
@@ -26,11 +27,10 @@ def sequences(target, spec, prompts: list, progress: bool) -> list[list[int]]:
     from specbench.api import encode_prompts
 
     if spec.teacher_forced:
-        if prompts and isinstance(prompts[0], list) and prompts[0] and isinstance(prompts[0][0], dict):
+        if _exchanges(prompts):
             return [exchange(target.tokenizer, messages, spec.max_length)[0] for messages in prompts]
         return [ids[-spec.max_length:] for ids in encode_prompts(prompts, target.tokenizer)]
-    room = max(1, spec.max_length - spec.max_new_tokens)  # the prompt's end, so the response always fits
-    encoded = [ids[-room:] for ids in encode_prompts(prompts, target.tokenizer)]
+    encoded = [ids[-_prompt_room(spec):] for ids in encode_prompts(prompts, target.tokenizer)]
     model, pad = target.model, (target.eos_token_ids or (0,))[0]
     out, batch, samples = [], 16, spec.samples
     bar = tqdm(total=len(encoded) * samples, desc="train-draft: target responses", unit="response",
@@ -64,11 +64,21 @@ def prompt_lengths(target, spec, prompts: list) -> list[int]:
     from specbench.api import encode_prompts
 
     if spec.teacher_forced:
-        if prompts and isinstance(prompts[0], list) and prompts[0] and isinstance(prompts[0][0], dict):
+        if _exchanges(prompts):
             return [exchange(target.tokenizer, messages, spec.max_length)[1] for messages in prompts]
         return [0] * len(prompts)
-    room = max(1, spec.max_length - spec.max_new_tokens)
+    room = _prompt_room(spec)
     return [min(len(ids), room) for ids in encode_prompts(prompts, target.tokenizer)] * spec.samples
+
+
+def _exchanges(prompts: list) -> bool:
+    """Whole conversations (lists of messages), not prompt texts or ids."""
+    return bool(prompts) and isinstance(prompts[0], list) and bool(prompts[0]) and isinstance(prompts[0][0], dict)
+
+
+def _prompt_room(spec) -> int:
+    """Tokens kept of a prompt's end, so the response always fits in `max_length`."""
+    return max(1, spec.max_length - spec.max_new_tokens)
 
 
 def exchange(tokenizer, messages: list[dict], max_length: int, context: int = 96) -> tuple[list[int], int]:
@@ -104,7 +114,7 @@ class Prepared:
     folder: Path
     data: dict
     passes: list
-    prompt_lengths: list  # per sequence: its prompt's tokens
+    prompt_lengths: Optional[list]  # per sequence: its prompt's tokens (training on replies only; else None)
     held: list
     seconds: dict
     started: float
@@ -166,8 +176,8 @@ def prepare(spec, folder: str | Path, layer_ids_of, progress: bool) -> Prepared:
             data["feature_layers"] = list(layer_ids)
             torch.save(data, data_path)
     seconds["features"] = round(time.monotonic() - started - sum(seconds.values()), 1)
-    lengths = prompt_lengths(target, spec, training)
-    if len(lengths) != len(data["sequences"]):
+    lengths = prompt_lengths(target, spec, training) if spec.loss_on == "reply" else None
+    if lengths is not None and len(lengths) != len(data["sequences"]):
         raise SpecbenchError(f"{folder} holds {len(data['sequences'])} sequences for {len(lengths)} prompts: train "
                              f"into a new folder")
     return Prepared(target, folder, data, passes, lengths, held, seconds, started)

@@ -249,8 +249,7 @@ def train_head(spec: TrainSpec, folder: str | Path, progress: bool = True) -> Tr
                 unrolled = unrolled_logits(head, ids, features, spec.ttt_steps, start)
             total = torch.zeros(())
             for j, logits in enumerate(unrolled):
-                first = 1 + j + min(start, len(ids) - 2)
-                span = slice(first, first + logits.shape[0])
+                span = slice(len(ids) - logits.shape[0], len(ids))  # every step's last row predicts past x_n
                 wanted = to_draft[choices[span].long()]
                 if spec.labels == "soft":
                     loss = soft_cross_entropy(logits, wanted, probs[span])
