@@ -332,3 +332,26 @@ def test_drafting_is_priced_per_step_where_records_time_it():
     assert again.predict(PLAIN[0])["step_s"].tolist() == pytest.approx(router.predict(PLAIN[0])["step_s"].tolist())
     untimed = fit_router(records.drop(columns="draft_s"), prompts, candidates, ridge=0.01)
     assert untimed.fits["suffix-eagle-tree k=16"].draft_s is None
+
+
+def test_workload_oracle_cross_fitted_takes_each_choice_from_the_other_pass():
+    """benchmarks/workload.py: the plain oracle keeps each pass's fastest timing, so pure timing noise lifts it
+    above candidates that are identical; the cross-fitted one times each prompt's choice on the other pass."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from workload import oracles
+
+    seconds = {("p0", 0): {"a": 1.0, "b": 2.0}, ("p0", 1): {"a": 3.0, "b": 2.5},
+               ("p1", 0): {"a": 2.0, "b": 1.5}, ("p1", 1): {"a": 1.2, "b": 4.0}}
+    rows = pd.DataFrame([{"prompt": p, "pass": t, "label": label, "tokens": 10, "seconds": s}
+                         for (p, t), timed in seconds.items() for label, s in timed.items()])
+    best, crossed = oracles(rows, ["a", "b"])
+    assert sorted(zip(best.prompt, best["pass"], best.label)) == [("p0", 0, "a"), ("p0", 1, "b"), ("p1", 0, "b"),
+                                                                   ("p1", 1, "a")]
+    # p0: pass 0 chose a -> its pass-1 time 3.0; pass 1 chose b -> its pass-0 time 2.0; p1 likewise
+    assert sorted(zip(crossed.prompt, crossed["pass"], crossed.seconds)) == [("p0", 0, 2.0), ("p0", 1, 3.0),
+                                                                             ("p1", 0, 2.0), ("p1", 1, 4.0)]
+    assert best.seconds.sum() < min(rows[rows.label == x].seconds.sum() for x in "ab") < crossed.seconds.sum()
+    one_pass, none = oracles(rows[rows["pass"] == 0], ["a", "b"])
+    assert len(one_pass) == 2 and none.empty
