@@ -229,14 +229,10 @@ def oracles(rows: pd.DataFrame, fixed: list[str]) -> tuple[pd.DataFrame, pd.Data
 def summarise(rows: pd.DataFrame, fixed: list[str]) -> dict:
     """Per family and overall (every pass pooled): tok/s of each candidate, auto and the oracles; the goals'
     ratios."""
-    if "pass" not in rows:
-        rows = rows.assign(**{"pass": 0})
     best_per_prompt, crossed = oracles(rows, fixed)
     table = []
     for family, members in list(rows.groupby("family")) + [("all", rows)]:
-        line = {"family": family, "prompts": members["prompt"].nunique()}
-        for label, chunk in members.groupby("label"):
-            line[label] = chunk.tokens.sum() / chunk.seconds.sum()
+        line = {"family": family, "prompts": members["prompt"].nunique(), **_speeds(members)}
         oracle = best_per_prompt[best_per_prompt.prompt.isin(members.prompt)]
         line["oracle"] = oracle.tokens.sum() / oracle.seconds.sum()
         if len(crossed):
@@ -250,7 +246,8 @@ def summarise(rows: pd.DataFrame, fixed: list[str]) -> dict:
     print(frame.round(2).to_string(index=False))
     overall = frame[frame.family == "all"].iloc[0]
     multi = rows[rows.family.isin(MULTI_TURN)]
-    speed = {label: chunk.tokens.sum() / chunk.seconds.sum() for label, chunk in multi.groupby("label")}
+    speed = _speeds(multi)
+    by_pass = {str(turn): _speeds(chunk) for turn, chunk in rows.groupby("pass")}
     auto = rows[rows.label == "auto"]
     goals = {
         "multi_turn_suffix_over_lookup": speed.get("suffix k=16", 0) / speed.get("prompt-lookup k=4", 1),
@@ -259,11 +256,11 @@ def summarise(rows: pd.DataFrame, fixed: list[str]) -> dict:
         **({"auto_over_cross_fitted_oracle": overall["auto"] / overall["oracle cross-fitted"],
             "cross_fitted_oracle_over_best_fixed": overall["oracle cross-fitted"] / overall[overall["best fixed"]],
             "oracle_over_best_fixed": overall["oracle"] / overall[overall["best fixed"]],
-            "best_fixed_by_pass": {str(turn): max(fixed, key=lambda label: _speed(chunk, label))
-                                   for turn, chunk in rows.groupby("pass")},
-            "auto_over_best_fixed_by_pass": {str(turn): _speed(chunk, "auto") / max(_speed(chunk, label)
-                                                                                 for label in fixed)
-                                             for turn, chunk in rows.groupby("pass")}}
+            "best_fixed_by_pass": {turn: max(fixed, key=lambda label: pace.get(label, 0.0))
+                                   for turn, pace in by_pass.items()},
+            "auto_over_best_fixed_by_pass": {turn: pace.get("auto", 0.0) / max(pace.get(label, 0.0)
+                                                                              for label in fixed)
+                                             for turn, pace in by_pass.items()}}
            if len(crossed) else {}),
         "router_share_of_time": auto.route_s.sum() / auto.seconds.sum(),
         "auto_choices": auto.groupby("chosen").prompt.nunique().to_dict(),
@@ -276,9 +273,9 @@ def summarise(rows: pd.DataFrame, fixed: list[str]) -> dict:
     return {"table": table, "goals": goals, "rows": rows.to_dict("records")}
 
 
-def _speed(rows: pd.DataFrame, label: str) -> float:
-    chunk = rows[rows.label == label]
-    return chunk.tokens.sum() / chunk.seconds.sum() if len(chunk) else 0.0
+def _speeds(rows: pd.DataFrame) -> dict[str, float]:
+    """tok/s of each label over `rows` (tokens over seconds, pooled: long prompts weigh as they take)."""
+    return {label: chunk.tokens.sum() / chunk.seconds.sum() for label, chunk in rows.groupby("label")}
 
 
 if __name__ == "__main__":
