@@ -11,18 +11,19 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
-SITE = ROOT / "build" / "site"
 RUNNABLE = re.compile(r"<!-- runnable -->\s*```python\n(.*?)```", re.S)
 
 
 @pytest.fixture(scope="module")
-def site():
+def site(tmp_path_factory):
     """`mkdocs build --strict`: any warning (a broken link, a page outside the nav, an unresolved API
-    reference) fails the build."""
-    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(SITE)], cwd=ROOT,
+    reference) fails the build. Each test process builds into its own folder, so one xdist worker's build
+    never empties the site another is serving."""
+    folder = tmp_path_factory.mktemp("site")
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(folder)], cwd=ROOT,
                           capture_output=True, text=True, env={**__import__("os").environ, "NO_MKDOCS_2_WARNING": "1"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return SITE
+    return folder
 
 
 def test_the_docs_build_with_warnings_as_errors(site):

@@ -124,6 +124,10 @@ def load_model(spec: ModelSpec) -> LoadedModel:
         from specbench.models.cpu_kernels import check_onednn
 
         check_onednn(spec.device, spec.dtype, spec.quantization)
+    if spec.kernels == "tuned":
+        from specbench.models.tuned_linear import check_tuned
+
+        check_tuned(spec.device, spec.dtype, spec.quantization)
     if spec.model.startswith("tiny-random"):
         from specbench.models.tiny import tiny_from_name
 
@@ -165,6 +169,10 @@ def _with_kernels(loaded: LoadedModel) -> LoadedModel:
         from specbench.models.cpu_kernels import use_onednn
 
         use_onednn(loaded.model)
+    elif loaded.spec.kernels == "tuned":
+        from specbench.models.tuned_linear import use_tuned
+
+        use_tuned(loaded.model)
     return loaded
 
 

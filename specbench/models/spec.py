@@ -8,7 +8,9 @@ from specbench.types import SpecbenchError
 
 QUANTIZATIONS = ("none", "8bit", "4bit", "int8-dynamic")  # bitsandbytes 8bit/4bit, PyTorch int8-dynamic (CPU)
 DTYPES = ("float32", "bfloat16", "float16")
-KERNELS = ("default", "onednn")  # "onednn": large linear layers on oneDNN (`models/cpu_kernels.py`)
+# "onednn": large linear layers on oneDNN (`models/cpu_kernels.py`); "tuned": per row count the fastest of
+# equal products, measured at load (`models/tuned_linear.py`)
+KERNELS = ("default", "onednn", "tuned")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,146 @@
+"""Linear layers that take, per number of rows, the fastest of equal products on this CPU (`kernels="tuned"`).
+
+Why: PyTorch's CPU `linear` is poor at the 2-8 rows a verify feeds on some CPUs. On the 2-vCPU AMD EPYC
+(AVX2) box SmolLM2's head, [2, 576] x [576, 49152], took 31 ms against 15 ms for one row, while the same
+product written as W @ x^T took 9.7 ms; its MLP layers gained 1.5-2.5x the same way at 2-5 rows. Which form
+wins depends on the CPU, the layer's shape and the row count, so it is measured once at load on the model's
+own weights, per shape and row count, and the fastest kept: PyTorch's own unless another takes under
+`MARGIN` of its time (the others round differently, so none is taken for noise). Row counts past the
+largest measured (prompts, wide trees) keep PyTorch's.
+
+Forms: "linear" (PyTorch's), "transposed" (W @ x^T on the same weights), and for large layers (at least
+`cpu_kernels.MIN_WEIGHTS` weights: a head) "pretransposed" (x @ W^T from a transposed copy) and "onednn"
+(`cpu_kernels.OneDNNLinear`, float32). A copy is kept only where chosen, and `weight_bytes` counts it.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Optional
+
+import torch
+from torch import nn
+
+from specbench.models.cpu_kernels import MIN_WEIGHTS, OneDNNLinear
+from specbench.types import SpecbenchError
+
+ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16)  # the row counts measured; fewer rows take the next one's choice
+MARGIN = 0.9
+
+
+def check_tuned(device: str, dtype: str, quantization: str) -> None:
+    """Refuse, naming why, a load that asks for tuned kernels where they cannot run."""
+    if device != "cpu":
+        raise SpecbenchError(f"kernels='tuned' measures CPU products; {device!r} models keep their own kernels: "
+                             f"use kernels='default'")
+    if dtype not in ("float32", "bfloat16"):
+        raise SpecbenchError(f"kernels='tuned' is for float32 or bfloat16 CPU layers, not {dtype!r}")
+    if quantization != "none":
+        raise SpecbenchError(f"kernels='tuned' converts unquantized layers; {quantization!r} layers keep their "
+                             f"own kernels: use kernels='default' with quantization={quantization!r}")
+
+
+class TunedLinear(nn.Module):
+    """An `nn.Linear` (same weight and bias tensors) whose product form is chosen by the input's row count."""
+
+    def __init__(self, linear: nn.Linear, choices: dict, forms: Optional[list] = None):
+        """`forms`: the forms to make copies for (default: those chosen), e.g. every form while measuring."""
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+        self.choices = dict(choices)  # rows -> form, for the measured row counts
+        self.by_rows = [_choice_for(rows, self.choices) for rows in range(max(ROWS) + 1)]
+        forms = set(self.choices.values() if forms is None else forms)
+        self.register_buffer("weight_t", linear.weight.detach().t().contiguous() if "pretransposed" in forms
+                             else None)
+        self.onednn = OneDNNLinear(linear) if "onednn" in forms else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in_features] -> [..., out_features]
+        rows = x.numel() // self.in_features
+        form = self.by_rows[rows] if rows < len(self.by_rows) else "linear"
+        if form == "linear":
+            return nn.functional.linear(x, self.weight, self.bias)
+        return product(form, self, x.reshape(rows, self.in_features)).reshape(*x.shape[:-1], self.out_features)
+
+
+def _choice_for(rows: int, choices: dict) -> str:
+    larger = [count for count in sorted(choices) if count >= rows]
+    return choices[larger[0]] if larger else "linear"
+
+
+def product(form: str, layer, rows: torch.Tensor) -> torch.Tensor:
+    """`rows` [n, in] times `layer`'s weight, plus its bias, in `form`; [n, out]."""
+    weight, bias = layer.weight, layer.bias
+    if form == "transposed":
+        out = (weight @ rows.T).T
+        return out if bias is None else out + bias
+    if form == "pretransposed":
+        return rows @ layer.weight_t if bias is None else torch.addmm(bias, rows, layer.weight_t)
+    if form == "onednn":
+        return layer.onednn(rows)
+    return nn.functional.linear(rows, weight, bias)
+
+
+def _forms(linear: nn.Linear) -> list[str]:
+    forms = ["linear", "transposed"]
+    if linear.in_features * linear.out_features >= MIN_WEIGHTS:
+        forms.append("pretransposed")
+        if linear.weight.dtype == torch.float32 and torch.backends.mkldnn.is_available():
+            forms.append("onednn")
+    return forms
+
+
+@torch.inference_mode()
+def measure(layers: list, rows: tuple = ROWS, repeats: int = 3) -> dict:
+    """{rows: {form: seconds}} for one product through each of `layers` (same shape), the forms
+    interleaved repeat by repeat so drift hits them alike; the median of `repeats`."""
+    first = layers[0]
+    forms = _forms(first)
+    timed = [TunedLinear(layer, {}, forms) for layer in layers]
+    found: dict = {}
+    for count in rows:
+        x = torch.randn(count, first.in_features, dtype=first.weight.dtype)
+        samples: dict = {form: [] for form in forms}
+        for form in forms:  # warm each form up once
+            for layer in timed:
+                product(form, layer, x)
+        for _ in range(repeats):
+            for form in forms:
+                started = time.perf_counter()
+                for layer in timed:
+                    product(form, layer, x)
+                samples[form].append(time.perf_counter() - started)
+        found[count] = {form: statistics.median(values) for form, values in samples.items()}
+    return found
+
+
+def choose(times: dict) -> dict:
+    """{rows: form}: per row count the fastest form, PyTorch's unless another takes under `MARGIN` of its time."""
+    chosen = {}
+    for count, by_form in times.items():
+        best = min(by_form, key=by_form.get)
+        chosen[count] = best if by_form[best] < MARGIN * by_form["linear"] else "linear"
+    return chosen
+
+
+def use_tuned(model: nn.Module, sample: int = 6, rows: tuple = ROWS, repeats: int = 3) -> dict:
+    """Replace, in place, every plain `nn.Linear` by a `TunedLinear` whose forms were measured on up to
+    `sample` layers of its shape; returns {(out, in, bias): {rows: form}}, what was chosen."""
+    groups: dict = {}
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and child.weight.device.type == "cpu":
+                key = (child.out_features, child.in_features, child.bias is not None)
+                groups.setdefault(key, []).append((parent, name, child))
+    table = {}
+    for key, members in groups.items():
+        table[key] = choose(measure([child for _, _, child in members[:sample]], rows, repeats))
+        for parent, name, child in members:
+            setattr(parent, name, TunedLinear(child, table[key]))
+    model.tuned_kernels = table  # what was chosen, for records and the docs
+    return table
+
+
+def tuned_choices(model: nn.Module) -> Optional[dict]:
+    """{(out, in, bias): {rows: form}} of a model loaded with kernels="tuned", else None."""
+    return getattr(model, "tuned_kernels", None)

@@ -1,0 +1,149 @@
+"""Tuned linear layers (`kernels="tuned"`): every product form gives the plain layer's output to float
+rounding, the choice keeps PyTorch's unless another is clearly faster, SD through them stays lossless,
+and loads where they cannot run are refused by name."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from specbench.decode.batch import VerifyRequest, verify_batch
+from specbench.decode.drafters import ModelDrafter
+from specbench.decode.loop import Decoding, generate
+from specbench.decode.target import LocalTarget
+from specbench.models.loaded import LoadedModel
+from specbench.models.spec import ModelSpec, acceptance_label
+from specbench.models.tuned_linear import ROWS, TunedLinear, choose, measure, use_tuned
+from specbench.types import SamplingParams, SpecbenchError
+
+from conftest import PROMPTS
+
+FORMS = ("linear", "transposed", "pretransposed", "onednn")
+
+
+def _forced(model: nn.Module) -> int:
+    """Every linear layer as a TunedLinear that uses a different form at each row count (all four
+    forms, whatever the layer's size), so one forward mixes them all; returns how many were replaced."""
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                choices = {rows: FORMS[(rows + replaced) % len(FORMS)] for rows in ROWS}
+                setattr(parent, name, TunedLinear(child, choices))
+                replaced += 1
+    return replaced
+
+
+@pytest.fixture(scope="module")
+def forced_target(tiny_target):
+    model = copy.deepcopy(tiny_target.model)
+    assert _forced(model) > 0
+    return LoadedModel(spec=tiny_target.spec.with_(kernels="tuned"), model=model, tokenizer=None)
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_every_form_is_the_plain_product(form, bias):
+    torch.manual_seed(0)
+    linear = nn.Linear(48, 80, bias=bias)
+    tuned = TunedLinear(linear, {rows: form for rows in ROWS})
+    for rows in (1, 2, 5, 16, 17):  # 17: past the measured counts, PyTorch's own
+        x = torch.randn(2, rows, 48)
+        with torch.inference_mode():
+            torch.testing.assert_close(tuned(x), linear(x), rtol=1e-5, atol=1e-5)
+    assert tuned.weight is linear.weight  # the same tensor, no copy for the plain forms
+    assert (tuned.weight_t is not None) == (form == "pretransposed") and (tuned.onednn is not None) == (form == "onednn")
+
+
+def test_fewer_rows_take_the_next_measured_count_and_more_keep_pytorch():
+    tuned = TunedLinear(nn.Linear(8, 8), {1: "linear", 8: "transposed", 12: "pretransposed", 16: "linear"})
+    assert tuned.by_rows[2] == tuned.by_rows[8] == "transposed" and tuned.by_rows[9] == "pretransposed"
+    assert tuned.by_rows[16] == "linear" and len(tuned.by_rows) == max(ROWS) + 1
+
+
+def test_a_form_replaces_pytorch_only_when_clearly_faster():
+    times = {1: {"linear": 1.0, "transposed": 0.95}, 2: {"linear": 1.0, "transposed": 0.5},
+             3: {"linear": 1.0, "transposed": 1.2, "onednn": 0.8}, 4: {"linear": 0.9, "transposed": 1.0}}
+    assert choose(times) == {1: "linear", 2: "transposed", 3: "onednn", 4: "linear"}
+
+
+def test_measure_times_every_form_a_layer_can_take():
+    small, large = nn.Linear(16, 24), nn.Linear(1024, 4096, bias=False)  # 4M weights: a head's forms too
+    assert set(measure([small], rows=(1, 3), repeats=1)[3]) == {"linear", "transposed"}
+    found = measure([large], rows=(2,), repeats=1)
+    assert set(found[2]) >= {"linear", "transposed", "pretransposed"} and min(found[2].values()) > 0
+
+
+def test_tuned_layers_give_the_same_logits(tiny_target, forced_target):
+    with torch.inference_mode():
+        for length in (1, 2, 3, 5, 8, 13):
+            ids = torch.tensor([PROMPTS[0][:length]])
+            want, got = tiny_target.model(input_ids=ids).logits, forced_target.model(input_ids=ids).logits
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_sd_through_tuned_layers_is_lossless(tiny_draft, forced_target):
+    """Golden: greedy chain SD on the tuned target equals its own target-only greedy, token for token,
+    alone (verifies of 2-5 rows, each through other forms than the 1-row steps) and in a packed batch."""
+    for prompt in PROMPTS[:3]:
+        alone = generate(LocalTarget(forced_target), None, prompt, Decoding(0, 24, kind="none")).output_ids
+        for k in (1, 2, 4):
+            sd = generate(LocalTarget(forced_target), ModelDrafter(tiny_draft, 96), prompt,
+                          Decoding(k, 24, kind="chain")).output_ids
+            assert sd == alone
+    batched, lone = LocalTarget(forced_target), LocalTarget(forced_target, kv_pool=False)
+    drafter, greedy, generator = ModelDrafter(tiny_draft, 96), SamplingParams(), torch.Generator().manual_seed(0)
+    for i, prompt in enumerate(PROMPTS[:3]):
+        batched.prefill(f"s{i}", prompt)
+        lone.prefill(f"s{i}", prompt)
+    for step in range(6):
+        requests = [VerifyRequest(f"s{i}", drafter.propose(lone.committed(f"s{i}"), 1 + i, greedy, generator), greedy,
+                                  step) for i in range(3)]
+        for request, verdict in zip(requests, verify_batch(batched, requests)):
+            want = lone.verify(request.session, request.tree, greedy, step)
+            assert (verdict.accepted_path, verdict.bonus_token) == (want.accepted_path, want.bonus_token)
+
+
+def test_smollm2_tuned_keeps_its_tied_head_and_counts_any_copy(smollm2):
+    """Every linear layer is tuned, measured per shape; the head stays tied to the embedding unless a copy
+    was chosen, and then the copy is counted; logits match the plain model's at verify sizes."""
+    model = copy.deepcopy(smollm2.model)
+    table = use_tuned(model, sample=2, rows=(1, 2, 5), repeats=1)
+    assert sorted(table) == sorted({(m.out_features, m.in_features, m.bias is not None)
+                                    for m in smollm2.model.modules() if type(m) is nn.Linear})
+    assert all(set(choices) == {1, 2, 5} and set(choices.values()) <= set(FORMS) for choices in table.values())
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    head = model.lm_head
+    assert head.weight is model.model.embed_tokens.weight
+    tuned = LoadedModel(spec=smollm2.spec.with_(kernels="tuned"), model=model, tokenizer=smollm2.tokenizer)
+    copies = (head.weight_t is not None) + (head.onednn is not None)
+    assert tuned.weight_bytes == smollm2.weight_bytes + copies * 576 * 49152 * 4
+    assert tuned.spec.label == "smollm2-135m+tuned" and acceptance_label(tuned.spec.label) == "smollm2-135m"
+    ids = torch.tensor([PROMPTS[0]]) % 1000 + 100
+    with torch.inference_mode():
+        plain = smollm2.model(input_ids=ids, use_cache=True)
+        mine = model(input_ids=ids, use_cache=True)
+        for new in (1, 2, 5):
+            step = torch.tensor([[300 + i for i in range(new)]])
+            want = smollm2.model(input_ids=step, past_key_values=plain.past_key_values).logits
+            got = model(input_ids=step, past_key_values=mine.past_key_values).logits
+            plain.past_key_values.crop(-new)
+            mine.past_key_values.crop(-new)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("changes, words", [
+    ({"dtype": "float16"}, "float32 or bfloat16"), ({"quantization": "int8-dynamic"}, "unquantized"),
+    ({"device": "cuda"}, "CPU")])
+def test_tuned_where_it_cannot_run_is_refused_by_name(changes, words):
+    from specbench.models.loading import load_model
+
+    with pytest.raises(SpecbenchError, match=words):
+        load_model(ModelSpec("tiny-random:seed=0,vocab=96,hidden=64,layers=3", **{"kernels": "tuned", **changes}))
+
+
+def test_a_tiny_model_loads_tuned():
+    from specbench.models.loading import load_model
+
+    loaded = load_model(ModelSpec("tiny-random:seed=0,vocab=96,hidden=64,layers=3", kernels="tuned"))
+    assert loaded.model.tuned_kernels and any(isinstance(m, TunedLinear) for m in loaded.model.modules())
