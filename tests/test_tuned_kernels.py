@@ -13,7 +13,7 @@ from specbench.decode.loop import Decoding, generate
 from specbench.decode.target import LocalTarget
 from specbench.models.loaded import LoadedModel
 from specbench.models.spec import ModelSpec, acceptance_label
-from specbench.models.tuned_linear import ROWS, TunedLinear, choose, measure, use_tuned
+from specbench.models.tuned_linear import COPY_MIN_WEIGHTS, ROWS, TunedLinear, choose, measure, use_tuned
 from specbench.types import SamplingParams, SpecbenchError
 
 from conftest import PROMPTS
@@ -63,12 +63,24 @@ def test_fewer_rows_take_the_next_measured_count_and_more_keep_pytorch():
 
 def test_a_form_replaces_pytorch_only_when_clearly_faster():
     times = {1: {"linear": 1.0, "transposed": 0.95}, 2: {"linear": 1.0, "transposed": 0.5},
-             3: {"linear": 1.0, "transposed": 1.2, "onednn": 0.8}, 4: {"linear": 0.9, "transposed": 1.0}}
-    assert choose(times) == {1: "linear", 2: "transposed", 3: "onednn", 4: "linear"}
+             4: {"linear": 0.9, "transposed": 1.0}}
+    assert choose(times) == {1: "linear", 2: "transposed", 4: "linear"}
+
+
+def test_a_layer_keeps_at_most_one_copy_the_one_that_saves_most():
+    """A head where a transposed copy wins one row count and a oneDNN copy two: keeping both would hold the
+    weight three times, so the oneDNN copy (more time saved in all) stays, and 1 row falls back."""
+    times = {1: {"linear": 1.0, "transposed": 1.0, "pretransposed": 0.5, "onednn": 0.95},
+             2: {"linear": 2.0, "transposed": 1.5, "pretransposed": 1.9, "onednn": 1.0},
+             3: {"linear": 2.0, "transposed": 1.5, "pretransposed": 1.9, "onednn": 1.0}}
+    assert choose(times) == {1: "linear", 2: "onednn", 3: "onednn"}
+    times[1]["pretransposed"] = 0.1  # now the transposed copy saves more: 0.9 at 1 row against 2 x 0.1
+    times[2]["onednn"] = times[3]["onednn"] = 1.4
+    assert choose(times) == {1: "pretransposed", 2: "transposed", 3: "transposed"}
 
 
 def test_measure_times_every_form_a_layer_can_take():
-    small, large = nn.Linear(16, 24), nn.Linear(1024, 4096, bias=False)  # 4M weights: a head's forms too
+    small, large = nn.Linear(16, 24), nn.Linear(4096, COPY_MIN_WEIGHTS // 4096, bias=False)  # a head's forms too
     assert set(measure([small], rows=(1, 3), repeats=1)[3]) == {"linear", "transposed"}
     found = measure([large], rows=(2,), repeats=1)
     assert set(found[2]) >= {"linear", "transposed", "pretransposed"} and min(found[2].values()) > 0
@@ -117,6 +129,8 @@ def test_smollm2_tuned_keeps_its_tied_head_and_counts_any_copy(smollm2):
     assert head.weight is model.model.embed_tokens.weight
     tuned = LoadedModel(spec=smollm2.spec.with_(kernels="tuned"), model=model, tokenizer=smollm2.tokenizer)
     copies = (head.weight_t is not None) + (head.onednn is not None)
+    assert copies <= 1 and all(m.weight_t is None and m.onednn is None for m in model.modules()
+                               if isinstance(m, TunedLinear) and m is not head)
     assert tuned.weight_bytes == smollm2.weight_bytes + copies * 576 * 49152 * 4
     assert tuned.spec.label == "smollm2-135m+tuned" and acceptance_label(tuned.spec.label) == "smollm2-135m"
     ids = torch.tensor([PROMPTS[0]]) % 1000 + 100
