@@ -4,12 +4,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from specbench.models.spec import KERNELS, QUANTIZATIONS
+from specbench.models.spec import KERNELS, KERNELS_HELP, QUANTIZATIONS
 from specbench.methods import CROSS_TOKENIZER
 from specbench.types import FAST_BACKENDS, VERIFY_RULES, SamplingParams, SpecbenchError
 
-KERNELS_HELP = ("CPU linear kernels: onednn (large float32 layers on oneDNN) or tuned (per row count the fastest "
-                "product form, measured at load): faster at the few rows SD verifies")
 FAST_HELP = "static KV caches, compiled fixed-shape steps (CUDA graphs on a GPU); default: on for unquantized CUDA models"
 
 

@@ -59,6 +59,21 @@ def test_tune_end_to_end_chooses_a_measured_point_and_writes_what_run_reads(tmp_
     assert args.draft == config["draft"] and args.self_draft_layers == config["self_draft_layers"]
 
 
+def test_a_tune_on_tuned_kernels_profiles_them_and_its_choice_runs_on_them(tmp_path):
+    """The target and a model draft load with the kernels asked for, a substitute with its own; the profiles
+    carry the kernels' label, the configuration names them and `run --config` loads them."""
+    from specbench.cli import build_parser
+    from specbench.tune.command import apply_config
+
+    result = tune(spec(drafts=(DRAFT, "substitute:int8-dynamic"), kernels="tuned"), tmp_path, progress=False)
+    assert result.chosen["kernels"] == "tuned"
+    profiled = {path.name for path in (tmp_path / "profiles").glob("*.json")}
+    assert any("tuned" in name for name in profiled), profiled
+    args = build_parser().parse_args(["run", "--config", str(result.config_path)])
+    apply_config(args)
+    assert args.kernels == "tuned"
+
+
 def test_with_the_share_unspent_the_tune_measures_every_neighbour_after_its_list(tmp_path, monkeypatch):
     """A tiny model's runs take milliseconds, the tune's own bookkeeping more: no share covers its wall time, so
     the share is taken as never spent here; the neighbours then come after the listed points, each once, until

@@ -18,17 +18,19 @@ from specbench.types import SamplingParams, SpecbenchError
 
 from conftest import PROMPTS
 
-FORMS = ("linear", "transposed", "pretransposed", "onednn")
+FORMS = ("linear", "transposed", "pretransposed", "onednn")  # and "padded", for one row only
 
 
 def _forced(model: nn.Module) -> int:
-    """Every linear layer as a TunedLinear that uses a different form at each row count (all four
+    """Every linear layer as a TunedLinear that uses a different form at each row count (all five
     forms, whatever the layer's size), so one forward mixes them all; returns how many were replaced."""
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
                 choices = {rows: FORMS[(rows + replaced) % len(FORMS)] for rows in ROWS}
+                if replaced % 2:
+                    choices[1] = "padded"
                 setattr(parent, name, TunedLinear(child, choices))
                 replaced += 1
     return replaced
@@ -53,6 +55,20 @@ def test_every_form_is_the_plain_product(form, bias):
             torch.testing.assert_close(tuned(x), linear(x), rtol=1e-5, atol=1e-5)
     assert tuned.weight is linear.weight  # the same tensor, no copy for the plain forms
     assert (tuned.weight_t is not None) == (form == "pretransposed") and (tuned.onednn is not None) == (form == "onednn")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_one_row_padded_to_two_is_the_plain_product(bias):
+    torch.manual_seed(0)
+    linear = nn.Linear(48, 80, bias=bias)
+    tuned = TunedLinear(linear, {1: "padded", 2: "transposed"})
+    for shape in ((1, 48), (1, 1, 48), (2, 48)):
+        x = torch.randn(*shape)
+        with torch.inference_mode():
+            got = tuned(x)
+            torch.testing.assert_close(got, linear(x), rtol=1e-5, atol=1e-5)
+        assert got.shape == (*shape[:-1], 80) and got.is_contiguous()
+    assert tuned.by_rows[0] == "linear"  # an empty input never takes the one-row form
 
 
 def test_fewer_rows_take_the_next_measured_count_and_more_keep_pytorch():
@@ -81,7 +97,8 @@ def test_a_layer_keeps_at_most_one_copy_the_one_that_saves_most():
 
 def test_measure_times_every_form_a_layer_can_take():
     small, large = nn.Linear(16, 24), nn.Linear(4096, COPY_MIN_WEIGHTS // 4096, bias=False)  # a head's forms too
-    assert set(measure([small], rows=(1, 3), repeats=1)[3]) == {"linear", "transposed"}
+    found = measure([small], rows=(1, 3), repeats=1)
+    assert set(found[1]) == {"linear", "transposed", "padded"} and set(found[3]) == {"linear", "transposed"}
     found = measure([large], rows=(2,), repeats=1)
     assert set(found[2]) >= {"linear", "transposed", "pretransposed"} and min(found[2].values()) > 0
 
@@ -123,7 +140,8 @@ def test_smollm2_tuned_keeps_its_tied_head_and_counts_any_copy(smollm2):
     table = use_tuned(model, sample=2, rows=(1, 2, 5), repeats=1)
     assert sorted(table) == sorted({(m.out_features, m.in_features, m.bias is not None)
                                     for m in smollm2.model.modules() if type(m) is nn.Linear})
-    assert all(set(choices) == {1, 2, 5} and set(choices.values()) <= set(FORMS) for choices in table.values())
+    assert all(set(choices) == {1, 2, 5} and set(choices.values()) <= {*FORMS, "padded"}
+               and "padded" not in (choices[2], choices[5]) for choices in table.values())
     assert not any(type(m) is nn.Linear for m in model.modules())
     head = model.lm_head
     assert head.weight is model.model.embed_tokens.weight

@@ -11,6 +11,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 # "onednn": large linear layers on oneDNN (`models/cpu_kernels.py`); "tuned": per row count the fastest of
 # equal products, measured at load (`models/tuned_linear.py`)
 KERNELS = ("default", "onednn", "tuned")
+KERNELS_HELP = ("CPU linear kernels: onednn (large float32 layers on oneDNN) or tuned (per row count the fastest "
+                "product form, measured at load): faster at the few rows SD verifies")
 
 
 @dataclass(frozen=True)
@@ -45,8 +47,10 @@ class ModelSpec:
 
     def quantized(self, quantization: str) -> "ModelSpec":
         """The same weights at `quantization` (a substitute draft's): PyTorch's dynamic int8 quantizes float32
-        Linear layers, so int8-dynamic loads them in float32 whatever this spec's dtype."""
-        return self.with_(quantization=quantization, **({"dtype": "float32"} if quantization == "int8-dynamic" else {}))
+        Linear layers, so int8-dynamic loads them in float32 whatever this spec's dtype; quantized layers keep
+        their own kernels."""
+        return self.with_(quantization=quantization, kernels="default",
+                          **({"dtype": "float32"} if quantization == "int8-dynamic" else {}))
 
     @property
     def label(self) -> str:

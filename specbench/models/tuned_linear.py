@@ -9,7 +9,8 @@ own weights, per shape and row count, and the fastest kept: PyTorch's own unless
 largest measured (prompts, wide trees) keep PyTorch's.
 
 Forms: "linear" (PyTorch's), "transposed" (W @ x^T on the same weights, its output made contiguous: what
-follows reads rows), and for the largest layers (at least `COPY_MIN_WEIGHTS` weights: a language-model head)
+follows reads rows), "padded" (one row computed as two: the same CPU's 2-column product beat its 1-row one, 9.7
+against 15 ms for that head, so a target-only step gains too), and for the largest layers (at least `COPY_MIN_WEIGHTS` weights: a language-model head)
 "pretransposed" (x @ W^T from a transposed copy) and "onednn" (`cpu_kernels.OneDNNLinear`, float32). A copy
 costs the layer's bytes again, so a layer keeps at most one, only where chosen, and `weight_bytes` counts it;
 smaller layers (Qwen's MLPs: a copy each would add half the model) take only the forms that share the weight.
@@ -68,6 +69,8 @@ class TunedLinear(nn.Module):
 
 
 def _choice_for(rows: int, choices: dict) -> str:
+    if rows == 0:
+        return "linear"
     larger = [count for count in sorted(choices) if count >= rows]
     return choices[larger[0]] if larger else "linear"
 
@@ -78,6 +81,9 @@ def product(form: str, layer, rows: torch.Tensor) -> torch.Tensor:
     if form == "transposed":
         out = (weight @ rows.T).T.contiguous()
         return out if bias is None else out + bias
+    if form == "padded":  # rows is [1, in]
+        out = (weight @ torch.cat([rows, rows]).T)[:, :1].T.contiguous()
+        return out if bias is None else out + bias
     if form == "pretransposed":
         return rows @ layer.weight_t if bias is None else torch.addmm(bias, rows, layer.weight_t)
     if form == "onednn":
@@ -85,8 +91,8 @@ def product(form: str, layer, rows: torch.Tensor) -> torch.Tensor:
     return nn.functional.linear(rows, weight, bias)
 
 
-def _forms(linear: nn.Linear) -> list[str]:
-    forms = ["linear", "transposed"]
+def _forms(linear: nn.Linear, rows: int) -> list[str]:
+    forms = ["linear", "transposed"] + (["padded"] if rows == 1 else [])
     if linear.in_features * linear.out_features >= COPY_MIN_WEIGHTS:
         forms.append("pretransposed")
         if linear.weight.dtype == torch.float32 and torch.backends.mkldnn.is_available():
@@ -99,10 +105,10 @@ def measure(layers: list, rows: tuple = ROWS, repeats: int = 3) -> dict:
     """{rows: {form: seconds}} for one product through each of `layers` (same shape), the forms
     interleaved repeat by repeat so drift hits them alike; the median of `repeats`."""
     first = layers[0]
-    forms = _forms(first)
-    timed = [TunedLinear(layer, {}, forms) for layer in layers]
+    timed = [TunedLinear(layer, {}, _forms(first, 1)) for layer in layers]
     found: dict = {}
     for count in rows:
+        forms = _forms(first, count)
         x = torch.randn(count, first.in_features, dtype=first.weight.dtype)
         samples: dict = {form: [] for form in forms}
         for form in forms:  # warm each form up once
@@ -128,7 +134,7 @@ def choose(times: dict) -> dict:
             chosen[count] = best if by_form[best] < MARGIN * by_form["linear"] else "linear"
         return chosen
 
-    plain = [form for form in next(iter(times.values())) if form not in COPIES]
+    plain = sorted({form for by_form in times.values() for form in by_form} - set(COPIES))
     options = [fastest(plain + [copy]) for copy in COPIES] + [fastest(plain)]
     return min(options, key=lambda chosen: sum(times[count][form] for count, form in chosen.items()))
 

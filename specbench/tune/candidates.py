@@ -108,4 +108,4 @@ def draft_model(candidate, target, spec: TuneSpec):
         return truncated_view(target, candidate.self_draft_layers)
     if candidate.method == "substitute":
         return load_model(target.spec.quantized(candidate.quantization))
-    return load_model(ModelSpec(candidate.draft, dtype=spec.dtype))
+    return load_model(ModelSpec(candidate.draft, dtype=spec.dtype, kernels=spec.kernels))

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+from specbench.models.spec import KERNELS, KERNELS_HELP
+
 
 def add_tune(commands) -> None:
     tune = commands.add_parser("tune", help="profile, record, predict, calibrate and measure: a checked choice of "
@@ -33,6 +35,7 @@ def add_tune(commands) -> None:
                            "neighbouring K")
     tune.add_argument("--budget-minutes", type=float, default=15.0)
     tune.add_argument("--dtype", default="float32")
+    tune.add_argument("--kernels", default="default", choices=list(KERNELS), help=KERNELS_HELP)
     tune.add_argument("--draft-budget-mib", type=float)
     tune.add_argument("--out-dir", help="default: the user cache's outputs/tune/<target>; a rerun there resumes")
     tune.set_defaults(handler=_tune)
@@ -46,7 +49,8 @@ def _tune(args) -> int:
                     clients=tuple(args.clients),
                     objective=args.cost, cs=args.cs, chain_ks=tuple(args.k), tree_budgets=tuple(args.tree_budgets),
                     max_new_tokens=args.max_new_tokens, measure_top=args.measure_top, measure_share=args.measure_share,
-                    budget_minutes=args.budget_minutes, dtype=args.dtype, draft_budget_mib=args.draft_budget_mib)
+                    budget_minutes=args.budget_minutes, dtype=args.dtype, kernels=args.kernels,
+                    draft_budget_mib=args.draft_budget_mib)
     result = tune(spec, args.out_dir)
     columns = ["label", "measured_tokens_per_s", "predicted_tokens_per_s", "calibrated_tokens_per_s", "error_after",
                "flag"]
@@ -70,3 +74,4 @@ def apply_config(args: argparse.Namespace) -> None:
     if config.get("substitute_quantization"):
         args.substitute_quant = config["substitute_quantization"]
     args.dtype = config.get("dtype", args.dtype)
+    args.kernels = config.get("kernels", args.kernels)

@@ -60,6 +60,8 @@ def _key(value) -> str:
 def point_key(spec: TuneSpec, candidate: Candidate, method: str, k: int, prompts: list, clients: int = 1) -> str:
     point = {"target": spec.target, "endpoint": spec.endpoint, "candidate": candidate.name, "method": method,
              "k": k, "prompts": prompts, "tokens": spec.max_new_tokens, "dtype": spec.dtype, "seed": spec.seed}
+    if spec.kernels != "default":  # (points measured before kernels were a choice keep their keys)
+        point["kernels"] = spec.kernels
     return _key({**point, "clients": clients} if clients > 1 else point)
 
 

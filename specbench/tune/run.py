@@ -197,7 +197,7 @@ def _targets(spec: TuneSpec):
     from specbench.models.spec import ModelSpec
 
     if spec.endpoint is None:
-        target = load_model(ModelSpec(spec.target, dtype=spec.dtype))
+        target = load_model(ModelSpec(spec.target, dtype=spec.dtype, kernels=spec.kernels))
         return target, target, 0.0
     from specbench.worker.client import RemoteTarget, WorkerUnavailableError
 
@@ -205,7 +205,7 @@ def _targets(spec: TuneSpec):
         RemoteTarget(spec.endpoint, timeout_s=10, retries=0)  # reachable, before the target loads for minutes
     except WorkerUnavailableError as error:
         raise SpecbenchError(f"worker {spec.endpoint} is unreachable ({error}): start it, or tune locally") from None
-    target = load_model(ModelSpec(spec.target, dtype=spec.dtype))
+    target = load_model(ModelSpec(spec.target, dtype=spec.dtype))  # the worker loaded its own kernels
     # what measures: the target's tokenizer for text prompts; a slow target's long prompt may take its time
     remote = RemoteTarget(spec.endpoint, timeout_s=120, retries=0, tokenizer=target.tokenizer)
     rtts = []
@@ -407,6 +407,6 @@ def _choose(table: pd.DataFrame, spec: TuneSpec, candidates) -> dict:
             "draft": candidate.draft if candidate else None,
             "self_draft_layers": candidate.self_draft_layers if candidate else None,
             "substitute_quantization": candidate.quantization if candidate and candidate.method == "substitute" else None,
-            "dtype": spec.dtype, "max_new_tokens": spec.max_new_tokens, "objective": spec.objective, "cs": spec.cs,
+            "dtype": spec.dtype, "kernels": spec.kernels, "max_new_tokens": spec.max_new_tokens, "objective": spec.objective, "cs": spec.cs,
             "label": best["label"], "measured_tokens_per_s": round(best["measured_tokens_per_s"], 3),
             "clients": int(best.get("clients", 1))}  # the load it was measured under

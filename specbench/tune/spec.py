@@ -50,6 +50,7 @@ class TuneSpec:
     measure_share: float = 0.18  # of an exhaustive sweep's measuring time: then the best measured point's neighbours
     budget_minutes: float = 15.0
     dtype: str = "float32"
+    kernels: str = "default"  # the target's and model drafts' CPU linear kernels (`ModelSpec.kernels`)
     draft_budget_mib: Optional[float] = None
     repeats: int = 3  # profile repeats per grid point
     calibration: str = "runs"  # what calibrates the profiles: runs | speed | widths | per-point (tune/calibrate.py)
