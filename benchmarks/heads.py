@@ -30,7 +30,7 @@ from specbench.decode.suffix_drafter import SuffixSettings
 from specbench.decode.target import LocalTarget
 from specbench.methods import TreeShape
 from specbench.models.loading import load_model
-from specbench.models.spec import ModelSpec
+from specbench.models.spec import KERNELS, KERNELS_HELP, ModelSpec
 
 from common import RESULTS, write_report
 
@@ -113,13 +113,14 @@ def main() -> None:
     parser.add_argument("--placements", action="store_true", help="also through a worker, the head on either side")
     parser.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
                         help="the local comparison per K (--no-compare: placements only)")
+    parser.add_argument("--kernels", default="default", choices=list(KERNELS), help=KERNELS_HELP)
     parser.add_argument("--dtype", default="float32", help="the target's, in training and comparing (bfloat16 on a CPU "
                                                          "with AVX-512 bf16: wide verifies nearly cost a 1-token one)")
     parser.add_argument("--out", default=str(RESULTS / "heads.json"))
     args = parser.parse_args()
 
     head, training = trained(args)
-    target = LocalTarget(load_model(ModelSpec(args.target, dtype=args.dtype))) if args.compare else None
+    target = LocalTarget(load_model(ModelSpec(args.target, dtype=args.dtype, kernels=args.kernels))) if args.compare else None
     rows, positions = [], []
     for dataset in args.datasets if args.compare else ():
         prompts = [row["prompt"] for row in load_prompts(dataset, limit=args.prompt_count, seed=1)]

@@ -35,7 +35,7 @@ from specbench.datasets.sessions import script_sessions
 from specbench.decode.suffix_drafter import SuffixSettings
 from specbench.decode.target import LocalTarget
 from specbench.models.loading import load_model
-from specbench.models.spec import ModelSpec
+from specbench.models.spec import KERNELS, KERNELS_HELP, ModelSpec
 from specbench.route.auto import calibrate, candidates_from
 from specbench.route.router import LEARN, MARGIN, fit_router, parse_margin, rows_of
 from specbench.route.suffix_floor import choose_min_score
@@ -122,6 +122,7 @@ def main() -> None:
                         f"only for one predicted better by more than this share ({LEARN}: cross-validated, the "
                         f"default from 10 calibration prompts, {MARGIN} below)")
     parser.add_argument("--max-new-tokens", type=int, default=40)
+    parser.add_argument("--kernels", default="default", choices=list(KERNELS), help=KERNELS_HELP)
     parser.add_argument("--dtype", default="float32", help="the target's (bfloat16 on a CPU with AVX-512 bf16: a "
                         "verify of 16 tokens then costs about 1.4x one token's, in float32 2x)")
     parser.add_argument("--passes", type=int, default=1, choices=(1, 2),
@@ -130,7 +131,7 @@ def main() -> None:
     args = parser.parse_args()
 
     started = time.perf_counter()
-    loaded = load_model(ModelSpec(args.target, dtype=args.dtype))
+    loaded = load_model(ModelSpec(args.target, dtype=args.dtype, kernels=args.kernels))
     target = LocalTarget(loaded)
     models = any(c.startswith(("chain", "tree")) for c in args.candidates)
     if args.head and models:

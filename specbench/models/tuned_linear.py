@@ -6,7 +6,7 @@ product written as W @ x^T took 9.7 ms; its MLP layers gained 1.5-2.5x the same 
 wins depends on the CPU, the layer's shape and the row count, so it is measured once at load on the model's
 own weights, per shape and row count, and the fastest kept: PyTorch's own unless another takes under
 `MARGIN` of its time (the others round differently, so none is taken for noise). Row counts past the
-largest measured (prompts, wide trees) keep PyTorch's.
+largest measured (prompts) keep PyTorch's.
 
 Forms: "linear" (PyTorch's), "transposed" (W @ x^T on the same weights, its output made contiguous: what
 follows reads rows), "padded" (one row computed as two: the same CPU's 2-column product beat its 1-row one, 9.7
@@ -27,7 +27,8 @@ from torch import nn
 from specbench.models.cpu_kernels import OneDNNLinear
 from specbench.types import SpecbenchError
 
-ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16)  # the row counts measured; fewer rows take the next one's choice
+# the row counts measured (a verify of 1-8 tokens, trees, a worker's batches); fewer rows take the next one's choice
+ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64)
 MARGIN = 0.9
 COPY_MIN_WEIGHTS = 2**24  # SmolLM2's head has 28M weights, Qwen2.5-1.5B's largest MLP layer 14M
 COPIES = ("pretransposed", "onednn")  # the forms that hold a copy of the weight
