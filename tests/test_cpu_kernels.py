@@ -5,16 +5,15 @@ import copy
 import pytest
 import torch
 
-from specbench.decode.batch import VerifyRequest, verify_batch
 from specbench.decode.drafters import ModelDrafter
 from specbench.decode.loop import Decoding, generate
 from specbench.decode.target import LocalTarget
 from specbench.models.cpu_kernels import MIN_WEIGHTS, OneDNNLinear, use_onednn
 from specbench.models.loaded import LoadedModel
 from specbench.models.spec import ModelSpec, acceptance_label
-from specbench.types import SamplingParams, SpecbenchError
+from specbench.types import SpecbenchError
 
-from conftest import PROMPTS
+from conftest import PROMPTS, assert_batches_match_lone_verifies
 
 
 @pytest.fixture(scope="module")
@@ -42,16 +41,7 @@ def test_sd_through_onednn_layers_is_lossless(tiny_draft, onednn_target):
         assert sd == alone
     batched, lone = LocalTarget(onednn_target), LocalTarget(onednn_target, kv_pool=False)
     assert batched.packed
-    drafter, greedy, generator = ModelDrafter(tiny_draft, 96), SamplingParams(), torch.Generator().manual_seed(0)
-    for i, prompt in enumerate(PROMPTS[:3]):
-        batched.prefill(f"s{i}", prompt)
-        lone.prefill(f"s{i}", prompt)
-    for step in range(6):
-        requests = [VerifyRequest(f"s{i}", drafter.propose(lone.committed(f"s{i}"), 1 + i, greedy, generator), greedy,
-                                  step) for i in range(3)]
-        for request, verdict in zip(requests, verify_batch(batched, requests)):
-            want = lone.verify(request.session, request.tree, greedy, step)
-            assert (verdict.accepted_path, verdict.bonus_token) == (want.accepted_path, want.bonus_token)
+    assert_batches_match_lone_verifies(batched, lone, PROMPTS[:3], [ModelDrafter(tiny_draft, 96)] * 3, steps=6)
 
 
 def test_only_large_layers_are_converted(smollm2):

@@ -7,16 +7,15 @@ import pytest
 import torch
 from torch import nn
 
-from specbench.decode.batch import VerifyRequest, verify_batch
 from specbench.decode.drafters import ModelDrafter
 from specbench.decode.loop import Decoding, generate
 from specbench.decode.target import LocalTarget
 from specbench.models.loaded import LoadedModel
 from specbench.models.spec import ModelSpec, acceptance_label
 from specbench.models.tuned_linear import COPY_MIN_WEIGHTS, ROWS, TunedLinear, choose, measure, use_tuned
-from specbench.types import SamplingParams, SpecbenchError
+from specbench.types import SpecbenchError
 
-from conftest import PROMPTS
+from conftest import PROMPTS, assert_batches_match_lone_verifies
 
 FORMS = ("linear", "transposed", "pretransposed", "onednn")  # and "padded", for one row only
 
@@ -121,16 +120,8 @@ def test_sd_through_tuned_layers_is_lossless(tiny_draft, forced_target):
                           Decoding(k, 24, kind="chain")).output_ids
             assert sd == alone
     batched, lone = LocalTarget(forced_target), LocalTarget(forced_target, kv_pool=False)
-    drafter, greedy, generator = ModelDrafter(tiny_draft, 96), SamplingParams(), torch.Generator().manual_seed(0)
-    for i, prompt in enumerate(PROMPTS[:3]):
-        batched.prefill(f"s{i}", prompt)
-        lone.prefill(f"s{i}", prompt)
-    for step in range(6):
-        requests = [VerifyRequest(f"s{i}", drafter.propose(lone.committed(f"s{i}"), 1 + i, greedy, generator), greedy,
-                                  step) for i in range(3)]
-        for request, verdict in zip(requests, verify_batch(batched, requests)):
-            want = lone.verify(request.session, request.tree, greedy, step)
-            assert (verdict.accepted_path, verdict.bonus_token) == (want.accepted_path, want.bonus_token)
+    assert batched.packed
+    assert_batches_match_lone_verifies(batched, lone, PROMPTS[:3], [ModelDrafter(tiny_draft, 96)] * 3, steps=6)
 
 
 def test_smollm2_tuned_keeps_its_tied_head_and_counts_any_copy(smollm2):
