@@ -113,7 +113,7 @@ def main():
     for name in args.models:
         variants = {variant: load_model(ModelSpec(name, **VARIANTS[variant])) for variant in args.variants}
         for variant, loaded in variants.items():
-            table = getattr(loaded.model, "tuned_kernels", None)
+            table = getattr(loaded.model, "tuned_kernels", None)  # `use_tuned`'s choice
             if table:
                 chosen[f"{name} {variant}"] = {str(shape): forms for shape, forms in table.items()}
                 print(f"{name} {variant}: forms chosen per (out, in, bias) and rows: {chosen[f'{name} {variant}']}")

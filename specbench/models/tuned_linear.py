@@ -10,10 +10,11 @@ largest measured (prompts) keep PyTorch's.
 
 Forms: "linear" (PyTorch's), "transposed" (W @ x^T on the same weights, its output made contiguous: what
 follows reads rows), "padded" (one row computed as two: the same CPU's 2-column product beat its 1-row one, 9.7
-against 15 ms for that head, so a target-only step gains too), and for the largest layers (at least `COPY_MIN_WEIGHTS` weights: a language-model head)
+against 15 ms for that head, so a target-only step gains too), and for the language-model head alone
 "pretransposed" (x @ W^T from a transposed copy) and "onednn" (`cpu_kernels.OneDNNLinear`, float32). A copy
-costs the layer's bytes again, so a layer keeps at most one, only where chosen, and `weight_bytes` counts it;
-smaller layers (Qwen's MLPs: a copy each would add half the model) take only the forms that share the weight.
+costs the layer's bytes again, so the head keeps at most one, only where chosen, and `weight_bytes` counts it;
+the other layers take only the forms that share the weight (a copy of each of Qwen 0.5B's MLP layers, which
+oneDNN won at one row, added half the model for 1.2x at that one shape).
 """
 from __future__ import annotations
 
@@ -30,7 +31,6 @@ from specbench.types import SpecbenchError
 # the row counts measured (a verify of 1-8 tokens, trees, a worker's batches); fewer rows take the next one's choice
 ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64)
 MARGIN = 0.9
-COPY_MIN_WEIGHTS = 2**24  # SmolLM2's head has 28M weights, Qwen2.5-1.5B's largest MLP layer 14M
 COPIES = ("pretransposed", "onednn")  # the forms that hold a copy of the weight
 
 
@@ -92,9 +92,9 @@ def product(form: str, layer, rows: torch.Tensor) -> torch.Tensor:
     return nn.functional.linear(rows, weight, bias)
 
 
-def _forms(linear: nn.Linear, rows: int) -> list[str]:
+def _forms(linear: nn.Linear, rows: int, copies: bool) -> list[str]:
     forms = ["linear", "transposed"] + (["padded"] if rows == 1 else [])
-    if linear.in_features * linear.out_features >= COPY_MIN_WEIGHTS:
+    if copies:
         forms.append("pretransposed")
         if linear.weight.dtype == torch.float32 and torch.backends.mkldnn.is_available():
             forms.append("onednn")
@@ -102,14 +102,15 @@ def _forms(linear: nn.Linear, rows: int) -> list[str]:
 
 
 @torch.inference_mode()
-def measure(layers: list, rows: tuple = ROWS, repeats: int = 3) -> dict:
+def measure(layers: list, rows: tuple = ROWS, repeats: int = 3, copies: bool = False) -> dict:
     """{rows: {form: seconds}} for one product through each of `layers` (same shape), the forms
-    interleaved repeat by repeat so drift hits them alike; the median of `repeats`."""
+    interleaved repeat by repeat so drift hits them alike; the median of `repeats`. `copies`: the forms
+    that copy the weight too (a head's)."""
     first = layers[0]
-    timed = [TunedLinear(layer, {}, _forms(first, 1)) for layer in layers]
+    timed = [TunedLinear(layer, {}, _forms(first, 1, copies)) for layer in layers]
     found: dict = {}
     for count in rows:
-        forms = _forms(first, count)
+        forms = _forms(first, count, copies)
         x = torch.randn(count, first.in_features, dtype=first.weight.dtype)
         samples: dict = {form: [] for form in forms}
         for form in forms:  # warm each form up once
@@ -142,22 +143,20 @@ def choose(times: dict) -> dict:
 
 def use_tuned(model: nn.Module, sample: int = 6, rows: tuple = ROWS, repeats: int = 3) -> dict:
     """Replace, in place, every plain `nn.Linear` by a `TunedLinear` whose forms were measured on up to
-    `sample` layers of its shape; returns {(out, in, bias): {rows: form}}, what was chosen."""
+    `sample` layers of its shape; returns {(out, in, bias[, "head"]): {rows: form}}, what was chosen."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     groups: dict = {}
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and child.weight.device.type == "cpu":
-                key = (child.out_features, child.in_features, child.bias is not None)
+                key = (child.out_features, child.in_features, child.bias is not None) + (("head",) if child is head
+                                                                                         else ())
                 groups.setdefault(key, []).append((parent, name, child))
     table = {}
     for key, members in groups.items():
-        table[key] = choose(measure([child for _, _, child in members[:sample]], rows, repeats))
+        table[key] = choose(measure([child for _, _, child in members[:sample]], rows, repeats,
+                                    copies=key[-1] == "head"))
         for parent, name, child in members:
             setattr(parent, name, TunedLinear(child, table[key]))
     model.tuned_kernels = table  # what was chosen, for records and the docs
     return table
-
-
-def tuned_choices(model: nn.Module) -> Optional[dict]:
-    """{(out, in, bias): {rows: form}} of a model loaded with kernels="tuned", else None."""
-    return getattr(model, "tuned_kernels", None)
