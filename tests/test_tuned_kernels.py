@@ -2,6 +2,7 @@
 rounding, the choice keeps PyTorch's unless another is clearly faster, SD through them stays lossless,
 and loads where they cannot run are refused by name."""
 import copy
+import json
 
 import pytest
 import torch
@@ -128,7 +129,7 @@ def test_smollm2_tuned_keeps_its_tied_head_and_counts_any_copy(smollm2):
     """Every linear layer is tuned, measured per shape; the head stays tied to the embedding unless a copy
     was chosen, and then the copy is counted; logits match the plain model's at verify sizes."""
     model = copy.deepcopy(smollm2.model)
-    table = use_tuned(model, sample=2, rows=(1, 2, 5), repeats=1)
+    table = use_tuned(model, sample=2, rows=(1, 2, 5), repeats=1, store=False)
     assert sorted(table) == sorted({(m.out_features, m.in_features, m.bias is not None)
                                     + (("head",) if m is smollm2.model.lm_head else ())
                                     for m in smollm2.model.modules() if type(m) is nn.Linear})
@@ -164,6 +165,30 @@ def test_tuned_where_it_cannot_run_is_refused_by_name(changes, words):
 
     with pytest.raises(SpecbenchError, match=words):
         load_model(ModelSpec("tiny-random:seed=0,vocab=96,hidden=64,layers=3", **{"kernels": "tuned", **changes}))
+
+
+def test_choices_are_measured_once_per_machine_and_a_bad_store_is_measured_again(tmp_path, monkeypatch, capsys):
+    """The first load measures and stores; the next reads the store (same forms, no measuring); a store that is
+    not JSON is named, measured again and rewritten; a row count the store lacks is measured."""
+    import specbench.models.tuned_linear as tuned_linear
+    from specbench.models.tiny import tiny_model
+
+    monkeypatch.setenv("SPECBENCH_CACHE", str(tmp_path))
+    first = use_tuned(tiny_model(seed=0).model, rows=(1, 2), repeats=1)
+    path = tuned_linear.store_path()
+    assert path.exists() and path.parent == tmp_path / "kernels"
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("measured although stored")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(tuned_linear, "measure", refuse)
+        assert use_tuned(tiny_model(seed=0).model, rows=(1, 2)) == first
+    path.write_text("{not json")
+    assert use_tuned(tiny_model(seed=0).model, rows=(1, 2), repeats=1)
+    assert "unreadable" in capsys.readouterr().err and json.loads(path.read_text())
+    wider = use_tuned(tiny_model(seed=0).model, rows=(1, 2, 3), repeats=1)
+    assert all(set(choices) == {1, 2, 3} for choices in wider.values())
 
 
 def test_a_tiny_model_loads_tuned():

@@ -6,7 +6,9 @@ product written as W @ x^T took 9.7 ms; its MLP layers gained 1.5-2.5x the same 
 wins depends on the CPU, the layer's shape and the row count, so it is measured once at load on the model's
 own weights, per shape and row count, and the fastest kept: PyTorch's own unless another takes under
 `MARGIN` of its time (the others round differently, so none is taken for noise). Row counts past the
-largest measured (prompts) keep PyTorch's.
+largest measured (prompts) keep PyTorch's. The choice is stored per CPU (its name, threads and instruction
+sets), PyTorch version and dtype in the user cache (`kernels/`), so a model measures once per machine (Qwen2.5
+0.5B's 33 s) and every later load of that shape takes the same forms, rounds the same and loads at once.
 
 Forms: "linear" (PyTorch's), "transposed" (W @ x^T on the same weights, its output made contiguous: what
 follows reads rows), "padded" (one row computed as two: the same CPU's 2-column product beat its 1-row one, 9.7
@@ -18,8 +20,13 @@ oneDNN won at one row, added half the model for 1.2x at that one shape).
 """
 from __future__ import annotations
 
+import json
+import os
+import re
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -141,9 +148,37 @@ def choose(times: dict) -> dict:
     return min(options, key=lambda chosen: sum(times[count][form] for count, form in chosen.items()))
 
 
-def use_tuned(model: nn.Module, sample: int = 6, rows: tuple = ROWS, repeats: int = 3) -> dict:
+def store_path() -> Path:
+    """This machine's stored choices: one file per CPU, thread count and PyTorch version."""
+    from specbench.data_paths import cache_root
+    from specbench.hardware import device_name
+
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", f"{device_name('cpu')}-torch{torch.__version__}")
+    return cache_root() / "kernels" / f"{name}.json"
+
+
+def _stored(path: Path) -> dict:
+    if not path.exists():
+        return {}
+    try:
+        entries = json.loads(path.read_text())
+        if not isinstance(entries, dict):
+            raise ValueError("not a JSON object")
+        return entries
+    except (OSError, ValueError) as error:
+        print(f"specbench: the stored kernel choices {path} are unreadable ({error}); measuring again and "
+              f"rewriting them", file=sys.stderr)
+        return {}
+
+
+def _entry(key: tuple, dtype: torch.dtype) -> str:
+    return "x".join(str(part) for part in key) + f"-{str(dtype).removeprefix('torch.')}"
+
+
+def use_tuned(model: nn.Module, sample: int = 3, rows: tuple = ROWS, repeats: int = 3, store: bool = True) -> dict:
     """Replace, in place, every plain `nn.Linear` by a `TunedLinear` whose forms were measured on up to
-    `sample` layers of its shape; returns {(out, in, bias[, "head"]): {rows: form}}, what was chosen."""
+    `sample` layers of its shape (or read from this machine's store, when it has every row count asked for);
+    returns {(out, in, bias[, "head"]): {rows: form}}, what was chosen."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     groups: dict = {}
     for parent in list(model.modules()):
@@ -152,11 +187,24 @@ def use_tuned(model: nn.Module, sample: int = 6, rows: tuple = ROWS, repeats: in
                 key = (child.out_features, child.in_features, child.bias is not None) + (("head",) if child is head
                                                                                          else ())
                 groups.setdefault(key, []).append((parent, name, child))
-    table = {}
+    path = store_path() if store else None
+    stored = _stored(path) if path else {}
+    table, measured = {}, False
     for key, members in groups.items():
-        table[key] = choose(measure([child for _, _, child in members[:sample]], rows, repeats,
-                                    copies=key[-1] == "head"))
+        entry = _entry(key, members[0][2].weight.dtype)
+        known = {int(count): form for count, form in stored.get(entry, {}).items()}
+        if set(rows) <= set(known):
+            table[key] = {count: known[count] for count in rows}
+        else:
+            table[key] = choose(measure([child for _, _, child in members[:sample]], rows, repeats,
+                                        copies=key[-1] == "head"))
+            stored[entry], measured = {str(count): form for count, form in table[key].items()}, True
         for parent, name, child in members:
             setattr(parent, name, TunedLinear(child, table[key]))
+    if path and measured:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_suffix(f".{os.getpid()}.tmp")  # loads in several processes may store at once
+        temporary.write_text(json.dumps(stored, indent=1, sort_keys=True))
+        temporary.replace(path)
     model.tuned_kernels = table  # what was chosen, for records and the docs
     return table
