@@ -120,7 +120,8 @@ def main() -> None:
     args = parser.parse_args()
 
     head, training = trained(args)
-    target = LocalTarget(load_model(ModelSpec(args.target, dtype=args.dtype, kernels=args.kernels))) if args.compare else None
+    target_spec = ModelSpec(args.target, dtype=args.dtype, kernels=args.kernels)
+    target = LocalTarget(load_model(target_spec)) if args.compare else None
     rows, positions = [], []
     for dataset in args.datasets if args.compare else ():
         prompts = [row["prompt"] for row in load_prompts(dataset, limit=args.prompt_count, seed=1)]

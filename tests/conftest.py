@@ -30,9 +30,10 @@ PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 9, 10, 11], [40, 41, 42, 43
            [5, 80, 3, 17, 23, 5, 80]]
 
 
-def assert_batches_match_lone_verifies(batched, alone, prompts, drafters, steps: int, k: int = 3) -> None:
+def assert_batches_match_lone_verifies(batched, alone, prompts, drafters, steps: int, k=3) -> None:
     """Sessions verified through `verify_batch` on `batched` get, step by step, exactly the verdicts and
-    committed tokens a lone verify on `alone` gives them (a None drafter sends empty trees)."""
+    committed tokens a lone verify on `alone` gives them (a None drafter sends empty trees). `k`: one draft
+    length for every session, or one per session (verifies of several widths in one batch)."""
     import torch
 
     from specbench.decode.batch import VerifyRequest, verify_batch
@@ -42,9 +43,10 @@ def assert_batches_match_lone_verifies(batched, alone, prompts, drafters, steps:
         batched.prefill(f"s{i}", prompt)
         alone.prefill(f"s{i}", prompt)
     generator = torch.Generator().manual_seed(0)
+    lengths = [k] * len(drafters) if isinstance(k, int) else list(k)
     for step in range(steps):
         requests = [VerifyRequest(f"s{i}", DraftTree() if d is None else
-                                  d.propose(batched.committed(f"s{i}"), k, SamplingParams(), generator),
+                                  d.propose(batched.committed(f"s{i}"), lengths[i], SamplingParams(), generator),
                                   SamplingParams(), step) for i, d in enumerate(drafters)]
         for request, verdict in zip(requests, verify_batch(batched, requests)):
             lone = alone.verify(request.session, request.tree, request.sampling, request.seed)

@@ -41,7 +41,8 @@ def test_sd_through_onednn_layers_is_lossless(tiny_draft, onednn_target):
         assert sd == alone
     batched, lone = LocalTarget(onednn_target), LocalTarget(onednn_target, kv_pool=False)
     assert batched.packed
-    assert_batches_match_lone_verifies(batched, lone, PROMPTS[:3], [ModelDrafter(tiny_draft, 96)] * 3, steps=6)
+    assert_batches_match_lone_verifies(batched, lone, PROMPTS[:3], [ModelDrafter(tiny_draft, 96)] * 3, steps=6,
+                                       k=(1, 2, 3))
 
 
 def test_only_large_layers_are_converted(smollm2):

@@ -54,7 +54,8 @@ def test_every_form_is_the_plain_product(form, bias):
         with torch.inference_mode():
             torch.testing.assert_close(tuned(x), linear(x), rtol=1e-5, atol=1e-5)
     assert tuned.weight is linear.weight  # the same tensor, no copy for the plain forms
-    assert (tuned.weight_t is not None) == (form == "pretransposed") and (tuned.onednn is not None) == (form == "onednn")
+    assert (tuned.weight_t is not None) == (form == "pretransposed")
+    assert (tuned.onednn is not None) == (form == "onednn")
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -122,7 +123,8 @@ def test_sd_through_tuned_layers_is_lossless(tiny_draft, forced_target):
             assert sd == alone
     batched, lone = LocalTarget(forced_target), LocalTarget(forced_target, kv_pool=False)
     assert batched.packed
-    assert_batches_match_lone_verifies(batched, lone, PROMPTS[:3], [ModelDrafter(tiny_draft, 96)] * 3, steps=6)
+    assert_batches_match_lone_verifies(batched, lone, PROMPTS[:3], [ModelDrafter(tiny_draft, 96)] * 3, steps=6,
+                                       k=(1, 2, 3))
 
 
 def test_smollm2_tuned_keeps_its_tied_head_and_counts_any_copy(smollm2):

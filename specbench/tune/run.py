@@ -407,6 +407,7 @@ def _choose(table: pd.DataFrame, spec: TuneSpec, candidates) -> dict:
             "draft": candidate.draft if candidate else None,
             "self_draft_layers": candidate.self_draft_layers if candidate else None,
             "substitute_quantization": candidate.quantization if candidate and candidate.method == "substitute" else None,
-            "dtype": spec.dtype, "kernels": spec.kernels, "max_new_tokens": spec.max_new_tokens, "objective": spec.objective, "cs": spec.cs,
+            "dtype": spec.dtype, "kernels": spec.kernels, "max_new_tokens": spec.max_new_tokens,
+            "objective": spec.objective, "cs": spec.cs,
             "label": best["label"], "measured_tokens_per_s": round(best["measured_tokens_per_s"], 3),
             "clients": int(best.get("clients", 1))}  # the load it was measured under
