@@ -39,12 +39,17 @@ def check_onednn(device: str, dtype: str, quantization: str) -> None:
     if not torch.backends.mkldnn.is_available():
         raise SpecbenchError(f"kernels='onednn' needs a PyTorch built with oneDNN; this one ({torch.__version__}) "
                              f"has none: use kernels='default'")
-    if device != "cpu":
-        raise SpecbenchError(f"kernels='onednn' is for models on the CPU, not {device!r}: use kernels='default'")
+    check_plain_cpu_layers("onednn", device, quantization)
     if dtype != "float32":
         raise SpecbenchError(f"kernels='onednn' converts float32 layers; load with dtype='float32', not {dtype!r}")
+
+
+def check_plain_cpu_layers(kernels: str, device: str, quantization: str) -> None:
+    """Refuse, naming why, CPU kernels (`onednn`, `tuned`) for a model off the CPU or with quantized layers."""
+    if device != "cpu":
+        raise SpecbenchError(f"kernels={kernels!r} is for models on the CPU, not {device!r}: use kernels='default'")
     if quantization != "none":
-        raise SpecbenchError(f"kernels='onednn' converts unquantized layers; {quantization!r} layers keep their "
+        raise SpecbenchError(f"kernels={kernels!r} converts unquantized layers; {quantization!r} layers keep their "
                              f"own kernels: use kernels='default' with quantization={quantization!r}")
 
 

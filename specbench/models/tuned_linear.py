@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from specbench.models.cpu_kernels import OneDNNLinear
+from specbench.models.cpu_kernels import OneDNNLinear, check_plain_cpu_layers
 from specbench.types import SpecbenchError
 
 # the row counts measured (a verify of 1-8 tokens, trees, a worker's batches); fewer rows take the next one's choice
@@ -43,14 +43,9 @@ COPIES = ("pretransposed", "onednn")  # the forms that hold a copy of the weight
 
 def check_tuned(device: str, dtype: str, quantization: str) -> None:
     """Refuse, naming why, a load that asks for tuned kernels where they cannot run."""
-    if device != "cpu":
-        raise SpecbenchError(f"kernels='tuned' measures CPU products; {device!r} models keep their own kernels: "
-                             f"use kernels='default'")
+    check_plain_cpu_layers("tuned", device, quantization)
     if dtype not in ("float32", "bfloat16"):
         raise SpecbenchError(f"kernels='tuned' is for float32 or bfloat16 CPU layers, not {dtype!r}")
-    if quantization != "none":
-        raise SpecbenchError(f"kernels='tuned' converts unquantized layers; {quantization!r} layers keep their "
-                             f"own kernels: use kernels='default' with quantization={quantization!r}")
 
 
 class TunedLinear(nn.Module):
