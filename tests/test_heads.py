@@ -400,6 +400,32 @@ def test_training_for_a_bf16_target_keeps_fp32_weights_and_leaves_the_target_in_
     assert load_head(tmp_path / "head", target).lm_head.weight.dtype == torch.bfloat16
 
 
+def test_train_draft_on_tuned_kernels_loads_the_target_with_them_and_reads_the_same_features(tmp_path):
+    """`kernels="tuned"` reaches the target that writes the replies and the features (its linear layers are
+    tuned ones), and its features are the default kernels' to float rounding, so a head trains the same."""
+    from specbench.heads.config import default_layer_ids
+    from specbench.heads.data import prepare, target_pass
+    from specbench.heads.train import TrainSpec, train_head
+    from specbench.models.tuned_linear import TunedLinear
+
+    prompts = tuple([(i * 11 + j * 7) % 90 + 3 for j in range(6 + i % 5)] for i in range(6))
+    spec = TrainSpec(target="tiny-random:seed=0,layers=4", prompts=prompts, prompt_count=6, held_out=2,
+                     max_new_tokens=8, draft_vocab=96, labels="greedy", ttt_steps=1, epochs=2, batch=2,
+                     checkpoint_every=1_000, eval_every=10_000, kernels="tuned")
+    tuned = prepare(spec, tmp_path / "tuned", default_layer_ids, progress=False)
+    plain = prepare(TrainSpec(**{**spec.__dict__, "kernels": "default"}), tmp_path / "plain", default_layer_ids,
+                    progress=False)
+    assert any(isinstance(layer, TunedLinear) for layer in tuned.target.model.modules())
+    assert not any(isinstance(layer, TunedLinear) for layer in plain.target.model.modules())
+    layers = default_layer_ids(4)
+    for ids in plain.data["sequences"]:
+        ours, theirs = target_pass(tuned.target, ids, layers), target_pass(plain.target, ids, layers)
+        assert torch.allclose(ours[0].float(), theirs[0].float(), atol=2e-3, rtol=1e-3)
+        assert torch.allclose(ours[2].float(), theirs[2].float(), atol=2e-3)
+    result = train_head(spec, tmp_path / "tuned", progress=False)
+    assert result.data["steps"] == result.data["total_steps"] and result.history["loss_0"].notna().all()
+
+
 def test_train_draft_reads_the_layers_asked_and_never_reuses_features_of_others(tmp_path):
     """`layers` picks the target layers the head fuses: its config keeps them (drafting taps those), a rerun in the
     same folder with other layers recomputes the cached features instead of training on the wrong ones, and a

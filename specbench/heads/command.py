@@ -5,6 +5,7 @@ from __future__ import annotations
 def add_train_draft(commands) -> None:
     from specbench.heads.layouts import LAYOUTS
     from specbench.heads.train import TrainSpec
+    from specbench.models.spec import KERNELS, KERNELS_HELP
 
     defaults = TrainSpec(target="")
     train = commands.add_parser("train-draft", help="train an EAGLE-3-style draft head for a target on a prompt set "
@@ -44,6 +45,8 @@ def add_train_draft(commands) -> None:
                        help="instead of a head, distil a draft model of the target's first LAYERS layers "
                             "(written to <out>/draft; run it with --method chain --draft <out>/draft)")
     train.add_argument("--dtype", default=defaults.dtype)
+    train.add_argument("--kernels", default=defaults.kernels, choices=list(KERNELS),
+                       help=KERNELS_HELP + " (the target's, for its replies and feature passes)")
     train.add_argument("--out", required=True, help="folder: data, checkpoint, and the head in <out>/head; a rerun "
                                                     "there resumes")
     train.set_defaults(handler=_train_draft)
@@ -59,7 +62,7 @@ def _train_draft(args) -> int:
                      draft_vocab=args.draft_vocab, layers=tuple(args.layers) if args.layers else None,
                      ttt_steps=args.ttt_steps, epochs=args.epochs,
                      learning_rate=args.learning_rate, batch=args.batch, minutes=args.minutes, layout=args.layout,
-                     dtype=args.dtype)
+                     dtype=args.dtype, kernels=args.kernels)
     if args.distil:
         from specbench.heads.distil import distil_draft
 

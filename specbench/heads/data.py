@@ -132,7 +132,7 @@ def prepare(spec, folder: str | Path, layer_ids_of, progress: bool) -> Prepared:
     folder.mkdir(parents=True, exist_ok=True)
     started, seconds = time.monotonic(), {}
     torch.manual_seed(spec.seed)
-    target = load_model(ModelSpec(spec.target, dtype=spec.dtype))
+    target = load_model(ModelSpec(spec.target, dtype=spec.dtype, kernels=spec.kernels))
     if spec.teacher_forced and spec.prompts == "sharegpt":  # whole exchanges, not the first turns alone
         from specbench.datasets.loaders import load_conversations
 

@@ -60,6 +60,7 @@ class TrainSpec:
     eval_every: int = 50
     layout: str = "eagle3"
     dtype: str = "float32"
+    kernels: str = "default"  # the target's CPU linear kernels (tuned: its replies and feature passes run faster)
     seed: int = 0
 
     def check(self) -> None:
