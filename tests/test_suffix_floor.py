@@ -30,6 +30,15 @@ def test_the_step_cost_fit_recovers_a_known_cost_and_refuses_records_it_cannot_f
             fit_step_cost(pd.DataFrame({"drafted": only, "step_s": [0.1] * len(only)}))
 
 
+def test_a_fit_that_prices_a_verified_token_below_zero_holds_it_at_zero():
+    """Noise can tilt the free fit to a negative per-token cost (longer verifies "cheaper"); the fit then holds
+    that cost at 0 and refits the fixed cost and the surcharge (here: 0.10 s, and the drafted steps' mean over it)."""
+    records = pd.DataFrame({"drafted": [0, 1, 4], "step_s": [0.10, 0.12, 0.11]})
+    found = fit_step_cost(records)
+    assert found.per_verified_token_s == 0.0
+    assert found.fixed_s == pytest.approx(0.10, abs=1e-9) and found.drafted_surcharge_s == pytest.approx(0.015, abs=1e-9)
+
+
 def test_replayed_floors_keep_every_token_and_draft_less_as_the_floor_rises():
     cost = StepCost(0.060, 0.004, 0.025)
     table = replay_floors(REPEATING, OUTPUTS, SuffixSettings(min_prob=0.0, factor=2.0, offset=1.0), cost,
