@@ -16,6 +16,8 @@ pass and timed on the other, what a perfect per-prompt choice would earn without
 
     python benchmarks/workload.py --spec-bench ~/.cache/specbench/datasets/spec-bench/question.jsonl
     python benchmarks/workload.py --spec-bench ... --dtype bfloat16    # the target in bf16
+    python benchmarks/workload.py --spec-bench ... --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b \
+        --candidates target-only suffix-tree:16 chain:3   # a model draft of the target's family as a candidate
 """
 from __future__ import annotations
 
@@ -99,6 +101,9 @@ def main() -> None:
                         default=["target-only", "prompt-lookup:4", "suffix:16", "suffix-tree:16", "chain:4"])
     parser.add_argument("--draft-quant", default="int8-dynamic", help="chain candidates' draft: the target at this "
                                                               "quantization (the substitute draft), loaded once")
+    parser.add_argument("--draft", help="chain and tree candidates' draft: this model (e.g. qwen2.5-coder-0.5b for "
+                                        "qwen2.5-coder-1.5b), in the target's dtype and kernels, in place of "
+                                        "--draft-quant's substitute")
     parser.add_argument("--head", help="a trained draft head's folder: the draft of `eagle`, `eagle-tree` and "
                                        "`suffix-eagle` candidates (then no chain or tree candidate: one draft per run)")
     parser.add_argument("--suffix-factor", type=float, default=SuffixSettings.factor,
@@ -136,7 +141,12 @@ def main() -> None:
     models = any(c.startswith(("chain", "tree")) for c in args.candidates)
     if args.head and models:
         raise SystemExit("--head drafts the eagle candidates; chain and tree candidates would need another draft")
-    draft = args.head or (load_model(ModelSpec(args.target, quantization=args.draft_quant)) if models else None)
+    if args.draft and not models:
+        raise SystemExit("--draft is the draft of chain and tree candidates: add one to --candidates")
+    draft = args.head
+    if models:
+        draft = load_model(ModelSpec(args.draft, dtype=args.dtype, kernels=args.kernels) if args.draft
+                           else ModelSpec(args.target, quantization=args.draft_quant))
     candidates = candidates_from(args.candidates)
     found = requests(args, target)
     scripted_s = time.perf_counter() - started
