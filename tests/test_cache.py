@@ -84,4 +84,23 @@ def test_concurrent_writers_never_corrupt_a_file(tmp_path):
     for path in files:
         read_record(path)  # every file parses completely
     assert len(json.loads((tmp_path / "index.json").read_text())) == 5
-    assert not list(tmp_path.glob(".tmp-*"))
+    assert not list(tmp_path.glob(".*.tmp"))  # no writer's temporary file left behind
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
+    """`specbench.files.replacing`: what every cache, checkpoint and sweep cell is written through."""
+    from specbench.files import replacing, write_text
+
+    path = tmp_path / "deep" / "cell.json"
+    write_text(path, "old")
+    with pytest.raises(RuntimeError, match="killed"):
+        with replacing(path) as temporary:
+            temporary.write_text("half")
+            raise RuntimeError("killed mid-write")
+    assert path.read_text() == "old" and sorted(p.name for p in path.parent.iterdir()) == ["cell.json"]
+    with replacing(path) as first, replacing(path) as second:  # two writers at once pick different names
+        assert first != second
+        first.write_text("first")
+        second.write_text("second")
+    assert path.read_text() == "first"  # the last to finish wins, whole
+    assert sorted(p.name for p in path.parent.iterdir()) == ["cell.json"]

@@ -15,7 +15,7 @@ from specbench.models.vocab_bridge import SharedVocab, TextBridge, token_keys
 from specbench.sampling.streams import DraftDraws
 from specbench.types import SamplingParams, SpecbenchError
 from tests.test_distributions import P_VALUE_FLOOR, chi_square_p
-from tests.tokenizers_for_tests import (CORPUS, byte_level_bpe, permuted, sentencepiece_bpe,
+from tests.tokenizers_for_tests import (byte_level_bpe, permuted, sentencepiece_bpe,
                                         tiny_with_tokenizer)
 
 TEXTS = ["hello world, hello there", "def add(a, b):\n    return a + b", "naïve café 東京 résumé!",

@@ -1,22 +1,17 @@
 """The remote target: identical results to local, faults, fuzzing, reconnects, auth, emulation."""
 import itertools
 import multiprocessing
-import random
 import signal
 import threading
 import time
 
-import msgpack
-import numpy as np
 import pytest
-import zmq
 
 from specbench.api import outputs, run
 from specbench.decode.target import LocalTarget
 from specbench.models.spec import ModelSpec
 from specbench.models.tiny import tiny_model
 from specbench.types import DraftTree, SamplingParams, SpecbenchError
-from specbench.worker import protocol
 from specbench.worker.client import NetworkEmulation, RemoteTarget, WorkerError, WorkerUnavailableError
 from specbench.worker.server import Worker, WorkerConfig, is_local_endpoint
 

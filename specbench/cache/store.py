@@ -2,7 +2,7 @@
 that metadata, written atomically, with a readable index beside them.
 
 A corrupt or old-schema file raises CacheError naming the file and the command that rebuilds it;
-concurrent writers never leave a half-written file (write to a temp file, then os.replace) and the
+concurrent writers never leave a half-written file (`specbench.files`: write beside, then rename) and the
 index is updated under a file lock.
 """
 from __future__ import annotations
@@ -11,10 +11,10 @@ import fcntl
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Iterator, Optional
 
+from specbench.files import replacing, write_text
 from specbench.types import SpecbenchError
 
 SCHEMA_VERSIONS = {"profile": 1, "reference": 1, "concurrency": 1}
@@ -44,13 +44,10 @@ def write_record(folder: Path | str, kind: str, metadata: dict, payload: dict, l
     key = metadata_key(metadata)
     path = folder / f"{kind}-{_slug(label) + '-' if label else ''}{key}.json"
     document = {"schema": SCHEMA_VERSIONS[kind], "kind": kind, "key": key, "metadata": metadata, "payload": payload}
-    descriptor, temporary = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".json")
-    with os.fdopen(descriptor, "w") as handle:
+    with replacing(path) as temporary, open(temporary, "w") as handle:
         json.dump(document, handle, indent=1, default=str)
         handle.flush()
         os.fsync(handle.fileno())
-    _readable(temporary)
-    os.replace(temporary, path)
     _update_index(folder, path.name, kind, metadata)
     return path
 
@@ -99,15 +96,4 @@ def _update_index(folder: Path, name: str, kind: str, metadata: dict) -> None:
             index = {}  # the index is derived data: rebuild it rather than fail
         summary_keys = ("device", "model", "draft", "target", "quantization", "dtype", "dataset", "method", "date")
         index[name] = {"kind": kind, **{k: metadata[k] for k in summary_keys if k in metadata}}
-        descriptor, temporary = tempfile.mkstemp(dir=folder, prefix=".tmp-index-")
-        with os.fdopen(descriptor, "w") as handle:
-            json.dump(dict(sorted(index.items())), handle, indent=1, default=str)
-        _readable(temporary)
-        os.replace(temporary, index_path)
-
-
-def _readable(path: str) -> None:
-    """mkstemp makes owner-only files; caches are shared data, so use the umask's usual mode."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
+        write_text(index_path, json.dumps(dict(sorted(index.items())), indent=1, default=str))

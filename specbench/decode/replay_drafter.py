@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from specbench.files import write_text
 from specbench.types import DraftTree, SpecbenchError
 
 
@@ -76,9 +77,7 @@ class ReplayDrafter:
 
 def save_proposals(path: Path, proposals: dict) -> None:
     """Whole or absent: a kill mid-write leaves no half file."""
-    path, temporary = Path(path), Path(path).with_suffix(".tmp")
-    temporary.write_text(json.dumps(proposals))
-    temporary.replace(path)
+    write_text(path, json.dumps(proposals))
 
 
 def load_proposals(path: Path) -> Optional[dict]:

@@ -18,6 +18,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
+from specbench.files import replacing
 from specbench.heads.train import TrainResult, TrainSpec, optimization
 from specbench.types import SpecbenchError
 
@@ -98,10 +99,9 @@ def _checkpoint(model, target, draft_folder, checkpoint, optimizer, schedule, st
     model.save_pretrained(draft_folder)
     if target.tokenizer is not None:
         target.tokenizer.save_pretrained(draft_folder)
-    temporary = checkpoint.with_suffix(".tmp")
-    torch.save({"optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(), "step": step,
-                "history": history}, temporary)
-    temporary.replace(checkpoint)
+    with replacing(checkpoint) as temporary:
+        torch.save({"optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(), "step": step,
+                    "history": history}, temporary)
 
 
 def _held_out(draft, target, prompts: list, k: int = 4, max_new_tokens: int = 32) -> float:

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from specbench.files import replacing
 from specbench.heads.model import EagleHead
 from specbench.types import SpecbenchError
 
@@ -291,10 +292,9 @@ def _checkpoint(head, head_folder, checkpoint, optimizer, schedule, step, histor
     from specbench.heads.layouts import save_head
 
     save_head(head, head_folder, layout=spec.layout, target_name=spec.target, embeddings=spec.own_embeddings)
-    temporary = checkpoint.with_suffix(".tmp")
-    torch.save({"optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(), "step": step,
-                "history": history}, temporary)
-    temporary.replace(checkpoint)
+    with replacing(checkpoint) as temporary:
+        torch.save({"optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(), "step": step,
+                    "history": history}, temporary)
 
 
 def held_out_acceptance(head: EagleHead, target, prompts: list, spec: TrainSpec, k: int = 4,

@@ -21,7 +21,6 @@ oneDNN won at one row, added half the model for 1.2x at that one shape).
 from __future__ import annotations
 
 import json
-import os
 import re
 import statistics
 import sys
@@ -32,6 +31,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from specbench.files import write_text
 from specbench.models.cpu_kernels import OneDNNLinear, check_plain_cpu_layers
 from specbench.types import SpecbenchError
 
@@ -197,9 +197,6 @@ def use_tuned(model: nn.Module, sample: int = 3, rows: tuple = ROWS, repeats: in
         for parent, name, child in members:
             setattr(parent, name, TunedLinear(child, table[key]))
     if path and measured:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_suffix(f".{os.getpid()}.tmp")  # loads in several processes may store at once
-        temporary.write_text(json.dumps(stored, indent=1, sort_keys=True))
-        temporary.replace(path)
+        write_text(path, json.dumps(stored, indent=1, sort_keys=True))  # loads in several processes may store at once
     model.tuned_kernels = table  # what was chosen, for records and the docs
     return table

@@ -27,7 +27,7 @@ from specbench.methods import get_method
 from specbench.serve.engine import Engine, Event, Job
 from specbench.serve.metrics import CONTENT_TYPE, ServeMetrics
 from specbench.serve.requests import chat_job, check_model, completion_job, error_body
-from specbench.serve.settings import RequestError, ServeSettings
+from specbench.serve.settings import RequestError
 from specbench.types import StepRecord
 
 TIMING_FIELDS = ("draft_s", "queue_s", "verify_s", "target_forward_s", "network_s", "overhead_s", "step_s")

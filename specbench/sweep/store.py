@@ -12,13 +12,13 @@ none: a cell is finished exactly when its status says "done" and its parquet exi
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Iterable, Optional, Union
 
 import pandas as pd
 
+from specbench.files import replacing, write_text
 from specbench.sweep.cells import CellResult
 from specbench.sweep.grid import SweepCell
 from specbench.types import SpecbenchError
@@ -33,7 +33,7 @@ class ResultStore:
     def write_grid(self, cells: Iterable[SweepCell]) -> None:
         known = {cell["key"]: cell for cell in self._grid()}
         known.update({cell.key: {"key": cell.key, **asdict(cell)} for cell in cells})
-        _write_text(self.folder / "grid.json", json.dumps(list(known.values()), indent=1))
+        write_text(self.folder / "grid.json", json.dumps(list(known.values()), indent=1))
 
     def state(self, key: str) -> Optional[dict]:
         path = self.cells_folder / f"{key}.json"
@@ -52,9 +52,8 @@ class ResultStore:
                 if (self.state(path.stem) or {}).get("state") == "done"}
 
     def write(self, cell: SweepCell, result: CellResult, artifact_path: Optional[Path] = None) -> None:
-        temporary = self.cells_folder / f".{cell.key}.parquet.tmp"
-        result.frame.to_parquet(temporary, index=False)
-        os.replace(temporary, self.cells_folder / f"{cell.key}.parquet")
+        with replacing(self.cells_folder / f"{cell.key}.parquet") as temporary:
+            result.frame.to_parquet(temporary, index=False)
         self._status(cell, state="done", seconds=result.seconds, started_at=result.started_at,
                      finished_at=result.finished_at, host=result.host, pid=result.pid,
                      models_loaded=result.models_loaded, artifact=str(artifact_path) if artifact_path else None)
@@ -85,10 +84,4 @@ class ResultStore:
         return json.loads(path.read_text()) if path.exists() else []
 
     def _status(self, cell: SweepCell, **fields) -> None:
-        _write_text(self.cells_folder / f"{cell.key}.json", json.dumps({**fields, "cell": asdict(cell)}, indent=1))
-
-
-def _write_text(path: Path, text: str) -> None:
-    temporary = path.with_name(f".{path.name}.tmp")
-    temporary.write_text(text)
-    os.replace(temporary, path)
+        write_text(self.cells_folder / f"{cell.key}.json", json.dumps({**fields, "cell": asdict(cell)}, indent=1))

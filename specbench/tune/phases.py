@@ -14,6 +14,7 @@ from typing import Optional
 import pandas as pd
 
 from specbench.hardware import device_name
+from specbench.files import replacing
 from specbench.plan.library import load_profiles, load_references, save_profile, save_reference
 from specbench.plan.predict import LatencyProfile
 from specbench.tune.spec import FREE, Candidate, TuneSpec
@@ -48,9 +49,8 @@ class Store:
 
     def save_measured(self, key: str, records: pd.DataFrame) -> None:
         path = self.folder / "measured" / f"{key}.json"
-        temporary = path.with_suffix(".tmp")
-        records.to_json(temporary, orient="records")
-        temporary.replace(path)  # whole or absent: a kill mid-write leaves no half record
+        with replacing(path) as temporary:  # whole or absent: a kill mid-write leaves no half record
+            records.to_json(temporary, orient="records")
 
 
 def _key(value) -> str:
