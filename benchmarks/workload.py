@@ -261,7 +261,9 @@ def summarise(rows: pd.DataFrame, fixed: list[str]) -> dict:
     by_pass = {str(turn): _speeds(chunk) for turn, chunk in rows.groupby("pass")}
     auto = rows[rows.label == "auto"]
     goals = {
-        "multi_turn_suffix_over_lookup": speed.get("suffix k=16", 0) / speed.get("prompt-lookup k=4", 1),
+        **{f"multi_turn_{name}_over_lookup": speed[label] / speed["prompt-lookup k=4"]  # only where both ran
+           for name, label in (("suffix", "suffix k=16"), ("suffix_tree", "suffix-tree k=16"))
+           if label in speed and "prompt-lookup k=4" in speed},
         "auto_over_best_fixed": overall["auto"] / overall[overall["best fixed"]],
         "auto_over_oracle": overall["auto"] / overall["oracle"],
         **({"auto_over_cross_fitted_oracle": overall["auto"] / overall["oracle cross-fitted"],
