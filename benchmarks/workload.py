@@ -38,7 +38,7 @@ from specbench.decode.suffix_drafter import SuffixSettings
 from specbench.decode.target import LocalTarget
 from specbench.models.loading import load_model
 from specbench.models.spec import KERNELS, KERNELS_HELP, ModelSpec
-from specbench.route.auto import calibrate, candidates_from
+from specbench.route.auto import calibrate, candidates_from, drafts_with_a_model
 from specbench.route.router import LEARN, MARGIN, fit_router, parse_margin, rows_of
 from specbench.route.suffix_floor import choose_min_score
 
@@ -119,10 +119,10 @@ def main() -> None:
                              "calibrate at 0, then the held-out runs take the floor `route.suffix_floor` picks from "
                              "the calibration run (needs target-only among the candidates)")
     parser.add_argument("--hand-over", type=float, default=SuffixSettings.hand_over,
-                        help="suffix-eagle candidates: the head drafts a step whose suffix proposal expects fewer "
-                             "accepted tokens than this")
-    parser.add_argument("--head-k", type=int, default=SuffixSettings.head_k,
-                        help="suffix-eagle candidates: the head's budget on the steps it drafts")
+                        help="hybrid candidates (suffix-eagle, suffix-chain): the head or draft model drafts a step "
+                             "whose suffix proposal expects fewer accepted tokens than this")
+    parser.add_argument("--other-k", type=int, default=SuffixSettings.other_k,
+                        help="hybrid candidates: the head's or draft model's budget on the steps it drafts")
     parser.add_argument("--margin", type=parse_margin, default=None, help="the router leaves its default candidate "
                         f"only for one predicted better by more than this share ({LEARN}: cross-validated, the "
                         f"default from 10 calibration prompts, {MARGIN} below)")
@@ -138,16 +138,17 @@ def main() -> None:
     started = time.perf_counter()
     loaded = load_model(ModelSpec(args.target, dtype=args.dtype, kernels=args.kernels))
     target = LocalTarget(loaded)
-    models = any(c.startswith(("chain", "tree")) for c in args.candidates)
+    candidates = candidates_from(args.candidates)
+    models = any(drafts_with_a_model(c) for c in candidates)
     if args.head and models:
-        raise SystemExit("--head drafts the eagle candidates; chain and tree candidates would need another draft")
+        raise SystemExit("--head drafts the eagle candidates; chain, tree and suffix-chain candidates would need "
+                         "another draft")
     if args.draft and not models:
-        raise SystemExit("--draft is the draft of chain and tree candidates: add one to --candidates")
+        raise SystemExit("--draft is the draft of chain, tree and suffix-chain candidates: add one to --candidates")
     draft = args.head
     if models:
         draft = load_model(ModelSpec(args.draft, dtype=args.dtype, kernels=args.kernels) if args.draft
                            else ModelSpec(args.target, quantization=args.draft_quant))
-    candidates = candidates_from(args.candidates)
     found = requests(args, target)
     scripted_s = time.perf_counter() - started
     calibration, held = split(found)
@@ -161,7 +162,7 @@ def main() -> None:
     def settings(cache):
         return SuffixSettings(name=cache, factor=args.suffix_factor, offset=args.suffix_offset,
                               min_prob=args.suffix_min_prob, min_score=floor["min_score"],
-                              hand_over=args.hand_over, head_k=args.head_k)
+                              hand_over=args.hand_over, other_k=args.other_k)
 
     def one(method, k, prompts, families, cache, **extra):
         return run(target, [r["ids"] for r in prompts], method=method, k=k, draft=draft,
@@ -195,7 +196,7 @@ def main() -> None:
     print(f"router: default {router.default}, margin {router.margin}"
           + (f" (cross-validated tok/s by margin: {router.margins})" if router.margins else ""))
 
-    rows = []
+    rows, made = [], {}  # made: each held-out run's output, (label, pass, prompt) -> ids
     families = sorted(set(r["set"] for r in held), key=lambda f: (f not in MULTI_TURN, f))
     for turn in range(args.passes):
         for number, family in enumerate(families):
@@ -205,6 +206,8 @@ def main() -> None:
                 records = one(method, k, prompts, [family] * len(prompts), f"held-out {label} pass {turn}",
                               **({"router": router} if method == "auto" else {}))
                 table = per_prompt(records)
+                for (_, index), produced in outputs(records).items():
+                    made[(label, turn, f"{family}/{index}")] = produced
                 for item in table.itertuples():
                     rows.append({"family": family, "label": label, "prompt": f"{family}/{item.prompt_index}",
                                  "pass": turn, "tokens": item.tokens, "seconds": item.seconds,
@@ -213,6 +216,8 @@ def main() -> None:
                                             if method == "auto" else label)})
             print(f"held out {family}, pass {turn + 1}/{args.passes}: done ({len(prompts)} prompts)")
     report = summarise(pd.DataFrame(rows), [c.label for c in candidates])
+    report["outputs_unlike_target_only"] = unlike_target_only(made)
+    print(f"held-out outputs unlike target-only's, per method: {report['outputs_unlike_target_only']}")
     report.update({"args": vars(args), "requests": len(found), "calibration": len(calibration), "held_out": len(held),
                    "seconds": round(time.perf_counter() - started, 1), "router_default": router.default,
                    "router_margin": str(router.margin), "suffix_min_score": floor["min_score"],
@@ -220,6 +225,18 @@ def main() -> None:
                    "router_margins": {str(m): v for m, v in router.margins.items()},
                    "router_features": json.loads(Path(args.out).with_suffix(".router.json").read_text())["features"]})
     write_report(args.out, report)
+
+
+def unlike_target_only(made: dict) -> dict:
+    """Per label, how many held-out outputs differ from target-only's on the same prompt and pass (greedy SD is
+    lossless: 0 in float32 but for near-ties of the target's logits across verify widths); {} without
+    target-only."""
+    if not any(label == "target-only" for label, _, _ in made):
+        return {}
+    found = defaultdict(int)
+    for (label, turn, prompt), produced in made.items():
+        found[label] += produced != made[("target-only", turn, prompt)]
+    return dict(found)
 
 
 def floor_or_auto(text: str) -> float | str:

@@ -202,8 +202,20 @@ def _suffix_eagle(source: DraftSource, tree: bool = False, key: tuple = ()):
 
     head = head_drafter(source, tree=tree)  # first: a missing head is refused before any cache is made
     name = "suffix-eagle-tree" if tree else "suffix-eagle"
-    return HybridDrafter(_suffix(source, tree=tree, key=key), head, source.suffix.hand_over, source.suffix.head_k,
+    return HybridDrafter(_suffix(source, tree=tree, key=key), head, source.suffix.hand_over, source.suffix.other_k,
                          name=name)
+
+
+def _suffix_chain(source: DraftSource, tree: bool = False):
+    """Suffix decoding where its counts vouch, the draft model's chain elsewhere (with a tree: suffix decoding's
+    tree or the chain, a chain being a tree too). The draft's cache syncs to whatever context it is handed,
+    so the steps suffix decoding drafted cost it one catch-up forward when it next drafts."""
+    from specbench.decode.hybrid_drafter import HybridDrafter
+
+    method = "suffix-tree-chain" if tree else "suffix-chain"
+    model = source.model_drafter(method)  # first: a missing draft is refused before any cache is made
+    return HybridDrafter(_suffix(source, tree=tree), model, source.suffix.hand_over, source.suffix.other_k,
+                         name=method)
 
 
 def _eagle(source: DraftSource):
@@ -240,6 +252,9 @@ for _method in (
     # suffix decoding where its counts vouch for a continuation (SuffixSettings.hand_over), the head elsewhere
     Method("suffix-eagle", "chain", _suffix_eagle, reads_features=True),
     Method("suffix-eagle-tree", "tree", lambda source: _suffix_eagle(source, tree=True), reads_features=True),
+    # the same with a draft model in place of the head: the first turn's new text to the model, repeats to suffix
+    Method("suffix-chain", "chain", _suffix_chain),
+    Method("suffix-tree-chain", "tree", lambda source: _suffix_chain(source, tree=True)),
     Method("server-only", "chain", on_worker=True),  # AutoDraft's Server-Only: the worker drafts too
     Method("server-only-ar", "none", on_worker=True),  # AutoDraft's Server-Only-AR
     # a draft head on the worker (the server-side placement): only finished tokens travel, no features

@@ -141,8 +141,8 @@ def test_command_line_words_become_settings_each_refused_by_name():
     from specbench.decode.suffix_drafter import suffix_options
 
     args = build_parser().parse_args(["run", "--method", "suffix", "--suffix", "min_score=2", "factor=2",
-                                      "head-k=3", "cache=drafter"])
-    assert _suffix(args) == SuffixSettings(min_score=2.0, factor=2.0, head_k=3, cache="drafter")
+                                      "other-k=3", "cache=drafter"])
+    assert _suffix(args) == SuffixSettings(min_score=2.0, factor=2.0, other_k=3, cache="drafter")
     assert _suffix(build_parser().parse_args(["run"])) is None
     for words, message in ((["depth=3.5"], "depth must be a whole number"), (["floor=1"], "KEY one of"),
                            (["min_score"], "KEY=VALUE"), (["min_prob=nan"], "finite"),
@@ -210,9 +210,10 @@ def test_suffix_greedy_matches_target_only(tiny_target, k):
         assert records[records.method == "suffix"]["drafted"].nunique() > 1
 
 
-def test_suffix_through_a_worker_on_either_side(tiny_target):
-    """Client side: the drafter and its cache in the client, the worker verifies; server side
-    (`suffix-server`): the worker drafts from its own cache, only finished tokens travel."""
+def test_suffix_through_a_worker_on_either_side(tiny_target, tiny_draft):
+    """Client side: the drafter and its cache in the client, the worker verifies (with the draft model beside
+    it for `suffix-chain`); server side (`suffix-server`): the worker drafts from its own cache, only finished
+    tokens travel."""
     from specbench.worker.client import RemoteTarget
     from worker_helpers import ThreadWorker
 
@@ -221,6 +222,10 @@ def test_suffix_through_a_worker_on_either_side(tiny_target):
         remote = RemoteTarget(running.endpoint)
         methods = ["suffix", "suffix-tree", "suffix-server", "suffix-tree-server"]
         got = outputs(run(remote, PROMPTS[:3], method=methods, k=6, max_new_tokens=24, progress=False))
+        hybrids = ["suffix-chain", "suffix-tree-chain"]
+        got.update(outputs(run(remote, PROMPTS[:3], method=hybrids, draft=tiny_draft, k=6, max_new_tokens=24,
+                               progress=False)))
+        methods += hybrids
     finally:
         running.stop()
     local = outputs(run(tiny_target, PROMPTS[:3], method="target-only", max_new_tokens=24, progress=False))
@@ -239,7 +244,7 @@ def test_a_client_sets_the_worker_side_floor_and_bad_knobs_are_refused_by_name(t
     from worker_helpers import ThreadWorker
 
     for bad, message in (({"cache": "off"}, "unknown suffix fields"), ({"min_score": -1.0}, "min_score must be >= 0"),
-                         ({"head_k": 1.5}, "whole number"), ({"factor": float("nan")}, "finite"),
+                         ({"other_k": 1.5}, "whole number"), ({"factor": float("nan")}, "finite"),
                          ({"offset": True}, "finite number"), ([1], "must be a map")):
         with pytest.raises(protocol.ProtocolError, match=message):
             protocol.suffix_from_wire(bad)
@@ -330,3 +335,64 @@ def test_worker_keeps_each_tenants_outputs_apart_unless_told_to_share(scope, met
         assert [len(cache) for key, cache in worker if len(key) == 5] == [1, 1]
     else:
         assert len([cache for key, cache in worker if len(key) == 4][-1]) == 2
+
+
+@pytest.mark.parametrize("method", ["suffix-chain", "suffix-tree-chain"])
+def test_suffix_with_a_draft_model_drafts_from_whichever_vouches_and_stays_lossless(tiny_target, tiny_draft, method):
+    """`suffix-chain`: a step whose suffix proposal expects at least `hand_over` accepted tokens is drafted by
+    suffix decoding, every other by the draft model (whose cache catches up on the steps it missed); on
+    prompts that repeat themselves both draft, and greedy output equals target-only token for token."""
+    from specbench.decode.loop import generate
+    from specbench.decode.target import LocalTarget
+    from specbench.methods import DraftSource, make_drafter
+
+    prompts = PROMPTS + [[5, 6, 7, 8, 9] * 4, [11, 12, 13] * 5 + [11]]
+    local = LocalTarget(tiny_target)
+    got = outputs(run(local, prompts, method=["target-only", method], draft=tiny_draft, k=6, max_new_tokens=24,
+                      progress=False, warmup=False, suffix=SuffixSettings(cache="drafter", other_k=3)))
+    drafter = make_drafter(method, DraftSource(local, tiny_target, tiny_draft,
+                                               suffix=SuffixSettings(cache="drafter", other_k=3)))
+    for index, prompt in enumerate(prompts):
+        assert got[(method, index)] == got[("target-only", index)], index
+        result = generate(local, drafter, prompt, Decoding(6, 24))
+        assert result.output_ids == got[("target-only", index)], index
+    assert drafter.steps["suffix"] > 0 and drafter.steps["other"] > 0, drafter.steps
+    with pytest.raises(SpecbenchError, match="needs a draft model"):
+        make_drafter(method, DraftSource(local, tiny_target, None))
+
+
+def test_the_draft_model_drafts_at_most_its_own_budget_in_the_hybrid(tiny_target, tiny_draft):
+    """`other_k` caps the draft model's steps (a model's chain pays at a few tokens), not suffix decoding's."""
+    from specbench.decode.target import LocalTarget
+    from specbench.methods import DraftSource, make_drafter
+
+    drafter = make_drafter("suffix-chain", DraftSource(LocalTarget(tiny_target), tiny_target, tiny_draft,
+                                                       suffix=SuffixSettings(cache="off", other_k=2)))
+    import torch
+
+    draws = torch.Generator().manual_seed(0)
+    fresh = drafter.propose([1, 2, 3, 4, 5], 8, SamplingParams(), draws)  # nothing repeats: the model drafts
+    assert drafter.last_source == "other" and len(fresh) == 2
+    repeating = drafter.propose([5, 6, 7, 8, 9] * 4 + [5, 6], 8, SamplingParams(), draws)
+    assert drafter.last_source == "suffix" and len(repeating) > 2
+
+
+@pytest.mark.parametrize("method,rule", [("suffix-chain", "rejection"), ("suffix-tree-chain", "sample-match")])
+def test_sampled_drafting_with_suffix_and_a_draft_model_keeps_the_targets_distribution(method, rule):
+    """Each step's proposal carries its own drafter's q (a point mass for suffix decoding, the draft model's
+    distribution otherwise): the first two tokens follow the target's marginals (chi-square), with both
+    drafters proposing across the draws."""
+    from specbench.decode.target import LocalTarget
+    from specbench.methods import DraftSource, make_drafter
+    from specbench.models.tiny import tiny_model
+    from test_distributions import check_two_token_marginals
+
+    vocab = 16
+    target = tiny_model(seed=3, vocab_size=vocab)
+    draft = tiny_model(seed=4, vocab_size=vocab, noise_from=target, noise_scale=0.3)
+    local = LocalTarget(target)
+    drafter = make_drafter(method, DraftSource(local, target, draft,
+                                               suffix=SuffixSettings(cache="drafter", hand_over=0.5, other_k=2)))
+    check_two_token_marginals(local, target, drafter,
+                              Decoding(3, 3, SamplingParams(temperature=1.5, rule=rule, draft_top_k=8)), vocab)
+    assert min(drafter.steps.values()) > 100, drafter.steps

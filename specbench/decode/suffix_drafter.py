@@ -34,9 +34,10 @@ class SuffixSettings:
     1.1x in bf16 with AVX-512), a doubtful draft loses more than it brings; `route.suffix_floor` picks it
     from a calibration run. The cache keeps at most `cache_requests` outputs and `cache_tokens`
     tokens (its index holds up to `depth` nodes a token: about 1.5 KB a token at depth 24 on random text, less
-    on text that repeats). In a hybrid (`suffix-eagle`), a step whose suffix proposal expects fewer accepted
-    tokens than `hand_over` is drafted by the head instead, with at most `head_k` tokens (chain) or nodes
-    (tree): a head's budget pays at a few nodes, suffix decoding's at many."""
+    on text that repeats). In a hybrid (`suffix-eagle`, `suffix-chain`), a step whose suffix proposal expects
+    fewer accepted tokens than `hand_over` is drafted by the other drafter (the head, the draft model) instead,
+    with at most `other_k` tokens (chain) or nodes (tree): its budget pays at a few nodes, suffix decoding's at
+    many."""
 
     depth: int = 24
     factor: float = 1.0
@@ -48,7 +49,7 @@ class SuffixSettings:
     cache_tokens: int = 100_000
     name: str = ""  # "process" scope: drafters naming one cache share it, others keep theirs apart
     hand_over: float = 1.0
-    head_k: int = 4
+    other_k: int = 4
 
     def __post_init__(self):
         if self.cache not in CACHE_SCOPES:
@@ -60,8 +61,8 @@ class SuffixSettings:
             raise SpecbenchError(f"min_prob must be in [0, 1], got {self.min_prob}")
         if self.min_score < 0:
             raise SpecbenchError(f"min_score must be >= 0 (expected accepted tokens), got {self.min_score}")
-        if self.hand_over < 0 or self.head_k < 1:
-            raise SpecbenchError(f"need hand_over >= 0 and head_k >= 1, got {self.hand_over}, {self.head_k}")
+        if self.hand_over < 0 or self.other_k < 1:
+            raise SpecbenchError(f"need hand_over >= 0 and other_k >= 1, got {self.hand_over}, {self.other_k}")
         if self.factor <= 0 or self.offset < 0:
             raise SpecbenchError(f"need factor > 0 and offset >= 0, got {self.factor}, {self.offset}")
 

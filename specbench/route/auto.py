@@ -63,7 +63,7 @@ def calibrate(target, ids: Sequence[Sequence[int]], candidates: Sequence[Candida
     calibration). Each suffix-decoding candidate keeps its own cache across the chunks: one shared cache would
     hand a later candidate the earlier ones' answers to the same prompts, and a cache kept from an earlier
     calibration its answers (process-wide caches are the 16 most recent). Rows' `prompt_index` index `ids`."""
-    if any(_drafts_with_a_model(c) for c in candidates) and draft is not None:
+    if any(drafts_with_a_model(c) for c in candidates) and draft is not None:
         draft = as_loaded(draft, run_options.get("dtype", "float32"))  # loaded once, not once a chunk
     suffix = suffix or SuffixSettings()
     call = uuid.uuid4().hex[:8]  # this call's caches: a second calibration must not recall the first's answers
@@ -88,6 +88,6 @@ def _needs_a_draft(method) -> bool:
     return method.kind != "none" and not method.lookup and not method.on_worker
 
 
-def _drafts_with_a_model(candidate: Candidate) -> bool:
+def drafts_with_a_model(candidate: Candidate) -> bool:
     method = get_method(candidate.method)
     return _needs_a_draft(method) and not method.reads_features  # a head folder is not a model to load

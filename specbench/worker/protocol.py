@@ -166,7 +166,7 @@ def sampling_from_wire(data: Any) -> SamplingParams:
 
 # suffix decoding's per-step knobs a client may set for its own worker-side requests; the cache's scope, depth
 # and size stay the worker's (its cache is shared by the tenant's requests, or by all)
-SUFFIX_STEP_FIELDS = ("factor", "offset", "min_prob", "min_score", "hand_over", "head_k")
+SUFFIX_STEP_FIELDS = ("factor", "offset", "min_prob", "min_score", "hand_over", "other_k")
 
 
 def suffix_to_wire(settings) -> dict:
@@ -190,7 +190,7 @@ def suffix_from_wire(data: Any) -> dict:
         raise ProtocolError(f"unknown suffix fields {sorted(map(str, unknown))} (a client sets "
                             f"{list(SUFFIX_STEP_FIELDS)}; the cache is the worker's)")
     for name, value in data.items():
-        whole = name == "head_k"
+        whole = name == "other_k"
         if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)) \
                 or not math.isfinite(value):
             raise ProtocolError(f"suffix field {name!r} must be a finite {'whole number' if whole else 'number'}")
