@@ -39,6 +39,24 @@ def test_a_fit_that_prices_a_verified_token_below_zero_holds_it_at_zero():
     assert found.fixed_s == pytest.approx(0.10, abs=1e-9) and found.drafted_surcharge_s == pytest.approx(0.015, abs=1e-9)
 
 
+def test_the_fit_leaves_out_a_model_drafts_steps_and_holds_a_negative_surcharge_at_zero():
+    """A chain's steps hold its draft's forwards (here 0.5 s a step): counted, they would pass for a surcharge on
+    every drafted step. Left out, the lookup's and target-only's steps give the verify's own cost; a width that
+    costs less than the line through the others says "no surcharge", not a negative one."""
+    cost = StepCost(0.060, 0.004, 0.0)
+    lookup = [0, 0, 1, 2, 4, 8, 0, 3, 16, 5]
+    records = pd.DataFrame({"method": ["target-only" if d == 0 else "suffix" for d in lookup] + ["chain"] * 4,
+                            "drafted": lookup + [3] * 4,
+                            "step_s": [cost.seconds(1, 1 + d, int(d > 0)) for d in lookup] + [0.56] * 4})
+    found = fit_step_cost(records)
+    assert found.fixed_s == pytest.approx(0.060) and found.per_verified_token_s == pytest.approx(0.004)
+    assert found.drafted_surcharge_s == pytest.approx(0.0, abs=1e-9)
+    cheaper = records[records.method != "chain"].assign(
+        step_s=lambda d: d.step_s - 0.01 * (d.drafted > 0))  # drafted steps 10 ms under the line
+    held = fit_step_cost(cheaper)
+    assert held.drafted_surcharge_s == 0.0 and held.per_verified_token_s > 0
+
+
 def test_replayed_floors_keep_every_token_and_draft_less_as_the_floor_rises():
     cost = StepCost(0.060, 0.004, 0.025)
     table = replay_floors(REPEATING, OUTPUTS, SuffixSettings(min_prob=0.0, factor=2.0, offset=1.0), cost,
