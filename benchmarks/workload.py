@@ -40,6 +40,7 @@ from specbench.models.loading import load_model
 from specbench.models.spec import KERNELS, KERNELS_HELP, ModelSpec
 from specbench.route.auto import calibrate, candidates_from, drafts_with_a_model
 from specbench.route.router import LEARN, MARGIN, fit_router, parse_margin, rows_of
+from specbench.route.hand_over import choose_hand_over
 from specbench.route.suffix_floor import choose_min_score
 
 from common import RESULTS, write_report
@@ -118,9 +119,11 @@ def main() -> None:
                              "(where a verify of 2 tokens costs much more than 1: float32 on an AVX2 CPU); 'auto': "
                              "calibrate at 0, then the held-out runs take the floor `route.suffix_floor` picks from "
                              "the calibration run (needs target-only among the candidates)")
-    parser.add_argument("--hand-over", type=float, default=SuffixSettings.hand_over,
+    parser.add_argument("--hand-over", type=floor_or_auto, default=SuffixSettings.hand_over,
                         help="hybrid candidates (suffix-eagle, suffix-chain): the head or draft model drafts a step "
-                             "whose suffix proposal expects fewer accepted tokens than this")
+                             "whose suffix proposal expects fewer accepted tokens than this; 'auto' (suffix-chain "
+                             "candidates): calibrate at the default, then the held-out runs take the hand-over "
+                             "`route.hand_over` picks from the calibration run (after the floor)")
     parser.add_argument("--other-k", type=int, default=SuffixSettings.other_k,
                         help="hybrid candidates: the head's or draft model's budget on the steps it drafts")
     parser.add_argument("--margin", type=parse_margin, default=None, help="the router leaves its default candidate "
@@ -157,12 +160,18 @@ def main() -> None:
 
     if args.suffix_min_score == "auto" and "target-only" not in args.candidates:
         raise SystemExit("--suffix-min-score auto replays the target's own outputs: add target-only to --candidates")
-    floor = {"min_score": 0.0 if args.suffix_min_score == "auto" else args.suffix_min_score}  # auto: chosen below
+    hybrids = [c for c in candidates if c.method in ("suffix-chain", "suffix-tree-chain")]
+    if args.hand_over == "auto" and not (hybrids and "target-only" in args.candidates
+                                         and any(c.method == "chain" for c in candidates) and args.draft):
+        raise SystemExit("--hand-over auto replays the calibration: it needs target-only, chain and suffix-chain or "
+                         "suffix-tree-chain among --candidates, and --draft (an unquantized model)")
+    chosen = {"min_score": 0.0 if args.suffix_min_score == "auto" else args.suffix_min_score,  # auto: chosen below
+              "hand_over": SuffixSettings.hand_over if args.hand_over == "auto" else args.hand_over}
 
     def settings(cache):
         return SuffixSettings(name=cache, factor=args.suffix_factor, offset=args.suffix_offset,
-                              min_prob=args.suffix_min_prob, min_score=floor["min_score"],
-                              hand_over=args.hand_over, other_k=args.other_k)
+                              min_prob=args.suffix_min_prob, min_score=chosen["min_score"],
+                              hand_over=chosen["hand_over"], other_k=args.other_k)
 
     def one(method, k, prompts, families, cache, **extra):
         return run(target, [r["ids"] for r in prompts], method=method, k=k, draft=draft,
@@ -186,12 +195,19 @@ def main() -> None:
         Path(args.out).with_suffix(".calibration.json").write_text(json.dumps(
             [dict(r, output=produced[("target-only", i)]) for i, r in enumerate(calibration)]))
         if args.suffix_min_score == "auto":
-            floor["min_score"], floors = choose_min_score(
+            chosen["min_score"], floors = choose_min_score(
                 [r["ids"] for r in calibration], [produced[("target-only", i)] for i in range(len(calibration))],
                 calibration_records, settings("replay"), k=max((c.k for c in candidates if c.method == "suffix"),
                                                                 default=16))
-            print(f"suffix floor from the calibration run: min_score {floor['min_score']} "
+            print(f"suffix floor from the calibration run: min_score {chosen['min_score']} "
                   f"({floors.attrs['step_cost']})\n{floors.round(3).to_string(index=False)}")
+        if args.hand_over == "auto":
+            chosen["hand_over"], hand_overs = choose_hand_over(
+                [r["ids"] for r in calibration], [produced[("target-only", i)] for i in range(len(calibration))],
+                calibration_records, draft, settings("replay"), k=max(c.k for c in hybrids),
+                tree=any(c.method == "suffix-tree-chain" for c in hybrids))
+            print(f"hand-over from the calibration run: {chosen['hand_over']}\n"
+                  f"{hand_overs.round(3).to_string(index=False)}")
     router.save(Path(args.out).with_suffix(".router.json"))
     print(f"router: default {router.default}, margin {router.margin}"
           + (f" (cross-validated tok/s by margin: {router.margins})" if router.margins else ""))
@@ -220,7 +236,9 @@ def main() -> None:
     print(f"held-out outputs unlike target-only's, per method: {report['outputs_unlike_target_only']}")
     report.update({"args": vars(args), "requests": len(found), "calibration": len(calibration), "held_out": len(held),
                    "seconds": round(time.perf_counter() - started, 1), "router_default": router.default,
-                   "router_margin": str(router.margin), "suffix_min_score": floor["min_score"],
+                   "router_margin": str(router.margin), "suffix_min_score": chosen["min_score"],
+                   "hand_over": chosen["hand_over"],
+                   **({"hand_overs": hand_overs.to_dict("records")} if args.hand_over == "auto" else {}),
                    **({"suffix_floors": floors.to_dict("records")} if args.suffix_min_score == "auto" else {}),
                    "router_margins": {str(m): v for m, v in router.margins.items()},
                    "router_features": json.loads(Path(args.out).with_suffix(".router.json").read_text())["features"]})
