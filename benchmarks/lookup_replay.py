@@ -25,23 +25,13 @@ import torch
 
 from specbench.decode.drafters import PromptLookupDrafter
 from specbench.decode.suffix_drafter import SuffixDrafter, SuffixSettings
+from specbench.route.hand_over import accepted_depth
 from specbench.route.suffix_floor import StepCost, fit_step_cost
 from specbench.types import SamplingParams
 
 from common import RESULTS, write_report
 
 MULTI_TURN = ("self-refine", "code-edit", "tool-call", "sharegpt-multiturn")
-
-
-def accepted_depth(tree, actual) -> int:
-    """How deep the tree's path that the target's own continuation `actual` follows goes."""
-    depth, parent = 0, -1
-    while depth < len(actual):
-        child = next((i for i, p in enumerate(tree.parents) if p == parent and tree.tokens[i] == actual[depth]), None)
-        if child is None:
-            return depth
-        depth, parent = depth + 1, child
-    return depth
 
 
 def replay(requests, make, k: int) -> dict:
