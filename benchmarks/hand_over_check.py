@@ -60,7 +60,7 @@ def main() -> None:
     table["tok/s"], table["tok/step"] = table.tokens / table.seconds, table.tokens / table.steps
     print(table.round(3).to_string())
     low, high = args.hand_overs
-    same = sum(made[(low, p)] == made[(high, p)] for _, p in made if _ == low)
+    same = sum(made[(low, prompt)] == made[(high, prompt)] for hand_over, prompt in made if hand_over == low)
     print(f"outputs equal between the two hand-overs: {same} of {len(made) // 2}")
     write_report(args.out, {"args": vars(args), "table": table.reset_index().to_dict("records"),
                             "rows": rows, "outputs_equal": same, "seconds": time.perf_counter() - started})

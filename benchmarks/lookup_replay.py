@@ -25,8 +25,8 @@ import torch
 
 from specbench.decode.drafters import PromptLookupDrafter
 from specbench.decode.suffix_drafter import SuffixDrafter, SuffixSettings
-from specbench.route.hand_over import accepted_depth
 from specbench.route.suffix_floor import StepCost, fit_step_cost
+from specbench.tune.replay import tree_accepted
 from specbench.types import SamplingParams
 
 from common import RESULTS, write_report
@@ -42,7 +42,7 @@ def replay(requests, make, k: int) -> dict:
             budget = min(k, len(full) - position - 1)
             tree = drafter.propose(full[:position], budget, SamplingParams(), torch.Generator(),
                                    max_depth=budget) if budget >= 1 else None
-            accepted = accepted_depth(tree, full[position:]) if tree is not None else 0
+            accepted = tree_accepted(tree, full[position:]) if tree is not None else 0
             steps, verified, position = steps + 1, verified + 1 + (len(tree) if tree else 0), position + accepted + 1
             drafting += bool(tree)
         tokens += len(request["output"])

@@ -20,21 +20,10 @@ import torch
 
 from specbench.decode.suffix_drafter import SuffixDrafter, SuffixSettings
 from specbench.route.suffix_floor import StepCost, fit_step_cost
-from specbench.tune.replay import model_proposer
+from specbench.tune.replay import chain_accepted, model_proposer, tree_accepted
 from specbench.types import SamplingParams, SpecbenchError
 
 HAND_OVERS = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0)
-
-
-def accepted_depth(tree, actual: Sequence[int]) -> int:
-    """How deep the path of `tree` that the target's own continuation `actual` follows goes (greedy acceptance)."""
-    depth, parent = 0, -1
-    while depth < len(actual):
-        child = next((i for i, p in enumerate(tree.parents) if p == parent and tree.tokens[i] == actual[depth]), None)
-        if child is None:
-            return depth
-        depth, parent = depth + 1, child
-    return depth
 
 
 def replay_hand_overs(prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]], draft,
@@ -65,12 +54,11 @@ def replay_hand_overs(prompts: Sequence[Sequence[int]], outputs: Sequence[Sequen
                     found = suffix.propose(full[:position], budget, SamplingParams(), torch.Generator(),
                                            max_depth=budget)
                     if len(found) and (found.expected_accepted or 0.0) >= hand_over:
-                        accepted, width = accepted_depth(found, full[position:]), len(found)
+                        accepted, width = tree_accepted(found, full[position:]), len(found)
                     else:
                         chain = list(propose(position, min(settings.other_k, budget)))
-                        while accepted < len(chain) and chain[accepted] == full[position + accepted]:
-                            accepted += 1
-                        width, model_steps = len(chain), model_steps + 1
+                        accepted, width = chain_accepted(chain, full[position:]), len(chain)
+                        model_steps += 1
                 steps, verified, position = steps + 1, verified + 1 + width, position + accepted + 1
                 drafting += width > 0
             tokens += len(full) - start

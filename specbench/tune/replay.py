@@ -30,12 +30,31 @@ def chain_steps(full: Sequence[int], start: int, propose: Proposer, k: int) -> l
     while position < len(full):
         budget = min(k, len(full) - position - 1)
         proposal = list(propose(position, budget)) if budget >= 1 else []
-        accepted = 0
-        while accepted < len(proposal) and proposal[accepted] == full[position + accepted]:
-            accepted += 1
+        accepted = chain_accepted(proposal, full[position:])
         steps.append((budget, len(proposal), accepted))
         position += accepted + 1
     return steps
+
+
+def chain_accepted(proposal: Sequence[int], actual: Sequence[int]) -> int:
+    """How many of a chain's tokens greedy verification accepts: its prefix that the target's own
+    continuation `actual` repeats (proposal [5, 7, 9] against actual [5, 7, 2, ...]: 2)."""
+    accepted = 0
+    while accepted < len(proposal) and accepted < len(actual) and proposal[accepted] == actual[accepted]:
+        accepted += 1
+    return accepted
+
+
+def tree_accepted(tree, actual: Sequence[int]) -> int:
+    """How deep the path of `tree` that the target's own continuation `actual` follows goes (greedy acceptance
+    of a tree: a chain's `chain_accepted`)."""
+    depth, parent = 0, -1
+    while depth < len(actual):
+        child = next((i for i, p in enumerate(tree.parents) if p == parent and tree.tokens[i] == actual[depth]), None)
+        if child is None:
+            return depth
+        depth, parent = depth + 1, child
+    return depth
 
 
 def drafter_proposer(full: Sequence[int], drafter) -> Proposer:
