@@ -238,7 +238,7 @@ def test_smollm2_under_shuffled_ids_drafts_for_itself_through_text(smollm2):
     twin = permuted(smollm2, seed=5)
     prompts = ["Write a haiku about the sea.", "What is 12 times 7? Explain."]
     frame = run(smollm2, prompts, method=["target-only", "chain"], draft=twin, k=4, max_new_tokens=24,
-                progress=False)
+                progress=False, warmup=False)
     got = outputs(frame)
     assert all(got[("chain", i)] == got[("target-only", i)] for i in range(len(prompts)))
     drafting = frame[(frame["method"] == "chain") & (frame["drafted"] > 0)]
@@ -260,8 +260,9 @@ def test_remote_target_with_a_draft_of_another_tokenizer(smollm2):
             run(RemoteTarget(running.endpoint), [[1, 2, 3]], method="chain", draft=tiny_model(0, vocab_size=64),
                 progress=False)
         remote = RemoteTarget(running.endpoint, tokenizer=smollm2.tokenizer)
-        frame = run(remote, prompts, method="chain", draft=twin, k=4, max_new_tokens=16, progress=False)
-        local = run(smollm2, prompts, method="target-only", max_new_tokens=16, progress=False)
+        frame = run(remote, prompts, method="chain", draft=twin, k=4, max_new_tokens=16, progress=False, warmup=False)
+        local = run(smollm2, prompts, method="target-only", max_new_tokens=16, progress=False,
+                    warmup=False)
         assert outputs(frame)[("chain", 0)] == outputs(local)[("target-only", 0)]
         drafting = frame[frame["drafted"] > 0]
         assert drafting["accepted"].sum() >= 0.9 * drafting["drafted"].sum()

@@ -107,11 +107,11 @@ def test_tree_verification_keeps_greedy_output(tiny_target):
 def test_smollm2_self_draft_matches_target_only(smollm2):
     prompts = ["Write a Python function that reverses a string.", "Name three primary colours."]
     records = run(smollm2, prompts, method=["target-only", "self-draft", "prompt-lookup"], k=4,
-                  max_new_tokens=20, self_draft_layers=26, progress=False)
+                  max_new_tokens=20, self_draft_layers=26, progress=False, warmup=False)
     from specbench.models.self_draft import truncated_view
 
     trees = run(smollm2, prompts, method=["tree"], draft=truncated_view(smollm2, 26), k=8,
-                max_new_tokens=20, progress=False)
+                max_new_tokens=20, progress=False, warmup=False)
     records = pd.concat([records, trees])
     produced = outputs(records)
     for method in ("self-draft", "prompt-lookup", "tree"):
