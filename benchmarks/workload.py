@@ -114,12 +114,12 @@ def main() -> None:
     parser.add_argument("--suffix-min-prob", type=float, default=SuffixSettings.min_prob,
                         help="suffix methods draft no token whose estimated probability is under this "
                              "(a dear wide verify wants it higher)")
-    parser.add_argument("--suffix-min-score", type=floor_or_auto, default=SuffixSettings.min_score,
+    parser.add_argument("--suffix-min-score", type=float_or_auto, default=SuffixSettings.min_score,
                         help="suffix methods draft nothing on a step whose proposal expects fewer accepted tokens "
                              "(where a verify of 2 tokens costs much more than 1: float32 on an AVX2 CPU); 'auto': "
                              "calibrate at 0, then the held-out runs take the floor `route.suffix_floor` picks from "
                              "the calibration run (needs target-only among the candidates)")
-    parser.add_argument("--hand-over", type=floor_or_auto, default=SuffixSettings.hand_over,
+    parser.add_argument("--hand-over", type=float_or_auto, default=SuffixSettings.hand_over,
                         help="hybrid candidates (suffix-eagle, suffix-chain): the head or draft model drafts a step "
                              "whose suffix proposal expects fewer accepted tokens than this; 'auto' (suffix-chain "
                              "candidates): calibrate at the default, then the held-out runs take the hand-over "
@@ -257,7 +257,7 @@ def unlike_target_only(made: dict) -> dict:
     return dict(found)
 
 
-def floor_or_auto(text: str) -> float | str:
+def float_or_auto(text: str) -> float | str:
     return "auto" if text == "auto" else float(text)
 
 

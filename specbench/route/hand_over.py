@@ -19,7 +19,7 @@ import pandas as pd
 import torch
 
 from specbench.decode.suffix_drafter import SuffixDrafter, SuffixSettings
-from specbench.route.suffix_floor import StepCost, fit_step_cost
+from specbench.route.suffix_floor import StepCost, choose_fastest, fit_step_cost
 from specbench.tune.replay import chain_accepted, model_proposer, tree_accepted
 from specbench.types import SamplingParams, SpecbenchError
 
@@ -83,8 +83,4 @@ def choose_hand_over(prompts: Sequence[Sequence[int]], outputs: Sequence[Sequenc
     cost = fit_step_cost(records)
     table = replay_hand_overs(prompts, outputs, draft, settings, cost, float(chain["draft_s"].mean()), k, tree,
                               hand_overs)
-    best = table["priced_tokens_per_s"].max()
-    hand_over = float(table.loc[table["priced_tokens_per_s"] >= best * (1 - 1e-9), "hand_over"].min())
-    table["chosen"] = table["hand_over"] == hand_over
-    table.attrs["step_cost"] = cost
-    return hand_over, table
+    return choose_fastest(table, "hand_over", cost), table

@@ -107,8 +107,14 @@ def choose_min_score(prompts: Sequence[Sequence[int]], outputs: Sequence[Sequenc
     (`chosen` marks it; `attrs["step_cost"]` holds the fit). `records`: the calibration run's step records."""
     cost = fit_step_cost(records)
     table = replay_floors(prompts, outputs, settings, cost, k, floors)
+    return choose_fastest(table, "min_score", cost), table
+
+
+def choose_fastest(table: pd.DataFrame, column: str, cost: StepCost) -> float:
+    """The value of `column` whose replay is priced fastest, the lowest of equals (a replay's ties are exact),
+    marked in `table["chosen"]`, with the fit kept in `table.attrs["step_cost"]`; shared by every replayed knob."""
     best = table["priced_tokens_per_s"].max()
-    floor = float(table.loc[table["priced_tokens_per_s"] >= best * (1 - 1e-9), "min_score"].min())
-    table["chosen"] = table["min_score"] == floor
+    value = float(table.loc[table["priced_tokens_per_s"] >= best * (1 - 1e-9), column].min())
+    table["chosen"] = table[column] == value
     table.attrs["step_cost"] = cost
-    return floor, table
+    return value
