@@ -1,6 +1,5 @@
 """Fairness on a shared worker: long requests (prefill, server-only generate, profile) run a slice
 at a time between other clients' batches, and give what they give when run in one go."""
-import multiprocessing
 import time
 
 import numpy as np
@@ -14,7 +13,7 @@ from specbench.worker import protocol
 from specbench.worker.client import RemoteTarget
 
 from conftest import PROMPTS
-from worker_helpers import RawClient, decode_in_process, process_worker
+from worker_helpers import RawClient, client_processes, decode_in_process, process_worker
 
 pytestmark = pytest.mark.serial  # its tests time how long one tenant waits for another
 
@@ -83,7 +82,7 @@ def test_eight_clients_keep_stepping_through_long_requests(tiny_target, tiny_dra
     server-only generate: the seven's steps keep completing during both (a slice at a time, prefill
     chunks also riding in their verify batches), and every output, the long ones included, equals the
     same prompt run alone."""
-    context = multiprocessing.get_context("spawn")
+    context = client_processes()
     with process_worker("--slice-tokens", "8") as worker:
         ready, go, results = [context.Event() for _ in range(7)], context.Event(), context.Queue()
         prompts = [PROMPTS[i % len(PROMPTS)][: 4 + i % 4] for i in range(7)]

@@ -1,5 +1,6 @@
 """Start workers for tests: in a thread (fast) or as a real `specbench worker` process (kill -9 tests)."""
 import contextlib
+import multiprocessing
 import threading
 
 from specbench.models.spec import ModelSpec
@@ -31,6 +32,16 @@ class ThreadWorker:
 
 def start_process_worker(endpoint: str, *extra: str):
     return spawn_worker(endpoint, "--model", TARGET, "--draft", DRAFT, *extra, timeout_s=60)
+
+
+def client_processes():
+    """A multiprocessing context for client processes that imports torch, transformers and the client once (in
+    its fork server) instead of once per client: spawn's fresh interpreter costs each client ~6 s of imports
+    on a 2-core CI box. The server is single-threaded when it forks, so the clients start clean."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["worker_helpers", "specbench.api", "specbench.worker.client",
+                                    "specbench.models.loading"])
+    return context
 
 
 class RawClient:
