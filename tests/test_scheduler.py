@@ -15,8 +15,6 @@ from specbench.worker.client import RemoteTarget
 from conftest import PROMPTS
 from worker_helpers import RawClient, client_processes, decode_in_process, process_worker
 
-pytestmark = pytest.mark.serial  # its tests time how long one tenant waits for another
-
 LONG_PROMPT = [int(t) for t in np.random.default_rng(0).integers(0, 96, 480)]
 
 
@@ -77,6 +75,7 @@ def test_resent_prefill_joins_and_newer_one_supersedes():
         assert client.request({"op": "stats"})[0]["sessions"] == 1  # "a" only: "b" left nothing behind
 
 
+@pytest.mark.serial  # times how long one tenant waits for another
 def test_eight_clients_keep_stepping_through_long_requests(tiny_target, tiny_draft):
     """Seven client processes decode while an eighth sends a 480-token prompt and a 150-token
     server-only generate: the seven's steps keep completing during both (a slice at a time, prefill
@@ -144,6 +143,7 @@ def test_a_clients_long_requests_count_against_its_quota():
         assert other.request(dict(generate, max_new_tokens=4), prompt, timeout_s=60)[0]["ok"]  # its own quota
 
 
+@pytest.mark.serial  # times a wait
 @pytest.mark.parametrize("batching", [True, False], ids=["batching", "no-batching"])
 def test_queue_time_counts_the_wait_behind_a_running_request(batching):
     """A request that arrives while the worker computes is read and time-stamped on arrival (by the
@@ -244,6 +244,7 @@ def step_with_think_time(endpoint: str, name: str, prompt: list, think_s: float,
         client.close()
 
 
+@pytest.mark.serial  # clients come back on a clock
 @pytest.mark.parametrize("wait_ms", [400, 0], ids=["awaits-drafting-clients", "fixed-window"])
 def test_a_batch_waits_for_clients_expected_back(tiny_target, wait_ms):
     """Clients that draft between steps come back each after its own time (here 60-240 ms apart, far
