@@ -464,9 +464,9 @@ def test_worker_restarted_with_another_model_is_never_decoded_on(draft):
     remote.verify("a", DraftTree(), SamplingParams(), 0)
     process.send_signal(signal.SIGKILL)
     process.wait()
-    from worker_helpers import spawn_worker
+    from worker_helpers import ForkedWorker
 
-    restarted = spawn_worker(endpoint, "--model", "tiny-random:seed=0,layers=2", timeout_s=60)
+    restarted = ForkedWorker(endpoint, "--model", "tiny-random:seed=0,layers=2", timeout_s=60)
     try:
         with pytest.raises(SpecbenchError, match="now serves tiny-random:seed=0,layers=2") as raised:
             remote.verify("a", DraftTree(), SamplingParams(), 0)

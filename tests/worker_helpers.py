@@ -1,10 +1,11 @@
-"""Start workers for tests: in a thread (fast) or as a real `specbench worker` process (kill -9 tests)."""
+"""Start workers for tests: in a thread (fast) or as a real worker process (kill -9 tests), forked from a
+server that imported the worker once."""
 import contextlib
 import multiprocessing
 import threading
 
 from specbench.models.spec import ModelSpec
-from specbench.worker.launch import free_port, spawn_worker
+from specbench.worker.launch import free_port
 from specbench.worker.limits import WorkerLimits
 from specbench.worker.server import Worker, WorkerConfig
 
@@ -31,17 +32,104 @@ class ThreadWorker:
 
 
 def start_process_worker(endpoint: str, *extra: str):
-    return spawn_worker(endpoint, "--model", TARGET, "--draft", DRAFT, *extra, timeout_s=60)
+    return ForkedWorker(endpoint, "--model", TARGET, "--draft", DRAFT, *extra, timeout_s=60)
+
+
+# What a client or a worker process needs, imported once by the fork server (`forked`): spawn's fresh interpreter
+# costs each client ~6 s of imports and each `specbench worker` ~10 CPU-s on a 2-core CI box (27 workers and
+# 15 clients start in `make test`).
+PRELOAD = ["worker_helpers", "specbench.api", "specbench.worker.client", "specbench.models.loading", "specbench.cli",
+           "specbench.worker.server", "specbench.models.tiny", "transformers.models.llama.modeling_llama"]
+
+
+def forked():
+    """A multiprocessing context whose processes fork from a server that imported `PRELOAD` (forkserver). The
+    server is single-threaded when it forks, so each process starts clean: its own pid, memory and sockets."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)
+    return context
 
 
 def client_processes():
-    """A multiprocessing context for client processes that imports torch, transformers and the client once (in
-    its fork server) instead of once per client: spawn's fresh interpreter costs each client ~6 s of imports
-    on a 2-core CI box. The server is single-threaded when it forks, so the clients start clean."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["worker_helpers", "specbench.api", "specbench.worker.client",
-                                    "specbench.models.loading"])
-    return context
+    """Client processes that start in a fraction of a second (`forked`)."""
+    return forked()
+
+
+class ForkedWorker:
+    """`specbench worker ...` run by the CLI's own `main` in a `forked` process, with the face of `spawn_worker`'s
+    Popen (pid, poll, wait, kill, terminate, send_signal, log_lines) the tests use. Product code and the notebooks
+    start workers with `spawn_worker` (a fresh interpreter); tests that stop, kill or restart one use this."""
+
+    def __init__(self, endpoint: str, *args: str, timeout_s: float = 60.0):
+        import collections
+        import time
+
+        context = forked()
+        reader, writer = context.Pipe(duplex=False)
+        self._process = context.Process(target=_worker_main, args=(["worker", "--bind", endpoint, *args], writer))
+        self._process.start()
+        writer.close()
+        self._lines = open(reader.fileno(), "r", closefd=False)
+        self._reader = reader
+        seen, deadline = [], time.time() + timeout_s
+        while time.time() < deadline:
+            if not reader.poll(max(0.0, deadline - time.time())):
+                break
+            line = self._lines.readline()
+            seen.append(line)
+            if "listening on" in line:
+                self.log_lines = collections.deque(seen, maxlen=200)
+                threading.Thread(target=self._pump, daemon=True).start()
+                return
+            if not line:
+                self._process.join(5)
+                raise RuntimeError(f"worker exited with {self._process.exitcode}: {''.join(seen[-5:])}")
+        self.kill()
+        raise RuntimeError(f"worker did not start within {timeout_s:.0f}s")
+
+    def _pump(self):
+        for line in self._lines:
+            self.log_lines.append(line)
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    @property
+    def returncode(self):
+        return self._process.exitcode
+
+    def poll(self):
+        return self._process.exitcode
+
+    def wait(self, timeout=None):
+        self._process.join(timeout)
+        return self._process.exitcode
+
+    def send_signal(self, signum):
+        import os
+
+        if self._process.exitcode is None:
+            os.kill(self._process.pid, signum)
+
+    def kill(self):
+        self._process.kill()
+
+    def terminate(self):
+        self._process.terminate()
+
+
+def _worker_main(argv, writer):
+    """In the forked process: the worker's log goes up the pipe, line by line."""
+    import os
+    import sys
+
+    from specbench import cli
+
+    os.dup2(writer.fileno(), 1)
+    os.dup2(writer.fileno(), 2)
+    sys.stdout.reconfigure(line_buffering=True)
+    sys.exit(cli.main(argv))
 
 
 class RawClient:

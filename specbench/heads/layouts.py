@@ -124,13 +124,16 @@ def _local(where: str | Path) -> Path:
     path = Path(where).expanduser()
     if path.is_dir():
         return path
+    from specbench.models.hub import hub_kwargs, offline_reason
+
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(str(where), allow_patterns=["*.json", "*.safetensors", "*.bin"]))
+        return Path(snapshot_download(str(where), allow_patterns=["*.json", "*.safetensors", "*.bin"], **hub_kwargs()))
     except Exception as error:  # noqa: BLE001 - offline, unknown id, no access: all say the same to a user
+        offline = offline_reason()
         raise SpecbenchError(f"draft head {where!r}: not a folder here, and the Hugging Face hub did not give it "
-                             f"({type(error).__name__}: {str(error)[:200]})") from None
+                             f"({type(error).__name__}: {str(error)[:200]}){f'; {offline}' if offline else ''}") from None
 
 
 def load_head(where: str | Path, target, dtype: Optional[torch.dtype] = None) -> EagleHead:

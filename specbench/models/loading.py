@@ -9,6 +9,7 @@ from typing import Optional, Union
 import torch
 
 from specbench.models.catalog import CATALOG, ensure_model
+from specbench.models.hub import hub_kwargs, offline_reason
 from specbench.models.loaded import LoadedModel
 from specbench.models.spec import ModelSpec
 from specbench.types import SpecbenchError
@@ -34,6 +35,8 @@ def _resolve_source(spec: ModelSpec) -> tuple[str, dict]:
     if spec.model in CATALOG:
         return str(ensure_model(spec.model)), {}
     kwargs = {"gguf_file": spec.gguf_file} if spec.gguf_file else {}
+    if not Path(spec.model).expanduser().exists():  # a hub id: from the cache alone where the hub is out of reach
+        kwargs.update(hub_kwargs())
     return spec.model, kwargs
 
 
@@ -152,8 +155,11 @@ def load_model(spec: ModelSpec) -> LoadedModel:
     except torch.OutOfMemoryError as error:
         raise ModelTooLargeError(f"{spec.label} ran out of memory while loading on {spec.device}: {error}") from None
     except OSError as error:
+        why = str(error)
+        if extra.get("local_files_only"):  # transformers' own words would tell the user to check the connection
+            why = f"{offline_reason()}: {why.splitlines()[0][:160]}"
         raise SpecbenchError(
-            f"could not load {spec.model!r}: {error}. Give an embedded name {sorted(CATALOG)}, "
+            f"could not load {spec.model!r}: {why.rstrip('.')}. Give an embedded name {sorted(CATALOG)}, "
             f"a local directory, or a Hugging Face id (needs the hub).") from None
     if quantization is None:
         model.to(spec.device)
