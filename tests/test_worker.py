@@ -149,7 +149,15 @@ def test_kill_9_and_restart_loses_no_token():
     reference = local_outputs(["chain"], max_new_tokens=60, prompts=PROMPTS[:1])[("chain", 0)]
     remote = RemoteTarget(endpoint, timeout_s=1.0, retries=60, network=NetworkEmulation(rtt_ms=30))
     draft = tiny_model(1, noise_from=tiny_model(0), noise_scale=0.005)
-    result = {}
+    result, midway, begin = {}, threading.Event(), remote.verify_begin
+
+    def counted(*args, **kwargs):  # the kill lands mid-generation, after the fifth verify, whatever the box's speed
+        result["verifies"] = result.get("verifies", 0) + 1
+        if result["verifies"] == 5:
+            midway.set()
+        return begin(*args, **kwargs)
+
+    remote.verify_begin = counted
 
     def generate():
         result["records"] = run(remote, PROMPTS[:1], method="chain", draft=draft, max_new_tokens=60,
@@ -157,7 +165,7 @@ def test_kill_9_and_restart_loses_no_token():
 
     thread = threading.Thread(target=generate)
     thread.start()
-    time.sleep(0.6)
+    assert midway.wait(60), "the generation made no five steps"
     process.send_signal(signal.SIGKILL)
     process.wait()
     time.sleep(0.5)
@@ -166,7 +174,7 @@ def test_kill_9_and_restart_loses_no_token():
         thread.join(120)
         assert "records" in result, "generation did not finish after the restart"
         assert outputs(result["records"])[("chain", 0)] == reference
-        assert remote.reconnects > 0
+        assert remote.reconnects > 0 and len(result["records"]) > 5
     finally:
         restarted.kill()
 
