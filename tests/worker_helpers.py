@@ -62,34 +62,31 @@ class ForkedWorker:
 
     def __init__(self, endpoint: str, *args: str, timeout_s: float = 60.0):
         import collections
-        import time
 
         context = forked()
         reader, writer = context.Pipe(duplex=False)
         self._process = context.Process(target=_worker_main, args=(["worker", "--bind", endpoint, *args], writer))
         self._process.start()
-        writer.close()
-        self._lines = open(reader.fileno(), "r", closefd=False)
-        self._reader = reader
-        seen, deadline = [], time.time() + timeout_s
-        while time.time() < deadline:
-            if not reader.poll(max(0.0, deadline - time.time())):
-                break
-            line = self._lines.readline()
-            seen.append(line)
-            if "listening on" in line:
-                self.log_lines = collections.deque(seen, maxlen=200)
-                threading.Thread(target=self._pump, daemon=True).start()
-                return
-            if not line:
-                self._process.join(5)
-                raise RuntimeError(f"worker exited with {self._process.exitcode}: {''.join(seen[-5:])}")
-        self.kill()
-        raise RuntimeError(f"worker did not start within {timeout_s:.0f}s")
+        writer.close()  # the worker holds the only writing end: its exit ends the log
+        self._reader, self.log_lines = reader, collections.deque(maxlen=200)
+        self._listening, self._told = False, threading.Event()
+        threading.Thread(target=self._pump, daemon=True).start()
+        if not self._told.wait(timeout_s):
+            self.kill()
+            raise RuntimeError(f"worker did not start within {timeout_s:.0f}s")
+        if not self._listening:
+            self._process.join(5)
+            raise RuntimeError(f"worker exited with {self._process.exitcode}: {''.join(list(self.log_lines)[-5:])}")
 
     def _pump(self):
-        for line in self._lines:
-            self.log_lines.append(line)
+        """Keep reading the log, so a full pipe never blocks the worker; say when it listens or has exited."""
+        with open(self._reader.fileno(), "r", closefd=False) as lines:
+            for line in lines:
+                self.log_lines.append(line)
+                if not self._listening and "listening on" in line:
+                    self._listening = True
+                    self._told.set()
+        self._told.set()
 
     @property
     def pid(self) -> int:
