@@ -11,7 +11,8 @@ from specbench.types import SpecbenchError
 @pytest.fixture
 def host(monkeypatch):
     """Point the check at a host name of the test's choosing, asked afresh."""
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    for name in ("HF_HUB_OFFLINE", *hub.PROXY_VARIABLES):
+        monkeypatch.delenv(name, raising=False)
 
     def use(name):
         monkeypatch.setattr(hub, "hub_host", lambda: name)
@@ -45,3 +46,10 @@ def test_hf_hub_offline_is_honoured_without_a_lookup(host, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     hub.hub_reachable.cache_clear()
     assert not hub.hub_reachable()
+
+
+def test_behind_a_proxy_the_hub_is_asked_whatever_this_machine_resolves(host, monkeypatch):
+    host("no-such-host.invalid")
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.example:3128")
+    hub.hub_reachable.cache_clear()
+    assert hub.hub_reachable() and hub.hub_kwargs() == {}

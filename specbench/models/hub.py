@@ -9,6 +9,7 @@ import threading
 from urllib.parse import urlparse
 
 RESOLVE_TIMEOUT_S = 3.0
+PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
 
 
 def hub_kwargs() -> dict:
@@ -33,9 +34,12 @@ def hub_host() -> str:
 @functools.lru_cache(maxsize=1)
 def hub_reachable() -> bool:
     """False when HF_HUB_OFFLINE is set or the hub's host name does not resolve within a few seconds (a DNS
-    lookup, no request); True otherwise, so a machine with the hub behaves as huggingface_hub does alone."""
+    lookup, no request); True otherwise (and behind an HTTPS proxy, which resolves names itself), so a machine
+    with the hub behaves as huggingface_hub does alone."""
     if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
         return False
+    if any(os.environ.get(name) for name in PROXY_VARIABLES):  # the proxy resolves the hub's name, not this machine
+        return True
     found: list[bool] = []
 
     def resolve() -> None:
