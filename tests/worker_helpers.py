@@ -58,7 +58,9 @@ def client_processes():
 class ForkedWorker:
     """`specbench worker ...` run by the CLI's own `main` in a `forked` process, with the face of `spawn_worker`'s
     Popen (pid, poll, wait, kill, terminate, send_signal, log_lines) the tests use. Product code and the notebooks
-    start workers with `spawn_worker` (a fresh interpreter); tests that stop, kill or restart one use this."""
+    start workers with `spawn_worker` (a fresh interpreter); tests that stop, kill or restart one use this. Its
+    environment is the test process's when the fork server started: a test that sets variables for its worker
+    starts it with `spawn_worker`."""
 
     def __init__(self, endpoint: str, *args: str, timeout_s: float = 60.0):
         import collections
