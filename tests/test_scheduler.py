@@ -13,7 +13,7 @@ from specbench.worker import protocol
 from specbench.worker.client import RemoteTarget
 
 from conftest import PROMPTS
-from worker_helpers import RawClient, client_processes, decode_in_process, process_worker
+from worker_helpers import RawClient, decode_in_process, forked, process_worker
 
 LONG_PROMPT = [int(t) for t in np.random.default_rng(0).integers(0, 96, 480)]
 
@@ -81,7 +81,7 @@ def test_eight_clients_keep_stepping_through_long_requests(tiny_target, tiny_dra
     server-only generate: the seven's steps keep completing during both (a slice at a time, prefill
     chunks also riding in their verify batches), and every output, the long ones included, equals the
     same prompt run alone."""
-    context = client_processes()
+    context = forked()
     with process_worker("--slice-tokens", "8") as worker:
         ready, go, results = [context.Event() for _ in range(7)], context.Event(), context.Queue()
         prompts = [PROMPTS[i % len(PROMPTS)][: 4 + i % 4] for i in range(7)]

@@ -15,7 +15,7 @@ from specbench.worker.client import NetworkEmulation, RemoteTarget, WorkerError,
 from specbench.worker.server import Worker, WorkerConfig, is_local_endpoint
 
 from conftest import PROMPTS
-from worker_helpers import TARGET, ThreadWorker, client_processes, free_port, start_process_worker
+from worker_helpers import TARGET, ThreadWorker, forked, free_port, start_process_worker
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +128,7 @@ def _client_process(endpoint, prompt, queue):
 
 def test_eight_concurrent_client_processes(worker):
     reference = local_outputs(["target-only"])
-    context = client_processes()
+    context = forked()
     queue = context.Queue()
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(8)]
     processes = [context.Process(target=_client_process, args=(worker.endpoint, p, queue)) for p in prompts]

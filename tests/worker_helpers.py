@@ -5,7 +5,7 @@ import multiprocessing
 import threading
 
 from specbench.models.spec import ModelSpec
-from specbench.worker.launch import free_port
+from specbench.worker.launch import WorkerLog, free_port
 from specbench.worker.limits import WorkerLimits
 from specbench.worker.server import Worker, WorkerConfig
 
@@ -50,53 +50,27 @@ def forked():
     return context
 
 
-def client_processes():
-    """Client processes that start in a fraction of a second (`forked`)."""
-    return forked()
-
-
 class ForkedWorker:
     """`specbench worker ...` run by the CLI's own `main` in a `forked` process, with the face of `spawn_worker`'s
-    Popen (pid, poll, wait, kill, terminate, send_signal, log_lines) the tests use. Product code and the notebooks
-    start workers with `spawn_worker` (a fresh interpreter); tests that stop, kill or restart one use this. Its
+    Popen (pid, poll, wait, kill, send_signal, log_lines) the tests use. Product code and the notebooks start
+    workers with `spawn_worker` (a fresh interpreter); tests that stop, kill or restart one use this. Its
     environment is the test process's when the fork server started: a test that sets variables for its worker
     starts it with `spawn_worker`."""
 
     def __init__(self, endpoint: str, *args: str, timeout_s: float = 60.0):
-        import collections
-
         context = forked()
         reader, writer = context.Pipe(duplex=False)
         self._process = context.Process(target=_worker_main, args=(["worker", "--bind", endpoint, *args], writer))
         self._process.start()
         writer.close()  # the worker holds the only writing end: its exit ends the log
-        self._reader, self.log_lines = reader, collections.deque(maxlen=200)
-        self._listening, self._told = False, threading.Event()
-        threading.Thread(target=self._pump, daemon=True).start()
-        if not self._told.wait(timeout_s):
-            self.kill()
-            raise RuntimeError(f"worker did not start within {timeout_s:.0f}s")
-        if not self._listening:
-            self._process.join(5)
-            raise RuntimeError(f"worker exited with {self._process.exitcode}: {''.join(list(self.log_lines)[-5:])}")
-
-    def _pump(self):
-        """Keep reading the log, so a full pipe never blocks the worker; say when it listens or has exited."""
-        with open(self._reader.fileno(), "r", closefd=False) as lines:
-            for line in lines:
-                self.log_lines.append(line)
-                if not self._listening and "listening on" in line:
-                    self._listening = True
-                    self._told.set()
-        self._told.set()
+        self._reader = reader  # keeps the pipe's reading end open under the log's file
+        log = WorkerLog(open(reader.fileno(), "r", closefd=False))
+        self.log_lines = log.lines
+        log.wait_listening(timeout_s, self.kill, lambda: self.wait(5))
 
     @property
     def pid(self) -> int:
         return self._process.pid
-
-    @property
-    def returncode(self):
-        return self._process.exitcode
 
     def poll(self):
         return self._process.exitcode
@@ -113,9 +87,6 @@ class ForkedWorker:
 
     def kill(self):
         self._process.kill()
-
-    def terminate(self):
-        self._process.terminate()
 
 
 def _worker_main(argv, writer):

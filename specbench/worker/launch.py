@@ -6,7 +6,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections import deque
 
 
@@ -24,26 +23,34 @@ def spawn_worker(endpoint: str, *args: str, timeout_s: float = 300.0) -> subproc
     command = [sys.executable, "-m", "specbench.cli", "worker", "--bind", endpoint, *args]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    deadline = time.time() + timeout_s
-    seen = []
-    while time.time() < deadline:
-        line = process.stdout.readline()
-        seen.append(line)
-        if "listening on" in line:
-            _drain(process, seen)
-            return process
-        if not line and process.poll() is not None:
-            raise RuntimeError(f"worker exited with {process.returncode}: {''.join(seen[-5:])}")
-    process.kill()
-    raise RuntimeError(f"worker did not start within {timeout_s:.0f}s")
+    log = WorkerLog(process.stdout)
+    process.log_lines = log.lines
+    log.wait_listening(timeout_s, process.kill, lambda: process.wait(5))
+    return process
 
 
-def _drain(process: subprocess.Popen, seen: list[str]) -> None:
-    """Keep reading the worker's log so a full pipe never blocks it; the last lines stay on `log_lines`."""
-    process.log_lines = deque(seen, maxlen=200)
+class WorkerLog:
+    """A starting worker's log, read in a thread from its first line: a full pipe never blocks the worker, the
+    last 200 lines stay on `lines`, and `wait_listening` holds its deadline even while the worker prints nothing."""
 
-    def pump():
-        for line in process.stdout:
-            process.log_lines.append(line)
+    def __init__(self, stream):
+        self.lines: deque[str] = deque(maxlen=200)
+        self.listening, self._told = False, threading.Event()
+        threading.Thread(target=self._pump, args=(stream,), daemon=True).start()
 
-    threading.Thread(target=pump, daemon=True).start()
+    def _pump(self, stream) -> None:
+        for line in stream:
+            self.lines.append(line)
+            if not self.listening and "listening on" in line:
+                self.listening = True
+                self._told.set()
+        self._told.set()  # the log ended: the worker exited
+
+    def wait_listening(self, timeout_s: float, kill, exit_code) -> None:
+        """Return once the worker listens; else `kill` it (no word within `timeout_s`) or say how it exited
+        (`exit_code()`), with its last lines."""
+        if not self._told.wait(timeout_s):
+            kill()
+            raise RuntimeError(f"worker did not start within {timeout_s:.0f}s")
+        if not self.listening:
+            raise RuntimeError(f"worker exited with {exit_code()}: {''.join(list(self.lines)[-5:])}")
