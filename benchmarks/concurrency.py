@@ -11,8 +11,7 @@ drafts and the worker share the same cores, which the measurement then includes)
 emulates clients on other hosts (the draft runs alone here first; each client replays its proposals,
 sleeping the seconds each took: `decode/replay_drafter.py`). Every greedy output is
 compared with the same prompt decoded alone in this process (fp32 by default, `--dtype`); a difference is shown with the
-target's top-2 logit gap at the first differing token (a near-tie means batched shapes changed
-the rounding). With batching on, SD's speedup over target-only per client count is also predicted
+target's logits of both tokens at the first differing one (a near-tie means batched shapes changed the rounding). With batching on, SD's speedup over target-only per client count is also predicted
 from the alone run's steps, priced on the shipped profile's batch grid of the target plus the
 loopback round trip, two ways, each printed with its error against the measured one: this run
 (`plan.predict.replay_together`: the clients start together and the ones that accept more finish
@@ -50,6 +49,7 @@ import pandas as pd
 import torch
 
 from specbench.api import encode_prompts, outputs, run
+from specbench.decode.divergence import divergence
 from specbench.decode.loop import Decoding, generate
 from specbench.datasets import load_prompts
 from specbench.hardware import device_name
@@ -304,13 +304,8 @@ def _reference_model(spec: ModelSpec):
 
 
 def near_tie(spec: ModelSpec, prompt: list[int], got: list[int], alone: list[int]) -> dict:
-    """Where two greedy outputs part, the target's top-2 logit gap after their common prefix."""
-    loaded = _reference_model(spec)
-    position = next(i for i, (a, b) in enumerate(zip(got, alone)) if a != b)
-    with torch.inference_mode():
-        logits = loaded.model(input_ids=torch.tensor([prompt + alone[:position]])).logits[0, -1]
-    top = torch.topk(logits.float(), 2).values
-    return {"position": position, "top2_gap": float(top[0] - top[1])}
+    """Where two greedy outputs part, the target's logits of both tokens there (`specbench.decode.divergence`)."""
+    return asdict(divergence(_reference_model(spec).model, prompt, alone, got))
 
 
 def main():

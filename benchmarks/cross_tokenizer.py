@@ -5,8 +5,8 @@ Same prompts, same run, per dtype: target-only (specbench and HF), HF assisted g
 specbench's cross-tokenizer chain (text rule) at K = 2, 4, 6 and dynamic trees of 8 and 16 nodes,
 and the same-family draft's chain for comparison. Greedy. Reports tokens/s, tokens per target
 step, target tokens per draft token, and whether each output is identical to target-only (a
-mismatch is checked teacher-forced and shown as a near-tie when the target's top-2 logits there
-are within NEAR_TIE_LOGITS). Several drafts of other families (`--draft smollm2-135m gemma3-270m`)
+mismatch is checked teacher-forced and shown as a near-tie when the target's logits of the two tokens there
+are within NEAR_TIE_SHARE of their range). Several drafts of other families (`--draft smollm2-135m gemma3-270m`)
 run in the same table, each compared with HF's best setting for that draft.
 
 With `--sampled`, sampled rows too (temperature 1, no top-k/top-p, seeded per prompt): target-only,
@@ -28,6 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from specbench.api import encode_prompts
+from specbench.decode.divergence import NEAR_TIE_SHARE
 from specbench.decode.loop import Decoding, generate
 from specbench.decode.target import LocalTarget
 from specbench.methods import DraftSource, make_drafter
@@ -37,7 +38,7 @@ from specbench.models.vocab_bridge import TextBridge
 from specbench.types import SamplingParams
 
 from common import RESULTS, bench_prompts, write_report
-from local_sd import NEAR_TIE_LOGITS, ForwardTimer, divergence_check
+from local_sd import ForwardTimer, divergence_check
 
 GREEDY = SamplingParams()
 SAMPLED = SamplingParams(temperature=1.0, rule="rejection")  # the model's own distribution, no top-k/top-p
@@ -244,7 +245,7 @@ def main():
     args = parser.parse_args()
     prompts = bench_prompts(args.prompts)
     pd.set_option("display.width", 200)
-    report = {"settings": vars(args), "near_tie_logits": NEAR_TIE_LOGITS, "dtypes": {}}
+    report = {"settings": vars(args), "near_tie_share": NEAR_TIE_SHARE, "dtypes": {}}
     for dtype in args.dtypes:
         frame, checks, usd_checks = bench_dtype(dtype, args.target, args.draft, args.family_draft, prompts,
                                     args.max_new_tokens, args.ks, args.tree_budgets, args.kernels, args.sampled,

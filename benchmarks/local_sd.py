@@ -2,8 +2,9 @@
 
 Prints a table per model pair and writes JSON to results/local_sd.json. Greedy, bf16, CPU by default.
 Every method's output is compared with target-only's per prompt; a mismatch gets a teacher-forced
-check at the first divergence and is reported as a near-tie when the target's top-2 logits there
-are within NEAR_TIE_LOGITS (bf16 multi-token verification can flip such ties); anything else is a bug.
+check at the first divergence (`specbench.decode.divergence`) and is reported as a near-tie when the target's
+logits of the two tokens there are within NEAR_TIE_SHARE of their range (bf16 multi-token verification can flip
+such ties); anything else is a bug.
 
     python benchmarks/local_sd.py [--pair qwen|smollm2|both] [--max-new-tokens 64] [--prompts 6]
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import pandas as pd
@@ -19,6 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from specbench.api import encode_prompts
+from specbench.decode.divergence import NEAR_TIE_SHARE, divergence
 from specbench.decode.loop import Decoding, generate
 from specbench.methods import DraftSource, make_drafter
 from specbench.decode.target import LocalTarget
@@ -29,7 +32,6 @@ from specbench.types import SamplingParams
 from common import write_report
 
 ROOT = Path(__file__).resolve().parents[1]
-NEAR_TIE_LOGITS = 0.5  # about four bf16 steps at logit magnitudes of 16-32
 GREEDY = SamplingParams()
 
 
@@ -88,17 +90,9 @@ def run_hf(target_model, prompt_ids, max_new_tokens, eos, pad, assistant=None, k
 
 @torch.inference_mode()
 def divergence_check(target_model, prompt_ids, reference, produced):
-    """Teacher-forced top-2 gap of the target at the first position where outputs differ."""
-    position = next((i for i, (a, b) in enumerate(zip(reference, produced)) if a != b), None)
-    if position is None:
-        return {"position": min(len(reference), len(produced)), "gap": None, "near_tie": None,
-                "note": "one output is a prefix of the other (EOS or length)"}
-    ids = torch.tensor([prompt_ids + reference[:position]])
-    logits = target_model(ids, logits_to_keep=1).logits[0, -1].float()
-    top = torch.topk(logits, 2)
-    gap = float(top.values[0] - top.values[1])
-    return {"position": position, "gap": gap, "near_tie": gap <= NEAR_TIE_LOGITS,
-            "top2": top.indices.tolist(), "chosen": [reference[position], produced[position]]}
+    """The target's logits where the outputs part, teacher-forced (`specbench.decode.divergence`), as a dict."""
+    found = divergence(target_model, prompt_ids, reference, produced)
+    return None if found is None else asdict(found)
 
 
 def bench_pair(name, target_spec, draft_spec, prompts, max_new_tokens, ks, self_draft_layers, dtype):
@@ -229,7 +223,7 @@ def main():
                       ModelSpec("qwen2.5-coder-0.5b", dtype=args.dtype), [2, 4, 6], 20))
     if args.pair in ("smollm2", "both"):
         pairs.append(("smollm2", ModelSpec("smollm2-135m", dtype=args.dtype), None, [], 26))
-    report = {"settings": vars(args), "near_tie_logits": NEAR_TIE_LOGITS, "pairs": {}}
+    report = {"settings": vars(args), "near_tie_share": NEAR_TIE_SHARE, "pairs": {}}
     pd.set_option("display.width", 200)
     for name, target_spec, draft_spec, ks, layers in pairs:
         frame, checks = bench_pair(name, target_spec, draft_spec, prompts, args.max_new_tokens, ks, layers, args.dtype)

@@ -26,6 +26,7 @@ import json
 import random
 import time
 from collections import defaultdict
+from dataclasses import asdict
 from pathlib import Path
 
 import pandas as pd
@@ -34,6 +35,7 @@ from specbench.api import encode_prompts, outputs, run
 from specbench.datasets import load_prompts
 from specbench.datasets.loaders import load_conversations
 from specbench.datasets.sessions import script_sessions
+from specbench.decode.divergence import divergence
 from specbench.decode.suffix_drafter import SuffixSettings
 from specbench.decode.target import LocalTarget
 from specbench.models.loading import load_model
@@ -232,8 +234,11 @@ def main() -> None:
                                             if method == "auto" else label)})
             print(f"held out {family}, pass {turn + 1}/{args.passes}: done ({len(prompts)} prompts)")
     report = summarise(pd.DataFrame(rows), [c.label for c in candidates])
-    report["outputs_unlike_target_only"] = unlike_target_only(made)
-    print(f"held-out outputs unlike target-only's, per method: {report['outputs_unlike_target_only']}")
+    report["outputs_unlike_target_only"] = unlike_target_only(
+        made, loaded.model, {f"{family}/{i}": request["ids"] for family in families
+                             for i, request in enumerate([r for r in held if r["set"] == family])})
+    print(f"held-out outputs unlike target-only's, per method, and how many of them part at a near-tie of the "
+          f"target's logits: {report['outputs_unlike_target_only']}")
     report.update({"args": vars(args), "requests": len(found), "calibration": len(calibration), "held_out": len(held),
                    "seconds": round(time.perf_counter() - started, 1), "router_default": router.default,
                    "router_margin": str(router.margin), "suffix_min_score": chosen["min_score"],
@@ -245,16 +250,23 @@ def main() -> None:
     write_report(args.out, report)
 
 
-def unlike_target_only(made: dict) -> dict:
+def unlike_target_only(made: dict, model=None, prompt_ids: dict | None = None) -> dict:
     """Per label, how many held-out outputs differ from target-only's on the same prompt and pass (greedy SD is
     lossless: 0 in float32 but for near-ties of the target's logits across verify widths); {} without
-    target-only."""
+    target-only. With the target's `model` and each prompt's ids, also how many of them part at a near-tie
+    (`near_ties`) and every one that does not (`not_near_ties`: a defect)."""
     if not any(label == "target-only" for label, _, _ in made):
         return {}
-    found = defaultdict(int)
+    found, ties, defects = defaultdict(int), defaultdict(int), []
     for (label, turn, prompt), produced in made.items():
-        found[label] += produced != made[("target-only", turn, prompt)]
-    return dict(found)
+        expected = made[("target-only", turn, prompt)]
+        found[label] += produced != expected
+        if produced != expected and model is not None:
+            check = divergence(model, prompt_ids[prompt], expected, produced)
+            ties[label] += bool(check.near_tie)
+            if not check.near_tie:
+                defects.append({"label": label, "pass": turn, "prompt": prompt, **asdict(check)})
+    return {"differ": dict(found), **({"near_ties": dict(ties), "not_near_ties": defects} if model is not None else {})}
 
 
 def float_or_auto(text: str) -> float | str:

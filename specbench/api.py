@@ -19,7 +19,7 @@ from specbench.models.spec import ModelSpec
 from specbench.types import SamplingParams, SpecbenchError
 
 ModelLike = Union[str, ModelSpec, LoadedModel]
-__all__ = ["run", "outputs", "encode_prompts", "as_target", "TreeShape", "ModelLike"]
+__all__ = ["run", "outputs", "divergences", "encode_prompts", "as_target", "TreeShape", "ModelLike"]
 
 
 def as_target(target: Union[ModelLike, Target], dtype: str = "float32",
@@ -254,3 +254,37 @@ def outputs(records: pd.DataFrame) -> dict[tuple[str, int], list[int]]:
     for (method, prompt), group in records.groupby(["method", "prompt_index"], sort=False):
         result[(method, prompt)] = [t for tokens in group.sort_values("step")["emitted_tokens"] for t in tokens]
     return result
+
+
+def divergences(records: pd.DataFrame, target: Union[ModelLike, LocalTarget], prompts: Sequence[Union[str, Sequence[int]]],
+                reference: Optional[pd.DataFrame] = None, dtype: str = "float32", chat: bool = True,
+                tolerance: Optional[float] = None) -> pd.DataFrame:
+    """One row per (method, prompt) whose greedy output is not target-only's: the first differing token, the
+    target's logits of both tokens there (teacher-forced) and whether that is a near-tie (`near_tie`: rounding
+    of a wider verify, bf16 or a batch; False is a bug). `records` and `prompts` as run() had them; target-only's
+    outputs come from `reference` (default: `records`). Pass the target as run, in its dtype (a LoadedModel or
+    LocalTarget keeps its own)."""
+    from specbench.decode.divergence import NEAR_TIE_SHARE, divergence
+
+    if isinstance(target, LocalTarget):
+        loaded = target.loaded
+    else:
+        loaded = as_loaded(target, dtype) if isinstance(target, (str, ModelSpec, LoadedModel)) else None
+    if loaded is None:
+        raise SpecbenchError(f"divergences needs the target's weights in this process to read its logits, not a "
+                             f"{type(target).__name__}: pass its name or LoadedModel (in the dtype it ran in)")
+    got, expected = outputs(records), outputs(records if reference is None else reference)
+    prompt_ids = encode_prompts(prompts, loaded.tokenizer, chat=chat)
+    decode = (lambda token: None if token is None or loaded.tokenizer is None else loaded.tokenizer.decode([token]))
+    rows = []
+    for (method, index), tokens in got.items():
+        if (method == "target-only" and reference is None) or ("target-only", index) not in expected:
+            continue
+        found = divergence(loaded.model, prompt_ids[index], expected[("target-only", index)], tokens,
+                           NEAR_TIE_SHARE if tolerance is None else tolerance)
+        if found is not None:
+            rows.append({"method": method, "prompt_index": index, **asdict(found),
+                         "expected_text": decode(found.expected_token), "got_text": decode(found.got_token)})
+    columns = ["method", "prompt_index", "position", "expected_token", "got_token", "expected_text", "got_text",
+               "expected_logit", "got_logit", "share_of_range", "near_tie"]
+    return pd.DataFrame(rows, columns=columns)

@@ -8,6 +8,7 @@ import pandas as pd
 
 from specbench.api import outputs, run
 from specbench.decode.metrics import summarize
+from specbench.decode.verdict import speed_verdicts
 
 DEMO_PROMPTS = [
     "Write a Python function that checks whether a string is a palindrome.",
@@ -22,6 +23,7 @@ CROSS_TARGET, CROSS_DRAFT = "qwen2.5-coder-1.5b", "smollm2-135m"
 def main_job(k: int = 4, max_new_tokens: int = 48, dtype: str = "float32", rtt_ms: float = 50.0,
              out_dir: str = "reports", cross_family: bool = True) -> pd.DataFrame:
     """Run every phase, print the comparison table, write the records CSV and the HTML report."""
+    from specbench.hardware import device_name
     from specbench.models import catalog
     from specbench.models.loading import load_model
     from specbench.models.notices import quiet_library_notices
@@ -33,7 +35,8 @@ def main_job(k: int = 4, max_new_tokens: int = 48, dtype: str = "float32", rtt_m
     print(f"[1/{steps}] embedded model SmolLM2-135M-Instruct (fetched and converted once into the user cache)", flush=True)
     catalog.ensure_model("smollm2-135m")
     target = load_model(ModelSpec("smollm2-135m", dtype=dtype))
-    print(f"[2/{steps}] local: target-only vs every lossless method, greedy, CPU", flush=True)
+    print(f"[2/{steps}] local: target-only vs every lossless method, greedy, {dtype} on {device_name('cpu')}",
+          flush=True)
     local = run(target, DEMO_PROMPTS, method=["target-only", "prompt-lookup", "self-draft", "substitute"], k=k,
                 max_new_tokens=max_new_tokens, self_draft_layers=26, dtype=dtype)
     remote = _remote(truncated_view(target, 26), target.tokenizer, k, max_new_tokens, dtype, rtt_ms, steps)
@@ -42,6 +45,9 @@ def main_job(k: int = 4, max_new_tokens: int = 48, dtype: str = "float32", rtt_m
     print(_table(records, {"local": local, "remote": remote}).round(3).to_string(index=False))
     print("(self-draft and remote chain = SmolLM2's first 26 of 30 layers as the draft; substitute = its own "
           "8-bit twin)")
+    for where, group in records.groupby("where", sort=False):  # why each method paid or not, from its own steps
+        print("\n".join(f"{where}: {sentence}" for sentence in speed_verdicts(group)))
+    print("\n".join(_differences(target, records, local, DEMO_PROMPTS)))
     if cross_family:
         cross = _cross_family(max(k, 6), dtype, steps)
         records = pd.concat([records, cross.assign(where="local, another family's draft")], ignore_index=True)
@@ -96,6 +102,7 @@ def _cross_family(k: int, dtype: str, steps: int, max_new_tokens: int = 40) -> p
     table = summarize(records)
     table["identical_to_target_only"] = [_identical(records, records, m) for m in table["method"]]
     print(table.round(3).to_string(index=False))
+    print("\n".join(_differences(target, records.assign(where="local"), records, prompts)))
     chain = table[table["method"] == "chain"].iloc[0]
     speedup = chain["speedup_vs_target_only"]
     verdict = ("this row pays" if speedup > 1.0 else
@@ -105,6 +112,30 @@ def _cross_family(k: int, dtype: str, steps: int, max_new_tokens: int = 40) -> p
           f"forward, while a {CROSS_DRAFT} token costs a small fraction of a {CROSS_TARGET} forward: a draft far "
           f"smaller than its target is what makes SD pay on a CPU, and its family has no model that small.")
     return records
+
+
+def _differences(target, records: pd.DataFrame, reference: pd.DataFrame, prompts: list[str]) -> list[str]:
+    """Each output that left target-only's (`reference`'s), shown to be a near-tie of the target's logits or
+    named a defect. `records` has a `where` column: local, remote, ..."""
+    from specbench.api import divergences
+
+    found = pd.concat([divergences(records[records["where"] == where], target, prompts, reference=reference)
+                       .assign(where=where) for where in records["where"].unique()], ignore_index=True)
+    if found.empty:
+        return ["every output is target-only's, token for token"]
+    lines = [f"outputs that left target-only's ({target.spec.dtype}), at their first differing token, teacher-forced "
+             "on the target (in bf16 a verify of several tokens rounds differently from a one-token forward):"]
+    for row in found.itertuples():
+        head = f"  {row.where} {row.method}, prompt {row.prompt_index}, token {row.position}: "
+        if row.near_tie is None:
+            lines.append(head + "one output ended there (a stop, not a different token)")
+            continue
+        verdict = ("a near-tie of the target's logits: rounding, not a loss" if row.near_tie else
+                   "NOT a near-tie: a defect, please report it with reports/demo_records.csv")
+        lines.append(head + f"target-only chose {row.expected_text!r} (logit {row.expected_logit:.3f}), "
+                     f"{row.method} {row.got_text!r} ({row.got_logit:.3f}), {100 * row.share_of_range:.2f}% of the "
+                     f"logits' range apart: {verdict}")
+    return lines
 
 
 def _table(records: pd.DataFrame, produced: dict[str, pd.DataFrame]) -> pd.DataFrame:
