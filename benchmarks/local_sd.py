@@ -4,7 +4,8 @@ Prints a table per model pair and writes JSON to results/local_sd.json. Greedy, 
 Every method's output is compared with target-only's per prompt; a mismatch gets a teacher-forced
 check at the first divergence (`specbench.decode.divergence`) and is reported as a near-tie when the target's
 logits of the two tokens there are within NEAR_TIE_SHARE of their range (bf16 multi-token verification can flip
-such ties); anything else is a bug.
+such ties); anything else is a bug. Methods are interleaved: each runs on a prompt before the next prompt starts,
+in an order rotated per prompt, so the machine's drift during the run weighs on all of them alike.
 
     python benchmarks/local_sd.py [--pair qwen|smollm2|both] [--max-new-tokens 64] [--prompts 6]
 """
@@ -114,31 +115,31 @@ def bench_pair(name, target_spec, draft_spec, prompts, max_new_tokens, ks, self_
     methods += [("hf", "prompt-lookup K=4", 4), ("hf", "prompt-lookup K=10", 10)]
     methods += [("specbench", "prompt-lookup K=4", 4), ("specbench", "self-draft K=4", 4),
                 ("specbench", "substitute-8bit K=4", 4)]
-    drafters = {}
-    rows, outputs = [], {}
-    bar = tqdm(total=len(methods) * len(encoded), desc=f"bench {name}")
-    for engine, method, k in methods:
+    drafters, by_method = {}, {}
+    for engine, method, k in methods:  # each method's drafter, and a warm-up on the first prompt, discarded
         kind = method.split(" ")[0]
-        drafter = None
         if engine == "specbench" and kind != "target-only":
             key = {"chain": "chain", "prompt-lookup": "prompt-lookup", "self-draft": "self-draft",
                    "substitute-8bit": "substitute"}[kind]
             if key not in drafters:
                 drafters[key] = make_drafter(key, DraftSource(target, target_loaded, draft_loaded, dtype,
                                                               self_draft_layers, "8bit"))
-            drafter = drafters[key]
-        # warm-up on the first prompt, discarded
+            by_method[method] = drafters[key]
         if engine == "specbench":
-            run_specbench(target, drafter, encoded[0], k or 1, 8, eos)
+            run_specbench(target, by_method.get(method), encoded[0], k or 1, 8, eos)
         else:
             run_hf(target_model, encoded[0], 8, eos, pad, assistant=draft_loaded.model if "assisted" in method else None,
                    k=k, lookup=k if "lookup" in method else None)
-        for index, ids in enumerate(encoded):
-            target_timer.reset()
+    rows, outputs = [], {}
+    bar = tqdm(total=len(methods) * len(encoded), desc=f"bench {name}")
+    for index, ids in enumerate(encoded):  # every method on a prompt before the next prompt, the order rotated
+        for engine, method, k in methods[index % len(methods):] + methods[:index % len(methods)]:  # per prompt:
+            target_timer.reset()  # the machine's drift then weighs on every method alike
             if draft_timer:
                 draft_timer.reset()
             if engine == "specbench":
-                out, wall, steps, accepted, drafted = run_specbench(target, drafter, ids, k or 1, max_new_tokens, eos)
+                out, wall, steps, accepted, drafted = run_specbench(target, by_method.get(method), ids, k or 1,
+                                                                    max_new_tokens, eos)
                 verify_calls = steps
             else:
                 out, wall = run_hf(target_model, ids, max_new_tokens, eos, pad,
