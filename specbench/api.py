@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, replace
-from typing import Iterable, Optional, Sequence, Union
+from typing import Callable, Iterable, Optional, Sequence, Union
 
 import pandas as pd
 from tqdm.auto import tqdm
@@ -72,7 +72,9 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
     `target` is a catalog name, Hugging Face id, path, ModelSpec, LoadedModel, LocalTarget or
     RemoteTarget; methods come from the method table (`specbench.methods`). For tree methods `k` is
     the node budget. Every method shares the target and the loop, so tokens are counted identically;
-    a short warm-up generation per method is run first and discarded. Output ids per (method,
+    a short warm-up generation per method is run first and discarded. Methods are interleaved: each runs a
+    prompt before the next prompt starts, in an order rotated per prompt, so a machine that slows or speeds up
+    during the call weighs on all of them alike (every method's drafter stays built for the whole call). Output ids per (method,
     prompt) come back through `outputs(df)`. `proactive` drafts ahead while a remote verify is in
     flight (methods that draft a chain from a model). A `planner` picks K per step up to `k` for
     plannable methods (AutoDraft's per-step choice), starting each prompt from its reference prior;
@@ -119,18 +121,20 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
     shared = dict(target=target, source=source, prompt_ids=prompt_ids, k=k, max_new_tokens=max_new_tokens,
                   sampling=sampling, seed=seed, warmup=warmup, draft=draft, bar=bar, device=device,
                   target_bytes=target_bytes, wrap=wrap_drafter or (lambda drafter: drafter))
-    for chosen in methods:
-        if chosen is None:
-            rows += _run_auto(router, families, **shared)
-        else:
-            rows += _run_method(chosen, planner, proactive, **shared)
+    runs = [_auto_run(router, families, **shared) if chosen is None else
+            _method_run(chosen, planner, proactive, **shared) for chosen in methods]
+    for index in range(len(prompt_ids)):  # every method on a prompt before the next prompt, in an order rotated
+        turn = index % len(runs)  # per prompt: the machine's drift during the call weighs on all methods alike
+        for one_prompt in runs[turn:] + runs[:turn]:
+            rows += one_prompt(index)
+            bar.update()
     bar.close()
     return pd.DataFrame(rows)
 
 
-def _run_method(chosen, planner, proactive, *, target, source, prompt_ids, k, max_new_tokens, sampling, seed, warmup,
-                draft, bar, device, target_bytes, wrap) -> list[dict]:
-    bar.set_postfix_str(f"{chosen.name}, k={k}, {max_new_tokens} tokens")
+def _method_run(chosen, planner, proactive, *, target, source, prompt_ids, k, max_new_tokens, sampling, seed,
+                warmup, draft, bar, device, target_bytes, wrap) -> Callable[[int], list[dict]]:
+    """Build `chosen`'s drafter and warm it up; return what runs prompt `index` through it (its step rows)."""
     drafter = wrap(chosen.build(source)) if chosen.build else None
     planned = planner if chosen.plannable else None  # baselines in the same call run as they are
     decoding = Decoding(k, max_new_tokens, sampling, f"{chosen.name}+planner" if planned else chosen.name,
@@ -139,23 +143,23 @@ def _run_method(chosen, planner, proactive, *, target, source, prompt_ids, k, ma
                proactive=proactive and chosen.drafts_ahead, suffix=source.suffix)
     if warmup:
         _warm_up(prompt_ids[0], seed, one, source)
-    rows = []
-    for index, ids in enumerate(prompt_ids):
+
+    def run_prompt(index: int) -> list[dict]:
+        bar.set_postfix_str(f"{chosen.name}, k={k}, {max_new_tokens} tokens")
         if planned is not None:
             planned.reset()
-        result = _measured(ids, index, seed, device, one)
-        rows += _rows(result, ids, 0 if chosen.kind == "none" else k, _memory(drafter, target_bytes))
-        bar.update()
-    return rows
+        result = _measured(prompt_ids[index], index, seed, device, one)
+        return _rows(result, prompt_ids[index], 0 if chosen.kind == "none" else k, _memory(drafter, target_bytes))
+
+    return run_prompt
 
 
-def _run_auto(router, families, *, target, source, prompt_ids, k, max_new_tokens, sampling, seed, warmup, draft, bar,
-              device, target_bytes, wrap) -> list[dict]:
-    """Each prompt through the method and K the router predicts best for it; each row says what was chosen,
-    how long choosing took, and every candidate's predicted tokens/s (the reason)."""
+def _auto_run(router, families, *, target, source, prompt_ids, k, max_new_tokens, sampling, seed, warmup, draft, bar,
+              device, target_bytes, wrap) -> Callable[[int], list[dict]]:
+    """What runs prompt `index` through the method and K the router predicts best for it; each row says what was
+    chosen, how long choosing took, and every candidate's predicted tokens/s (the reason)."""
     import json
 
-    bar.set_postfix_str(f"auto over {len(router.candidates)} candidates, {max_new_tokens} tokens")
     built: dict = {}
 
     def prepared(candidate):
@@ -170,8 +174,9 @@ def _run_auto(router, families, *, target, source, prompt_ids, k, max_new_tokens
                 _warm_up(prompt_ids[0], seed, one, source)
         return built[candidate]
 
-    rows = []
-    for index, ids in enumerate(prompt_ids):
+    def run_prompt(index: int) -> list[dict]:
+        bar.set_postfix_str(f"auto over {len(router.candidates)} candidates, {max_new_tokens} tokens")
+        ids = prompt_ids[index]
         started = time.perf_counter()
         candidate, table = router.choose(ids, families[index] if families is not None else None)
         route_s = time.perf_counter() - started
@@ -184,11 +189,11 @@ def _run_auto(router, families, *, target, source, prompt_ids, k, max_new_tokens
                 other["drafter"].remember(result.output_ids)
                 fed.add(id(cache))
         why = json.dumps({row.candidate: round(row.tokens_per_s, 3) for row in table.itertuples()})
-        rows += [dict(row, method="auto", chosen=candidate.label, route_s=route_s, route_predicted=why)
-                 for row in _rows(result, ids, candidate.k if one["method"].kind != "none" else 0,
-                                  _memory(one["drafter"], target_bytes))]
-        bar.update()
-    return rows
+        return [dict(row, method="auto", chosen=candidate.label, route_s=route_s, route_predicted=why)
+                for row in _rows(result, ids, candidate.k if one["method"].kind != "none" else 0,
+                                 _memory(one["drafter"], target_bytes))]
+
+    return run_prompt
 
 
 def _warm_up(ids, seed, one, source) -> None:

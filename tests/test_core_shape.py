@@ -188,3 +188,20 @@ def test_a_cost_objective_registered_in_one_file_reaches_the_predictor_explorer_
     assert main(["pareto", "--profiles", str(tmp_path / "p"), "--references", str(tmp_path / "r"), "--cost", "carbon",
                  "--out", str(out)]) == 0
     assert "carbon (g per 1M tokens" in out.read_text()
+
+
+def test_a_run_interleaves_its_methods_and_each_gives_what_it_gives_alone(tiny_target, tiny_draft):
+    """Every method runs a prompt before the next prompt starts, the order rotated per prompt (so drift weighs on
+    all alike); each method's outputs and steps are the ones it makes run on its own (seeded sampling)."""
+    methods = ["target-only", "chain", "prompt-lookup"]
+    sampling = SamplingParams(temperature=1.0, rule="rejection")
+    records = run(tiny_target, PROMPTS[:4], method=methods, draft=tiny_draft, k=3, max_new_tokens=6,
+                  sampling=sampling, seed=3, progress=False)
+    order = list(dict.fromkeys(zip(records["method"], records["prompt_index"])))
+    assert order == [(methods[(index + i) % 3], index) for index in range(4) for i in range(3)]
+    for method in methods:
+        alone = run(tiny_target, PROMPTS[:4], method=method, draft=tiny_draft, k=3, max_new_tokens=6,
+                    sampling=sampling, seed=3, progress=False)
+        mine = records[records["method"] == method]
+        assert outputs(alone) == outputs(mine)
+        assert alone["accepted"].tolist() == mine["accepted"].tolist()
