@@ -88,7 +88,9 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
     the target's hidden states, which fast steps do not expose), False or "off" never.
     `suffix` (a `SuffixSettings`) shapes the suffix methods, whose `k` is a cap: their counts choose each step's
     draft, and their cache of earlier outputs is shared per process by default (`cache="drafter"`: within
-    this call's prompts only; "off": each prompt drafts from itself).
+    this call's prompts only; "off": each prompt drafts from itself). A call comparing two or more methods that
+    keep outputs uses "drafter" for them: each learns from its own earlier prompts of the call, never from another
+    method's output of the prompt it is drafting (server-side suffix methods share their worker's cache).
     Method "auto" routes each prompt to the method and K a `router` (`specbench.route`) predicts fastest for it
     (`families`: each prompt's family, when known, which the router may use); its rows say what was chosen.
     `wrap_drafter` is given each drafter built and returns the one to use: e.g. recording its proposals, or
@@ -111,6 +113,11 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
         raise SpecbenchError(f"families name {len(families)} prompts' families for {len(prompt_ids)} prompts")
     source = DraftSource(target, target_model, draft, dtype, self_draft_layers, substitute_quantization, tree,
                          cross_tokenizer, fast, suffix)
+    keeping = [m for m in methods if m is not None and m.keeps_outputs] + (
+        [None] if router is not None and None in methods
+        and any(get_method(c.method).keeps_outputs for c in router.candidates) else [])
+    if len(keeping) > 1 and source.suffix.cache == "process":  # methods compared in one call: none may draft a
+        source = replace(source, suffix=replace(source.suffix, cache="drafter"))  # prompt from another's output of it
     rows = []
     label = progress if isinstance(progress, str) else f"run {len(methods)} methods x {len(prompt_ids)} prompts"
     bar = tqdm(total=len(methods) * len(prompt_ids), desc=label, unit="prompt", disable=not progress)

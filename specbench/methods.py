@@ -125,6 +125,7 @@ class Method:
     worker_build: Optional[Callable[[DraftSource], Any]] = None
     lookup: bool = False  # drafts by looking up the context: no draft model, so nothing to profile or price
     reads_features: bool = False  # a draft head here: the target must run eager (fast steps expose no features)
+    keeps_outputs: bool = False  # drafts from a cache of earlier outputs (suffix decoding), shared as configured
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -240,8 +241,8 @@ for _method in (
     Method("self-draft", "chain", _self_draft, plannable=True, drafts_ahead=True),
     Method("substitute", "chain", _substitute, plannable=True, drafts_ahead=True),
     # suffix decoding: the prompt's, and earlier outputs', continuations weighted by their counts; k is a cap
-    Method("suffix", "chain", _suffix, lookup=True),
-    Method("suffix-tree", "tree", lambda source: _suffix(source, tree=True), lookup=True),
+    Method("suffix", "chain", _suffix, lookup=True, keeps_outputs=True),
+    Method("suffix-tree", "tree", lambda source: _suffix(source, tree=True), lookup=True, keeps_outputs=True),
     # suffix decoding on the worker: its cache there (per tenant unless the worker is told otherwise)
     Method("suffix-server", "chain", on_worker=True, lookup=True,
            worker_build=lambda source, key=(): _suffix(source, key=key)),
@@ -250,11 +251,12 @@ for _method in (
     Method("eagle", "chain", _eagle, reads_features=True),  # a draft head over the target's hidden states (heads/)
     Method("eagle-tree", "tree", _eagle_tree, reads_features=True),  # its EAGLE-2 dynamic tree
     # suffix decoding where its counts vouch for a continuation (SuffixSettings.hand_over), the head elsewhere
-    Method("suffix-eagle", "chain", _suffix_eagle, reads_features=True),
-    Method("suffix-eagle-tree", "tree", lambda source: _suffix_eagle(source, tree=True), reads_features=True),
+    Method("suffix-eagle", "chain", _suffix_eagle, reads_features=True, keeps_outputs=True),
+    Method("suffix-eagle-tree", "tree", lambda source: _suffix_eagle(source, tree=True), reads_features=True,
+           keeps_outputs=True),
     # the same with a draft model in place of the head: the first turn's new text to the model, repeats to suffix
-    Method("suffix-chain", "chain", _suffix_chain),
-    Method("suffix-tree-chain", "tree", lambda source: _suffix_chain(source, tree=True)),
+    Method("suffix-chain", "chain", _suffix_chain, keeps_outputs=True),
+    Method("suffix-tree-chain", "tree", lambda source: _suffix_chain(source, tree=True), keeps_outputs=True),
     Method("server-only", "chain", on_worker=True),  # AutoDraft's Server-Only: the worker drafts too
     Method("server-only-ar", "none", on_worker=True),  # AutoDraft's Server-Only-AR
     # a draft head on the worker (the server-side placement): only finished tokens travel, no features

@@ -167,6 +167,22 @@ def test_an_earlier_output_drafts_a_later_request_only_where_the_cache_is_shared
     assert drafter.propose([3, 4, 5, 3, 4], 4, SamplingParams(), None).tokens == (5, 3, 4)  # its own context
 
 
+def test_methods_compared_in_one_run_never_draft_from_each_others_output_of_the_prompt(tiny_target):
+    """With the process-wide cache, suffix and suffix-tree in one call would each find the other's output of the
+    very prompt they draft (interleaved, both run it): each keeps its own cache for the call instead, so it
+    drafts as it does alone."""
+    name = "compare-in-one-call"
+    both = run(tiny_target, PROMPTS, method=["suffix", "suffix-tree"], k=8, max_new_tokens=24, progress=False,
+               suffix=SuffixSettings(name=name))
+    for method in ("suffix", "suffix-tree"):
+        alone = run(tiny_target, PROMPTS, method=method, k=8, max_new_tokens=24, progress=False,
+                    suffix=SuffixSettings(name=f"{name} {method}", cache="drafter"))
+        assert both[both["method"] == method]["accepted"].tolist() == alone["accepted"].tolist(), method
+    shared = run(tiny_target, PROMPTS, method="suffix-tree", k=8, max_new_tokens=24, progress=False,
+                 suffix=SuffixSettings(name=name))  # one method: the process cache, with nothing of the call above
+    assert shared["accepted"].tolist() == alone["accepted"].tolist()
+
+
 def test_min_score_drops_only_the_proposals_expected_to_accept_less():
     """(1, 2) is seen three times, twice followed by 3, 4, 5, 9: each token's path probability 2/3, the
     proposal's score 8/3. Drafted under a floor of 2, not under 3, where the step still reports its score."""
