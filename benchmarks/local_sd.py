@@ -128,8 +128,9 @@ def bench_pair(name, target_spec, draft_spec, prompts, max_new_tokens, ks, self_
         if engine == "specbench":
             run_specbench(target, by_method.get(method), encoded[0], k or 1, 8, eos)
         else:
-            run_hf(target_model, encoded[0], 8, eos, pad, assistant=draft_loaded.model if "assisted" in method else None,
-                   k=k, lookup=k if "lookup" in method else None)
+            run_hf(target_model, encoded[0], 8, eos, pad,
+                   assistant=draft_loaded.model if "assisted" in method else None, k=k,
+                   lookup=k if "lookup" in method else None)
     rows, outputs = [], {}
     bar = tqdm(total=len(methods) * len(encoded), desc=f"bench {name}")
     for index, ids in enumerate(encoded):  # every method on a prompt before the next prompt, the order rotated

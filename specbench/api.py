@@ -74,9 +74,9 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
     the node budget. Every method shares the target and the loop, so tokens are counted identically;
     a short warm-up generation per method is run first and discarded. Methods are interleaved: each runs a
     prompt before the next prompt starts, in an order rotated per prompt, so a machine that slows or speeds up
-    during the call weighs on all of them alike (every method's drafter stays built for the whole call). Output ids per (method,
-    prompt) come back through `outputs(df)`. `proactive` drafts ahead while a remote verify is in
-    flight (methods that draft a chain from a model). A `planner` picks K per step up to `k` for
+    during the call weighs on all of them alike (every method's drafter stays built for the whole call).
+    Output ids per (method, prompt) come back through `outputs(df)`. `proactive` drafts ahead while a remote
+    verify is in flight (methods that draft a chain from a model). A `planner` picks K per step up to `k` for
     plannable methods (AutoDraft's per-step choice), starting each prompt from its reference prior;
     those runs are labelled "<method>+planner" and have `planned` set. A draft whose tokenizer is not
     the target's is translated through text (`cross_tokenizer`: auto, text, shared-vocab; 'off'
@@ -113,10 +113,9 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
         raise SpecbenchError(f"families name {len(families)} prompts' families for {len(prompt_ids)} prompts")
     source = DraftSource(target, target_model, draft, dtype, self_draft_layers, substitute_quantization, tree,
                          cross_tokenizer, fast, suffix)
-    keeping = [m for m in methods if m is not None and m.keeps_outputs] + (
-        [None] if router is not None and None in methods
-        and any(get_method(c.method).keeps_outputs for c in router.candidates) else [])
-    if len(keeping) > 1 and source.suffix.cache == "process":  # methods compared in one call: none may draft a
+    keeping = [chosen.keeps_outputs if chosen is not None else  # auto: through any of its candidates
+               any(get_method(c.method).keeps_outputs for c in router.candidates) for chosen in methods]
+    if sum(keeping) > 1 and source.suffix.cache == "process":  # methods compared in one call: none may draft a
         source = replace(source, suffix=replace(source.suffix, cache="drafter"))  # prompt from another's output of it
     rows = []
     label = progress if isinstance(progress, str) else f"run {len(methods)} methods x {len(prompt_ids)} prompts"
@@ -268,7 +267,8 @@ def outputs(records: pd.DataFrame) -> dict[tuple[str, int], list[int]]:
     return result
 
 
-def divergences(records: pd.DataFrame, target: Union[ModelLike, LocalTarget], prompts: Sequence[Union[str, Sequence[int]]],
+def divergences(records: pd.DataFrame, target: Union[ModelLike, LocalTarget],
+                prompts: Sequence[Union[str, Sequence[int]]],
                 reference: Optional[pd.DataFrame] = None, dtype: str = "float32", chat: bool = True,
                 tolerance: Optional[float] = None) -> pd.DataFrame:
     """One row per (method, prompt) whose greedy output is not target-only's: the first differing token, the

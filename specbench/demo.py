@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from specbench.api import outputs, run
+from specbench.api import divergences, outputs, run
 from specbench.decode.metrics import summarize
 from specbench.decode.verdict import speed_verdicts
 
@@ -117,8 +117,6 @@ def _cross_family(k: int, dtype: str, steps: int, max_new_tokens: int = 40) -> p
 def _differences(target, records: pd.DataFrame, reference: pd.DataFrame, prompts: list[str]) -> list[str]:
     """Each output that left target-only's (`reference`'s), shown to be a near-tie of the target's logits or
     named a defect. `records` has a `where` column: local, remote, ..."""
-    from specbench.api import divergences
-
     found = pd.concat([divergences(records[records["where"] == where], target, prompts, reference=reference)
                        .assign(where=where) for where in records["where"].unique()], ignore_index=True)
     if found.empty:
