@@ -10,8 +10,9 @@ prompt-lookup reference, following the batch size the worker reports (shorter lo
 drafts and the worker share the same cores, which the measurement then includes), or with `--draft-replay`
 emulates clients on other hosts (the draft runs alone here first; each client replays its proposals,
 sleeping the seconds each took: `decode/replay_drafter.py`). Every greedy output is
-compared with the same prompt decoded alone in this process (fp32 by default, `--dtype`); a difference is shown with the
-target's logits of both tokens at the first differing one (a near-tie means batched shapes changed the rounding). With batching on, SD's speedup over target-only per client count is also predicted
+compared with the same prompt decoded alone in this process (fp32 by default, `--dtype`); a difference is shown
+with the target's logits of both tokens at the first differing one (a near-tie means batched shapes changed the
+rounding). With batching on, SD's speedup over target-only per client count is also predicted
 from the alone run's steps, priced on the shipped profile's batch grid of the target plus the
 loopback round trip, two ways, each printed with its error against the measured one: this run
 (`plan.predict.replay_together`: the clients start together and the ones that accept more finish

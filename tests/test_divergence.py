@@ -80,7 +80,8 @@ def test_the_demo_names_each_difference_a_near_tie_or_a_defect(tiny_target, tiny
     expected = outputs(records)[("target-only", 0)]
     logits = _logits_after(tiny_target.model, PROMPTS[0] + expected[:len(chain.iloc[0]["emitted_tokens"])])
     changed = records.copy()
-    for token, verdict in ((int(torch.argmin(logits)), "NOT a near-tie"), (int(torch.topk(logits, 2).indices[1]), None)):
+    runner_up = int(torch.topk(logits, 2).indices[1])
+    for token, verdict in ((int(torch.argmin(logits)), "NOT a near-tie"), (runner_up, None)):
         changed.at[chain.index[1], "emitted_tokens"] = [token] + list(chain.iloc[1]["emitted_tokens"])[1:]
         lines = _differences(tiny_target, changed, records, PROMPTS)
         assert len(lines) == 2 and lines[1].startswith("  local chain, prompt 0, token ")
