@@ -24,6 +24,14 @@ def test_the_module_docstring_example():
     assert "or 4.50 tokens per step (of at most 5)" in sentence
 
 
+def test_a_draft_whose_length_varies_is_bounded_by_its_mean_length_plus_one():
+    """Prompt lookup drafts 4 tokens where it finds a match and none elsewhere: at most 1 + 2.4 a step on average."""
+    records = _records(0.0, [0, 0, 0, 0, 0], verify_s=0.06)
+    records.loc[records["kind"] == "chain", "drafted"] = [4, 0, 4, 4, 0]
+    [sentence] = speed_verdicts(records)
+    assert "(of at most 3.4)" in sentence, sentence
+
+
 def test_a_draft_too_dear_for_any_acceptance_and_a_winner():
     [dear] = speed_verdicts(_records(0.2, [3, 4, 3, 4]))
     assert "no acceptance pays" in dear and "more than the 5 it can" in dear

@@ -44,6 +44,7 @@ def _verdict(name: str, steps: pd.DataFrame, base: pd.DataFrame) -> str:
     draft_share = steps["draft_s"].sum() / drafted / forward if drafted else 0.0
     verify_ratio = steps["target_forward_s"].mean() / forward
     returned = tokens_per_step(steps)
+    most = round(per_step + 1, 1)  # tokens a step returns at most, on average (lookup drafts vary step to step)
     costs = (f"each drafted token costs {draft_share:.2f} of a target forward, a verify {verify_ratio:.2f} of one, "
              f"and a step returns {returned:.2f} tokens for {per_step:.1f} drafted")
     if speedup >= 1.0:
@@ -52,13 +53,13 @@ def _verdict(name: str, steps: pd.DataFrame, base: pd.DataFrame) -> str:
     needed = (per_step * draft_share * forward + verify_ratio * forward + network) / (forward + network)
     if needed > per_step + 1:
         fix = (f"at this draft cost no acceptance pays (a step would have to return {needed:.2f} tokens, more than "
-               f"the {per_step + 1:.0f} it can); a cheaper draft is where to look")
+               f"the {most:g} it can); a cheaper draft is where to look")
     elif affordable <= 0:
         fix = (f"no draft is cheap enough at this acceptance (the verify alone costs more than the tokens it "
-               f"returns); it pays from {needed:.2f} tokens per step (of at most {per_step + 1:.0f})")
+               f"returns); it pays from {needed:.2f} tokens per step (of at most {most:g})")
     else:
         fix = (f"it would pay with drafting under {affordable / forward:.2f} of a target forward per token at this "
-               f"acceptance, or {needed:.2f} tokens per step (of at most {per_step + 1:.0f}) at this draft cost")
+               f"acceptance, or {needed:.2f} tokens per step (of at most {most:g}) at this draft cost")
     return (f"{name} is {speedup:.2f}x target-only, slower, because {costs}: {fix} (notebook 03's break-even "
             f"table gives it per K and RTT).")
 
