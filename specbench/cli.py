@@ -32,60 +32,9 @@ def _models(args) -> int:
 
 
 def _run(args) -> int:
-    from specbench.api import run
-    from specbench.decode.metrics import summarize
-    from specbench.models.spec import ModelSpec
+    from specbench.run_command import run_command
 
-    if args.config:
-        from specbench.tune.command import apply_config
-
-        apply_config(args)
-    target = ModelSpec(args.target, dtype=args.dtype, quantization=args.quant, kernels=args.kernels)
-    draft = (ModelSpec(args.draft, dtype=args.dtype, quantization=args.draft_quant, kernels=args.kernels)
-             if args.draft else None)
-    sampling = SamplingParams(temperature=args.temperature, rule=args.rule)
-    planner = None
-    if args.plan:
-        from specbench.plan.step_planner import planner_from_caches
-
-        from specbench.methods import get_method
-        from specbench.plan.predict import LOOKUP_DRAFT
-
-        if draft is None and not any(get_method(m).lookup for m in args.method):  # no draft: a lookup's planner
-            raise SpecbenchError("--plan chooses K per step for a draft/target pair or prompt lookup: pass --draft")
-        planner = planner_from_caches(target.label, draft.label if draft else LOOKUP_DRAFT, cs=args.cs,
-                                      max_k=args.k, draft_budget_mib=args.draft_budget_mib, dtype=args.dtype)
-    from specbench.demo import DEMO_PROMPTS
-
-    records = run(target, args.prompt or DEMO_PROMPTS, method=args.method, draft=draft, k=args.k,
-                  max_new_tokens=args.max_new_tokens, sampling=sampling, dtype=args.dtype, planner=planner,
-                  substitute_quantization=args.substitute_quant, cross_tokenizer=args.cross_tokenizer,
-                  fast=args.fast, self_draft_layers=getattr(args, "self_draft_layers", None), router=_router(args),
-                  suffix=_suffix(args))
-    print(summarize(records).round(3).to_string(index=False))
-    if args.out:
-        records.to_csv(args.out, index=False)
-        print(f"per-step records: {args.out}")
-    return 0
-
-
-def _suffix(args):
-    """`--suffix KEY=VALUE ...`: suffix decoding's settings for the suffix methods (and `auto`'s)."""
-    if not args.suffix:
-        return None
-    from specbench.decode.suffix_drafter import SuffixSettings, suffix_options
-
-    return SuffixSettings(**suffix_options(args.suffix))
-
-
-def _router(args):
-    if "auto" not in args.method:
-        return None
-    if not args.router:
-        raise SpecbenchError("--method auto needs --router FILE (train one with `specbench route`)")
-    from specbench.route.router import Router
-
-    return Router.load(args.router)
+    return run_command(args)
 
 
 def _demo(args) -> int:
@@ -222,7 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("names", nargs="*")
     models.set_defaults(handler=_models)
 
-    run_parser = commands.add_parser("run", help="run methods on prompts and print the summary")
+    run_parser = commands.add_parser("run", help="run methods on prompts and print the summary; with target-only "
+                                     "among them, why each method paid or not and (greedy) whether every output is "
+                                     "target-only's, each difference shown a near-tie or a defect")
     run_parser.add_argument("--target", default="smollm2-135m")
     run_parser.add_argument("--draft")
     run_parser.add_argument("--method", nargs="+", default=["target-only", "prompt-lookup"])

@@ -7,6 +7,7 @@ from pathlib import Path
 import pandas as pd
 
 from specbench.api import divergences, outputs, run
+from specbench.decode.divergence import difference_lines
 from specbench.decode.metrics import summarize
 from specbench.decode.verdict import speed_verdicts
 
@@ -119,21 +120,7 @@ def _differences(target, records: pd.DataFrame, reference: pd.DataFrame, prompts
     named a defect. `records` has a `where` column: local, remote, ..."""
     found = pd.concat([divergences(records[records["where"] == where], target, prompts, reference=reference)
                        .assign(where=where) for where in records["where"].unique()], ignore_index=True)
-    if found.empty:
-        return ["every output is target-only's, token for token"]
-    lines = [f"outputs that left target-only's ({target.spec.dtype}), at their first differing token, teacher-forced "
-             "on the target (in bf16 a verify of several tokens rounds differently from a one-token forward):"]
-    for row in found.itertuples():
-        head = f"  {row.where} {row.method}, prompt {row.prompt_index}, token {row.position}: "
-        if row.near_tie is None:
-            lines.append(head + "one output ended there (a stop, not a different token)")
-            continue
-        verdict = ("a near-tie of the target's logits: rounding, not a loss" if row.near_tie else
-                   "NOT a near-tie: a defect, please report it with reports/demo_records.csv")
-        lines.append(head + f"target-only chose {row.expected_text!r} (logit {row.expected_logit:.3f}), "
-                     f"{row.method} {row.got_text!r} ({row.got_logit:.3f}), {100 * row.share_of_range:.2f}% of the "
-                     f"logits' range apart: {verdict}")
-    return lines
+    return difference_lines(found, target.spec.dtype)
 
 
 def _table(records: pd.DataFrame, produced: dict[str, pd.DataFrame]) -> pd.DataFrame:

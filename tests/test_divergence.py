@@ -88,3 +88,13 @@ def test_the_demo_names_each_difference_a_near_tie_or_a_defect(tiny_target, tiny
         share = float(logits.max() - logits[token]) / float(logits.max() - logits.min())
         expected_verdict = verdict or ("a near-tie" if share <= 0.02 else "NOT a near-tie")
         assert expected_verdict in lines[1], (share, lines[1])
+
+
+def test_the_run_command_says_why_and_whether_outputs_match(capsys):
+    from specbench.cli import main
+
+    assert main(["run", "--target", "smollm2-135m", "--method", "target-only", "prompt-lookup", "--prompt",
+                 "Say hello three times: hello hello hello", "--max-new-tokens", "8"]) == 0
+    printed = capsys.readouterr().out
+    assert "prompt-lookup is " in printed and "x target-only" in printed  # the verdict
+    assert "every output is target-only's, token for token" in printed

@@ -137,13 +137,14 @@ def test_settings_refuse_nonsense_by_name():
 
 def test_command_line_words_become_settings_each_refused_by_name():
     """`specbench run --suffix ...` and `specbench serve --suffix ...`: KEY=VALUE typed as the field."""
-    from specbench.cli import _suffix, build_parser
+    from specbench.cli import build_parser
     from specbench.decode.suffix_drafter import suffix_options
+    from specbench.run_command import suffix_settings
 
     args = build_parser().parse_args(["run", "--method", "suffix", "--suffix", "min_score=2", "factor=2",
                                       "other-k=3", "cache=drafter"])
-    assert _suffix(args) == SuffixSettings(min_score=2.0, factor=2.0, other_k=3, cache="drafter")
-    assert _suffix(build_parser().parse_args(["run"])) is None
+    assert suffix_settings(args) == SuffixSettings(min_score=2.0, factor=2.0, other_k=3, cache="drafter")
+    assert suffix_settings(build_parser().parse_args(["run"])) is None
     for words, message in ((["depth=3.5"], "depth must be a whole number"), (["floor=1"], "KEY one of"),
                            (["min_score"], "KEY=VALUE"), (["min_prob=nan"], "finite"),
                            (["min_prob=2"], "min_prob must be in"), (["cache=everywhere"], "suffix cache must be")):

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import pandas as pd
 import torch
 
 NEAR_TIE_SHARE = 0.02  # how close two logits may be, as a share of the logits' range there, to count as a tie
@@ -55,3 +56,24 @@ def divergence(model, prompt_ids: Sequence[int], expected: Sequence[int], got: S
     wanted, produced = (float(logits[token]) for token in chosen)
     share = abs(wanted - produced) / spread
     return Divergence(position, chosen[0], chosen[1], wanted, produced, share, share <= tolerance)
+
+
+def difference_lines(found: pd.DataFrame, dtype: str) -> list[str]:
+    """What `specbench.api.divergences` found, a line each: a near-tie of the target's logits (rounding) or a
+    defect; with a `where` column (local, remote, ...) each line names it."""
+    if found.empty:
+        return ["every output is target-only's, token for token"]
+    lines = [f"outputs that left target-only's ({dtype}), at their first differing token, teacher-forced on the "
+             "target (in bf16 a verify of several tokens rounds differently from a one-token forward):"]
+    for row in found.itertuples():
+        where = f"{row.where} " if "where" in found.columns else ""
+        head = f"  {where}{row.method}, prompt {row.prompt_index}, token {row.position}: "
+        if row.near_tie is None:
+            lines.append(head + "one output ended there (a stop, not a different token)")
+            continue
+        verdict = ("a near-tie of the target's logits: rounding, not a loss" if row.near_tie else
+                   "NOT a near-tie: a defect, please report it with the records")
+        lines.append(head + f"target-only chose {row.expected_text!r} (logit {row.expected_logit:.3f}), "
+                     f"{row.method} {row.got_text!r} ({row.got_logit:.3f}), {100 * row.share_of_range:.2f}% of the "
+                     f"logits' range apart: {verdict}")
+    return lines
