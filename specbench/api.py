@@ -289,7 +289,8 @@ def divergences(records: pd.DataFrame, target: Union[ModelLike, LocalTarget],
     prompt_ids = encode_prompts(prompts, loaded.tokenizer, chat=chat)
     decode = (lambda token: None if token is None or loaded.tokenizer is None else loaded.tokenizer.decode([token]))
     rows = []
-    for (method, index), tokens in got.items():
+    order = {method: place for place, method in enumerate(dict.fromkeys(method for method, _ in got))}
+    for (method, index), tokens in sorted(got.items(), key=lambda item: (order[item[0][0]], item[0][1])):
         if (method == "target-only" and reference is None) or ("target-only", index) not in expected:
             continue
         found = divergence(loaded.model, prompt_ids[index], expected[("target-only", index)], tokens,
