@@ -89,7 +89,6 @@ def run_hf(target_model, prompt_ids, max_new_tokens, eos, pad, assistant=None, k
     return out[0, len(prompt_ids):].tolist(), time.perf_counter() - started
 
 
-@torch.inference_mode()
 def divergence_check(target_model, prompt_ids, reference, produced):
     """The target's logits where the outputs part, teacher-forced (`specbench.decode.divergence`), as a dict."""
     found = divergence(target_model, prompt_ids, reference, produced)

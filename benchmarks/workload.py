@@ -250,23 +250,23 @@ def main() -> None:
     write_report(args.out, report)
 
 
-def unlike_target_only(made: dict, model=None, prompt_ids: dict | None = None) -> dict:
+def unlike_target_only(made: dict, model, prompt_ids: dict) -> dict:
     """Per label, how many held-out outputs differ from target-only's on the same prompt and pass (greedy SD is
-    lossless: 0 in float32 but for near-ties of the target's logits across verify widths); {} without
-    target-only. With the target's `model` and each prompt's ids, also how many of them part at a near-tie
-    (`near_ties`) and every one that does not (`not_near_ties`: a defect)."""
+    lossless: 0 in float32 but for near-ties of the target's logits across verify widths), how many of them part
+    at a near-tie of the target's (`model`'s) logits, and every one that does not (a defect); {} without
+    target-only."""
     if not any(label == "target-only" for label, _, _ in made):
         return {}
     found, ties, defects = defaultdict(int), defaultdict(int), []
     for (label, turn, prompt), produced in made.items():
-        expected = made[("target-only", turn, prompt)]
-        found[label] += produced != expected
-        if produced != expected and model is not None:
-            check = divergence(model, prompt_ids[prompt], expected, produced)
-            ties[label] += bool(check.near_tie)
-            if not check.near_tie:
-                defects.append({"label": label, "pass": turn, "prompt": prompt, **asdict(check)})
-    return {"differ": dict(found), **({"near_ties": dict(ties), "not_near_ties": defects} if model is not None else {})}
+        check = divergence(model, prompt_ids[prompt], made[("target-only", turn, prompt)], produced)
+        found[label] += check is not None  # every label counted, 0 where nothing differs
+        if check is None:
+            continue
+        ties[label] += bool(check.near_tie)
+        if not check.near_tie:
+            defects.append({"label": label, "pass": turn, "prompt": prompt, **asdict(check)})
+    return {"differ": dict(found), "near_ties": dict(ties), "not_near_ties": defects}
 
 
 def float_or_auto(text: str) -> float | str:

@@ -8,6 +8,7 @@ from typing import Callable, Iterable, Optional, Sequence, Union
 import pandas as pd
 from tqdm.auto import tqdm
 
+from specbench.decode.divergence import NEAR_TIE_SHARE, divergence
 from specbench.decode.loop import Decoding, generate
 from specbench.decode.step import ProactiveDrafting, speculative_step
 from specbench.decode.target import LocalTarget, Target
@@ -270,14 +271,12 @@ def outputs(records: pd.DataFrame) -> dict[tuple[str, int], list[int]]:
 def divergences(records: pd.DataFrame, target: Union[ModelLike, LocalTarget],
                 prompts: Sequence[Union[str, Sequence[int]]],
                 reference: Optional[pd.DataFrame] = None, dtype: str = "float32", chat: bool = True,
-                tolerance: Optional[float] = None) -> pd.DataFrame:
+                tolerance: float = NEAR_TIE_SHARE) -> pd.DataFrame:
     """One row per (method, prompt) whose greedy output is not target-only's: the first differing token, the
     target's logits of both tokens there (teacher-forced) and whether that is a near-tie (`near_tie`: rounding
     of a wider verify, bf16 or a batch; False is a bug). `records` and `prompts` as run() had them; target-only's
     outputs come from `reference` (default: `records`). Pass the target as run, in its dtype (a LoadedModel or
     LocalTarget keeps its own)."""
-    from specbench.decode.divergence import NEAR_TIE_SHARE, divergence
-
     if isinstance(target, LocalTarget):
         loaded = target.loaded
     else:
@@ -293,8 +292,7 @@ def divergences(records: pd.DataFrame, target: Union[ModelLike, LocalTarget],
     for (method, index), tokens in sorted(got.items(), key=lambda item: (order[item[0][0]], item[0][1])):
         if (method == "target-only" and reference is None) or ("target-only", index) not in expected:
             continue
-        found = divergence(loaded.model, prompt_ids[index], expected[("target-only", index)], tokens,
-                           NEAR_TIE_SHARE if tolerance is None else tolerance)
+        found = divergence(loaded.model, prompt_ids[index], expected[("target-only", index)], tokens, tolerance)
         if found is not None:
             rows.append({"method": method, "prompt_index": index, **asdict(found),
                          "expected_text": decode(found.expected_token), "got_text": decode(found.got_token)})

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from specbench.api import divergences, outputs, run
+from specbench.api import divergences, run
 from specbench.decode.divergence import difference_lines
 from specbench.decode.metrics import summarize
 from specbench.decode.verdict import speed_verdicts
@@ -43,12 +43,13 @@ def main_job(k: int = 4, max_new_tokens: int = 48, dtype: str = "float32", rtt_m
     remote = _remote(truncated_view(target, 26), target.tokenizer, k, max_new_tokens, dtype, rtt_ms, steps)
     records = pd.concat([local.assign(where="local"),
                          remote.assign(where=f"remote (emulated RTT {rtt_ms:g} ms)")], ignore_index=True)
-    print(_table(records, {"local": local, "remote": remote}).round(3).to_string(index=False))
+    found = _divergences(target, records, local, DEMO_PROMPTS)
+    print(_table(records, found).round(3).to_string(index=False))
     print("(self-draft and remote chain = SmolLM2's first 26 of 30 layers as the draft; substitute = its own "
           "8-bit twin)")
     for where, group in records.groupby("where", sort=False):  # why each method paid or not, from its own steps
         print("\n".join(f"{where}: {sentence}" for sentence in speed_verdicts(group)))
-    print("\n".join(_differences(target, records, local, DEMO_PROMPTS)))
+    print("\n".join(difference_lines(found, dtype)))
     if cross_family:
         cross = _cross_family(max(k, 6), dtype, steps)
         records = pd.concat([records, cross.assign(where="local, another family's draft")], ignore_index=True)
@@ -100,10 +101,11 @@ def _cross_family(k: int, dtype: str, steps: int, max_new_tokens: int = 40) -> p
     prompts = [DEMO_PROMPTS[0], DEMO_PROMPTS[2]]
     records = run(target, prompts, method=["target-only", "chain"], draft=draft, k=k, max_new_tokens=max_new_tokens,
                   dtype=dtype)
+    found = _divergences(target, records.assign(where="local"), records, prompts)
     table = summarize(records)
-    table["identical_to_target_only"] = [_identical(records, records, m) for m in table["method"]]
+    table["identical_to_target_only"] = ~table["method"].isin(found["method"])
     print(table.round(3).to_string(index=False))
-    print("\n".join(_differences(target, records.assign(where="local"), records, prompts)))
+    print("\n".join(difference_lines(found, dtype)))
     chain = table[table["method"] == "chain"].iloc[0]
     speedup = chain["speedup_vs_target_only"]
     verdict = ("this row pays" if speedup > 1.0 else
@@ -115,28 +117,20 @@ def _cross_family(k: int, dtype: str, steps: int, max_new_tokens: int = 40) -> p
     return records
 
 
-def _differences(target, records: pd.DataFrame, reference: pd.DataFrame, prompts: list[str]) -> list[str]:
-    """Each output that left target-only's (`reference`'s), shown to be a near-tie of the target's logits or
-    named a defect. `records` has a `where` column: local, remote, ..."""
-    found = pd.concat([divergences(records[records["where"] == where], target, prompts, reference=reference)
-                       .assign(where=where) for where in records["where"].unique()], ignore_index=True)
-    return difference_lines(found, target.spec.dtype)
+def _divergences(target, records: pd.DataFrame, reference: pd.DataFrame, prompts: list[str]) -> pd.DataFrame:
+    """Each output that left target-only's (`reference`'s): where, method, prompt, and whether the target's
+    logits nearly tie there (`api.divergences`). `records` has a `where` column: local, remote, ..."""
+    return pd.concat([divergences(records[records["where"] == where], target, prompts, reference=reference)
+                      .assign(where=where) for where in records["where"].unique()], ignore_index=True)
 
 
-def _table(records: pd.DataFrame, produced: dict[str, pd.DataFrame]) -> pd.DataFrame:
-    """The summary per place and method, with whether every output equals local target-only's."""
+def _table(records: pd.DataFrame, found: pd.DataFrame) -> pd.DataFrame:
+    """The summary per place and method, with whether every output equals local target-only's (no divergence)."""
     table = summarize(records, by=["where", "method"])
-    table["identical_to_target_only"] = [
-        _identical(produced["local" if where == "local" else "remote"], produced["local"], method)
-        for where, method in zip(table["where"], table["method"])]
+    differ = set(zip(found["where"], found["method"]))
+    table["identical_to_target_only"] = [(where, method) not in differ
+                                         for where, method in zip(table["where"], table["method"])]
     return table
-
-
-def _identical(run_records: pd.DataFrame, reference_records: pd.DataFrame, method: str) -> bool:
-    """Whether `method` produced target-only's output (from `reference_records`) on every prompt."""
-    got, reference = outputs(run_records), outputs(reference_records)
-    prompts = [i for (m, i) in reference if m == "target-only"]
-    return all(got[(method, i)] == reference[("target-only", i)] for i in prompts)
 
 
 def _write_report(path, local, dtype: str, rtt_ms: float):

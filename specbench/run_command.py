@@ -8,8 +8,12 @@ from specbench.types import SamplingParams, SpecbenchError
 def run_command(args) -> int:
     """Run the methods on the prompts; print the summary and, beside target-only, why each paid or not and
     (greedy) whether every output is target-only's."""
-    from specbench.api import run
+    from specbench.api import divergences, run
+    from specbench.decode.divergence import difference_lines
     from specbench.decode.metrics import summarize
+    from specbench.decode.verdict import speed_verdicts
+    from specbench.demo import DEMO_PROMPTS
+    from specbench.models.loading import load_model
     from specbench.models.spec import ModelSpec
 
     if args.config:
@@ -31,12 +35,6 @@ def run_command(args) -> int:
             raise SpecbenchError("--plan chooses K per step for a draft/target pair or prompt lookup: pass --draft")
         planner = planner_from_caches(target.label, draft.label if draft else LOOKUP_DRAFT, cs=args.cs,
                                       max_k=args.k, draft_budget_mib=args.draft_budget_mib, dtype=args.dtype)
-    from specbench.api import divergences
-    from specbench.decode.divergence import difference_lines
-    from specbench.decode.verdict import speed_verdicts
-    from specbench.demo import DEMO_PROMPTS
-    from specbench.models.loading import load_model
-
     loaded, prompts = load_model(target), args.prompt or DEMO_PROMPTS  # loaded once: the run and the check share it
     records = run(loaded, prompts, method=args.method, draft=draft, k=args.k,
                   max_new_tokens=args.max_new_tokens, sampling=sampling, dtype=args.dtype, planner=planner,

@@ -71,7 +71,11 @@ def test_divergences_refuse_a_target_without_local_weights():
 
 
 def test_the_demo_names_each_difference_a_near_tie_or_a_defect(tiny_target, tiny_draft):
-    from specbench.demo import _differences
+    from specbench.decode.divergence import difference_lines
+    from specbench.demo import _divergences
+
+    def _differences(target, records, reference, prompts):
+        return difference_lines(_divergences(target, records, reference, prompts), "float32")
 
     records = run(tiny_target, PROMPTS, method=["target-only", "chain"], draft=tiny_draft, k=3, max_new_tokens=10,
                   progress=False).assign(where="local")
