@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+import uuid
 from dataclasses import asdict, replace
 from typing import Callable, Iterable, Optional, Sequence, Union
 
@@ -91,7 +92,7 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
     draft, and their cache of earlier outputs is shared per process by default (`cache="drafter"`: within
     this call's prompts only; "off": each prompt drafts from itself). A call comparing two or more methods that
     keep outputs uses "drafter" for them: each learns from its own earlier prompts of the call, never from another
-    method's output of the prompt it is drafting (server-side suffix methods share their worker's cache).
+    method's output of the prompt it is drafting (on a worker, each method of the call a cache of its own there).
     Method "auto" routes each prompt to the method and K a `router` (`specbench.route`) predicts fastest for it
     (`families`: each prompt's family, when known, which the router may use); its rows say what was chosen.
     `wrap_drafter` is given each drafter built and returns the one to use: e.g. recording its proposals, or
@@ -118,6 +119,8 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
                any(get_method(c.method).keeps_outputs for c in router.candidates) for chosen in methods]
     if sum(keeping) > 1 and source.suffix.cache == "process":  # methods compared in one call: none may draft a
         source = replace(source, suffix=replace(source.suffix, cache="drafter"))  # prompt from another's output of it
+    if source.suffix.cache == "drafter" and not source.suffix.name:  # a worker keeps this call's caches by its name
+        source = replace(source, suffix=replace(source.suffix, name=f"run-{uuid.uuid4().hex[:12]}"))
     rows = []
     label = progress if isinstance(progress, str) else f"run {len(methods)} methods x {len(prompt_ids)} prompts"
     bar = tqdm(total=len(methods) * len(prompt_ids), desc=label, unit="prompt", disable=not progress)
@@ -206,11 +209,13 @@ def _auto_run(router, families, *, target, source, prompt_ids, k, max_new_tokens
 def _warm_up(ids, seed, one, source) -> None:
     """A short generation first, discarded. A drafter that keeps outputs (suffix decoding) warms up as a copy
     that keeps none, so the first prompt's own output is not in the cache before it runs."""
-    drafter = one["drafter"]
+    drafter, suffix = one["drafter"], one["suffix"]
     if hasattr(drafter, "remember"):
         drafter = one["method"].build(replace(source, suffix=replace(source.suffix, cache="off")))
+    if one["method"].on_worker and one["method"].keeps_outputs:  # the worker's cache, too, keeps no warm-up
+        suffix = replace(suffix, cache="off")
     decoding = replace(one["decoding"], max_new_tokens=min(8, one["decoding"].max_new_tokens))
-    _generate_one(ids, 0, seed, **dict(one, drafter=drafter, decoding=decoding))
+    _generate_one(ids, 0, seed, **dict(one, drafter=drafter, decoding=decoding, suffix=suffix))
 
 
 def _measured(ids, index, seed, device, one):

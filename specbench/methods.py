@@ -244,9 +244,9 @@ for _method in (
     Method("suffix", "chain", _suffix, lookup=True, keeps_outputs=True),
     Method("suffix-tree", "tree", lambda source: _suffix(source, tree=True), lookup=True, keeps_outputs=True),
     # suffix decoding on the worker: its cache there (per tenant unless the worker is told otherwise)
-    Method("suffix-server", "chain", on_worker=True, lookup=True,
+    Method("suffix-server", "chain", on_worker=True, lookup=True, keeps_outputs=True,
            worker_build=lambda source, key=(): _suffix(source, key=key)),
-    Method("suffix-tree-server", "tree", on_worker=True, lookup=True,
+    Method("suffix-tree-server", "tree", on_worker=True, lookup=True, keeps_outputs=True,
            worker_build=lambda source, key=(): _suffix(source, tree=True, key=key)),
     Method("eagle", "chain", _eagle, reads_features=True),  # a draft head over the target's hidden states (heads/)
     Method("eagle-tree", "tree", _eagle_tree, reads_features=True),  # its EAGLE-2 dynamic tree
@@ -263,12 +263,12 @@ for _method in (
     Method("eagle-server", "chain", on_worker=True, worker_build=lambda source, key=(): _eagle(source)),
     Method("eagle-tree-server", "tree", on_worker=True, worker_build=lambda source, key=(): _eagle_tree(source)),
     # the hybrid on the worker: its head there, its suffix cache the worker's (per tenant unless told otherwise)
-    Method("suffix-eagle-server", "chain", on_worker=True,
+    Method("suffix-eagle-server", "chain", on_worker=True, keeps_outputs=True,
            worker_build=lambda source, key=(): _suffix_eagle(source, key=key)),
-    Method("suffix-eagle-tree-server", "tree", on_worker=True,
+    Method("suffix-eagle-tree-server", "tree", on_worker=True, keeps_outputs=True,
            worker_build=lambda source, key=(): _suffix_eagle(source, tree=True, key=key)),
     # the worker's router (`specbench worker --router FILE`) picks each prompt's worker method and K
-    Method("auto-server", "chain", on_worker=True),
+    Method("auto-server", "chain", on_worker=True, keeps_outputs=True),  # it may route to suffix decoding
 ):
     register(_method)
 

@@ -1,6 +1,7 @@
 """Suffix decoding: the index against a brute-force count on random strings, the cache's bounds and
 scopes, and lossless decoding (greedy token for token, sampled by chi-square)."""
 import random
+from collections import OrderedDict
 
 import pytest
 
@@ -260,13 +261,20 @@ def test_a_client_sets_the_worker_side_floor_and_bad_knobs_are_refused_by_name(t
     from specbench.worker.client import RemoteTarget
     from worker_helpers import ThreadWorker
 
-    for bad, message in (({"cache": "off"}, "unknown suffix fields"), ({"min_score": -1.0}, "min_score must be >= 0"),
+    for bad, message in (({"depth": 3}, "unknown suffix fields"), ({"min_score": -1.0}, "min_score must be >= 0"),
                          ({"other_k": 1.5}, "whole number"), ({"factor": float("nan")}, "finite"),
-                         ({"offset": True}, "finite number"), ([1], "must be a map")):
+                         ({"offset": True}, "finite number"), ([1], "must be a map"),
+                         ({"cache": 3}, "'cache' must be 'off' or a cache name"),
+                         ({"cache": "a\nline"}, "'cache' must be"), ({"cache": "x" * 201}, "'cache' must be")):
         with pytest.raises(protocol.ProtocolError, match=message):
             protocol.suffix_from_wire(bad)
-    assert protocol.suffix_to_wire(SuffixSettings(cache="off", name="x")) == {}  # nothing the worker keeps
-    assert protocol.suffix_to_wire(SuffixSettings(min_score=2.0)) == {"min_score": 2.0}
+    assert protocol.suffix_to_wire(SuffixSettings(cache="off", name="x")) == {"cache": "off"}
+    assert protocol.suffix_to_wire(SuffixSettings(min_score=2.0)) == {"min_score": 2.0}  # the worker's own cache
+    assert protocol.suffix_to_wire(SuffixSettings(name="mine")) == {"cache": "mine"}
+    assert protocol.suffix_to_wire(SuffixSettings(cache="drafter", name="run-1"), "suffix-server") == {
+        "cache": "run-1/suffix-server"}
+    assert protocol.suffix_from_wire({"cache": "run-1/suffix-server", "min_score": 1}) == {
+        "cache": "run-1/suffix-server", "min_score": 1}
     running = ThreadWorker()
     try:
         remote = RemoteTarget(running.endpoint)
@@ -352,6 +360,61 @@ def test_worker_keeps_each_tenants_outputs_apart_unless_told_to_share(scope, met
         assert [len(cache) for key, cache in worker if len(key) == 5] == [1, 1]
     else:
         assert len([cache for key, cache in worker if len(key) == 4][-1]) == 2
+
+
+def test_worker_methods_compared_in_one_run_each_draft_from_their_own_cache_there(tiny_target):
+    """suffix-server and suffix-tree-server in one call, interleaved per prompt, would each find the other's
+    output of the very prompt in their tenant's worker cache: each names a cache of its own there for the call
+    (and the warm-up feeds none), so each drafts as it does alone with a fresh cache, and the tenant's own
+    cache is left as it was."""
+    from specbench.worker.client import RemoteTarget
+    from worker_helpers import ThreadWorker
+
+    methods = ["suffix-server", "suffix-tree-server"]
+    running = ThreadWorker()
+    try:
+        remote = RemoteTarget(running.endpoint)
+        both = run(remote, PROMPTS, method=methods, k=8, max_new_tokens=24, progress=False)
+        alone = {method: run(remote, PROMPTS, method=method, k=8, max_new_tokens=24, progress=False,
+                             suffix=SuffixSettings(cache="drafter")) for method in methods}
+        shared = [run(remote, PROMPTS[:1], method="suffix-server", k=8, max_new_tokens=24, progress=False)
+                  for _ in range(2)]  # one method: the tenant's cache, which nothing above fed
+    finally:
+        running.stop()
+    for method in methods:
+        assert both[both["method"] == method]["accepted"].tolist() == alone[method]["accepted"].tolist(), method
+    assert shared[0]["accepted"].tolist() == alone["suffix-server"][lambda r: r.prompt_index == 0][
+        "accepted"].tolist()  # the first time, the prompt is new to the tenant's cache, warm-up included
+    assert sum(shared[1]["accepted"]) > sum(shared[0]["accepted"])  # the second time, its output is there
+
+
+def test_a_tenant_keeps_a_few_named_caches_and_may_turn_its_cache_off(monkeypatch):
+    """A request names a cache of its tenant's own, or none: past `NAMED_CACHES_PER_TENANT` names the least
+    recently used cache is dropped (names cannot grow a tenant's memory), never another tenant's; 'off' drafts
+    from nothing kept, and a worker started with its cache off keeps none whatever a client names."""
+    from types import SimpleNamespace
+
+    from specbench.decode import suffix_drafter
+    from specbench.worker import long_requests
+
+    monkeypatch.setattr(suffix_drafter, "_PROCESS_CACHES", OrderedDict())
+    ops = SimpleNamespace(config=SimpleNamespace(suffix_cache="tenant"), identity="m", suffix_names={})
+    cap = long_requests.NAMED_CACHES_PER_TENANT
+    other_settings, other_key = long_requests._suffix_scope(ops, "bob", {"cache": "bob's"})
+    suffix_drafter.process_cache(other_key, other_settings)
+    for index in range(cap + 2):
+        settings, key = long_requests._suffix_scope(ops, "ann", {"cache": f"n{index}", "min_score": 1.0})
+        assert settings.cache == "process" and settings.min_score == 1.0 and key[-2:] == ("named", f"n{index}")
+        suffix_drafter.process_cache(key, settings)
+    kept = [key[-1] for key, *_ in suffix_drafter._PROCESS_CACHES]
+    assert kept == ["bob's"] + [f"n{index}" for index in range(2, cap + 2)]
+    assert long_requests._suffix_scope(ops, "ann", {})[1] == ("worker", "m", "ann")  # the tenant's own
+    assert long_requests._suffix_scope(ops, "ann", {"cache": "off"})[0].cache == "off"
+    ops.config.suffix_cache = "off"
+    assert long_requests._suffix_scope(ops, "ann", {"cache": "n3"})[0].cache == "off"
+    ops.config.suffix_cache = "shared"
+    assert long_requests._suffix_scope(ops, "ann", {})[1] == ("worker", "m")
+    assert long_requests._suffix_scope(ops, "ann", {"cache": "n3"})[1] == ("worker", "m", "ann", "named", "n3")
 
 
 @pytest.mark.parametrize("method", ["suffix-chain", "suffix-tree-chain"])

@@ -167,6 +167,16 @@ def process_cache(key: tuple, settings: SuffixSettings) -> SuffixCache:
         return _PROCESS_CACHES[full_key]
 
 
+def drop_process_caches(key: tuple) -> int:
+    """Drop the process's caches whose key ends with `key` (a worker tenant's named cache it no longer keeps);
+    how many went."""
+    with _PROCESS_LOCK:
+        gone = [full for full in _PROCESS_CACHES if full[0][len(full[0]) - len(key):] == key]
+        for full in gone:
+            del _PROCESS_CACHES[full]
+        return len(gone)
+
+
 def new_cache(settings: SuffixSettings) -> SuffixCache:
     return SuffixCache(settings.depth, settings.cache_requests, settings.cache_tokens)
 

@@ -158,7 +158,8 @@ class RemoteTarget:
                            sampling: SamplingParams, seed: int, prompt_index: int = 0,
                            draft: Optional[ModelSpec] = None, suffix=None) -> Generation:
         """Server-only baselines (AutoDraft's Server-Only and Server-Only-AR): only finished tokens travel.
-        `suffix` (SuffixSettings): its step knobs (floor, factor, ...) shape the worker's suffix drafting."""
+        `suffix` (SuffixSettings): its step knobs (floor, factor, ...) shape the worker's suffix drafting, and
+        its cache scope picks the worker's cache (`protocol.suffix_to_wire`)."""
         # `model`: run only on the model this client decodes with; `request`: a resend after a timeout
         # joins (or replays) the run under way instead of starting a second one
         header = {"op": "generate", "method": method, "k": k, "max_new_tokens": max_new_tokens,
@@ -166,7 +167,7 @@ class RemoteTarget:
                   "request": uuid.uuid4().hex}
         if draft is not None:
             header["draft"] = protocol.spec_to_wire(draft)
-        knobs = protocol.suffix_to_wire(suffix) if suffix is not None else {}
+        knobs = protocol.suffix_to_wire(suffix, method) if suffix is not None else {}
         if knobs:
             header["suffix"] = knobs
         reply, arrays, timing = self._request(header, {"tokens": np.asarray(list(prompt_ids), dtype=np.int32)},

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+from collections import OrderedDict
 from dataclasses import asdict
 from typing import Optional
 
@@ -199,15 +200,32 @@ def _suffix_drafter(ops, target, method, principal: str, suffix: dict):
     return method.worker_build(DraftSource(target, target.loaded, suffix=settings), key=key)
 
 
+NAMED_CACHES_PER_TENANT = 4  # a tenant's own named suffix caches the worker keeps, the least recently used dropped
+
+
 def _suffix_scope(ops, principal: str, suffix: dict):
     """(suffix settings, cache key) of a request on this worker: a cache per tenant by default
     (`--suffix-cache tenant`), one for all (`shared`), or none (`off`); the request's own step knobs
-    (`suffix`, checked by `protocol.suffix_from_wire`) on top."""
-    from specbench.decode.suffix_drafter import SuffixSettings
+    (`suffix`, checked by `protocol.suffix_from_wire`) on top. A request may turn its cache off or name a
+    cache of its tenant's own (one `run` call's methods each name theirs, so none drafts from another's
+    outputs); a tenant keeps `NAMED_CACHES_PER_TENANT` of them, so names cannot grow its memory."""
+    from specbench.decode.suffix_drafter import SuffixSettings, drop_process_caches
 
+    knobs = dict(suffix)
+    asked = knobs.pop(protocol.SUFFIX_CACHE_FIELD, None)
     scope = ops.config.suffix_cache
-    settings = SuffixSettings(cache="off" if scope == "off" else "process", **suffix)
-    return settings, ("worker", ops.identity) + (() if scope == "shared" else (principal,))
+    off = scope == "off" or asked == "off"
+    settings = SuffixSettings(cache="off" if off else "process", **knobs)
+    tenant = ("worker", ops.identity, principal)
+    if asked is None or off:
+        return settings, tenant[:2] if scope == "shared" else tenant
+    names = ops.suffix_names.setdefault(principal, OrderedDict())
+    names[asked] = None
+    names.move_to_end(asked)
+    while len(names) > NAMED_CACHES_PER_TENANT:
+        oldest, _ = names.popitem(last=False)
+        drop_process_caches(tenant + ("named", oldest))
+    return settings, tenant + ("named", asked)
 
 
 def _generate_key(header: dict, arrays: dict, principal: str) -> Optional[tuple]:

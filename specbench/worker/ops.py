@@ -46,6 +46,7 @@ class Ops:
         self.draft = None
         self.heads: dict = {}  # the draft head server-side head methods draft with, by its spec
         self.router = None  # auto-server's router, loaded on first use from --router
+        self.suffix_names: dict = {}  # per tenant, the suffix caches it named, least recently used first
         self.kv_budget = self.limits.max_kv_bytes or _half_free_memory(config.device)
         self.handlers = {"hello": self.hello, "info": self.info, "health": self.health, "stats": self.stats_op,
                          "load": self.load, "prefill": self.prefill, "verify": self.verify, "close": self.close,

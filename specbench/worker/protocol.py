@@ -164,31 +164,51 @@ def sampling_from_wire(data: Any) -> SamplingParams:
         raise ProtocolError(f"bad sampling settings: {error}") from None
 
 
-# suffix decoding's per-step knobs a client may set for its own worker-side requests; the cache's scope, depth
-# and size stay the worker's (its cache is shared by the tenant's requests, or by all)
+# suffix decoding's per-step knobs a client may set for its own worker-side requests; the cache's depth and
+# size stay the worker's (its cache is shared by the tenant's requests, or by all)
 SUFFIX_STEP_FIELDS = ("factor", "offset", "min_prob", "min_score", "hand_over", "other_k")
+# and which of its caches a request drafts from and feeds: absent, the worker's (its tenant's, or everyone's);
+# "off", none; any other name, a cache of the client's own under that name (still its tenant's alone)
+SUFFIX_CACHE_FIELD = "cache"
+MAX_CACHE_NAME = 200
 
 
-def suffix_to_wire(settings) -> dict:
-    """The step knobs of `settings` (a SuffixSettings) that differ from the defaults: empty for defaults,
+def suffix_to_wire(settings, method: str = "") -> dict:
+    """The step knobs of `settings` (a SuffixSettings) that differ from the defaults, and its cache when it is
+    not the worker's: "off", a "process" cache's name, or for a "drafter" cache (one `run` call's) the call's
+    name with `method`'s, so two methods of one call never draft from each other's outputs. Empty for defaults,
     so a client that sets none sends nothing a worker of before would refuse."""
     from specbench.decode.suffix_drafter import SuffixSettings
 
     default = SuffixSettings()
-    return {name: getattr(settings, name) for name in SUFFIX_STEP_FIELDS
+    wire = {name: getattr(settings, name) for name in SUFFIX_STEP_FIELDS
             if getattr(settings, name) != getattr(default, name)}
+    if settings.cache == "off":
+        wire[SUFFIX_CACHE_FIELD] = "off"
+    elif settings.cache == "drafter":
+        wire[SUFFIX_CACHE_FIELD] = f"{settings.name or 'run'}/{method}"
+    elif settings.name:
+        wire[SUFFIX_CACHE_FIELD] = settings.name
+    return wire
 
 
 def suffix_from_wire(data: Any) -> dict:
-    """Checked step knobs (changes to apply to the worker's SuffixSettings), each refused by name."""
+    """Checked step knobs (changes to apply to the worker's SuffixSettings), each refused by name, and the
+    cache the client asked for under `SUFFIX_CACHE_FIELD` where it named one."""
     from specbench.decode.suffix_drafter import SuffixSettings
 
     if not isinstance(data, dict):
         raise ProtocolError("field 'suffix' must be a map of suffix decoding settings")
-    unknown = set(data) - set(SUFFIX_STEP_FIELDS)
+    unknown = set(data) - set(SUFFIX_STEP_FIELDS) - {SUFFIX_CACHE_FIELD}
     if unknown:
         raise ProtocolError(f"unknown suffix fields {sorted(map(str, unknown))} (a client sets "
-                            f"{list(SUFFIX_STEP_FIELDS)}; the cache is the worker's)")
+                            f"{list(SUFFIX_STEP_FIELDS)} and {SUFFIX_CACHE_FIELD!r}; the cache's size is the worker's)")
+    data = dict(data)
+    cache = data.pop(SUFFIX_CACHE_FIELD, None)
+    if cache is not None and (not isinstance(cache, str) or not 0 < len(cache) <= MAX_CACHE_NAME
+                              or not cache.isprintable()):
+        raise ProtocolError(f"suffix field {SUFFIX_CACHE_FIELD!r} must be 'off' or a cache name of 1-{MAX_CACHE_NAME} "
+                            f"printable characters, got {str(cache)[:MAX_CACHE_NAME + 20]!r}")
     for name, value in data.items():
         whole = name == "other_k"
         if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)) \
@@ -198,7 +218,7 @@ def suffix_from_wire(data: Any) -> dict:
         SuffixSettings(**data)  # its own range checks
     except (SpecbenchError, TypeError) as error:
         raise ProtocolError(f"bad suffix settings: {error}") from None
-    return dict(data)
+    return data if cache is None else dict(data, **{SUFFIX_CACHE_FIELD: cache})
 
 
 def spec_to_wire(spec: ModelSpec) -> dict:
