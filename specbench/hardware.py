@@ -23,15 +23,17 @@ def device_name(device: str = "cpu") -> str:
 
 
 def cpu_name(cpuinfo: str, threads: int) -> str:
-    """`cpu-<threads>t-<model name>`, then `-avx512` or `-avx512bf16` where the first CPU has them (no
-    suffix without AVX-512, so names recorded before the suffix existed still match such machines)."""
+    """`cpu-<threads>t-<model name>`, then `-avx512`, `-avx512bf16` or `-amx` (AMX tiles: bf16 matmuls of many
+    rows 3x fp32's, where AVX-512 bf16 gives about 2x) where the first CPU has them (no suffix without AVX-512,
+    so names recorded before the suffix existed still match such machines)."""
     name, flags = None, set()
     for line in cpuinfo.splitlines():
         if line.startswith("model name") and name is None:
             name = "-".join(line.split(":", 1)[1].split())[:40]
         elif line.startswith("flags") and not flags:
             flags = set(line.split(":", 1)[1].split())
-    suffix = "-avx512bf16" if "avx512_bf16" in flags else "-avx512" if "avx512f" in flags else ""
+    suffix = ("-amx" if "amx_bf16" in flags else "-avx512bf16" if "avx512_bf16" in flags
+              else "-avx512" if "avx512f" in flags else "")
     return f"cpu-{threads}t-{name or platform.machine()}{suffix}"
 
 

@@ -86,4 +86,5 @@ def test_cpu_names_carry_the_vector_extensions():
     assert cpu_name(info.format(""), 2) == "cpu-2t-AMD-EPYC"
     assert cpu_name(info.format("avx512f avx512bw"), 2) == "cpu-2t-AMD-EPYC-avx512"
     assert cpu_name(info.format("avx512f avx512_bf16"), 2) == "cpu-2t-AMD-EPYC-avx512bf16"
+    assert cpu_name(info.format("avx512f avx512_bf16 amx_tile amx_bf16"), 2) == "cpu-2t-AMD-EPYC-amx"
     assert cpu_name("", 4).startswith("cpu-4t-")
