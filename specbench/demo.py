@@ -106,14 +106,12 @@ def _cross_family(k: int, dtype: str, steps: int, max_new_tokens: int = 40) -> p
     table["identical_to_target_only"] = ~table["method"].isin(found["method"])
     print(table.round(3).to_string(index=False))
     print("\n".join(difference_lines(found, dtype)))
-    chain = table[table["method"] == "chain"].iloc[0]
-    speedup = chain["speedup_vs_target_only"]
-    verdict = ("this row pays" if speedup > 1.0 else
-               "this row did not pay in this run (a loaded machine, or a CPU whose few-row matmuls cost much more "
-               "than one row's)")
-    print(f"{verdict}: chain {speedup:.2f}x target-only, {chain['tokens_per_step']:.2f} tokens per {CROSS_TARGET} "
-          f"forward, while a {CROSS_DRAFT} token costs a small fraction of a {CROSS_TARGET} forward: a draft far "
-          f"smaller than its target is what makes SD pay on a CPU, and its family has no model that small.")
+    print("\n".join(speed_verdicts(records)))  # the draft's and the verify's cost in target forwards, measured
+    pays = table[table["method"] == "chain"].iloc[0]["speedup_vs_target_only"] > 1.0
+    print("this row pays: " if pays else "this row did not pay in this run (a loaded machine, or a CPU whose few-row "
+          "matmuls cost much more than one row's): ", end="")
+    print(f"a draft far smaller than its target is what makes SD pay on a CPU, and {CROSS_TARGET}'s family has no "
+          "model that small.")
     return records
 
 
