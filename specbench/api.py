@@ -260,7 +260,7 @@ def _generate_one(ids, prompt_index, seed, *, target, method, drafter, decoding,
         draft_spec = ModelSpec(draft) if isinstance(draft, str) else draft if isinstance(draft, ModelSpec) else None
         return target.generate_on_worker(method.name, ids, k=decoding.k, max_new_tokens=decoding.max_new_tokens,
                                          sampling=decoding.sampling, seed=seed, prompt_index=prompt_index,
-                                         draft=draft_spec, suffix=suffix)
+                                         draft=draft_spec, suffix=suffix if method.keeps_outputs else None)
     step = ProactiveDrafting() if proactive else speculative_step
     return generate(target, drafter, ids, decoding, seed=seed, prompt_index=prompt_index, step=step)
 

@@ -275,6 +275,8 @@ def test_a_client_sets_the_worker_side_floor_and_bad_knobs_are_refused_by_name(t
         "cache": "run-1/suffix-server"}
     assert protocol.suffix_from_wire({"cache": "run-1/suffix-server", "min_score": 1}) == {
         "cache": "run-1/suffix-server", "min_score": 1}
+    with pytest.raises(SpecbenchError, match=r"\['depth=8'\] are the worker's own"):  # refused, not dropped
+        protocol.suffix_to_wire(SuffixSettings(depth=8, min_score=1.0), "suffix-server")
     running = ThreadWorker()
     try:
         remote = RemoteTarget(running.endpoint)

@@ -178,9 +178,17 @@ def suffix_to_wire(settings, method: str = "") -> dict:
     not the worker's: "off", a "process" cache's name, or for a "drafter" cache (one `run` call's) the call's
     name with `method`'s, so two methods of one call never draft from each other's outputs. Empty for defaults,
     so a client that sets none sends nothing a worker of before would refuse."""
+    from dataclasses import fields
+
     from specbench.decode.suffix_drafter import SuffixSettings
 
     default = SuffixSettings()
+    kept = [f"{field.name}={getattr(settings, field.name)}" for field in fields(SuffixSettings)
+            if field.name not in SUFFIX_STEP_FIELDS + ("cache", "name")
+            and getattr(settings, field.name) != getattr(default, field.name)]
+    if kept:  # refused, not dropped: the request would draft with the worker's values unbeknown to the client
+        raise SpecbenchError(f"suffix settings {kept} are the worker's own (its cache's depth and size); a client "
+                             f"sets {list(SUFFIX_STEP_FIELDS)} and which cache (off, a name) for {method or 'a worker method'}")
     wire = {name: getattr(settings, name) for name in SUFFIX_STEP_FIELDS
             if getattr(settings, name) != getattr(default, name)}
     if settings.cache == "off":
