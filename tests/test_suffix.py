@@ -381,6 +381,7 @@ def test_worker_methods_compared_in_one_run_each_draft_from_their_own_cache_ther
                              suffix=SuffixSettings(cache="drafter")) for method in methods}
         shared = [run(remote, PROMPTS[:1], method="suffix-server", k=8, max_new_tokens=24, progress=False)
                   for _ in range(2)]  # one method: the tenant's cache, which nothing above fed
+        stats = remote.stats()
     finally:
         running.stop()
     for method in methods:
@@ -388,6 +389,7 @@ def test_worker_methods_compared_in_one_run_each_draft_from_their_own_cache_ther
     assert shared[0]["accepted"].tolist() == alone["suffix-server"][lambda r: r.prompt_index == 0][
         "accepted"].tolist()  # the first time, the prompt is new to the tenant's cache, warm-up included
     assert sum(shared[1]["accepted"]) > sum(shared[0]["accepted"])  # the second time, its output is there
+    assert stats["suffix_caches"] >= 5 and stats["suffix_cache_tokens"] >= 24 * (4 * len(PROMPTS) + 2)  # its memory
 
 
 def test_a_tenant_keeps_a_few_named_caches_and_may_turn_its_cache_off(monkeypatch):

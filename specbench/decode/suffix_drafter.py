@@ -167,6 +167,14 @@ def process_cache(key: tuple, settings: SuffixSettings) -> SuffixCache:
         return _PROCESS_CACHES[full_key]
 
 
+def process_cache_totals() -> dict:
+    """How many suffix caches this process keeps and the tokens in them: what a worker's `stats` reports, so its
+    operator sees the memory they hold (about 1.5 KB a token at depth 24)."""
+    with _PROCESS_LOCK:
+        caches = list(_PROCESS_CACHES.values())
+    return {"suffix_caches": len(caches), "suffix_cache_tokens": sum(cache.tokens for cache in caches)}
+
+
 def drop_process_caches(key: tuple) -> int:
     """Drop the process's caches whose key ends with `key` (a worker tenant's named cache it no longer keeps);
     how many went."""

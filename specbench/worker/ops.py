@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from specbench.decode.batch import VerifyRequest
+from specbench.decode.suffix_drafter import process_cache_totals
 from specbench.decode.target import LocalTarget
 from specbench.hardware import device_name
 from specbench.models.spec import ModelSpec
@@ -186,8 +187,8 @@ class Ops:
                 "longest_s": dict(s.longest_s),
                 "batch_wait_s": s.batch_wait_s, "forward_fixed_s": fixed, "forward_token_s": per_token,
                 "host_fixed_s": host_fixed, "host_row_s": host_row, "host_rounds": len(s.host.samples),
-                "host_mean_s": sum(y for _, y in s.host.samples) / len(s.host.samples) if s.host.samples else None
-                }, None
+                "host_mean_s": sum(y for _, y in s.host.samples) / len(s.host.samples) if s.host.samples else None,
+                **process_cache_totals()}, None
 
     def load(self, header, arrays, *, connection, curve_key):
         spec = protocol.spec_from_wire(get(header, "model", dict))
