@@ -3,7 +3,8 @@ forwards at SD's shapes, side by side, and (`--sd`) whole SD runs on each.
 
 For each model, every variant (`default`: fp32 with PyTorch's kernels, `onednn`: fp32 with oneDNN's
 linears, `tuned`: fp32, per layer shape and row count the fastest product form measured at load, `bf16`:
-bfloat16 weights and activations, which pays on CPUs with AVX-512 bf16 instructions) is loaded and timed
+bfloat16 weights and activations, which pays on CPUs with AVX-512 bf16 instructions, `bf16-tuned`: bf16 with
+tuned forms, for CPUs whose bf16 one-row product is slow) is loaded and timed
 alternately (repeat by repeat, so drift on a shared box hits all alike) on forwards of `batch` sequences x
 `tokens` new tokens over a cached context: (1, 1) a target-only step, (1, 2..13) verifies of K=1..4, 7
 chains and a 12-node tree, (8, 1) and (8, 5) 8 clients batched on a worker. Besides the speed-up per shape
@@ -17,7 +18,7 @@ each method's speed-up over its own variant's target-only, and whether every out
 target-only's token for token.
 
     python benchmarks/cpu_kernels.py [--models smollm2-135m qwen2.5-coder-0.5b qwen2.5-coder-1.5b] \
-        [--variants default onednn tuned bf16] [--sd --prompts 6 --max-new-tokens 64]
+        [--variants default onednn tuned bf16 bf16-tuned] [--sd --prompts 6 --max-new-tokens 64]
 """
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ from common import write_report
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = [(1, 1), (1, 2), (1, 3), (1, 5), (1, 8), (1, 13), (8, 1), (8, 5)]
 VARIANTS = {"default": dict(dtype="float32"), "onednn": dict(dtype="float32", kernels="onednn"),
-            "tuned": dict(dtype="float32", kernels="tuned"), "bf16": dict(dtype="bfloat16")}
+            "tuned": dict(dtype="float32", kernels="tuned"), "bf16": dict(dtype="bfloat16"),
+            "bf16-tuned": dict(dtype="bfloat16", kernels="tuned")}
 SD_METHODS = [("target-only", 1), ("prompt-lookup", 1), ("prompt-lookup", 2), ("prompt-lookup", 4), ("suffix", 16)]
 
 

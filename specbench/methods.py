@@ -171,10 +171,12 @@ def _suffix(source: DraftSource, tree: bool = False, key: tuple = ()):
 
 
 def _target_key(source: DraftSource) -> tuple:
-    """What tells targets apart for a process-wide cache: outputs of one model never draft for another's."""
+    """What tells targets apart for a process-wide cache: outputs of one model never draft for another's, nor
+    those of one dtype or kernels for another's (a bf16 copy beside the fp32 one, compared in one process, would
+    otherwise draft each prompt from the other's output of it)."""
     loaded = source.target_model
     if loaded is not None:
-        return (loaded.spec.label, source.target.vocab_size)
+        return (loaded.spec.label, loaded.spec.dtype, source.target.vocab_size)
     info = getattr(source.target, "info", None)
     return (info.get("model") if isinstance(info, dict) else type(source.target).__name__, source.target.vocab_size)
 

@@ -318,6 +318,28 @@ def test_suffix_sampling_follows_the_target(tree):
     assert not drafter._active  # the loop calls finish() at each generation's end: no request is left open
 
 
+def test_copies_of_a_target_in_two_dtypes_keep_their_process_caches_apart():
+    """A bf16 copy of a target run beside its fp32 copy in one process (a kernels or dtype comparison) must not
+    draft a prompt from the other's output of it: that made bf16 suffix decoding look 3.5x target-only, not 1.5x."""
+    from dataclasses import replace
+
+    import torch
+
+    from specbench.models.tiny import tiny_model
+
+    assert tiny_model(seed=5, dtype=torch.bfloat16).spec.dtype == "bfloat16"
+    settings = SuffixSettings(name="dtype test")
+    first = tiny_model(seed=5)  # and a copy that says bf16 (a tiny random model's bf16 outputs are another text)
+    second = replace(tiny_model(seed=5), spec=replace(first.spec, dtype="bfloat16"))
+    assert first.spec.label == second.spec.label
+    run(first, PROMPTS[:1], method="suffix", k=8, max_new_tokens=12, progress=False, suffix=settings, warmup=False)
+    again = run(second, PROMPTS[:1], method="suffix", k=8, max_new_tokens=12, progress=False, suffix=settings,
+                warmup=False)
+    alone = run(second, PROMPTS[:1], method="suffix", k=8, max_new_tokens=12, progress=False, warmup=False,
+                suffix=SuffixSettings(cache="drafter"))
+    assert again["accepted"].tolist() == alone["accepted"].tolist()
+
+
 def test_warm_up_leaves_the_cache_as_it_was(tiny_target):
     """run's discarded warm-up must not put the first prompt's output into the shared cache before it runs."""
     from specbench.decode.suffix_drafter import process_cache
@@ -356,12 +378,12 @@ def test_worker_keeps_each_tenants_outputs_apart_unless_told_to_share(scope, met
                 progress=False, warmup=False)
     finally:
         running.stop()
-    # process caches by key (target label, vocabulary, "worker", worker model[, tenant]), most recent last
+    # process caches by key (target label, dtype, vocabulary, "worker", worker model[, tenant]), most recent last
     worker = [(key[0], cache) for key, cache in suffix_drafter._PROCESS_CACHES.items() if "worker" in key[0]]
     if scope == "tenant":
-        assert [len(cache) for key, cache in worker if len(key) == 5] == [1, 1]
+        assert [len(cache) for key, cache in worker if len(key) == 6] == [1, 1]
     else:
-        assert len([cache for key, cache in worker if len(key) == 4][-1]) == 2
+        assert len([cache for key, cache in worker if len(key) == 5][-1]) == 2
 
 
 def test_worker_methods_compared_in_one_run_each_draft_from_their_own_cache_there(tiny_target):

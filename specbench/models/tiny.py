@@ -33,7 +33,7 @@ def tiny_model(seed: int = 0, vocab_size: int = 96, hidden_size: int = 64, num_l
     name = f"tiny-random:seed={seed},vocab={vocab_size},hidden={hidden_size},layers={num_layers}"
     if noise_from is not None:
         name += f",noise={noise_scale},noise_from={noise_from.spec.model}"
-    return LoadedModel(spec=ModelSpec(model=name), model=model, tokenizer=None)
+    return LoadedModel(spec=ModelSpec(model=name, dtype=str(dtype).removeprefix("torch.")), model=model, tokenizer=None)
 
 
 def tiny_from_name(name: str) -> LoadedModel:
