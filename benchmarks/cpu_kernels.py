@@ -72,15 +72,17 @@ def random_cache(model, batch: int, context: int, dtype: torch.dtype):
 
 def sd_runs(name: str, variants: dict, prompts: list[str], max_new_tokens: int) -> pd.DataFrame:
     """One row per (variant, method, K): tok/s over all prompts, its speed-up over the variant's target-only,
-    and whether every output equals that target-only's. Variants alternate prompt by prompt."""
-    from specbench.api import outputs, run
+    whether every output equals that target-only's, and of those that do not, how many part at a near-tie of
+    the variant's own logits (`api.divergences`: rounding of a wider verify in bf16; any other is a defect).
+    Variants alternate prompt by prompt."""
+    from specbench.api import divergences, outputs, run
     from specbench.decode.target import LocalTarget
 
     targets = {variant: LocalTarget(loaded) for variant, loaded in variants.items()}
-    seconds, tokens, same = {}, {}, {}
+    seconds, tokens, same, differ, near_ties = {}, {}, {}, {}, {}
     for index, prompt in enumerate(prompts):
         for variant, target in targets.items():
-            texts = {}
+            texts, reference = {}, None
             for method, k in SD_METHODS:
                 records = run(target, [prompt], method=method, k=k, max_new_tokens=max_new_tokens, progress=False,
                               warmup=index == 0)
@@ -88,11 +90,19 @@ def sd_runs(name: str, variants: dict, prompts: list[str], max_new_tokens: int) 
                 seconds[key] = seconds.get(key, 0.0) + float(records["step_s"].sum())
                 tokens[key] = tokens.get(key, 0) + int(records["emitted"].sum())
                 texts[(method, k)] = next(iter(outputs(records).values()))
-                same[key] = same.get(key, True) and texts[(method, k)] == texts[("target-only", 1)]
+                reference = records if method == "target-only" else reference
+                unlike = texts[(method, k)] != texts[("target-only", 1)]
+                same[key] = same.get(key, True) and not unlike
+                differ[key] = differ.get(key, 0) + unlike
+                if unlike:  # outside the timed steps: the target's logits where the two outputs part
+                    found = divergences(records, target, [prompt], reference=reference)
+                    near_ties[key] = near_ties.get(key, 0) + int(found["near_tie"].sum())
     rows = []
     for (variant, method, k), spent in seconds.items():
-        rows.append({"model": name, "variant": variant, "method": method, "k": k,
-                     "tok_s": tokens[(variant, method, k)] / spent, "same_as_target_only": same[(variant, method, k)]})
+        key = (variant, method, k)
+        rows.append({"model": name, "variant": variant, "method": method, "k": k, "tok_s": tokens[key] / spent,
+                     "same_as_target_only": same[key], "outputs_unlike": differ[key],
+                     "of_them_near_ties": near_ties.get(key, 0)})
     table = pd.DataFrame(rows)
     alone = table[table.method == "target-only"].set_index("variant")["tok_s"]
     table["over_target_only"] = table.tok_s / table.variant.map(alone)
