@@ -178,7 +178,9 @@ def _target_key(source: DraftSource) -> tuple:
     if loaded is not None:
         return (loaded.spec.label, loaded.spec.dtype, source.target.vocab_size)
     info = getattr(source.target, "info", None)
-    return (info.get("model") if isinstance(info, dict) else type(source.target).__name__, source.target.vocab_size)
+    if isinstance(info, dict):  # a worker's description: its model and dtype
+        return (info.get("model"), info.get("dtype"), source.target.vocab_size)
+    return (type(source.target).__name__, source.target.vocab_size)
 
 
 def _self_draft(source: DraftSource):
