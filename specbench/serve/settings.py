@@ -120,12 +120,9 @@ def _suffix_knobs(asked, method: str) -> tuple:
     if not method.startswith("suffix"):
         raise RequestError(f"speculative.suffix sets suffix decoding's knobs; method {method!r} does not use them",
                            "speculative.suffix")
-    from specbench.worker.protocol import SUFFIX_CACHE_FIELD, ProtocolError, suffix_from_wire
+    from specbench.worker.protocol import ProtocolError, suffix_from_wire
 
-    if isinstance(asked, dict) and SUFFIX_CACHE_FIELD in asked:  # a worker's tenants pick among their caches
-        raise RequestError(f"unknown suffix fields [{SUFFIX_CACHE_FIELD!r}]: the cache is the server's, one for all "
-                           "its requests", "speculative.suffix")
     try:
-        return tuple(sorted(suffix_from_wire(asked).items()))
+        return tuple(sorted(suffix_from_wire(asked, caches=False).items()))
     except ProtocolError as error:
         raise RequestError(str(error), "speculative.suffix") from None

@@ -200,17 +200,20 @@ def suffix_to_wire(settings, method: str = "") -> dict:
     return wire
 
 
-def suffix_from_wire(data: Any) -> dict:
+def suffix_from_wire(data: Any, caches: bool = True) -> dict:
     """Checked step knobs (changes to apply to the worker's SuffixSettings), each refused by name, and the
-    cache the client asked for under `SUFFIX_CACHE_FIELD` where it named one."""
+    cache the client asked for under `SUFFIX_CACHE_FIELD` where it named one. `caches=False`: a server whose one
+    cache serves all its requests (`specbench serve`), where that field is refused like any unknown one."""
     from specbench.decode.suffix_drafter import SuffixSettings
 
     if not isinstance(data, dict):
         raise ProtocolError("field 'suffix' must be a map of suffix decoding settings")
-    unknown = set(data) - set(SUFFIX_STEP_FIELDS) - {SUFFIX_CACHE_FIELD}
+    unknown = set(data) - set(SUFFIX_STEP_FIELDS) - ({SUFFIX_CACHE_FIELD} if caches else set())
     if unknown:
+        sets = f" and {SUFFIX_CACHE_FIELD!r}; the cache's size is the worker's" if caches else \
+            "; the cache is the server's, one for all its requests"
         raise ProtocolError(f"unknown suffix fields {sorted(map(str, unknown))} (a client sets "
-                            f"{list(SUFFIX_STEP_FIELDS)} and {SUFFIX_CACHE_FIELD!r}; the cache's size is the worker's)")
+                            f"{list(SUFFIX_STEP_FIELDS)}{sets})")
     data = dict(data)
     cache = data.pop(SUFFIX_CACHE_FIELD, None)
     if cache is not None and (not isinstance(cache, str) or not 0 < len(cache) <= MAX_CACHE_NAME
