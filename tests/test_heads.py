@@ -352,6 +352,40 @@ def test_soft_labels_are_the_targets_distribution_over_what_the_head_can_draft()
     assert soft_cross_entropy(logits[2:], ids[2:], mixed[2:]) is None
 
 
+def test_a_head_started_from_the_targets_layer_computes_that_layer_before_training(target):
+    """init 'layer': at step 0 the head's output at each position is the target's stream after the layer that
+    reads the high feature (the input of the next layer), whatever tokens it reads; 'output' starts elsewhere.
+    Fails if a copied weight, the fc pass-through or a norm is wrong."""
+    from specbench.heads.model import HeadCache
+    from specbench.heads.train import _initial_head
+
+    layer_ids = (0, 1, 2)  # high feature: layer 2's input; its output is layer 3's input
+    context = PROMPTS[2]
+    with torch.no_grad():
+        states = target.model(torch.tensor([context]), output_hidden_states=True).hidden_states
+        raw = torch.cat([states[i][0] for i in layer_ids], dim=-1)
+        positions = torch.arange(len(context))
+        outs = {}
+        for init in ("layer", "output"):
+            head = _initial_head(target, list(range(target.vocab_size)), 0, layer_ids, init)
+            tokens = torch.tensor(context[1:] + [5])
+            outs[init] = head(tokens, head.fuse(raw), positions, HeadCache())[0]
+            other = head(torch.flip(tokens, [0]), head.fuse(raw), positions, HeadCache())[0]
+            if init == "layer":
+                torch.testing.assert_close(outs[init], other)  # the token half starts at zero
+    torch.testing.assert_close(outs["layer"], states[3][0], rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(outs["output"], states[3][0], atol=1e-2)
+
+
+def test_a_layer_start_is_refused_by_name_where_no_layer_reads_the_high_feature(target):
+    from specbench.heads.train import TrainSpec, _initial_head
+
+    with pytest.raises(SpecbenchError, match="final hidden state"):
+        _initial_head(target, list(range(target.vocab_size)), 0, (1, 2, 4), "layer")
+    with pytest.raises(SpecbenchError, match="init is one of"):
+        TrainSpec(target="x", init="copy").check()
+
+
 def test_train_draft_learns_what_drafting_asks_resumes_and_writes_a_loadable_head(tmp_path):
     """On a tiny random target (a chaotic function a one-layer head cannot learn in general), a head
     trained for many epochs on a few sequences of the target's own responses learns them: drafting on

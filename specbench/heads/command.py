@@ -4,7 +4,7 @@ from __future__ import annotations
 
 def add_train_draft(commands) -> None:
     from specbench.heads.layouts import LAYOUTS
-    from specbench.heads.train import TrainSpec
+    from specbench.heads.train import INITS, TrainSpec
     from specbench.models.spec import KERNELS, KERNELS_HELP
 
     defaults = TrainSpec(target="")
@@ -44,6 +44,9 @@ def add_train_draft(commands) -> None:
     train.add_argument("--distil", type=int, metavar="LAYERS",
                        help="instead of a head, distil a draft model of the target's first LAYERS layers "
                             "(written to <out>/draft; run it with --method chain --draft <out>/draft)")
+    train.add_argument("--init", choices=INITS, default=defaults.init,
+                       help="the head's start: the target's output rows and final norm (output), and also the target "
+                            "layer that reads the high feature, passed through (layer)")
     train.add_argument("--dtype", default=defaults.dtype)
     train.add_argument("--kernels", default=defaults.kernels, choices=list(KERNELS),
                        help=KERNELS_HELP + " (the target's, for its replies and feature passes)")
@@ -62,7 +65,7 @@ def _train_draft(args) -> int:
                      draft_vocab=args.draft_vocab, layers=tuple(args.layers) if args.layers else None,
                      ttt_steps=args.ttt_steps, epochs=args.epochs,
                      learning_rate=args.learning_rate, batch=args.batch, minutes=args.minutes, layout=args.layout,
-                     dtype=args.dtype, kernels=args.kernels)
+                     dtype=args.dtype, kernels=args.kernels, init=args.init)
     if args.distil:
         from specbench.heads.distil import distil_draft
 

@@ -35,6 +35,9 @@ from specbench.heads.model import EagleHead
 from specbench.types import SpecbenchError
 
 
+INITS = ("output", "layer")
+
+
 @dataclass(frozen=True)
 class TrainSpec:
     target: str
@@ -62,6 +65,7 @@ class TrainSpec:
     layout: str = "eagle3"
     dtype: str = "float32"
     kernels: str = "default"  # the target's CPU linear kernels (tuned: its replies and feature passes run faster)
+    init: str = "output"  # output: the target's output rows and final norm; layer: also its layer at the high feature
     seed: int = 0
 
     def check(self) -> None:
@@ -76,6 +80,8 @@ class TrainSpec:
                                  f"{self.temperature}")
         if self.ttt_steps < 1 or self.draft_vocab < 2 or self.batch < 1 or self.epochs <= 0 or self.soft_top < 1:
             raise SpecbenchError("ttt_steps, batch, epochs and soft_top must be positive and draft_vocab at least 2")
+        if self.init not in INITS:
+            raise SpecbenchError(f"init is one of {INITS}, got {self.init!r}")
         if self.loss_on not in ("reply", "all"):
             raise SpecbenchError(f"loss_on is 'reply' or 'all', got {self.loss_on!r}")
         if self.labels not in ("soft", "greedy"):
@@ -161,7 +167,7 @@ def unrolled_logits(head: EagleHead, ids: torch.Tensor, features: torch.Tensor, 
     return out
 
 
-def _initial_head(target, vocabulary: list[int], seed: int, layer_ids) -> EagleHead:
+def _initial_head(target, vocabulary: list[int], seed: int, layer_ids, init: str = "output") -> EagleHead:
     from specbench.heads.build import new_head
 
     head = new_head(target, draft_ids=vocabulary, layer_ids=layer_ids, seed=seed)
@@ -170,7 +176,48 @@ def _initial_head(target, vocabulary: list[int], seed: int, layer_ids) -> EagleH
         final_norm = getattr(target.model.model, "norm", None)
         if final_norm is not None and final_norm.weight.shape == head.norm.weight.shape:
             head.norm.weight.copy_(final_norm.weight)
+        if init == "layer":
+            _copy_target_layer(head, target, layer_ids)
     return head
+
+
+def _copy_target_layer(head: EagleHead, target, layer_ids) -> None:
+    """Start the head's layer as the target's layer that reads the high feature: `fc` passes that feature through
+    and the layer's feature half of q/k/v, its output projection, MLP and norms are the target layer's, the token
+    half zero. At step 0 the head then computes what the target computed at that layer (a logit-lens guess of the
+    next token from a pretrained transformation), and training teaches it the shift to the token after: a prior
+    for the few tokens a CPU can train on, where a random layer must learn the target's residual stream anew."""
+    from specbench.heads.features import decoder_layers
+
+    high, hidden = max(layer_ids), head.config.hidden_size
+    layers = decoder_layers(target.model)
+    if high >= len(layers):
+        raise SpecbenchError(f"init 'layer' copies the target layer that reads the high feature, and layer {high} is "
+                             f"the final hidden state (no layer reads it): use init 'output' or a lower --layers")
+    source, layer = layers[high], head.layers[0]
+    attention = source.self_attn
+    pairs = [(layer.self_attn.o_proj, attention.o_proj), (layer.mlp.gate_proj, source.mlp.gate_proj),
+             (layer.mlp.up_proj, source.mlp.up_proj), (layer.mlp.down_proj, source.mlp.down_proj)]
+    shapes = [(mine.weight.shape, theirs.weight.shape) for mine, theirs in pairs]
+    shapes += [((p.out_features, p.in_features // 2), getattr(attention, name).weight.shape)
+               for name, p in (("q_proj", layer.self_attn.q_proj), ("k_proj", layer.self_attn.k_proj),
+                               ("v_proj", layer.self_attn.v_proj))]
+    if head.config.features_size != hidden or any(mine != theirs for mine, theirs in shapes):
+        raise SpecbenchError(f"init 'layer' needs the head sized as target layer {high} (weights {shapes}); use "
+                             f"init 'output'")
+    for mine, theirs in pairs:
+        mine.weight.copy_(theirs.weight)
+    for name in ("q_proj", "k_proj", "v_proj"):  # [token half | feature half]; target biases, if any, are left out
+        mine = getattr(layer.self_attn, name).weight
+        mine[:, :hidden].zero_()
+        mine[:, hidden:].copy_(getattr(attention, name).weight)
+    layer.hidden_norm.weight.copy_(source.input_layernorm.weight)
+    layer.post_attention_layernorm.weight.copy_(source.post_attention_layernorm.weight)
+    block = list(layer_ids).index(high)  # raw features sit side by side in layer_ids order (FeatureTap.joined)
+    head.fc.weight.zero_()
+    head.fc.weight[:, block * hidden:(block + 1) * hidden].copy_(torch.eye(hidden))
+    if head.fc.bias is not None:
+        head.fc.bias.zero_()
 
 
 @dataclass
@@ -223,7 +270,7 @@ def train_head(spec: TrainSpec, folder: str | Path, progress: bool = True) -> Tr
         state = torch.load(checkpoint, weights_only=False)
     else:
         layer_ids = layer_ids_of(target.model.config.num_hidden_layers)
-        head, state = _initial_head(target, vocabulary, spec.seed, layer_ids), None
+        head, state = _initial_head(target, vocabulary, spec.seed, layer_ids, spec.init), None
     head.train()
     trainable = [p for name, p in head.named_parameters() if not name.startswith("embed_tokens")]
     for parameter in trainable:  # fp32 master weights: a bf16 weight drops any update under 1/256 of itself
