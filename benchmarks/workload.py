@@ -216,6 +216,10 @@ def main() -> None:
 
     rows, made = [], {}  # made: each held-out run's output, (label, pass, prompt) -> ids
     families = sorted(set(r["set"] for r in held), key=lambda f: (f not in MULTI_TURN, f))
+    # the held-out requests under the rows' prompt names, so a router fitted anew on the calibration records can be
+    # scored on these rows without scripting the sessions again
+    Path(args.out).with_suffix(".held-out.json").write_text(json.dumps(
+        {f"{family}/{i}": r for family in families for i, r in enumerate([r for r in held if r["set"] == family])}))
     for turn in range(args.passes):
         for number, family in enumerate(families):
             prompts = [r for r in held if r["set"] == family]
