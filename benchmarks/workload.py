@@ -135,6 +135,9 @@ def main() -> None:
     parser.add_argument("--kernels", default="default", choices=list(KERNELS), help=KERNELS_HELP)
     parser.add_argument("--dtype", default="float32", help="the target's (bfloat16 on a CPU with AVX-512 bf16: a "
                         "verify of 16 tokens then costs about 1.4x one token's, in float32 2x)")
+    parser.add_argument("--draft-dtype", help="--draft's dtype (default: --dtype). On an AMX CPU a bf16 target's "
+                        "wide verify is all but free while a small bf16 draft's one-row forwards run slower than in "
+                        "float32 (benchmarks/results/2026-12-02-demo-amx.md)")
     parser.add_argument("--passes", type=int, default=1, choices=(1, 2),
                         help="time the held-out half this many times (2: the cross-fitted oracle, see above)")
     parser.add_argument("--out", default=str(RESULTS / "workload.json"))
@@ -150,10 +153,12 @@ def main() -> None:
                          "another draft")
     if args.draft and not models:
         raise SystemExit("--draft is the draft of chain, tree and suffix-chain candidates: add one to --candidates")
+    if args.draft_dtype and not args.draft:
+        raise SystemExit("--draft-dtype is --draft's dtype: name the draft model")
     draft = args.head
     if models:
-        draft = load_model(ModelSpec(args.draft, dtype=args.dtype, kernels=args.kernels) if args.draft
-                           else ModelSpec(args.target, quantization=args.draft_quant))
+        draft = load_model(ModelSpec(args.draft, dtype=args.draft_dtype or args.dtype, kernels=args.kernels)
+                           if args.draft else ModelSpec(args.target, quantization=args.draft_quant))
     found = requests(args, target)
     scripted_s = time.perf_counter() - started
     calibration, held = split(found)
