@@ -17,9 +17,8 @@ import argparse
 import json
 from pathlib import Path
 
-import pandas as pd
-
 import numpy as np
+import pandas as pd
 
 import specbench.route.router as router_module
 from specbench.route.auto import candidates_from
@@ -30,7 +29,8 @@ from specbench.route.router import fit_router, parse_margin
 def history_turns(ids) -> float:
     """How many times the prompt's last 3 ids occur earlier in it: in a chat, the assistant header that ends
     every prompt, once per earlier answer the prompt holds."""
-    ids, tail = list(ids), tuple(list(ids)[-3:])
+    ids = list(ids)
+    tail = tuple(ids[-3:])
     return float(np.log1p(sum(tuple(ids[i:i + 3]) == tail for i in range(len(ids) - 3))))
 
 
@@ -56,7 +56,7 @@ def score(router, rows: pd.DataFrame, held: dict[str, dict]) -> dict:
     """The router's choice for every held-out prompt, scored with that prompt's measured row of it."""
     fixed = rows[rows["label"] != "auto"]
     chosen = {name: router.choose(request["ids"], request["set"])[0].label for name, request in held.items()}
-    picked = fixed[fixed.apply(lambda row: chosen[row["prompt"]] == row["label"], axis=1)]
+    picked = fixed[fixed["label"] == fixed["prompt"].map(chosen)]
     speeds = {label: chunk.tokens.sum() / chunk.seconds.sum() for label, chunk in fixed.groupby("label")}
     best_label = max(speeds, key=speeds.get)
     speed = picked.tokens.sum() / picked.seconds.sum()
@@ -85,14 +85,17 @@ def main() -> None:
         held = {name: dict(request, set=None) for name, request in held.items()}
     measured_auto = rows[rows["label"] == "auto"]
     lines = []
-    for features in args.features:
-        router_module.prompt_features = FEATURES[features]
-        for ridge in args.ridge:
-            for margin in args.margins:
-                router = fit_router(records, prompts, candidates, families, ridge=ridge, margin=parse_margin(margin))
-                lines.append({"features": features, "ridge": ridge, "margin asked": margin,
-                              **score(router, rows, held)})
-    router_module.prompt_features = prompt_features
+    try:  # the router reads its features through its module's name: swapped for each set, put back after
+        for features in args.features:
+            router_module.prompt_features = FEATURES[features]
+            for ridge in args.ridge:
+                for margin in args.margins:
+                    router = fit_router(records, prompts, candidates, families, ridge=ridge,
+                                        margin=parse_margin(margin))
+                    lines.append({"features": features, "ridge": ridge, "margin asked": margin,
+                                  **score(router, rows, held)})
+    finally:
+        router_module.prompt_features = prompt_features
     frame = pd.DataFrame(lines)
     print(f"{args.out}: {len(calibration)} calibration, {len(held)} held-out prompts; auto as run: "
           f"{measured_auto.tokens.sum() / max(measured_auto.seconds.sum(), 1e-12):.3f} tok/s")

@@ -221,10 +221,10 @@ def main() -> None:
 
     rows, made = [], {}  # made: each held-out run's output, (label, pass, prompt) -> ids
     families = sorted(set(r["set"] for r in held), key=lambda f: (f not in MULTI_TURN, f))
-    # the held-out requests under the rows' prompt names, so a router fitted anew on the calibration records can be
-    # scored on these rows without scripting the sessions again
-    Path(args.out).with_suffix(".held-out.json").write_text(json.dumps(
-        {f"{family}/{i}": r for family in families for i, r in enumerate([r for r in held if r["set"] == family])}))
+    # the held-out requests under the rows' prompt names; kept beside the report, so a router fitted anew on the
+    # calibration records can be scored on these rows without scripting the sessions again
+    named = {f"{family}/{i}": r for family in families for i, r in enumerate([r for r in held if r["set"] == family])}
+    Path(args.out).with_suffix(".held-out.json").write_text(json.dumps(named))
     for turn in range(args.passes):
         for number, family in enumerate(families):
             prompts = [r for r in held if r["set"] == family]
@@ -244,8 +244,7 @@ def main() -> None:
             print(f"held out {family}, pass {turn + 1}/{args.passes}: done ({len(prompts)} prompts)")
     report = summarise(pd.DataFrame(rows), [c.label for c in candidates])
     report["outputs_unlike_target_only"] = unlike_target_only(
-        made, loaded.model, {f"{family}/{i}": request["ids"] for family in families
-                             for i, request in enumerate([r for r in held if r["set"] == family])})
+        made, loaded.model, {name: request["ids"] for name, request in named.items()})
     print(f"held-out outputs unlike target-only's, per method, and how many of them part at a near-tie of the "
           f"target's logits: {report['outputs_unlike_target_only']}")
     report.update({"args": vars(args), "requests": len(found), "calibration": len(calibration), "held_out": len(held),
