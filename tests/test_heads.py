@@ -687,6 +687,60 @@ def test_a_head_is_profiled_recorded_and_predicted_like_any_draft(tmp_path):
         reference, (4,), rtts_ms=(100.0,), remote=True, local=False, worker_side=False))
 
 
+@pytest.mark.parametrize("option, flag", [({"ttt_steps": 5}, "--ttt-steps"), ({"init": "layer"}, "--init"),
+                                          ({"draft_vocab": 100, "layout": "speculators"}, "--draft-vocab, --layout"),
+                                          ({"layers": (1, 2, 3)}, "--layers"), ({"own_embeddings": True},
+                                                                                "--own-embeddings")])
+def test_distil_refuses_the_options_of_a_head_by_name(tmp_path, option, flag):
+    """`--distil` with a head's option (which it would not use) is refused before any model loads, naming it."""
+    from specbench.heads.distil import distil_draft
+    from specbench.heads.train import TrainSpec
+
+    spec = TrainSpec(target="tiny-random:seed=0,layers=4", prompts=((3, 4, 5), (6, 7), (8, 9)), prompt_count=3,
+                     held_out=1, **option)
+    with pytest.raises(SpecbenchError, match=flag + " shape"):
+        distil_draft(spec, 2, tmp_path, progress=False)
+    assert not any(tmp_path.iterdir())  # refused before any data was made
+
+
+def test_distil_loss_reads_the_labels_option():
+    """greedy: cross-entropy on the target's argmax (the first top id); soft: on its renormalized top probabilities;
+    the two agree when the target's top probability is 1."""
+    from specbench.heads.distil import _distil_loss
+
+    logits = torch.randn(5, 11)
+    choices = torch.stack([torch.randperm(11)[:3] for _ in range(5)])
+    probs = torch.tensor([[0.6, 0.3, 0.1]] * 5)
+    greedy = _distil_loss(logits, choices, probs, "greedy")
+    assert torch.allclose(greedy, torch.nn.functional.cross_entropy(logits, choices[:, 0]))
+    soft = _distil_loss(logits, choices, probs, "soft")
+    log_q = torch.log_softmax(logits, -1).gather(-1, choices)
+    assert torch.allclose(soft, -(probs * log_q).sum(-1).mean())
+    certain = torch.tensor([[1.0, 0.0, 0.0]] * 5)
+    assert torch.allclose(_distil_loss(logits, choices, certain, "soft"), greedy)
+
+
+def test_distil_trains_on_replies_only_with_greedy_labels(tmp_path, monkeypatch):
+    """`loss_on="reply"` with `labels="greedy"`: the loss reads only the rows that predict the reply (at most
+    the prompt's last position and the reply's 16), with greedy labels, and still falls."""
+    from specbench.heads import distil
+    from specbench.heads.distil import distil_draft
+    from specbench.heads.train import TrainSpec
+
+    seen = []
+    loss = distil._distil_loss
+    monkeypatch.setattr(distil, "_distil_loss", lambda logits, choices, probs, labels: (
+        seen.append((logits.shape[0], labels)), loss(logits, choices, probs, labels))[1])
+
+    prompts = tuple([(i * 11 + j * 7) % 90 + 3 for j in range(6 + i % 5)] for i in range(10))
+    spec = TrainSpec(target="tiny-random:seed=0,layers=4", prompts=prompts, prompt_count=10, held_out=2,
+                     max_new_tokens=16, epochs=20, learning_rate=3e-3, batch=4, eval_every=10_000,
+                     loss_on="reply", labels="greedy")
+    result = distil_draft(spec, 2, tmp_path, progress=False)
+    assert result.history["loss_0"].tail(5).mean() < 0.7 * result.history["loss_0"].head(5).mean()
+    assert seen and all(rows <= 17 and labels == "greedy" for rows, labels in seen)  # all positions: 22 or more
+
+
 def test_distilling_the_targets_first_layers_gives_a_draft_that_is_accepted_more(tmp_path):
     """`train-draft --distil 2` on a 4-layer tiny target: the draft (the target's first two layers, its norm
     and output layer, trained on the target's distributions) is accepted more on the prompts it saw than

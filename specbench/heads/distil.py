@@ -22,6 +22,20 @@ from specbench.files import replacing
 from specbench.heads.train import TrainResult, TrainSpec, optimization
 from specbench.types import SpecbenchError
 
+HEAD_ONLY = ("draft_vocab", "layers", "ttt_steps", "layout", "init", "own_embeddings")  # TrainSpec fields
+
+
+def check_distil(spec: TrainSpec) -> None:
+    """Refuse the head's options in a distillation: silently ignoring `--ttt-steps 5` would let a user
+    believe a draft model was trained with it."""
+    default = TrainSpec(target=spec.target)
+    given = [name for name in HEAD_ONLY if getattr(spec, name) != getattr(default, name)]
+    if given:
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        raise SpecbenchError(f"{flags} shape{'s' if len(given) == 1 else ''} a draft head; --distil trains a draft "
+                             f"model of the target's first layers and has no use for {'it' if len(given) == 1 else 'them'}"
+                             f" (drop {flags}, or train a head without --distil)")
+
 
 def distil_draft(spec: TrainSpec, layers: int, folder: str | Path, progress: bool = True) -> TrainResult:
     """Distil the target's first `layers` layers into a draft model; resumes from `folder`'s checkpoint.
@@ -33,6 +47,7 @@ def distil_draft(spec: TrainSpec, layers: int, folder: str | Path, progress: boo
     from specbench.models.self_draft import truncated_view
 
     spec.check()
+    check_distil(spec)
     prepared = prepare(spec, folder, lambda count: (), progress)  # no head: no features kept
     target, data, passes, seconds, started = (prepared.target, prepared.data, prepared.passes, prepared.seconds,
                                               prepared.started)
@@ -65,9 +80,9 @@ def distil_draft(spec: TrainSpec, layers: int, folder: str | Path, progress: boo
         for slot in range(spec.batch):
             index = int(order[(step * spec.batch + slot) % len(passes)])
             (_, choices, probs), ids = passes[index], torch.tensor(data["sequences"][index])
-            logits = model(input_ids=ids[None]).logits[0]
-            weights = probs.float() / probs.float().sum(-1, keepdim=True)
-            loss = -(weights * torch.log_softmax(logits.float(), -1).gather(-1, choices.long())).sum(-1).mean()
+            start = max(0, prepared.prompt_lengths[index] - 1) if spec.loss_on == "reply" else 0
+            logits = model(input_ids=ids[None]).logits[0, start:]
+            loss = _distil_loss(logits, choices[start:], probs[start:], spec.labels)
             (loss / spec.batch).backward()
             loss_sum += float(loss.detach()) / spec.batch
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
@@ -93,6 +108,15 @@ def distil_draft(spec: TrainSpec, layers: int, folder: str | Path, progress: boo
     return TrainResult(model, folder, pd.DataFrame(history), seconds,
                        {"sequences": len(data["sequences"]), "tokens": tokens, "layers": layers, "steps": step,
                         "total_steps": total_steps})
+
+
+def _distil_loss(logits: torch.Tensor, choices: torch.Tensor, probs: torch.Tensor, labels: str) -> torch.Tensor:
+    """Cross-entropy against the target's top probabilities renormalized (soft) or its argmax (greedy: the
+    first of the top ids, which `topk` sorts)."""
+    if labels == "greedy":
+        return torch.nn.functional.cross_entropy(logits.float(), choices[:, 0].long())
+    weights = probs.float() / probs.float().sum(-1, keepdim=True)
+    return -(weights * torch.log_softmax(logits.float(), -1).gather(-1, choices.long())).sum(-1).mean()
 
 
 def _checkpoint(model, target, draft_folder, checkpoint, optimizer, schedule, step, history) -> None:
