@@ -43,8 +43,9 @@ def encode_prompts(prompts: Sequence[Union[str, Sequence[int]]], tokenizer, chat
         if isinstance(prompt, str):
             if tokenizer is None:
                 raise SpecbenchError(
-                    f"prompt {index} is text but the target has no tokenizer (a RemoteTarget has none unless "
-                    f"given one): pass token ids, or a tokenizer, e.g. run(..., tokenizer=load_tokenizer(name)) "
+                    f"prompt {index} is text but the target has no tokenizer (a RemoteTarget's worker sent none: "
+                    f"its model has none, or the worker is older than the op): pass token ids, or a tokenizer, "
+                    f"e.g. run(..., tokenizer=load_tokenizer(name)) "
                     f"or RemoteTarget(endpoint, tokenizer=load_tokenizer(name)), with load_tokenizer from "
                     f"specbench.models.loading and name the worker's model")
             if chat and getattr(tokenizer, "chat_template", None):
@@ -110,7 +111,8 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
     for chosen in methods:
         if chosen is not None:
             _check(chosen, target, planner)
-    prompt_ids = encode_prompts(prompts, tokenizer or target.tokenizer, chat)
+    texts = any(isinstance(prompt, str) for prompt in prompts)  # ids need no tokenizer (a RemoteTarget fetches one)
+    prompt_ids = encode_prompts(prompts, tokenizer or (target.tokenizer if texts else None), chat)
     if families is not None and len(families) != len(prompt_ids):
         raise SpecbenchError(f"families name {len(families)} prompts' families for {len(prompt_ids)} prompts")
     source = DraftSource(target, target_model, draft, dtype, self_draft_layers, substitute_quantization, tree,

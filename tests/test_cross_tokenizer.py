@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from specbench.api import outputs, run
+from specbench.api import encode_prompts, outputs, run
 from specbench.decode.cross_drafters import CrossTokenizerDrafter
 from specbench.decode.loop import Decoding, generate
 from specbench.decode.target import LocalTarget
@@ -247,7 +247,8 @@ def test_smollm2_under_shuffled_ids_drafts_for_itself_through_text(smollm2):
 
 
 def test_remote_target_with_a_draft_of_another_tokenizer(smollm2):
-    """Through the worker: the draft stays here and translates with the target's tokenizer."""
+    """Through the worker: the draft stays here and translates with the target's tokenizer, which the client
+    was not given: it comes from the worker (op "tokenizer") and encodes text as the target's own does."""
     from specbench.models.spec import ModelSpec
     from specbench.worker.client import RemoteTarget
     from worker_helpers import ThreadWorker
@@ -259,7 +260,10 @@ def test_remote_target_with_a_draft_of_another_tokenizer(smollm2):
         with pytest.raises(VocabMismatchError, match="both tokenizers are known"):
             run(RemoteTarget(running.endpoint), [[1, 2, 3]], method="chain", draft=tiny_model(0, vocab_size=64),
                 progress=False)
-        remote = RemoteTarget(running.endpoint, tokenizer=smollm2.tokenizer)
+        remote = RemoteTarget(running.endpoint)
+        assert encode_prompts(prompts + ["def f(x):"], remote.tokenizer) == encode_prompts(
+            prompts + ["def f(x):"], smollm2.tokenizer)  # the chat template came too
+        assert RemoteTarget(running.endpoint).tokenizer is remote.tokenizer  # fetched once per model, per process
         frame = run(remote, prompts, method="chain", draft=twin, k=4, max_new_tokens=16, progress=False, warmup=False)
         local = run(smollm2, prompts, method="target-only", max_new_tokens=16, progress=False,
                     warmup=False)

@@ -234,3 +234,32 @@ def test_lazy_worker_loads_on_request():
         assert RemoteTarget(running.endpoint, model=ModelSpec(TARGET)).health()  # still serving
     finally:
         running.stop()
+
+
+def test_a_client_gets_the_workers_tokenizer_once_and_an_older_worker_sends_none(monkeypatch):
+    """A tiny model has no tokenizer: the client reads None after one "tokenizer" request, and asks no more in
+    this process; a worker without the op (older) gives None too, not an error; file names that are not plain
+    names are refused before anything is written."""
+    from specbench.worker import tokenizer_files
+    from specbench.worker.client import RemoteTarget
+
+    monkeypatch.setattr(tokenizer_files, "_loaded", {})
+    running = ThreadWorker()
+    try:
+        remote = RemoteTarget(running.endpoint)
+        before = running.worker.stats.requests
+        assert remote.tokenizer is None and remote.tokenizer is None
+        assert running.worker.stats.requests == before + 1
+        assert RemoteTarget(running.endpoint).tokenizer is None and running.worker.stats.requests == before + 2  # hello
+        with pytest.raises(SpecbenchError, match="no tokenizer"):
+            run(remote, ["text"], method="target-only", progress=False)
+        monkeypatch.setattr(tokenizer_files, "_loaded", {})
+        del running.worker.ops.handlers["tokenizer"]
+        assert RemoteTarget(running.endpoint).tokenizer is None
+    finally:
+        running.stop()
+    for files in ({"../evil.json": b"{}"}, {".hidden": b""}, {"a/b": b""}, {"tokenizer.json": "not bytes"}):
+        with pytest.raises(SpecbenchError, match="plain named files"):
+            tokenizer_files.tokenizer_from_files(files, "m|float32|cpu|0")
+    with pytest.raises(SpecbenchError, match="did not load here"):
+        tokenizer_files.tokenizer_from_files({"tokenizer.json": b"{not json"}, "m|float32|cpu|1")

@@ -28,6 +28,9 @@ from specbench.worker import protocol
 from specbench.worker.protocol import PROTOCOL_VERSION
 
 
+_UNFETCHED = object()  # a RemoteTarget's tokenizer not asked of its worker yet
+
+
 class WorkerError(SpecbenchError):
     """The worker answered with an error reply; `code` says which kind (see the README's table)."""
 
@@ -109,7 +112,35 @@ class RemoteTarget:
         self.vocab_size = int(self.info["vocab_size"])
         self.eos_token_ids = tuple(self.info.get("eos_token_ids", ()))
         self.model_identity = self.info["identity"]
-        self.tokenizer = tokenizer  # tokens travel, text does not: text prompts need the target's tokenizer here
+        self._tokenizer = tokenizer if tokenizer is not None else _UNFETCHED
+
+    @property
+    def tokenizer(self):
+        """The target's tokenizer: the one given, else the worker's own, fetched once when first read (tokens
+        travel per step, text does not: text prompts and a draft of another tokenizer need it here). None
+        when the worker's model has none, or the worker predates the op."""
+        if self._tokenizer is _UNFETCHED:
+            from specbench.worker.tokenizer_files import known_tokenizer, tokenizer_from_files
+
+            known, self._tokenizer = known_tokenizer(self.model_identity)
+            if known:
+                return self._tokenizer
+            try:
+                reply = self._request({"op": "tokenizer"})[0]
+            except WorkerError as error:
+                if "unknown op" not in str(error):  # else an older worker: no such op
+                    raise
+                self._tokenizer = None
+                return None
+            if reply.get("identity") != self.model_identity:
+                raise ModelChangedError(f"the worker now serves {reply.get('identity')}, not {self.model_identity}: "
+                                        f"its tokenizer may not be this client's", "model-changed")
+            self._tokenizer = tokenizer_from_files(reply.get("files"), self.model_identity)
+        return self._tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
 
     # -- Target interface ------------------------------------------------------------------------
     def prefill(self, session: str, token_ids: Sequence[int]) -> int:

@@ -23,6 +23,7 @@ from specbench.worker.jobs import CancelledError, Job, JobQueue, ReplyStore
 from specbench.worker.limits import check
 from specbench.worker.model_policy import LoadPolicy, LoadRefusedError, model_identity
 from specbench.worker.protocol import MAX_SEED, PROTOCOL_VERSION, LimitError, ProtocolError, field as get
+from specbench.worker.tokenizer_files import tokenizer_files
 from specbench.worker.sessions import (Session, SessionEndedError, SessionTable, StaleStepError, check_step,
                                        request_key)
 
@@ -51,7 +52,8 @@ class Ops:
         self.kv_budget = self.limits.max_kv_bytes or _half_free_memory(config.device)
         self.handlers = {"hello": self.hello, "info": self.info, "health": self.health, "stats": self.stats_op,
                          "load": self.load, "prefill": self.prefill, "verify": self.verify, "close": self.close,
-                         "profile": self.profile, "generate": self.generate}
+                         "profile": self.profile, "generate": self.generate, "tokenizer": self.tokenizer}
+        self._tokenizer_files: tuple = (None, {})  # (identity, files): written once per model
 
     # -- model -----------------------------------------------------------------------------------
     def ensure_loaded(self) -> LocalTarget:
@@ -172,6 +174,13 @@ class Ops:
 
     def info(self, header, arrays, **_):
         return self.describe(), None
+
+    def tokenizer(self, header, arrays, **_):
+        """The loaded model's tokenizer as files (none for a model without one): for clients given text."""
+        target = self.ensure_loaded()
+        if self._tokenizer_files[0] != self.identity:
+            self._tokenizer_files = (self.identity, tokenizer_files(target.loaded.tokenizer))
+        return {"identity": self.identity, "files": self._tokenizer_files[1]}, None
 
     def health(self, header, arrays, **_):
         return {"status": "ok"}, None

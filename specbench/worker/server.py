@@ -271,7 +271,7 @@ class Worker:
         one that reads no session, or closes or opens a session with no step in the batch. Without
         this, a client closing its finished session or opening its next prompt's split every batch it
         arrived in (under steady load, clients do that every few steps)."""
-        if not batch or op in ("info", "health", "stats"):
+        if not batch or op in ("info", "health", "stats", "tokenizer"):
             return True
         if op not in ("close", "prefill"):
             return False  # loads, generates, profiles: after the batch, as they came
