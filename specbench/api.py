@@ -37,9 +37,15 @@ def as_target(target: Union[ModelLike, Target], dtype: str = "float32",
 
 
 def encode_prompts(prompts: Sequence[Union[str, Sequence[int]]], tokenizer, chat: bool = True) -> list[list[int]]:
-    """Strings become token ids (through the chat template when the tokenizer has one); ids pass."""
+    """Strings become token ids (through the chat template when the tokenizer has one); ids pass; a dataset
+    row (`load_prompts`) is read as its "prompt" text."""
     encoded = []
     for index, prompt in enumerate(prompts):
+        if isinstance(prompt, dict):
+            if not isinstance(prompt.get("prompt"), str):
+                raise SpecbenchError(f"prompt {index} is a dict without a 'prompt' text (keys {sorted(prompt)[:8]}): "
+                                     f"pass texts, token ids, or rows of load_prompts")
+            prompt = prompt["prompt"]
         if isinstance(prompt, str):
             if tokenizer is None:
                 raise SpecbenchError(
@@ -111,7 +117,7 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
     for chosen in methods:
         if chosen is not None:
             _check(chosen, target, planner)
-    texts = any(isinstance(prompt, str) for prompt in prompts)  # ids need no tokenizer (a RemoteTarget fetches one)
+    texts = any(isinstance(prompt, (str, dict)) for prompt in prompts)  # ids need none (a RemoteTarget fetches one)
     prompt_ids = encode_prompts(prompts, tokenizer or (target.tokenizer if texts else None), chat)
     if families is not None and len(families) != len(prompt_ids):
         raise SpecbenchError(f"families name {len(families)} prompts' families for {len(prompt_ids)} prompts")

@@ -95,6 +95,20 @@ def test_text_prompt_needs_tokenizer(tiny_target):
         run(tiny_target, ["hello"], method="target-only", progress=False)
 
 
+def test_dataset_rows_are_prompts_and_a_dict_without_prompt_is_named():
+    """`run(target, load_prompts(...))` reads each row's "prompt" (a row once failed as "prompt[0] = 'id' is not an
+    integer token id"); a dict without one is refused naming its keys."""
+    from specbench.api import encode_prompts
+    from tests.tokenizers_for_tests import byte_level_bpe
+
+    tokenizer = byte_level_bpe()
+    row = {"id": "refine-1", "set": "self-refine", "prompt": "Describe a gear.", "turns": ["Describe a gear."]}
+    assert encode_prompts([row, [5, 6]], tokenizer, chat=False) == encode_prompts(["Describe a gear.", [5, 6]],
+                                                                                  tokenizer, chat=False)
+    with pytest.raises(SpecbenchError, match=r"prompt 1 is a dict without a 'prompt' text \(keys \['id', 'turns'\]"):
+        encode_prompts([[1], {"id": 3, "turns": ["a"]}], tokenizer)
+
+
 def test_tree_budget_zero_and_dynamic_tree_with_rejection(tiny_target, tiny_draft):
     from specbench.decode.tree_drafters import TreeDrafter
 
