@@ -174,10 +174,17 @@ def build_parser() -> argparse.ArgumentParser:
     run_parser = commands.add_parser("run", help="run methods on prompts and print the summary; with target-only "
                                      "among them, why each method paid or not and (greedy) whether every output is "
                                      "target-only's, each difference shown a near-tie or a defect")
-    run_parser.add_argument("--target", default="smollm2-135m")
+    run_parser.add_argument("--target", help="catalog name, Hugging Face id or path (default smollm2-135m; with "
+                                             "--worker: the model the worker is asked to serve, else its own)")
     run_parser.add_argument("--draft")
     run_parser.add_argument("--method", nargs="+", default=["target-only", "prompt-lookup"])
-    run_parser.add_argument("--prompt", action="append")
+    run_parser.add_argument("--prompt", action="append", help="a prompt's text (repeat the flag for more)")
+    run_parser.add_argument("--prompts", help="a dataset name or a JSONL path, in place of --prompt (its families go "
+                                              "to --method auto's router)")
+    run_parser.add_argument("--prompt-count", type=int, help="with --prompts: a seeded sample of this many")
+    run_parser.add_argument("--worker", metavar="ENDPOINT", help="verify on a worker (`specbench worker`), e.g. "
+                                                                 "tcp://127.0.0.1:5555; drafts still run here")
+    run_parser.add_argument("--curve-keys", metavar="DIR", help="with --worker: the client keys (`specbench keys`)")
     run_parser.add_argument("--k", type=int, default=4)
     run_parser.add_argument("--max-new-tokens", type=int, default=64)
     run_parser.add_argument("--temperature", type=float, default=0.0)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from specbench.types import SamplingParams, SpecbenchError
 
+DEFAULT_TARGET = "smollm2-135m"
+
 
 def run_command(args) -> int:
     """Run the methods on the prompts; print the summary and, beside target-only, why each paid or not and
@@ -12,7 +14,6 @@ def run_command(args) -> int:
     from specbench.decode.divergence import difference_lines
     from specbench.decode.metrics import summarize
     from specbench.decode.verdict import speed_verdicts
-    from specbench.demo import DEMO_PROMPTS
     from specbench.models.loading import load_model
     from specbench.models.spec import ModelSpec
 
@@ -20,7 +21,9 @@ def run_command(args) -> int:
         from specbench.tune.command import apply_config
 
         apply_config(args)
-    target = ModelSpec(args.target, dtype=args.dtype, quantization=args.quant, kernels=args.kernels)
+    prompts, families = _prompts(args)
+    _check_worker_options(args)
+    target = ModelSpec(args.target or DEFAULT_TARGET, dtype=args.dtype, quantization=args.quant, kernels=args.kernels)
     draft = (ModelSpec(args.draft, dtype=args.dtype, quantization=args.draft_quant, kernels=args.kernels)
              if args.draft else None)
     sampling = SamplingParams(temperature=args.temperature, rule=args.rule)
@@ -35,17 +38,20 @@ def run_command(args) -> int:
             raise SpecbenchError("--plan chooses K per step for a draft/target pair or prompt lookup: pass --draft")
         planner = planner_from_caches(target.label, draft.label if draft else LOOKUP_DRAFT, cs=args.cs,
                                       max_k=args.k, draft_budget_mib=args.draft_budget_mib, dtype=args.dtype)
-    loaded, prompts = load_model(target), args.prompt or DEMO_PROMPTS  # loaded once: the run and the check share it
-    records = run(loaded, prompts, method=args.method, draft=draft, k=args.k,
+    # loaded once here (the run and the check share it), or the worker's
+    loaded = load_model(target) if not args.worker else None
+    records = run(loaded or _remote(args, target), prompts, method=args.method, draft=draft, k=args.k,
                   max_new_tokens=args.max_new_tokens, sampling=sampling, dtype=args.dtype, planner=planner,
                   substitute_quantization=args.substitute_quant, cross_tokenizer=args.cross_tokenizer,
                   fast=args.fast, self_draft_layers=getattr(args, "self_draft_layers", None), router=_router(args),
-                  suffix=suffix_settings(args))
+                  suffix=suffix_settings(args), families=families if "auto" in args.method else None)
     print(summarize(records).round(3).to_string(index=False))
     if "target-only" in args.method:  # why each method paid or not; greedy: whether each output is target-only's
         print("\n".join(speed_verdicts(records)))
-        if sampling.greedy:
+        if sampling.greedy and loaded is not None:
             print("\n".join(difference_lines(divergences(records, loaded, prompts), args.dtype)))
+        elif sampling.greedy:
+            print(_remote_differences(records))
     if args.out:
         records.to_csv(args.out, index=False)
         print(f"per-step records: {args.out}")
@@ -69,3 +75,55 @@ def _router(args):
     from specbench.route.router import Router
 
     return Router.load(args.router)
+
+
+def _prompts(args) -> tuple[list, list | None]:
+    """(the prompts, their families where a dataset names them): --prompt texts, a --prompts dataset or JSONL, or
+    the demo's prompts."""
+    if args.prompts and args.prompt:
+        raise SpecbenchError("--prompt and --prompts both name the prompts: give one of them")
+    if args.prompt_count is not None and not args.prompts:
+        raise SpecbenchError("--prompt-count samples a --prompts dataset: pass --prompts NAME|JSONL too")
+    if args.prompts:
+        from specbench.datasets import load_prompts
+
+        rows = load_prompts(args.prompts, limit=args.prompt_count)
+        return [row["prompt"] for row in rows], [row["set"] for row in rows]
+    from specbench.demo import DEMO_PROMPTS
+
+    return list(args.prompt or DEMO_PROMPTS), None
+
+
+def _check_worker_options(args) -> None:
+    """Options that describe the target refused where they would do nothing: with a worker, its model is what the
+    worker serves unless --target asks for another."""
+    if args.curve_keys and not args.worker:
+        raise SpecbenchError("--curve-keys are a worker client's keys: pass --worker ENDPOINT too")
+    if args.worker and not args.target:
+        given = [flag for flag, on in (("--quant", args.quant != "none"), ("--kernels", args.kernels != "default"),
+                                       ("--plan", args.plan)) if on]
+        if given:
+            raise SpecbenchError(f"{', '.join(given)} with --worker need{'s' if len(given) == 1 else ''} --target: the worker serves its own model "
+                                 f"unless --target names the one to serve (and the planner reads its caches)")
+
+
+def _remote(args, target):
+    """The worker as the target; with --target, the worker is asked to serve that model (a worker serving
+    another refuses unless it allows the load)."""
+    from specbench.worker.client import RemoteTarget
+
+    return RemoteTarget(args.worker, model=target if args.target else None, curve_keys=args.curve_keys)
+
+
+def _remote_differences(records) -> str:
+    """Greedy outputs against target-only's when the target's weights are on a worker: which differ (the near-tie
+    check reads the target's logits, so it runs only in-process: `specbench run` without --worker)."""
+    from specbench.api import outputs
+
+    got = outputs(records)
+    differ = sorted({(m, i) for (m, i), tokens in got.items() if m != "target-only" and ("target-only", i) in got
+                     and tokens != got[("target-only", i)]})
+    if not differ:
+        return "every output is target-only's, token for token"
+    return ("outputs that left target-only's (" + ", ".join(f"{m} prompt {i}" for m, i in differ) + "): in fp32 "
+            "a defect; in bf16 check them for near-ties in-process (specbench run without --worker)")

@@ -102,3 +102,53 @@ def test_the_run_command_says_why_and_whether_outputs_match(capsys):
     printed = capsys.readouterr().out
     assert "prompt-lookup is " in printed and "x target-only" in printed  # the verdict
     assert "every output is target-only's, token for token" in printed
+
+
+def test_the_run_command_against_a_worker_on_a_dataset(capsys, tmp_path):
+    """`specbench run --worker ENDPOINT --prompts JSONL --prompt-count N`: the prompts are the file's (a seeded
+    sample), the target is the worker's model (its tokenizer comes from it), and greedy outputs are checked
+    against target-only's."""
+    import json
+
+    from specbench.cli import main
+    from specbench.models.spec import ModelSpec
+    from worker_helpers import ThreadWorker
+
+    path = tmp_path / "mine.jsonl"
+    path.write_text("".join(json.dumps({"prompt": text, "set": "mine"}) + "\n" for text in (
+        "Say hello three times: hello hello hello", "Count: 1 2 3 4", "Name a colour.")))
+    running = ThreadWorker(model=ModelSpec("smollm2-135m"), draft=None)
+    try:
+        assert main(["run", "--worker", running.endpoint, "--prompts", str(path), "--prompt-count", "2", "--method",
+                     "target-only", "prompt-lookup", "--max-new-tokens", "8"]) == 0
+    finally:
+        running.stop()
+    printed = capsys.readouterr().out
+    assert "prompt-lookup is " in printed and "every output is target-only's, token for token" in printed
+    assert sum(line.split()[:1] == ["target-only"] and line.split()[1] == "16" for line in printed.splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prompt", "x", "--prompts", "humaneval"], "--prompt and --prompts both name the prompts"),
+    (["--prompt-count", "3"], "--prompt-count samples a --prompts dataset"),
+    (["--curve-keys", "keys/"], "--curve-keys are a worker client's keys"),
+    (["--worker", "tcp://127.0.0.1:9", "--quant", "int8-dynamic"], "--quant with --worker needs --target"),
+    (["--worker", "tcp://127.0.0.1:9", "--plan", "--kernels", "tuned"], "--kernels, --plan with --worker need --target"),
+])
+def test_the_run_command_refuses_options_that_would_do_nothing(capsys, argv, message):
+    from specbench.cli import main
+
+    assert main(["run", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_remote_differences_name_each_output_that_left_target_only(monkeypatch):
+    import specbench.api
+    from specbench.run_command import _remote_differences
+
+    monkeypatch.setattr(specbench.api, "outputs", lambda records: {("target-only", 0): [1, 2], ("chain", 0): [1, 2],
+                                                                   ("target-only", 1): [3], ("chain", 1): [4]})
+    line = _remote_differences(None)
+    assert line.startswith("outputs that left target-only's (chain prompt 1)")
+    monkeypatch.setattr(specbench.api, "outputs", lambda records: {("target-only", 0): [1], ("chain", 0): [1]})
+    assert _remote_differences(None) == "every output is target-only's, token for token"
