@@ -103,8 +103,9 @@ def _check_worker_options(args) -> None:
         given = [flag for flag, on in (("--quant", args.quant != "none"), ("--kernels", args.kernels != "default"),
                                        ("--plan", args.plan)) if on]
         if given:
-            raise SpecbenchError(f"{', '.join(given)} with --worker need{'s' if len(given) == 1 else ''} --target: the worker serves its own model "
-                                 f"unless --target names the one to serve (and the planner reads its caches)")
+            raise SpecbenchError(f"{', '.join(given)} with --worker need{'s' if len(given) == 1 else ''} --target: "
+                                 f"the worker serves its own model unless --target names the one to serve (and the "
+                                 f"planner reads its caches)")
 
 
 def _remote(args, target):

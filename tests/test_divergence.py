@@ -133,7 +133,8 @@ def test_the_run_command_against_a_worker_on_a_dataset(capsys, tmp_path):
     (["--prompt-count", "3"], "--prompt-count samples a --prompts dataset"),
     (["--curve-keys", "keys/"], "--curve-keys are a worker client's keys"),
     (["--worker", "tcp://127.0.0.1:9", "--quant", "int8-dynamic"], "--quant with --worker needs --target"),
-    (["--worker", "tcp://127.0.0.1:9", "--plan", "--kernels", "tuned"], "--kernels, --plan with --worker need --target"),
+    (["--worker", "tcp://127.0.0.1:9", "--plan", "--kernels", "tuned"],
+     "--kernels, --plan with --worker need --target"),
 ])
 def test_the_run_command_refuses_options_that_would_do_nothing(capsys, argv, message):
     from specbench.cli import main

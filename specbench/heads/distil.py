@@ -32,9 +32,10 @@ def check_distil(spec: TrainSpec) -> None:
     given = [name for name in HEAD_ONLY if getattr(spec, name) != getattr(default, name)]
     if given:
         flags = ", ".join("--" + name.replace("_", "-") for name in given)
-        raise SpecbenchError(f"{flags} shape{'s' if len(given) == 1 else ''} a draft head; --distil trains a draft "
-                             f"model of the target's first layers and has no use for {'it' if len(given) == 1 else 'them'}"
-                             f" (drop {flags}, or train a head without --distil)")
+        one = len(given) == 1
+        raise SpecbenchError(f"{flags} shape{'s' if one else ''} a draft head; --distil trains a draft model of the "
+                             f"target's first layers and has no use for {'it' if one else 'them'} (drop {flags}, or "
+                             f"train a head without --distil)")
 
 
 def distil_draft(spec: TrainSpec, layers: int, folder: str | Path, progress: bool = True) -> TrainResult:

@@ -23,9 +23,9 @@ from specbench.worker.jobs import CancelledError, Job, JobQueue, ReplyStore
 from specbench.worker.limits import check
 from specbench.worker.model_policy import LoadPolicy, LoadRefusedError, model_identity
 from specbench.worker.protocol import MAX_SEED, PROTOCOL_VERSION, LimitError, ProtocolError, field as get
-from specbench.worker.tokenizer_files import tokenizer_files
 from specbench.worker.sessions import (Session, SessionEndedError, SessionTable, StaleStepError, check_step,
                                        request_key)
+from specbench.worker.tokenizer_files import tokenizer_files
 
 
 @dataclass

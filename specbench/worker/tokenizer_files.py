@@ -41,7 +41,8 @@ def tokenizer_from_files(files: dict, identity: str) -> Optional[object]:
     if identity in _loaded:
         return _loaded[identity]
     if not isinstance(files, dict) or len(files) > MAX_FILES or not all(
-            isinstance(name, str) and _NAME.fullmatch(name) and isinstance(data, bytes) for name, data in files.items()):
+            isinstance(name, str) and _NAME.fullmatch(name) and isinstance(data, bytes)
+            for name, data in files.items()):
         raise SpecbenchError(f"the worker's tokenizer for {identity} came as something other than at most {MAX_FILES} "
                              f"plain named files: pass RemoteTarget(..., tokenizer=load_tokenizer(name)) instead")
     tokenizer = None
