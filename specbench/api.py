@@ -78,6 +78,8 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
         families: Optional[Sequence[str]] = None, wrap_drafter=None) -> pd.DataFrame:
     """Run each method over each prompt and return one row per speculative step.
 
+    `prompts` are texts (through the chat template), token ids, or dataset rows (`load_prompts`: their "prompt",
+    and their "set" as `families` unless given); a RemoteTarget brings its worker's tokenizer for text.
     `target` is a catalog name, Hugging Face id, path, ModelSpec, LoadedModel, LocalTarget or
     RemoteTarget; methods come from the method table (`specbench.methods`). For tree methods `k` is
     the node budget. Every method shares the target and the loop, so tokens are counted identically;
@@ -117,6 +119,8 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
     for chosen in methods:
         if chosen is not None:
             _check(chosen, target, planner)
+    if families is None and prompts and all(isinstance(prompt, dict) and "set" in prompt for prompt in prompts):
+        families = [str(prompt["set"]) for prompt in prompts]  # dataset rows name their family
     texts = any(isinstance(prompt, (str, dict)) for prompt in prompts)  # ids need none (a RemoteTarget fetches one)
     prompt_ids = encode_prompts(prompts, tokenizer or (target.tokenizer if texts else None), chat)
     if families is not None and len(families) != len(prompt_ids):

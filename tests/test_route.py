@@ -119,6 +119,25 @@ def test_router_uses_a_family_when_features_do_not_tell():
     assert router.choose([8, 13, 21], "chat")[0].method == "target-only"
 
 
+def test_dataset_rows_route_by_their_own_family():
+    """`run(target, rows, method="auto")` with rows of `load_prompts`: each row's "set" reaches the router as its
+    family (the router here tells code from chat by family alone), and the rows' prompts are their texts."""
+    from specbench.models.tiny import tiny_model
+    from tests.tokenizers_for_tests import byte_level_bpe
+
+    prompts = PLAIN + [list(reversed(p)) for p in PLAIN]
+    records = _records(prompts, lambda ids: 4 if prompts.index(ids) < 3 else 1)
+    router = fit_router(records, prompts, [Candidate("target-only"), Candidate("prompt-lookup", 4)],
+                        ["code"] * 3 + ["chat"] * 3, ridge=0.01)
+    tokenizer = byte_level_bpe()
+    target = tiny_model(seed=0, vocab_size=len(tokenizer))
+    rows = [{"id": "a", "set": "chat", "prompt": "say hi say hi"}, {"id": "b", "set": "code", "prompt": "def f(x):"},
+            {"id": "c", "set": "chat", "prompt": "def f(x):"}]
+    got = run(target, rows, method="auto", router=router, tokenizer=tokenizer, max_new_tokens=4, progress=False)
+    chosen = got.groupby("prompt_index")["chosen"].first().tolist()
+    assert chosen == ["target-only", "prompt-lookup k=4", "target-only"]
+
+
 def test_router_round_trips_and_refuses_a_corrupt_file(tmp_path):
     prompts = REPETITIVE + PLAIN
     router = fit_router(_records(prompts, lambda ids: 2), prompts, [Candidate("target-only"),

@@ -180,6 +180,22 @@ def test_a_planned_server_picks_k_per_step_and_stays_lossless(remote, expected):
         Engine(ServeSettings(target=MODEL, methods=("target-only",), plan=True, worker=remote.worker_endpoint))
 
 
+def test_serve_with_a_worker_needs_no_target_name_and_refuses_a_wrong_one(remote):
+    """`specbench serve --worker ENDPOINT` serves the worker's model under its name, with the worker's tokenizer
+    (the remote fixture's text equals target-only's: that tokenizer is the one in use); a --target naming another
+    model is refused naming the right one."""
+    from specbench.cli import build_parser
+    from specbench.serve.command import settings_from
+    from specbench.serve.engine import Engine
+
+    args = build_parser().parse_args(["serve", "--worker", remote.worker_endpoint, "--method", "target-only"])
+    assert settings_from(args).target == MODEL
+    assert remote.engine.tokenizer.chat_template  # came from the worker, chat template and all
+    with pytest.raises(SpecbenchError, match=f"serves '{MODEL}', not 'qwen2.5-coder-0.5b'.*--target {MODEL}, or "
+                                             f"with no --target"):
+        Engine(ServeSettings(target="qwen2.5-coder-0.5b", methods=("target-only",), worker=remote.worker_endpoint))
+
+
 def test_a_method_that_cannot_run_is_refused_at_start(remote):
     """A chain without a draft model fails at start, naming the method; a self-draft (the target's own
     weights) is not asked for one, and beside another process's worker it is refused for that reason."""

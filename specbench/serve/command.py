@@ -51,8 +51,10 @@ def settings_from(args):
         methods = methods or list(dict.fromkeys([config["method"], "target-only"]))
         extra = {"self_draft_layers": config.get("self_draft_layers"),
                  "substitute_quantization": config.get("substitute_quantization") or "8bit"}
+    if not target and args.worker:
+        target = worker_model(args.worker)
     if not target:
-        raise SpecbenchError("serve needs --target (or --config from `specbench tune`)")
+        raise SpecbenchError("serve needs --target (or --config from `specbench tune`, or --worker: its model)")
     methods = tuple(methods or (["target-only", "chain"] if draft else ["target-only"]))
     if args.suffix:
         from specbench.decode.suffix_drafter import SuffixSettings, suffix_options
@@ -64,6 +66,18 @@ def settings_from(args):
                          worker=args.worker, dtype=args.dtype, device=args.device, host=args.host, port=args.port,
                          api_key=args.api_key,
                          limits=limits, **extra)
+
+
+def worker_model(endpoint: str) -> str:
+    """The model a running worker serves, by the name `--target` would give it (its label less quantization
+    and kernels, which are the worker's own)."""
+    from specbench.worker.client import RemoteTarget
+
+    remote = RemoteTarget(endpoint, timeout_s=30, retries=0)
+    try:
+        return remote.info["model"].split("@")[0].split("+")[0]
+    finally:
+        remote.disconnect()
 
 
 def _serve(args) -> int:

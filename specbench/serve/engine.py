@@ -59,18 +59,19 @@ class Engine:
         from specbench.worker.client import RemoteTarget
 
         self.settings, self.log = settings, log
-        self.tokenizer = load_tokenizer(settings.target)
         self._worker = self._stop_worker = None
         endpoint = settings.worker or self._start_worker()
-        pool_size = settings.limits.max_concurrent
-        self._clients: queue.SimpleQueue = queue.SimpleQueue()
-        for _ in range(pool_size):
-            self._clients.put(RemoteTarget(endpoint, tokenizer=self.tokenizer))
-        probe = self._clients.get()
+        probe = RemoteTarget(endpoint)
         served = probe.info.get("model")
         if settings.worker and served is not None and served.split("@")[0].split("+")[0] != settings.target:
             raise SpecbenchError(f"the worker at {endpoint} serves {served!r}, not {settings.target!r}: start "
-                                 f"serve with --target {served} (text is tokenized here with the target's tokenizer)")
+                                 f"serve with --target {served.split('@')[0].split('+')[0]}, or with no --target")
+        # another process's worker brings its own tokenizer (no model files needed here); ours shares the name's
+        self.tokenizer = probe.tokenizer if settings.worker else load_tokenizer(settings.target)
+        probe.tokenizer = self.tokenizer
+        self._clients: queue.SimpleQueue = queue.SimpleQueue()
+        for _ in range(settings.limits.max_concurrent - 1):
+            self._clients.put(RemoteTarget(endpoint, tokenizer=self.tokenizer))
         self.vocab_size, self.eos_token_ids = probe.vocab_size, probe.eos_token_ids
         self._clients.put(probe)
         self._draft = self._load_draft()
