@@ -7,7 +7,8 @@ import os
 def add_serve(commands) -> None:
     serve = commands.add_parser("serve", help="an OpenAI-compatible endpoint with speculative decoding, a chat page "
                                               "at / and Prometheus metrics at /metrics")
-    serve.add_argument("--target", help="catalog name, Hugging Face id or path (or --config)")
+    serve.add_argument("--target", help="catalog name, Hugging Face id or path (or --config; with --worker: that "
+                                        "worker's model unless given)")
     serve.add_argument("--config", help="a `specbench tune` configuration (tune.json): its target, method, draft, K")
     serve.add_argument("--draft", help="draft model for chain and tree methods")
     serve.add_argument("--method", nargs="+", default=None,
@@ -19,7 +20,8 @@ def add_serve(commands) -> None:
                        help="suffix decoding's settings for the suffix methods, e.g. min_score=2 factor=2 (a request "
                             "may change the step knobs in speculative.suffix; the cache stays the server's)")
     serve.add_argument("--plan", action="store_true", help="a step planner from the cached profiles picks K per step")
-    serve.add_argument("--worker", help="a worker endpoint serving the target (default: one started in this process)")
+    serve.add_argument("--worker", help="a worker endpoint serving the target, whose model and tokenizer are used "
+                                        "(default: a worker started in this process)")
     serve.add_argument("--dtype", default="float32")
     serve.add_argument("--device", default="cpu",
                        help="cpu or cuda[:N]: the target (unless --worker) and the draft run there (default cpu)")
