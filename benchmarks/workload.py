@@ -5,9 +5,13 @@ later requests repeat earlier outputs (the project's `agentic` set: self-refinem
 calls; and ShareGPT conversations), scripted with the target's own greedy answers. Each family's
 prompts are split: the router trains on the calibration half (every candidate run over it, interleaved) and is judged
 on the held-out half, where every candidate, `auto`, and the per-prompt oracle (the best candidate for
-each prompt, from those same runs) are compared. Held-out runs go family by family, the methods of a
-family back to back (their order reversed every other family, so a drifting machine favours none), each
-suffix method with its own cache (named), which sees only that method's earlier requests.
+each prompt, from those same runs) are compared. When each candidate is its own method (K may differ), a pass
+is one `run` call: every prompt runs every method and `auto` back to back, their order rotated per prompt, so a
+slow spell of the machine falls on all of them alike (timed one call per method, a slow spell once made `auto`
+3x slower than the method it chose on the same steps: 2026-12-02-workload-qwen-amx-two-passes.md). With one
+method at two Ks (prompt-lookup:4 and :8), held-out runs go family by family, one call per method, their order
+reversed every other family. Either way each suffix method has its own cache, which sees only that method's
+earlier requests.
 
 The oracle takes, per prompt, the fastest of several timings, so timing noise alone lifts it above every
 method it picks from. `--passes 2` times the held-out half twice (the second pass in the reverse order,
@@ -162,6 +166,9 @@ def main() -> None:
     found = requests(args, target)
     scripted_s = time.perf_counter() - started
     calibration, held = split(found)
+    if not calibration or not held:
+        raise SystemExit(f"{len(found)} requests split into {len(calibration)} calibration and {len(held)} held-out "
+                         f"ones: alternate sessions go to each half, so ask for at least 2 (--sessions, --per-family)")
     print(f"{len(found)} requests ({len(calibration)} calibration, {len(held)} held out) in "
           f"{len(set(r['set'] for r in found))} families; scripted in {scripted_s:.0f} s")
 
@@ -225,22 +232,40 @@ def main() -> None:
     # calibration records can be scored on these rows without scripting the sessions again
     named = {f"{family}/{i}": r for family in families for i, r in enumerate([r for r in held if r["set"] == family])}
     Path(args.out).with_suffix(".held-out.json").write_text(json.dumps(named))
+    def keep(records, label_of, prompts, turn):
+        """The per-prompt rows and outputs of held-out `records` (`label_of`: a row's method -> its label)."""
+        names = [f"{r['set']}/{sum(o['set'] == r['set'] for o in prompts[:i])}" for i, r in enumerate(prompts)]
+        for (method, index), produced in outputs(records).items():
+            made[(label_of[method], turn, names[index])] = produced
+        for item in per_prompt(records).itertuples():
+            label = label_of[item.method]
+            rows.append({"family": prompts[item.prompt_index]["set"], "label": label,
+                         "prompt": names[item.prompt_index], "pass": turn, "tokens": item.tokens,
+                         "seconds": item.seconds, "route_s": item.route_s, "steps": item.steps,
+                         "verified": item.verified,
+                         "chosen": (records[(records.method == "auto") & (records.prompt_index == item.prompt_index)]
+                                    ["chosen"].iloc[0] if item.method == "auto" else label)})
+
+    # one call per pass when each candidate is its own method: every prompt runs every method back to back (run
+    # rotates their order per prompt), so a slow spell of the machine falls on all of them alike; each method's
+    # suffix cache sees the pass's earlier prompts, as the named caches of one call per method did
+    together = len({c.method for c in candidates}) == len(candidates)
     for turn in range(args.passes):
+        if together:
+            prompts = [r for family in families for r in held if r["set"] == family]
+            methods = [f"{c.method}:{c.k}" for c in candidates] + ["auto"]
+            records = one(methods if turn % 2 == 0 else methods[::-1], 4, prompts, [r["set"] for r in prompts],
+                          f"held-out pass {turn}", router=router)
+            keep(records, {**{c.method: c.label for c in candidates}, "auto": "auto"}, prompts, turn)
+            print(f"held out, pass {turn + 1}/{args.passes}: done ({len(prompts)} prompts, methods interleaved)")
+            continue
         for number, family in enumerate(families):
             prompts = [r for r in held if r["set"] == family]
             order = [(c.method, c.k, c.label) for c in candidates] + [("auto", 4, "auto")]
             for method, k, label in (order if (number + turn) % 2 == 0 else order[::-1]):
                 records = one(method, k, prompts, [family] * len(prompts), f"held-out {label} pass {turn}",
                               **({"router": router} if method == "auto" else {}))
-                table = per_prompt(records)
-                for (_, index), produced in outputs(records).items():
-                    made[(label, turn, f"{family}/{index}")] = produced
-                for item in table.itertuples():
-                    rows.append({"family": family, "label": label, "prompt": f"{family}/{item.prompt_index}",
-                                 "pass": turn, "tokens": item.tokens, "seconds": item.seconds,
-                                 "route_s": item.route_s, "steps": item.steps, "verified": item.verified,
-                                 "chosen": (records[records.prompt_index == item.prompt_index]["chosen"].iloc[0]
-                                            if method == "auto" else label)})
+                keep(records, {method: label}, prompts, turn)
             print(f"held out {family}, pass {turn + 1}/{args.passes}: done ({len(prompts)} prompts)")
     report = summarise(pd.DataFrame(rows), [c.label for c in candidates])
     report["outputs_unlike_target_only"] = unlike_target_only(

@@ -81,8 +81,9 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
     `prompts` are texts (through the chat template), token ids, or dataset rows (`load_prompts`: their "prompt",
     and their "set" as `families` unless given); a RemoteTarget brings its worker's tokenizer for text.
     `target` is a catalog name, Hugging Face id, path, ModelSpec, LoadedModel, LocalTarget or
-    RemoteTarget; methods come from the method table (`specbench.methods`). For tree methods `k` is
-    the node budget. Every method shares the target and the loop, so tokens are counted identically;
+    RemoteTarget; methods come from the method table (`specbench.methods`), each at `k` or at its own K
+    ("chain:3"). For tree methods K is the node budget. Every method shares the target and the loop, so tokens
+    are counted identically;
     a short warm-up generation per method is run first and discarded. Methods are interleaved: each runs a
     prompt before the next prompt starts, in an order rotated per prompt, so a machine that slows or speeds up
     during the call weighs on all of them alike (every method's drafter stays built for the whole call).
@@ -108,7 +109,7 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
     replaying recorded ones as clients on other hosts would (`decode/replay_drafter.py`).
     """
     sampling = sampling or SamplingParams()
-    names = [method] if isinstance(method, str) else list(method)
+    names, ks = method_ks([method] if isinstance(method, str) else list(method), k)
     if "auto" in names and router is None:
         raise SpecbenchError("method 'auto' routes each prompt to a method and K: pass router=... (a Router from "
                              "specbench.route.auto.train_router, or Router.load(path))")
@@ -144,7 +145,7 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
                   sampling=sampling, seed=seed, warmup=warmup, draft=draft, bar=bar, device=device,
                   target_bytes=target_bytes, wrap=wrap_drafter or (lambda drafter: drafter))
     runs = [_auto_run(router, families, **shared) if chosen is None else
-            _method_run(chosen, planner, proactive, **shared) for chosen in methods]
+            _method_run(chosen, planner, proactive, **dict(shared, k=own_k)) for chosen, own_k in zip(methods, ks)]
     for index in range(len(prompt_ids)):  # every method on a prompt before the next prompt, in an order rotated
         turn = index % len(runs)  # per prompt: the machine's drift during the call weighs on all methods alike
         for one_prompt in runs[turn:] + runs[:turn]:
@@ -152,6 +153,22 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
             bar.update()
     bar.close()
     return pd.DataFrame(rows)
+
+
+def method_ks(names: Sequence[str], k: int) -> tuple[list[str], list[int]]:
+    """Method names and each one's K: "chain:3" runs the chain at K=3 beside "suffix-tree:16" in one interleaved
+    call; a name without ":K" takes `k`. A method given twice is refused (its rows and outputs would mix)."""
+    found, ks = [], []
+    for given in names:
+        name, _, own = str(given).partition(":")
+        if own and not own.isdigit():
+            raise SpecbenchError(f"method {given!r}: K after ':' must be a whole number")
+        if name in found:
+            raise SpecbenchError(f"method {name!r} is given twice ({given!r}): its rows and outputs would mix; run "
+                                 f"each K of one method in its own call")
+        found.append(name)
+        ks.append(int(own) if own else k)
+    return found, ks
 
 
 def _method_run(chosen, planner, proactive, *, target, source, prompt_ids, k, max_new_tokens, sampling, seed,

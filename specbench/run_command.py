@@ -10,7 +10,7 @@ DEFAULT_TARGET = "smollm2-135m"
 def run_command(args) -> int:
     """Run the methods on the prompts; print the summary and, beside target-only, why each paid or not and
     (greedy) whether every output is target-only's."""
-    from specbench.api import divergences, run
+    from specbench.api import divergences, method_ks, run
     from specbench.decode.divergence import difference_lines
     from specbench.decode.metrics import summarize
     from specbench.decode.verdict import speed_verdicts
@@ -23,6 +23,7 @@ def run_command(args) -> int:
         apply_config(args)
     prompts, families = _prompts(args)
     _check_worker_options(args)
+    names = method_ks(args.method, args.k)[0]  # "chain:3": the method at its own K
     target = ModelSpec(args.target or DEFAULT_TARGET, dtype=args.dtype, quantization=args.quant, kernels=args.kernels)
     draft = (ModelSpec(args.draft, dtype=args.dtype, quantization=args.draft_quant, kernels=args.kernels)
              if args.draft else None)
@@ -34,7 +35,7 @@ def run_command(args) -> int:
         from specbench.methods import get_method
         from specbench.plan.predict import LOOKUP_DRAFT
 
-        if draft is None and not any(get_method(m).lookup for m in args.method):  # no draft: a lookup's planner
+        if draft is None and not any(get_method(m).lookup for m in names):  # no draft: a lookup's planner
             raise SpecbenchError("--plan chooses K per step for a draft/target pair or prompt lookup: pass --draft")
         planner = planner_from_caches(target.label, draft.label if draft else LOOKUP_DRAFT, cs=args.cs,
                                       max_k=args.k, draft_budget_mib=args.draft_budget_mib, dtype=args.dtype)
@@ -43,10 +44,11 @@ def run_command(args) -> int:
     records = run(loaded or _remote(args, target), prompts, method=args.method, draft=draft, k=args.k,
                   max_new_tokens=args.max_new_tokens, sampling=sampling, dtype=args.dtype, planner=planner,
                   substitute_quantization=args.substitute_quant, cross_tokenizer=args.cross_tokenizer,
-                  fast=args.fast, self_draft_layers=getattr(args, "self_draft_layers", None), router=_router(args),
-                  suffix=suffix_settings(args), families=families if "auto" in args.method else None)
+                  fast=args.fast, self_draft_layers=getattr(args, "self_draft_layers", None),
+                  router=_router(args, names), suffix=suffix_settings(args),
+                  families=families if "auto" in names else None)
     print(summarize(records).round(3).to_string(index=False))
-    if "target-only" in args.method:  # why each method paid or not; greedy: whether each output is target-only's
+    if "target-only" in names:  # why each method paid or not; greedy: whether each output is target-only's
         print("\n".join(speed_verdicts(records)))
         if sampling.greedy and loaded is not None:
             print("\n".join(difference_lines(divergences(records, loaded, prompts), args.dtype)))
@@ -67,8 +69,8 @@ def suffix_settings(args):
     return SuffixSettings(**suffix_options(args.suffix))
 
 
-def _router(args):
-    if "auto" not in args.method:
+def _router(args, names):
+    if "auto" not in names:
         return None
     if not args.router:
         raise SpecbenchError("--method auto needs --router FILE (train one with `specbench route`)")

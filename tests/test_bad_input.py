@@ -133,3 +133,22 @@ def test_prompt_lookup_tree_merges_candidates():
         [7, 1, 7, 2, 7, 1, 9, 7], 4, SamplingParams(), torch.Generator())
     # continuations after each earlier 7: [1, 9, 7], [2, 7, 1], [1, 7, 2] -> trie with shared prefix 1
     assert tree.tokens == (1, 9, 7, 2) and tree.parents == (-1, 0, 1, -1)
+
+
+def test_each_method_may_run_at_its_own_k_in_one_call(tiny_target, tiny_draft):
+    """"chain:2" beside "prompt-lookup:3" in one interleaved call: each method's rows carry its own K and draft at
+    most that many tokens a step, outputs stay target-only's; a method given twice, or a K that is not a whole
+    number, is refused by name."""
+    from specbench.api import outputs
+
+    prompts = [[1, 2, 3, 4, 1, 2, 3], [9, 10, 11, 12, 9, 10]]
+    got = run(tiny_target, prompts, method=["target-only", "prompt-lookup:3", "chain:2"], draft=tiny_draft, k=5,
+              max_new_tokens=12, progress=False, warmup=False)
+    assert got.groupby("method")["k"].max().to_dict() == {"target-only": 0, "prompt-lookup": 3, "chain": 2}
+    assert got[got.method == "chain"]["drafted"].max() == 2 and got[got.method == "prompt-lookup"]["drafted"].max() <= 3
+    produced = outputs(got)
+    assert all(produced[(m, i)] == produced[("target-only", i)] for m in ("prompt-lookup", "chain") for i in (0, 1))
+    with pytest.raises(SpecbenchError, match="'chain' is given twice"):
+        run(tiny_target, prompts, method=["chain:2", "chain:4"], draft=tiny_draft, progress=False)
+    with pytest.raises(SpecbenchError, match="K after ':' must be a whole number"):
+        run(tiny_target, prompts, method=["chain:two"], draft=tiny_draft, progress=False)
