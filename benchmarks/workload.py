@@ -85,6 +85,16 @@ def split(found: list[dict]) -> tuple[list[dict], list[dict]]:
     return calibration, held
 
 
+def prompt_names(prompts: list[dict]) -> list[str]:
+    """Each request's name in the report, "family/i": its place among its family's requests in `prompts`."""
+    seen: dict = defaultdict(int)
+    names = []
+    for request in prompts:
+        names.append(f"{request['set']}/{seen[request['set']]}")
+        seen[request["set"]] += 1
+    return names
+
+
 def per_prompt(records: pd.DataFrame) -> pd.DataFrame:
     """Tokens and seconds (prefill + steps, and the router's own time under auto) per (method, prompt)."""
     grouped = records.groupby(["method", "prompt_index"])
@@ -230,11 +240,13 @@ def main() -> None:
     families = sorted(set(r["set"] for r in held), key=lambda f: (f not in MULTI_TURN, f))
     # the held-out requests under the rows' prompt names; kept beside the report, so a router fitted anew on the
     # calibration records can be scored on these rows without scripting the sessions again
-    named = {f"{family}/{i}": r for family in families for i, r in enumerate([r for r in held if r["set"] == family])}
+    ordered = [r for family in families for r in held if r["set"] == family]  # the held-out half, family by family
+    named = dict(zip(prompt_names(ordered), ordered))
     Path(args.out).with_suffix(".held-out.json").write_text(json.dumps(named))
+
     def keep(records, label_of, prompts, turn):
         """The per-prompt rows and outputs of held-out `records` (`label_of`: a row's method -> its label)."""
-        names = [f"{r['set']}/{sum(o['set'] == r['set'] for o in prompts[:i])}" for i, r in enumerate(prompts)]
+        names = prompt_names(prompts)
         for (method, index), produced in outputs(records).items():
             made[(label_of[method], turn, names[index])] = produced
         for item in per_prompt(records).itertuples():
@@ -252,7 +264,7 @@ def main() -> None:
     together = len({c.method for c in candidates}) == len(candidates)
     for turn in range(args.passes):
         if together:
-            prompts = [r for family in families for r in held if r["set"] == family]
+            prompts = ordered
             methods = [f"{c.method}:{c.k}" for c in candidates] + ["auto"]
             records = one(methods if turn % 2 == 0 else methods[::-1], 4, prompts, [r["set"] for r in prompts],
                           f"held-out pass {turn}", router=router)

@@ -59,6 +59,12 @@ class ModelSpec:
         return f"{self.model}{quant}{kernels}"
 
 
+def label_model(label: str) -> str:
+    """The model a `ModelSpec.label` names, less its "@quantization" and "+kernels" (a worker reports its label;
+    `--target` names the model)."""
+    return label.split("@")[0].split("+")[0]
+
+
 def acceptance_label(label: str) -> str:
     """The label a model's acceptance is recorded under: kernels change speed, not which tokens win,
     so "qwen2.5-coder-1.5b+onednn" accepts what "qwen2.5-coder-1.5b" does."""

@@ -73,11 +73,12 @@ def settings_from(args):
 def worker_model(endpoint: str) -> str:
     """The model a running worker serves, by the name `--target` would give it (its label less quantization
     and kernels, which are the worker's own)."""
+    from specbench.models.spec import label_model
     from specbench.worker.client import RemoteTarget
 
     remote = RemoteTarget(endpoint, timeout_s=30, retries=0)
     try:
-        return remote.info["model"].split("@")[0].split("+")[0]
+        return label_model(remote.info["model"])
     finally:
         remote.disconnect()
 

@@ -20,6 +20,7 @@ from specbench.decode.loop import Decoding, generate_steps
 from specbench.decode.suffix_drafter import SuffixSettings
 from specbench.methods import DraftSource, get_method
 from specbench.models.loading import load_tokenizer
+from specbench.models.spec import label_model
 from specbench.serve.settings import RequestError, ServeSettings, Speculation
 from specbench.serve.text import Piece, TextStream
 from specbench.types import SamplingParams, SpecbenchError, StepRecord
@@ -63,9 +64,9 @@ class Engine:
         endpoint = settings.worker or self._start_worker()
         probe = RemoteTarget(endpoint)
         served = probe.info.get("model")
-        if settings.worker and served is not None and served.split("@")[0].split("+")[0] != settings.target:
+        if settings.worker and served is not None and label_model(served) != settings.target:
             raise SpecbenchError(f"the worker at {endpoint} serves {served!r}, not {settings.target!r}: start "
-                                 f"serve with --target {served.split('@')[0].split('+')[0]}, or with no --target")
+                                 f"serve with --target {label_model(served)}, or with no --target")
         # another process's worker brings its own tokenizer (no model files needed here); ours shares the name's
         self.tokenizer = probe.tokenizer if settings.worker else load_tokenizer(settings.target)
         probe.tokenizer = self.tokenizer
