@@ -214,6 +214,9 @@ def test_profile_over_a_slice_or_the_kv_budget_is_refused(worker):
 SLICE = 256  # the worker's default --slice-tokens
 
 
+TOKENIZER_FLOOD = 24  # the tokenizer asked for again and again beside the long requests
+
+
 def _longest_requests(vocab: int) -> dict:
     """One client's long requests on SmolLM2 at the default limits' largest slices (the contexts kept
     short, so the test takes seconds, not the minutes a 4,096-token profile point takes on a CPU)."""
@@ -229,7 +232,8 @@ def _longest_requests(vocab: int) -> dict:
 @pytest.mark.serial
 def test_one_tenants_longest_requests_hold_a_decoding_tenant_one_slice_at_most():
     """The fairness bound, on SmolLM2: beside another client's profile point (8 repeats of 256 tokens),
-    a server-only generate (a 768-token prompt, k 8) and a 1,536-token prefill, sent together, a
+    a server-only generate (a 768-token prompt, k 8), a 1,536-token prefill and 24 requests for the
+    worker's tokenizer (its files, megabytes each reply), sent together, a
     decoding client's worst step stays within one slice plus one batch (x1.5, + 0.25 s for
     this box's scheduling), and its output is identical to its undisturbed run. A slice is the longer of
     a 256-token forward at context 256 (as the worker times it) and a generate's step (its records);
@@ -264,11 +268,14 @@ def test_one_tenants_longest_requests_hold_a_decoding_tenant_one_slice_at_most()
         thread.start()
         time.sleep(1.0)
         started, step_s = time.perf_counter(), []
-        requests = _longest_requests(remote.vocab_size)
-        for header, arrays in requests.values():
+        requests = list(_longest_requests(remote.vocab_size).values())
+        requests += [({"op": "tokenizer"}, None)] * TOKENIZER_FLOOD  # megabytes a reply, on the worker's loop
+        for header, arrays in requests:
             attacker.send(header, arrays)
         replies = [attacker.receive(300)[0] for _ in requests]
         assert all(reply["ok"] for reply in replies), [r for r in replies if not r["ok"]]
+        files = [reply["files"] for reply in replies if "files" in reply]
+        assert len(files) == TOKENIZER_FLOOD and files[0] and all(each == files[0] for each in files)
         step_s += [record["step_s"] for reply in replies for record in reply.get("records", ())]
         attacker_s = time.perf_counter() - started
         during = len(steps)
