@@ -198,3 +198,26 @@ def test_a_tiny_model_loads_tuned():
 
     loaded = load_model(ModelSpec("tiny-random:seed=0,vocab=96,hidden=64,layers=3", kernels="tuned"))
     assert loaded.model.tuned_kernels and any(isinstance(m, TunedLinear) for m in loaded.model.modules())
+
+
+@pytest.mark.parametrize("bad", [{"1": "evil"}, {"x": "linear"}, "linear", {"1": 3}, {"0": "linear"},
+                                 {"2": "padded"}, {"1": "onednn"}])
+def test_a_stored_entry_that_is_not_row_counts_to_forms_is_named_and_measured_again(bad, tmp_path, monkeypatch,
+                                                                                     capsys):
+    """An outside tester's edited store: an unknown form, a row count that is no count, an entry that is
+    no map, padding past one row, a weight copy for a layer that is not the head. Before, the first two
+    loaded as PyTorch's form unsaid and the others raised ValueError / AttributeError from `int` and `.items`."""
+    import specbench.models.tuned_linear as tuned_linear
+    from specbench.models.tiny import tiny_model
+
+    monkeypatch.setenv("SPECBENCH_CACHE", str(tmp_path))
+    first = use_tuned(tiny_model(seed=0).model, rows=(1, 2), repeats=1)
+    path = tuned_linear.store_path()
+    stored = json.loads(path.read_text())
+    entry = next(name for name in stored if "head" not in name)
+    path.write_text(json.dumps(dict(stored, **{entry: bad})))
+    capsys.readouterr()
+    again = use_tuned(tiny_model(seed=0).model, rows=(1, 2), repeats=1)
+    assert entry in capsys.readouterr().err and set(again) == set(first)
+    assert all(set(choices) == {1, 2} for choices in again.values())
+    assert tuned_linear._known(json.loads(path.read_text())[entry], copies=False, why="")  # rewritten, well formed

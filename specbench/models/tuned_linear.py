@@ -166,6 +166,19 @@ def _stored(path: Path) -> dict:
         return {}
 
 
+def _known(entry, copies: bool, why: str) -> dict:
+    """{rows: form} from a stored entry; one that is not such a map of this module's forms (a file edited
+    or written by another version) is said and measured again, never taken as PyTorch's form unsaid."""
+    forms = {"linear", "transposed", "padded"} | (set(COPIES) if copies else set())
+    if isinstance(entry, dict) and all(isinstance(count, str) and count.isdigit() and int(count) > 0
+                                       and form in forms and (form != "padded" or count == "1")
+                                       for count, form in entry.items()):
+        return {int(count): form for count, form in entry.items()}
+    print(f"specbench: {why} is not a map of row counts to product forms {sorted(forms)}; measuring again and "
+          f"rewriting it", file=sys.stderr)
+    return {}
+
+
 def _entry(key: tuple, dtype: torch.dtype) -> str:
     return "x".join(str(part) for part in key) + f"-{str(dtype).removeprefix('torch.')}"
 
@@ -187,7 +200,7 @@ def use_tuned(model: nn.Module, sample: int = 3, rows: tuple = ROWS, repeats: in
     table, measured = {}, False
     for key, members in groups.items():
         entry = _entry(key, members[0][2].weight.dtype)
-        known = {int(count): form for count, form in stored.get(entry, {}).items()}
+        known = _known(stored.get(entry, {}), copies=key[-1] == "head", why=f"{path}'s entry {entry}")
         if set(rows) <= set(known):
             table[key] = {count: known[count] for count in rows}
         else:
