@@ -774,3 +774,39 @@ def test_distilling_the_targets_first_layers_gives_a_draft_that_is_accepted_more
     trained = dict(result.head.named_parameters())
     original = truncated_view(target, 2).model.state_dict()
     assert not torch.equal(trained["model.layers.0.mlp.up_proj.weight"], original["model.layers.0.mlp.up_proj.weight"])
+
+
+def test_a_damaged_training_folder_is_named_and_what_can_be_made_again_is(tmp_path, capsys):
+    """An outside tester's truncated files in a train-draft folder: before, each raised the reader's own
+    error (miniz's "failed finding central directory", OSError 22, safetensors' header error) with no file
+    named. Now the responses (data.pt) and the optimizer state (checkpoint.pt) are refused naming the file
+    and what to delete; the features, made from data.pt alone, are made again; and every file is written
+    whole (beside its name, then renamed), so a kill mid-write cannot make such a file."""
+    import shutil
+
+    from specbench.heads.train import TrainSpec, train_head
+
+    prompts = tuple([(i * 11 + j * 7) % 90 + 3 for j in range(6 + i % 5)] for i in range(8))
+    spec = TrainSpec(target="tiny-random:seed=0,layers=4", prompts=prompts, prompt_count=8, held_out=2,
+                     max_new_tokens=8, draft_vocab=96, labels="greedy", ttt_steps=2, epochs=2, batch=4,
+                     checkpoint_every=2, eval_every=10_000)
+    train_head(spec, tmp_path / "whole", progress=False)
+    assert not list((tmp_path / "whole").rglob("*.tmp"))
+    more = TrainSpec(**{**spec.__dict__, "epochs": 3})
+    for name, words in (("data.pt", "data.pt does not load.*delete this folder's data.pt"),
+                        ("checkpoint.pt", "checkpoint.pt does not load.*delete it and head/"),
+                        ("head/model.safetensors", "head's weights at .*model.safetensors"),
+                        ("features.pt", None)):
+        folder = tmp_path / name.replace("/", "-")
+        shutil.copytree(tmp_path / "whole", folder)
+        damaged = folder / name
+        damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])
+        if words:
+            with pytest.raises(SpecbenchError, match=words):
+                train_head(more, folder, progress=False)
+        else:
+            capsys.readouterr()
+            result = train_head(more, folder, progress=False)
+            assert result.data["steps"] == result.data["total_steps"] == 4
+            assert "features.pt does not load" in capsys.readouterr().err
+            assert torch.load(damaged, weights_only=False)  # made again, whole

@@ -7,6 +7,7 @@ All of it is cached in the training folder, so a resume does not pay for it agai
 """
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -15,8 +16,25 @@ from typing import Optional
 import torch
 from tqdm.auto import tqdm
 
+from specbench.files import replacing
 from specbench.heads.config import default_layer_ids
 from specbench.types import SpecbenchError
+
+
+def save_cached(value, path: Path) -> None:
+    """`torch.save`, whole or absent: a kill mid-write (minutes of target passes) leaves the last file."""
+    with replacing(path) as temporary:
+        torch.save(value, temporary)
+
+
+def load_cached(path: Path, remedy: str):
+    """What `save_cached` wrote to `path`; a file that does not load (damaged, or not written here) is
+    refused naming it and `remedy`, not with the unpickler's own words."""
+    try:
+        return torch.load(path, weights_only=False)
+    except Exception as error:  # torch raises RuntimeError, EOFError, OSError, UnpicklingError... for one cause
+        why = str(error).splitlines()[0].split(". ")[0][:160] if str(error) else ""
+        raise SpecbenchError(f"{path} does not load ({type(error).__name__}: {why}): {remedy}") from None
 
 
 def sequences(target, spec, prompts: list, progress: bool) -> list[list[int]]:
@@ -149,7 +167,8 @@ def prepare(spec, folder: str | Path, layer_ids_of, progress: bool) -> Prepared:
         raise SpecbenchError(f"prompt set {spec.prompts!r} gave {count} prompts: too few to train on")
     data_path = folder / "data.pt"
     if data_path.exists():
-        data = torch.load(data_path, weights_only=False)
+        data = load_cached(data_path, "the target's responses are lost; train into a new folder, or delete this "
+                                      "folder's data.pt, features.pt, checkpoint.pt and head/ to make them again")
         fields = ("prompts", "prompt_count", "held_out", "max_new_tokens", "max_length", "teacher_forced", "seed",
                   "samples", "temperature")
         made = {**asdict(type(spec)(target=spec.target)), **data["spec"]}  # fields a cache predates: their defaults
@@ -159,11 +178,16 @@ def prepare(spec, folder: str | Path, layer_ids_of, progress: bool) -> Prepared:
                                  f"settings, or train into a new folder")
     else:
         data = {"sequences": sequences(target, spec, training, progress), "spec": asdict(spec)}
-        torch.save(data, data_path)
+        save_cached(data, data_path)
     seconds["data"] = round(time.monotonic() - started, 1)
     layer_ids = layer_ids_of(target.model.config.num_hidden_layers)
     features_path = folder / "features.pt"
-    passes = torch.load(features_path, weights_only=False) if features_path.exists() else None
+    passes = None
+    if features_path.exists():
+        try:  # derived from data.pt alone: one that does not load is made again, said
+            passes = load_cached(features_path, "making the target's features again")
+        except SpecbenchError as error:
+            print(f"specbench: {error}", file=sys.stderr)
     # the layers the cached features came from (a cache written before they were kept: the default ones)
     cached_layers = tuple(data.get("feature_layers", default_layer_ids(target.model.config.num_hidden_layers)))
     if (passes is None or len(passes) != len(data["sequences"]) or passes[0][1].shape[-1] != spec.soft_top
@@ -171,10 +195,10 @@ def prepare(spec, folder: str | Path, layer_ids_of, progress: bool) -> Prepared:
                                or cached_layers != tuple(layer_ids)))):
         passes = [target_pass(target, ids, layer_ids, spec.soft_top) for ids in tqdm(
             data["sequences"], desc="train-draft: target features", unit="sequence", disable=not progress)]
-        torch.save(passes, features_path)
+        save_cached(passes, features_path)
         if layer_ids:
             data["feature_layers"] = list(layer_ids)
-            torch.save(data, data_path)
+            save_cached(data, data_path)
     seconds["features"] = round(time.monotonic() - started - sum(seconds.values()), 1)
     lengths = prompt_lengths(target, spec, training) if spec.loss_on == "reply" else None
     if lengths is not None and len(lengths) != len(data["sequences"]):

@@ -18,7 +18,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from specbench.files import replacing
+from specbench.heads.data import load_cached, prepare, save_cached
 from specbench.heads.train import TrainResult, TrainSpec, optimization
 from specbench.types import SpecbenchError
 
@@ -43,7 +43,6 @@ def distil_draft(spec: TrainSpec, layers: int, folder: str | Path, progress: boo
     The draft is written to `folder/draft` (what `run(method="chain", draft=...)` reads)."""
     from transformers import AutoModelForCausalLM
 
-    from specbench.heads.data import prepare
     from specbench.models.loaded import LoadedModel
     from specbench.models.self_draft import truncated_view
 
@@ -59,7 +58,8 @@ def distil_draft(spec: TrainSpec, layers: int, folder: str | Path, progress: boo
         if model.config.num_hidden_layers != layers:
             raise SpecbenchError(f"{draft_folder} holds a draft of {model.config.num_hidden_layers} layers, not "
                                  f"{layers}: resume with the same --distil, or train into a new folder")
-        state = torch.load(checkpoint, weights_only=False)
+        state = load_cached(checkpoint, "delete it and draft/ to train from the start (data and features are "
+                                        "kept)")
     else:  # its own copy: training must not move the target's weights
         model, state = copy.deepcopy(truncated_view(target, layers).model), None
     model.train()
@@ -124,9 +124,8 @@ def _checkpoint(model, target, draft_folder, checkpoint, optimizer, schedule, st
     model.save_pretrained(draft_folder)
     if target.tokenizer is not None:
         target.tokenizer.save_pretrained(draft_folder)
-    with replacing(checkpoint) as temporary:
-        torch.save({"optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(), "step": step,
-                    "history": history}, temporary)
+    save_cached({"optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(), "step": step,
+                 "history": history}, checkpoint)
 
 
 def _held_out(draft, target, prompts: list, k: int = 4, max_new_tokens: int = 32) -> float:

@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from specbench.files import replacing, write_text
 from specbench.heads.config import HeadConfig
 from specbench.heads.features import decoder_layers
 from specbench.heads.model import EagleHead
@@ -61,8 +62,9 @@ def save_head(head: EagleHead, folder: str | Path, layout: str = "eagle3", targe
                     "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
                                            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
                                            "verifier": {"name_or_path": target_name, "architectures": []}}}
-    (folder / "config.json").write_text(json.dumps(document, indent=1) + "\n")
-    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt", "written_by": "specbench"})
+    write_text(folder / "config.json", json.dumps(document, indent=1) + "\n")  # each file whole: checkpoints
+    with replacing(folder / "model.safetensors") as temporary:  # overwrite them while a run may read them
+        save_file(state, str(temporary), metadata={"format": "pt", "written_by": "specbench"})
     return folder
 
 
@@ -109,14 +111,17 @@ def _weights(folder: Path) -> dict:
     from safetensors.torch import load_file
 
     files = sorted(folder.glob("*.safetensors"))
-    if files:
-        state = {}
-        for file in files:
-            state.update(load_file(str(file)))
-        return state
     binary = folder / "pytorch_model.bin"
-    if binary.exists():
-        return torch.load(binary, map_location="cpu", weights_only=True)
+    state = {}
+    for file in files or ([binary] if binary.exists() else []):
+        try:
+            state.update(load_file(str(file)) if file.suffix == ".safetensors"
+                         else torch.load(file, map_location="cpu", weights_only=True))
+        except Exception as error:  # safetensors, zip and pickle readers each raise their own kinds
+            raise SpecbenchError(f"cannot read a draft head's weights at {file}: {type(error).__name__}: "
+                                 f"{str(error).splitlines()[0][:160] if str(error) else ''}") from None
+    if state:
+        return state
     raise SpecbenchError(f"no weights in {folder} (model.safetensors or pytorch_model.bin)")
 
 

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from specbench.files import replacing
+from specbench.heads.data import load_cached, save_cached
 from specbench.heads.model import EagleHead
 from specbench.types import SpecbenchError
 
@@ -262,12 +262,12 @@ def train_head(spec: TrainSpec, folder: str | Path, progress: bool = True) -> Tr
     vocabulary = data.get("vocabulary") or draft_ids([choices[:, 0] for _, choices, _ in passes], spec.draft_vocab)
     if "vocabulary" not in data:
         data["vocabulary"] = vocabulary
-        torch.save(data, data_path)
+        save_cached(data, data_path)
     checkpoint = folder / "checkpoint.pt"
     head_folder = folder / "head"
     if checkpoint.exists() and (head_folder / "config.json").exists():
         head = load_head(head_folder, target)
-        state = torch.load(checkpoint, weights_only=False)
+        state = load_cached(checkpoint, "delete it and head/ to train from the start (data and features are kept)")
     else:
         layer_ids = layer_ids_of(target.model.config.num_hidden_layers)
         head, state = _initial_head(target, vocabulary, spec.seed, layer_ids, spec.init), None
@@ -339,9 +339,8 @@ def _checkpoint(head, head_folder, checkpoint, optimizer, schedule, step, histor
     from specbench.heads.layouts import save_head
 
     save_head(head, head_folder, layout=spec.layout, target_name=spec.target, embeddings=spec.own_embeddings)
-    with replacing(checkpoint) as temporary:
-        torch.save({"optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(), "step": step,
-                    "history": history}, temporary)
+    save_cached({"optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(), "step": step,
+                 "history": history}, checkpoint)
 
 
 def held_out_acceptance(head: EagleHead, target, prompts: list, spec: TrainSpec, k: int = 4,
