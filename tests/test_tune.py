@@ -618,3 +618,34 @@ def test_the_measuring_share_scales_the_sweeps_estimate_by_what_measured_points_
     share.took(estimate_s=100, taken_s=150)  # the points took 1.5x their estimates: so would the sweep's
     assert share.sweep_s() == 1500 and share.allows(200, 66) and not share.allows(200, 67)
     assert not MeasuringShare(0.0, 1000).allows(0, 1)
+
+
+@pytest.mark.parametrize("bad", ['[{"tokens": 1', '{"tokens": 3}', "", "null", "[]", "[1, 2]"])
+def test_a_damaged_measurement_in_the_tune_folder_is_named_and_measured_again(tmp_path, capsys, bad):
+    """An outside tester's edited `measured/*.json`: before, pandas' ValueError ("Unexpected character",
+    "If using all scalar values") came out of the tune, or `null` read as an empty frame of no records."""
+    import pandas as pd
+
+    from specbench.tune.phases import Store
+
+    store = Store(tmp_path)
+    records = pd.DataFrame([{"method": "chain", "k": 2, "tokens": 5, "step_s": 0.25}])
+    store.save_measured("point", records)
+    pd.testing.assert_frame_equal(store.measured("point"), records)
+    (tmp_path / "measured" / "point.json").write_text(bad)
+    assert store.measured("point") is None
+    assert "point.json is unreadable" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad", ["{not json", "null", "[]", '{"a": 1}', '{"a": [[1], [0]]}'])
+def test_damaged_recorded_proposals_are_refused_naming_the_file(tmp_path, bad):
+    """The proposals a model draft made alone, replayed under load: a file that is not them is named (before,
+    `null` and `[]` raised AttributeError from `.items`)."""
+    from specbench.decode.replay_drafter import load_proposals, save_proposals
+
+    path = tmp_path / "point.proposals.json"
+    save_proposals(path, {"0:3": ([5, 6], [-1, 0], 0.01)})
+    assert load_proposals(path) == {"0:3": ([5, 6], [-1, 0], 0.01)}
+    path.write_text(bad)
+    with pytest.raises(SpecbenchError, match="point.proposals.json are unreadable"):
+        load_proposals(path)

@@ -88,7 +88,7 @@ def load_proposals(path: Path) -> Optional[dict]:
         loaded = json.loads(path.read_text())
         return {key: (list(tokens), list(parents), float(seconds))
                 for key, (tokens, parents, seconds) in loaded.items()}
-    except (ValueError, TypeError) as error:
+    except (ValueError, TypeError, AttributeError) as error:  # AttributeError: JSON that is no object
         raise SpecbenchError(f"recorded proposals {path} are unreadable ({error}): delete the file to record again")
 
 

@@ -7,7 +7,9 @@ a measurement of the same point) and does only the rest.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -44,8 +46,22 @@ class Store:
         save_reference(reference, extra, folder=self.folder / "reference")
 
     def measured(self, key: str) -> Optional[pd.DataFrame]:
+        """A point's stored records; a file that is not a list of records (damaged, edited) is said and the
+        point measured again (the file is written whole, so a kill cannot leave one)."""
         path = self.folder / "measured" / f"{key}.json"
-        return pd.read_json(path, orient="records") if path.exists() else None
+        if not path.exists():
+            return None
+        try:
+            text = path.read_text()
+            rows = json.loads(text)
+            if isinstance(rows, list) and rows and all(isinstance(row, dict) for row in rows):
+                return pd.read_json(io.StringIO(text), orient="records")  # as written: dtypes read back alike
+            why = "not a list of records"
+        except (OSError, ValueError) as error:
+            why = str(error)
+        print(f"specbench: tune's measurement {path} is unreadable ({why}); measuring that point again",
+              file=sys.stderr)
+        return None
 
     def save_measured(self, key: str, records: pd.DataFrame) -> None:
         path = self.folder / "measured" / f"{key}.json"
