@@ -155,3 +155,20 @@ def test_a_cell_placed_on_a_worker_gives_the_records_of_a_local_cell(tmp_path):
     local, remote = (report.records[report.records["cell"] == key] for key in (report.status["cell"]))
     assert comparable(local.assign(cell="")).equals(comparable(remote.assign(cell="")))
     assert (remote["place"] == worker.endpoint).all() and (remote["bytes_up"] > 0).all()
+
+
+@pytest.mark.parametrize("status,records,words", [
+    ({"state": "done", "cell": {}}, b"PAR1garbage", "abc.parquet are unreadable.*delete it and abc.json"),
+    (None, b"", "abc.json holds no status"),
+], ids=["damaged-records", "null-status"])
+def test_a_damaged_cell_in_the_results_folder_is_named(tmp_path, status, records, words):
+    """An outside tester's damage to a finished cell: before, pyarrow's ArrowInvalid ("Parquet magic bytes
+    not found") and an AttributeError (a `null` status) came out of `records()` with no remedy."""
+    from specbench.sweep.store import ResultStore
+
+    store = ResultStore(tmp_path)
+    store.cells_folder.mkdir(parents=True, exist_ok=True)
+    (store.cells_folder / "abc.json").write_text(json.dumps(status))
+    (store.cells_folder / "abc.parquet").write_bytes(records)
+    with pytest.raises(SpecbenchError, match=words):
+        store.records()

@@ -43,6 +43,9 @@ class ResultStore:
             return None
         except (OSError, json.JSONDecodeError) as error:
             raise SpecbenchError(f"sweep status file {path} is unreadable ({error}); delete it to rerun that cell")
+        if not isinstance(status, dict):
+            raise SpecbenchError(f"sweep status file {path} holds no status ({type(status).__name__}); delete it to "
+                                 f"rerun that cell")
         if status.get("state") == "done" and not (self.cells_folder / f"{key}.parquet").exists():
             return None  # status without records cannot happen through write(); treat the cell as not run
         return status
@@ -64,7 +67,7 @@ class ResultStore:
     def records(self, keys: Optional[Iterable[str]] = None) -> pd.DataFrame:
         """Every finished cell's records (or those of `keys`), in one frame."""
         keys = sorted(self.done() if keys is None else set(keys) & self.done())
-        frames = [pd.read_parquet(self.cells_folder / f"{key}.parquet") for key in keys]
+        frames = [_cell_records(self.cells_folder / f"{key}.parquet") for key in keys]
         return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
     def status(self) -> pd.DataFrame:
@@ -85,3 +88,13 @@ class ResultStore:
 
     def _status(self, cell: SweepCell, **fields) -> None:
         write_text(self.cells_folder / f"{cell.key}.json", json.dumps({**fields, "cell": asdict(cell)}, indent=1))
+
+
+def _cell_records(path: Path) -> pd.DataFrame:
+    """A finished cell's records (written whole); a file that does not read is named, with how to rerun it."""
+    try:
+        return pd.read_parquet(path)
+    except Exception as error:  # pyarrow's ArrowInvalid, OSError, ...: one cause, many kinds
+        raise SpecbenchError(f"sweep cell records {path} are unreadable ({type(error).__name__}: "
+                             f"{str(error).splitlines()[0][:160]}); delete it and {path.stem}.json to rerun that "
+                             f"cell") from None
