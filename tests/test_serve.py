@@ -267,6 +267,12 @@ BAD = [
       "speculative": {"method": "suffix", "suffix": {"cache": "off"}}}, {}, 400, "speculative.suffix"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
       "speculative": {"method": "chain", "suffix": {"min_score": 1}}}, {}, 400, "speculative.suffix"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "speculation": {"method": "chain"}}, {}, 400,
+     "speculation"),  # a misspelt field this server reads: refused, not run as the default method unsaid
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temprature": 0}, {}, 400, "temprature"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_k": 40}, {}, 400, "top_k"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "repetition_penalty": 1.2}, {}, 400,
+     "repetition_penalty"),
     ({"model": MODEL, "prompt": [0, 1, 10**9]}, {}, 400, "prompt"),
     ({"model": MODEL, "prompt": "word " * 400}, {}, 400, "prompt"),
     ({"model": MODEL, "prompt": "x" * 30_000}, {}, 413, None),
@@ -287,6 +293,11 @@ def test_bad_requests_are_refused_by_name_and_the_server_keeps_serving(local, er
         local.client().chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}])
     text, _ = chat_text(local.client(), PROMPTS[0], "target-only", None, stream=False)
     assert text == expected["chat"][0]
+    others = {"metadata": {"team": "a"}, "store": False, "top_k": -1, "min_p": 0, "user": "u"}  # fields that pass
+    reply = httpx.post(f"{local.url}/v1/chat/completions", timeout=120, json={
+        "model": MODEL, "messages": [{"role": "user", "content": PROMPTS[0]}], "temperature": 0,
+        "max_tokens": TOKENS, **others})
+    assert reply.json()["choices"][0]["message"]["content"] == expected["chat"][0]
     assert not errors_logged, [r.getMessage() for r in errors_logged]
 
 

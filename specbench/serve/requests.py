@@ -2,10 +2,12 @@
 
 Fields the OpenAI API defines but this server does not implement (n > 1, logprobs, penalties) are
 refused by name rather than ignored, so a client never gets output it did not ask for; fields that
-change nothing here (`user`, `stream_options` besides include_usage) pass.
+change nothing here (`user`, `stream_options` besides include_usage, fields of other servers) pass,
+except a misspelling of a field this server reads (`speculation` for `speculative`), refused naming both.
 """
 from __future__ import annotations
 
+import difflib
 from numbers import Real
 from typing import Any, Optional
 
@@ -15,7 +17,12 @@ from specbench.types import SamplingParams
 
 UNSUPPORTED = {"n": 1, "logprobs": None, "top_logprobs": None, "best_of": 1, "echo": False, "suffix": None,
                "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "tools": None,
-               "tool_choice": None, "functions": None, "response_format": None}
+               "tool_choice": None, "functions": None, "response_format": None,
+               # vLLM's and SGLang's sampling extras, which their clients send: each would change the output
+               "top_k": -1, "min_p": 0, "repetition_penalty": 1, "min_tokens": 0, "ignore_eos": False}
+OFF = {"top_k": (0,)}  # further values that mean "not used"
+READ = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop",
+        "stream", "stream_options", "speculative", "user"}
 ROLES = ("system", "user", "assistant", "developer")
 
 
@@ -66,8 +73,14 @@ def _job(body: dict, settings: ServeSettings, prompt_ids: list[int], default_max
     limits = settings.limits
     for name, default in UNSUPPORTED.items():
         value = body.get(name, default)
-        if value not in (default, None) and value is not False:
+        if value not in (default, None, *OFF.get(name, ())) and value is not False:
             raise RequestError(f"{name}={value!r} is not supported by this server", name)
+    for name in body:
+        # a field no one reads passes (clients send their own), unless it is a misspelling of one this server
+        # reads: "speculation" would otherwise run the default method unsaid
+        close = [] if name in READ or name in UNSUPPORTED else difflib.get_close_matches(name, READ, 1, 0.8)
+        if close:
+            raise RequestError(f"unknown field {name!r}: did you mean {close[0]!r}?", name)
     max_tokens = body.get(max_field)
     max_tokens = min(default_max_tokens, limits.max_tokens) if max_tokens is None else max_tokens
     _integer(max_tokens, max_field, 1, limits.max_tokens)
