@@ -1,5 +1,6 @@
 """`specbench tune` end to end on tiny models (seconds), resumed after a kill, and bad inputs refused by
 name before any work."""
+import json
 import signal
 import subprocess
 import sys
@@ -649,3 +650,20 @@ def test_damaged_recorded_proposals_are_refused_naming_the_file(tmp_path, bad):
     path.write_text(bad)
     with pytest.raises(SpecbenchError, match="point.proposals.json are unreadable"):
         load_proposals(path)
+
+
+@pytest.mark.parametrize("document,words", [
+    ([1, 2], "holds a list, not an object"),
+    ({"target": "smollm2-135m", "method": "chain", "k": "four"}, "k='four'"),
+    ({"target": "smollm2-135m", "method": "chain", "k": 0}, "k=0"),
+    ({"target": 5, "method": "chain", "k": 2}, "target=5"),
+    ({"target": "smollm2-135m", "method": "chain", "k": 2, "kernels": "fast"}, "kernels='fast'"),
+])
+def test_an_edited_tune_configuration_is_refused_naming_the_bad_value(tmp_path, document, words):
+    """`run`/`serve --config` read it; before, `"k": "four"` came out as a TypeError comparing str and int."""
+    from specbench.tune.report import read_config
+
+    path = tmp_path / "tune.json"
+    path.write_text(json.dumps(document))
+    with pytest.raises(SpecbenchError, match=words):
+        read_config(path)

@@ -27,9 +27,24 @@ def read_config(path: str | Path) -> dict:
         document = json.loads(Path(path).read_text())
     except (OSError, ValueError) as error:
         raise SpecbenchError(f"cannot read the tune configuration {path}: {error}") from None
+    if not isinstance(document, dict):
+        raise SpecbenchError(f"{path} is not a tune configuration: it holds a {type(document).__name__}, not an object")
     missing = {"target", "method", "k"} - set(document)
     if missing:
         raise SpecbenchError(f"{path} is not a tune configuration: it lacks {sorted(missing)}")
+    from specbench.models.spec import KERNELS
+
+    checks = {"target": lambda v: isinstance(v, str) and v, "method": lambda v: isinstance(v, str) and v,
+              "k": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+              "draft": lambda v: v is None or isinstance(v, str),
+              "self_draft_layers": lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1),
+              "substitute_quantization": lambda v: v is None or isinstance(v, str),
+              "dtype": lambda v: isinstance(v, str), "kernels": lambda v: v in KERNELS}
+    wrong = [f"{name}={document[name]!r}" for name, good in checks.items()
+             if name in document and not good(document[name])]
+    if wrong:  # an edited file: named here, not a TypeError deep in the run it configures
+        raise SpecbenchError(f"{path}: {', '.join(wrong)} (target, method: names; k, self_draft_layers: integers >= 1; "
+                             f"kernels: one of {KERNELS})")
     return document
 
 
