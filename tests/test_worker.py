@@ -204,6 +204,17 @@ def test_non_loopback_bind_needs_keys_or_insecure():
     Worker(WorkerConfig(bind="tcp://0.0.0.0:5999", insecure=True))  # allowed when asked for
 
 
+@pytest.mark.parametrize("bind", ["garbage", "tcp://127.0.0.1", "tcp://127.0.0.1:abc", "tcp://:5555", "ipc://"])
+def test_an_address_zeromq_cannot_bind_is_refused_naming_the_forms(bind):
+    """Before, `--bind garbage` was told to add CURVE keys (it is not a loopback address), and with
+    --insecure met ZeroMQ's own "Invalid argument"."""
+    for insecure in (False, True):
+        with pytest.raises(SpecbenchError, match="--bind takes tcp://HOST:PORT"):
+            Worker(WorkerConfig(bind=bind, insecure=insecure))
+    Worker(WorkerConfig(bind="tcp://[::1]:5999"))  # IPv6 loopback, and a port of *, stay accepted
+    Worker(WorkerConfig(bind="tcp://127.0.0.1:*"))
+
+
 def test_session_cap_and_idle_expiry():
     running = ThreadWorker(limits={"max_sessions": 2}, idle_timeout_s=0.5)
     try:
