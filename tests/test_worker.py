@@ -207,10 +207,12 @@ def test_non_loopback_bind_needs_keys_or_insecure():
 @pytest.mark.parametrize("bind", ["garbage", "tcp://127.0.0.1", "tcp://127.0.0.1:abc", "tcp://:5555", "ipc://"])
 def test_an_address_zeromq_cannot_bind_is_refused_naming_the_forms(bind):
     """Before, `--bind garbage` was told to add CURVE keys (it is not a loopback address), and with
-    --insecure met ZeroMQ's own "Invalid argument"."""
+    --insecure met ZeroMQ's own "Invalid argument", as a client connecting to it did."""
     for insecure in (False, True):
         with pytest.raises(SpecbenchError, match="--bind takes tcp://HOST:PORT"):
             Worker(WorkerConfig(bind=bind, insecure=insecure))
+    with pytest.raises(SpecbenchError, match="a worker endpoint takes tcp://HOST:PORT"):  # a client's, too
+        RemoteTarget(bind, timeout_s=1, retries=0)
     Worker(WorkerConfig(bind="tcp://[::1]:5999"))  # IPv6 loopback, and a port of *, stay accepted
     Worker(WorkerConfig(bind="tcp://127.0.0.1:*"))
 

@@ -102,6 +102,7 @@ class RemoteTarget:
         self._sessions: dict[str, _Session] = {}
         self._featured: dict[str, tuple[list[int], str]] = {}  # session -> (layer ids, wire dtype) a head reads
         self.reconnects = 0
+        protocol.check_endpoint(endpoint)
         self._connect()
         self.info = self._request({"op": "hello", "version": PROTOCOL_VERSION})[0]
         if model is not None:

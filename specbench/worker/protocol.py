@@ -38,6 +38,17 @@ class LimitError(SpecbenchError):
     """A request within the protocol but over one of the worker's limits (answered code "limit")."""
 
 
+def check_endpoint(endpoint: str, bind: bool = False) -> None:
+    """Refuse, naming the forms, an address ZeroMQ cannot bind or connect to (before: ZMQError "Invalid
+    argument", or a worker told to add CURVE keys for an address that was no address)."""
+    scheme, _, rest = str(endpoint).partition("://")
+    host, _, port = rest.rpartition(":")
+    ports = port.isdigit() or (bind and port == "*")
+    if not ((scheme in ("ipc", "inproc") and rest) or (scheme == "tcp" and host and ports)):
+        raise SpecbenchError(f"{'--bind' if bind else 'a worker endpoint'} takes tcp://HOST:PORT "
+                             f"(PORT a number{' or *' if bind else ''}), ipc://PATH or inproc://NAME, not {endpoint!r}")
+
+
 def encode(header: dict, arrays: Optional[dict[str, np.ndarray]] = None) -> list[bytes]:
     """Header dict + named arrays -> frames ready for `send_multipart`."""
     arrays = arrays or {}

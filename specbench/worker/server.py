@@ -106,18 +106,9 @@ def is_local_endpoint(endpoint: str) -> bool:
         return False
 
 
-def check_bind(endpoint: str) -> None:
-    """Refuse, naming the forms, an address ZeroMQ cannot bind (before: told to add CURVE keys, or ZMQError)."""
-    scheme, _, rest = str(endpoint).partition("://")
-    host, _, port = rest.rpartition(":")
-    if not ((scheme in ("ipc", "inproc") and rest) or (scheme == "tcp" and host and (port.isdigit() or port == "*"))):
-        raise SpecbenchError(f"--bind takes tcp://HOST:PORT (PORT a number or *), ipc://PATH or inproc://NAME, "
-                             f"not {endpoint!r}")
-
-
 class Worker:
     def __init__(self, config: WorkerConfig, log: Callable[[str], None] = print):
-        check_bind(config.bind)
+        protocol.check_endpoint(config.bind, bind=True)
         if not is_local_endpoint(config.bind) and not config.curve_keys and not config.insecure:
             raise SpecbenchError(
                 f"refusing to bind {config.bind} without CURVE keys: anyone who can reach it could use the "
