@@ -810,3 +810,34 @@ def test_a_damaged_training_folder_is_named_and_what_can_be_made_again_is(tmp_pa
             assert result.data["steps"] == result.data["total_steps"] == 4
             assert "features.pt does not load" in capsys.readouterr().err
             assert torch.load(damaged, weights_only=False)  # made again, whole
+
+
+@pytest.mark.parametrize("changes,words", [
+    ({"learning_rate": -1.0}, "learning_rate must be positive"),
+    ({"minutes": -1.0}, "minutes must be positive"),
+    ({"max_length": 3}, "max_length 3 must hold"),
+    ({"max_length": 96, "max_new_tokens": 96}, "max_length 96 must hold"),
+])
+def test_training_settings_that_cannot_train_are_refused_by_name(changes, words):
+    """An outside tester's settings: before, a negative learning rate trained (gradient ascent), a negative
+    time bound and a max_length shorter than the response ran on unsaid."""
+    from specbench.heads.train import TrainSpec
+
+    with pytest.raises(SpecbenchError, match=words):
+        TrainSpec(target="x", **changes).check()
+    TrainSpec(target="x", max_length=96, max_new_tokens=96, teacher_forced=True).check()  # no response to hold
+
+
+def test_layers_the_target_lacks_are_refused_before_any_response_is_made(tmp_path, monkeypatch):
+    """`--layers 1 2 99` on a 30-layer target was refused only after the target's replies (minutes)."""
+    import specbench.heads.data as data
+    from specbench.heads.train import TrainSpec, train_head
+
+    def no_replies(*args, **kwargs):
+        raise AssertionError("replies made before the layers were checked")
+
+    monkeypatch.setattr(data, "sequences", no_replies)
+    prompts = tuple([(i * 11 + j * 7) % 90 + 3 for j in range(6)] for i in range(6))
+    with pytest.raises(SpecbenchError, match=r"layers \[0, 2, 9\].*ids \[9\] do not exist"):
+        train_head(TrainSpec(target="tiny-random:seed=0,layers=4", prompts=prompts, prompt_count=6, held_out=2,
+                             layers=(0, 2, 9)), tmp_path, progress=False)

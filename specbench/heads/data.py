@@ -151,6 +151,7 @@ def prepare(spec, folder: str | Path, layer_ids_of, progress: bool) -> Prepared:
     started, seconds = time.monotonic(), {}
     torch.manual_seed(spec.seed)
     target = load_model(ModelSpec(spec.target, dtype=spec.dtype, kernels=spec.kernels))
+    layer_ids_of(target.model.config.num_hidden_layers)  # layers the target lacks: refused before minutes of replies
     if spec.teacher_forced and spec.prompts == "sharegpt":  # whole exchanges, not the first turns alone
         from specbench.datasets.loaders import load_conversations
 

@@ -80,6 +80,15 @@ class TrainSpec:
                                  f"{self.temperature}")
         if self.ttt_steps < 1 or self.draft_vocab < 2 or self.batch < 1 or self.epochs <= 0 or self.soft_top < 1:
             raise SpecbenchError("ttt_steps, batch, epochs and soft_top must be positive and draft_vocab at least 2")
+        if not 0 < self.learning_rate < float("inf"):
+            raise SpecbenchError(f"learning_rate must be positive, got {self.learning_rate}")
+        if self.minutes is not None and not self.minutes > 0:
+            raise SpecbenchError(f"minutes must be positive (or None: no time bound), got {self.minutes}")
+        if self.max_new_tokens < 1 or self.max_length < self.ttt_steps + 2 or (
+                not self.teacher_forced and self.max_length <= self.max_new_tokens):
+            raise SpecbenchError(f"max_length {self.max_length} must hold a prompt and a {self.max_new_tokens}-token "
+                                 f"response (more than max_new_tokens) and a {self.ttt_steps}-step unroll "
+                                 f"(at least ttt_steps + 2); max_new_tokens at least 1")
         if self.init not in INITS:
             raise SpecbenchError(f"init is one of {INITS}, got {self.init!r}")
         if self.loss_on not in ("reply", "all"):
