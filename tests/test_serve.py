@@ -401,3 +401,14 @@ def test_chat_page_streams_a_coloured_reply_and_switches_method(local, expected)
         assert not [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
     finally:
         driver.quit()
+
+
+@pytest.mark.parametrize("changes,words", [
+    ({"methods": ()}, "offer at least one method"),
+    ({"k": 0}, r"k must be in 1..max_k"),
+    ({"port": 99_999}, "port must be in 0..65535"),  # before: uvicorn's OverflowError after the models loaded
+    ({"methods": ("server-only",)}, "runs wholly on a worker"),
+])
+def test_settings_that_cannot_serve_are_refused_by_name_before_any_model_loads(changes, words):
+    with pytest.raises(SpecbenchError, match=words):
+        ServeSettings(**{"target": MODEL, "methods": ("target-only",), **changes})

@@ -126,8 +126,9 @@ def test_a_rerun_resumes_and_a_killed_tune_resumes_where_it_stopped(tmp_path):
     (dict(clients=(1, 4)), "give a worker endpoint"),
     (dict(objective="speed"), "unknown objective 'speed'"),
     (dict(drafts=("eagle:/no/such/head",)), "draft head '/no/such/head': not a folder holding a head"),
+    (dict(max_new_tokens=0), "max_new_tokens must be >= 1"),  # before: profiled for minutes first
 ], ids=["unknown-draft", "budget-too-small", "no-prompts", "unreachable-worker", "clients-without-worker",
-        "unknown-objective", "not-a-head"])
+        "unknown-objective", "not-a-head", "no-tokens"])
 def test_bad_inputs_are_refused_by_name_before_any_work(tmp_path, overrides, message):
     started = time.perf_counter()
     with pytest.raises(SpecbenchError, match=message):

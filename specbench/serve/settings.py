@@ -77,6 +77,8 @@ class ServeSettings:
                 raise SpecbenchError(f"method {name!r} runs wholly on a worker; serve drafts here: offer another")
         if not 1 <= self.k <= self.max_k:
             raise SpecbenchError(f"k must be in 1..max_k ({self.max_k}), got {self.k}")
+        if not 0 <= self.port <= 65535:
+            raise SpecbenchError(f"port must be in 0..65535, got {self.port}")
 
     @property
     def default_method(self) -> str:

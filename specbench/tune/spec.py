@@ -73,6 +73,9 @@ class TuneSpec:
         if self.prompt_count < 2:
             raise SpecbenchError(f"tune needs at least 2 prompts (one to calibrate on, one held back), "
                                  f"got prompt_count={self.prompt_count}")
+        if self.max_new_tokens < 1:
+            raise SpecbenchError(f"max_new_tokens must be >= 1 (tokens each measured run generates), got "
+                                 f"{self.max_new_tokens}")
         if not self.chain_ks or min(self.chain_ks) < 1:
             raise SpecbenchError(f"chain_ks must be K values >= 1, got {self.chain_ks}")
         if not self.clients or min(self.clients) < 1:
