@@ -152,3 +152,17 @@ def test_each_method_may_run_at_its_own_k_in_one_call(tiny_target, tiny_draft):
         run(tiny_target, prompts, method=["chain:2", "chain:4"], draft=tiny_draft, progress=False)
     with pytest.raises(SpecbenchError, match="K after ':' must be a whole number"):
         run(tiny_target, prompts, method=["chain:two"], draft=tiny_draft, progress=False)
+
+
+@pytest.mark.parametrize("grid,words", [
+    ({"tokens": [0], "contexts": [8]}, "must all be >= 1, got 5, \\[0\\]"),
+    ({"tokens": [1], "contexts": [-5]}, "must all be >= 1"),
+    ({"tokens": [4], "contexts": [10**6]}, "passes the model's .* positions"),
+])
+def test_a_profile_grid_that_cannot_be_measured_is_refused_by_name(tiny_target, grid, words):
+    """`specbench profile --tokens 0` printed a ValueError traceback; a context past the model's positions
+    ran for minutes (SmolLM2, --contexts 100000) and measured a point no prompt can reach."""
+    from specbench.decode.profile import forward_latency_grid
+
+    with pytest.raises(SpecbenchError, match=words):
+        forward_latency_grid(tiny_target.model, repeats=5, **grid)

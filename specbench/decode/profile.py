@@ -13,6 +13,7 @@ import torch
 
 from specbench.decode.clock import device_time
 from specbench.decode.kv import crop_to, new_cache
+from specbench.types import SpecbenchError
 
 
 def forward_latency_grid(model, tokens: Sequence[int], contexts: Sequence[int], repeats: int = 5,
@@ -40,7 +41,12 @@ def forward_latency_steps(model, tokens: Sequence[int], contexts: Sequence[int],
     last repeat. A shared worker serves other clients between pieces: a whole point (20 repeats of
     256 tokens on a 4,096-token context) held every other client for minutes."""
     if repeats < 1 or any(n < 1 for n in tokens) or any(c < 1 for c in contexts) or any(b < 1 for b in batches):
-        raise ValueError("repeats, tokens, contexts and batches must all be >= 1")
+        raise SpecbenchError(f"repeats, tokens, contexts and batches must all be >= 1, got {repeats}, {list(tokens)}, "
+                             f"{list(contexts)}, {list(batches)}")
+    longest = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(longest, int) and max(contexts) + max(tokens) > longest:  # past it: minutes of a meaningless point
+        raise SpecbenchError(f"a context of {max(contexts)} plus {max(tokens)} new tokens passes the model's "
+                             f"{longest} positions: profile contexts up to {longest - max(tokens)}")
     if fast:
         yield from _fast_points(model, tokens, contexts, repeats, warmup, batches, fast, slice_tokens)
         return
