@@ -308,7 +308,7 @@ def replay_speed(records, prompt_lengths: Sequence[int], target: LatencyProfile,
     long as alone: the `prefill_s` measured), plus a round trip to open the session and one to close it.
     `host`: the worker's own work per round of `clients` rows, added to every step."""
     if prefills and "prefill_s" not in records:
-        raise ValueError("prefills=True needs the records' prefill_s (a run's records carry it)")
+        raise SpecbenchError("prefills=True needs the records' prefill_s (a run's records carry it)")
     sizes = (1 + records["drafted"]).astype(int)
     if packed:
         others_mean = float(sizes.mean())

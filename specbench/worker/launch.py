@@ -8,6 +8,8 @@ import sys
 import threading
 from collections import deque
 
+from specbench.types import SpecbenchError
+
 
 def free_port() -> int:
     with socket.socket() as probe:
@@ -51,6 +53,6 @@ class WorkerLog:
         (`exit_code()`), with its last lines."""
         if not self._told.wait(timeout_s):
             kill()
-            raise RuntimeError(f"worker did not start within {timeout_s:.0f}s")
+            raise SpecbenchError(f"worker did not start within {timeout_s:.0f}s")
         if not self.listening:
-            raise RuntimeError(f"worker exited with {exit_code()}: {''.join(list(self.lines)[-5:])}")
+            raise SpecbenchError(f"worker exited with {exit_code()}: {''.join(list(self.lines)[-5:])}")
