@@ -1,6 +1,7 @@
 """The three-line notebook API: `run(target=..., draft=..., method=..., prompts=...) -> DataFrame`."""
 from __future__ import annotations
 
+import numbers
 import time
 import uuid
 from dataclasses import asdict, replace
@@ -36,6 +37,22 @@ def as_target(target: Union[ModelLike, Target], dtype: str = "float32",
     return target, None
 
 
+def _prompt_list(prompts) -> list:
+    """`run`'s prompts as a list: one text or dataset row is one prompt (a string was read as one prompt per
+    character); a flat list of ids, or no prompts at all, is refused naming what to pass."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if not isinstance(prompts, Iterable):
+        raise SpecbenchError(f"prompts must be texts, token-id lists or dataset rows, got {type(prompts).__name__}")
+    prompts = list(prompts)
+    if not prompts:
+        raise SpecbenchError("no prompts to run")
+    if all(isinstance(prompt, numbers.Integral) for prompt in prompts):
+        raise SpecbenchError(f"prompts is one list of {len(prompts)} integers: pass [ids] for one prompt of token "
+                             f"ids, a list of such lists for several")
+    return prompts
+
+
 def encode_prompts(prompts: Sequence[Union[str, Sequence[int]]], tokenizer, chat: bool = True) -> list[list[int]]:
     """Strings become token ids (through the chat template when the tokenizer has one); ids pass; a dataset
     row (`load_prompts`) is read as its "prompt" text."""
@@ -60,8 +77,10 @@ def encode_prompts(prompts: Sequence[Union[str, Sequence[int]]], tokenizer, chat
                 ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
             else:
                 ids = tokenizer(prompt)["input_ids"]
-        else:
+        elif isinstance(prompt, Iterable):
             ids = list(prompt)
+        else:
+            raise SpecbenchError(f"prompt {index} is {prompt!r}: pass a text, a list of token ids or a dataset row")
         if not ids:
             raise SpecbenchError(f"prompt {index} is empty")
         encoded.append(ids)
@@ -109,7 +128,11 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
     replaying recorded ones as clients on other hosts would (`decode/replay_drafter.py`).
     """
     sampling = sampling or SamplingParams()
-    names, ks = method_ks([method] if isinstance(method, str) else list(method), k)
+    prompts = _prompt_list(prompts)
+    asked = [method] if isinstance(method, str) else list(method) if isinstance(method, Iterable) else []
+    if not asked:
+        raise SpecbenchError(f"method must name one method or several (specbench.methods), got {method!r}")
+    names, ks = method_ks(asked, k)
     if "auto" in names and router is None:
         raise SpecbenchError("method 'auto' routes each prompt to a method and K: pass router=... (a Router from "
                              "specbench.route.auto.train_router, or Router.load(path))")
@@ -158,6 +181,8 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
 def method_ks(names: Sequence[str], k: int) -> tuple[list[str], list[int]]:
     """Method names and each one's K: "chain:3" runs the chain at K=3 beside "suffix-tree:16" in one interleaved
     call; a name without ":K" takes `k`. A method given twice is refused (its rows and outputs would mix)."""
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral):
+        raise SpecbenchError(f"k must be a whole number of draft tokens (a tree's node budget), got {k!r}")
     found, ks = [], []
     for given in names:
         name, _, own = str(given).partition(":")
