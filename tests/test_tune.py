@@ -656,7 +656,7 @@ def test_damaged_recorded_proposals_are_refused_naming_the_file(tmp_path, bad):
 @pytest.mark.parametrize("document,words", [
     ([1, 2], "holds a list, not an object"),
     ({"target": "smollm2-135m", "method": "chain", "k": "four"}, "k='four'"),
-    ({"target": "smollm2-135m", "method": "chain", "k": 0}, "k=0"),
+    ({"target": "smollm2-135m", "method": "chain", "k": -1}, "k=-1"),
     ({"target": 5, "method": "chain", "k": 2}, "target=5"),
     ({"target": "smollm2-135m", "method": "chain", "k": 2, "kernels": "fast"}, "kernels='fast'"),
 ])

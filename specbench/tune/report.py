@@ -35,7 +35,7 @@ def read_config(path: str | Path) -> dict:
     from specbench.models.spec import KERNELS
 
     checks = {"target": lambda v: isinstance(v, str) and v, "method": lambda v: isinstance(v, str) and v,
-              "k": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+              "k": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,  # 0: target-only chosen
               "draft": lambda v: v is None or isinstance(v, str),
               "self_draft_layers": lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1),
               "substitute_quantization": lambda v: v is None or isinstance(v, str),
@@ -43,8 +43,8 @@ def read_config(path: str | Path) -> dict:
     wrong = [f"{name}={document[name]!r}" for name, good in checks.items()
              if name in document and not good(document[name])]
     if wrong:  # an edited file: named here, not a TypeError deep in the run it configures
-        raise SpecbenchError(f"{path}: {', '.join(wrong)} (target, method: names; k, self_draft_layers: integers >= 1; "
-                             f"kernels: one of {KERNELS})")
+        raise SpecbenchError(f"{path}: {', '.join(wrong)} (target, method: names; k an integer >= 0; "
+                             f"self_draft_layers >= 1; kernels: one of {KERNELS})")
     return document
 
 
