@@ -19,6 +19,13 @@ class SpecbenchError(ValueError):
     """Base of every error specbench raises on bad input; the message names the problem."""
 
 
+def reason(error: BaseException) -> str:
+    """A library's exception in a few words for a message of ours: its kind and its first sentence (the
+    readers of damaged files explain at length, and each raises its own kind for one cause)."""
+    words = str(error).splitlines()[0].split(". ")[0][:160] if str(error) else ""
+    return f"{type(error).__name__}: {words}" if words else type(error).__name__
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How the target's next-token distribution p is formed; temperature 0 means greedy.

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from specbench.files import replacing
 from specbench.heads.config import default_layer_ids
-from specbench.types import SpecbenchError
+from specbench.types import SpecbenchError, reason
 
 
 def save_cached(value, path: Path) -> None:
@@ -33,8 +33,7 @@ def load_cached(path: Path, remedy: str):
     try:
         return torch.load(path, weights_only=False)
     except Exception as error:  # torch raises RuntimeError, EOFError, OSError, UnpicklingError... for one cause
-        why = str(error).splitlines()[0].split(". ")[0][:160] if str(error) else ""
-        raise SpecbenchError(f"{path} does not load ({type(error).__name__}: {why}): {remedy}") from None
+        raise SpecbenchError(f"{path} does not load ({reason(error)}): {remedy}") from None
 
 
 def sequences(target, spec, prompts: list, progress: bool) -> list[list[int]]:
@@ -151,7 +150,7 @@ def prepare(spec, folder: str | Path, layer_ids_of, progress: bool) -> Prepared:
     started, seconds = time.monotonic(), {}
     torch.manual_seed(spec.seed)
     target = load_model(ModelSpec(spec.target, dtype=spec.dtype, kernels=spec.kernels))
-    layer_ids_of(target.model.config.num_hidden_layers)  # layers the target lacks: refused before minutes of replies
+    layer_ids = layer_ids_of(target.model.config.num_hidden_layers)  # refused here, not after minutes of replies
     if spec.teacher_forced and spec.prompts == "sharegpt":  # whole exchanges, not the first turns alone
         from specbench.datasets.loaders import load_conversations
 
@@ -181,7 +180,6 @@ def prepare(spec, folder: str | Path, layer_ids_of, progress: bool) -> Prepared:
         data = {"sequences": sequences(target, spec, training, progress), "spec": asdict(spec)}
         save_cached(data, data_path)
     seconds["data"] = round(time.monotonic() - started, 1)
-    layer_ids = layer_ids_of(target.model.config.num_hidden_layers)
     features_path = folder / "features.pt"
     passes = None
     if features_path.exists():

@@ -21,7 +21,7 @@ from specbench.files import replacing, write_text
 from specbench.heads.config import HeadConfig
 from specbench.heads.features import decoder_layers
 from specbench.heads.model import EagleHead
-from specbench.types import SpecbenchError
+from specbench.types import SpecbenchError, reason
 
 LAYOUTS = ("eagle3", "speculators")
 _SIZES = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
@@ -118,8 +118,7 @@ def _weights(folder: Path) -> dict:
             state.update(load_file(str(file)) if file.suffix == ".safetensors"
                          else torch.load(file, map_location="cpu", weights_only=True))
         except Exception as error:  # safetensors, zip and pickle readers each raise their own kinds
-            raise SpecbenchError(f"cannot read a draft head's weights at {file}: {type(error).__name__}: "
-                                 f"{str(error).splitlines()[0][:160] if str(error) else ''}") from None
+            raise SpecbenchError(f"cannot read a draft head's weights at {file}: {reason(error)}") from None
     if state:
         return state
     raise SpecbenchError(f"no weights in {folder} (model.safetensors or pytorch_model.bin)")

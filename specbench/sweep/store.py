@@ -21,7 +21,7 @@ import pandas as pd
 from specbench.files import replacing, write_text
 from specbench.sweep.cells import CellResult
 from specbench.sweep.grid import SweepCell
-from specbench.types import SpecbenchError
+from specbench.types import SpecbenchError, reason
 
 
 class ResultStore:
@@ -95,6 +95,5 @@ def _cell_records(path: Path) -> pd.DataFrame:
     try:
         return pd.read_parquet(path)
     except Exception as error:  # pyarrow's ArrowInvalid, OSError, ...: one cause, many kinds
-        raise SpecbenchError(f"sweep cell records {path} are unreadable ({type(error).__name__}: "
-                             f"{str(error).splitlines()[0][:160]}); delete it and {path.stem}.json to rerun that "
-                             f"cell") from None
+        raise SpecbenchError(f"sweep cell records {path} are unreadable ({reason(error)}); delete it and "
+                             f"{path.stem}.json to rerun that cell") from None
