@@ -12,7 +12,8 @@ from specbench.models.spec import ModelSpec
 from specbench.models.tiny import tiny_model
 from specbench.types import DraftTree, SamplingParams, SpecbenchError
 from specbench.worker.client import NetworkEmulation, RemoteTarget, WorkerError, WorkerUnavailableError
-from specbench.worker.server import Worker, WorkerConfig, is_local_endpoint
+from specbench.worker.protocol import is_local_endpoint
+from specbench.worker.server import Worker, WorkerConfig
 
 from conftest import PROMPTS
 from worker_helpers import TARGET, ThreadWorker, forked, free_port, start_process_worker
@@ -198,7 +199,9 @@ def test_curve_auth_refuses_clients_without_the_key(tmp_path):
 
 def test_non_loopback_bind_needs_keys_or_insecure():
     assert is_local_endpoint("tcp://127.0.0.1:5555") and is_local_endpoint("ipc:///tmp/x")
-    assert not is_local_endpoint("tcp://0.0.0.0:5555")
+    assert is_local_endpoint("tcp://[::1]:5555") and is_local_endpoint("tcp://LocalHost:5555")
+    assert not any(map(is_local_endpoint, ["tcp://0.0.0.0:5555", "tcp://*:5555", "tcp://[::]:5555",
+                                           "tcp://10.0.0.2:5555", "tcp://example.org:5555"]))
     with pytest.raises(SpecbenchError, match="refusing to bind tcp://0.0.0.0:5999"):
         Worker(WorkerConfig(bind="tcp://0.0.0.0:5999"))
     Worker(WorkerConfig(bind="tcp://0.0.0.0:5999", insecure=True))  # allowed when asked for

@@ -101,7 +101,7 @@ def _serve(args) -> int:
 
 
 def _loopback(host: str) -> bool:
-    """The worker's own rule (worker/server.py), for an HTTP host."""
-    from specbench.worker.server import is_local_endpoint
+    """The worker's own rule (worker/protocol.py), for an HTTP host."""
+    from specbench.worker.protocol import is_local_endpoint
 
     return is_local_endpoint(f"tcp://[{host}]:0" if ":" in host else f"tcp://{host}:0")

@@ -10,6 +10,7 @@ malformed request is answered "bad-request" naming the field, and "internal" is 
 """
 from __future__ import annotations
 
+import ipaddress
 import math
 import re
 from typing import Any, Optional, Sequence
@@ -38,15 +39,38 @@ class LimitError(SpecbenchError):
     """A request within the protocol but over one of the worker's limits (answered code "limit")."""
 
 
+def _split_endpoint(endpoint: str) -> tuple[str, str, str]:
+    """scheme, host and port of a ZeroMQ address (host and port empty for ipc:// and inproc://)."""
+    scheme, _, rest = str(endpoint).partition("://")
+    if scheme in ("ipc", "inproc"):
+        return scheme, "", ""
+    host, _, port = rest.rpartition(":")
+    return scheme, host, port
+
+
 def check_endpoint(endpoint: str, bind: bool = False) -> None:
     """Refuse, naming the forms, an address ZeroMQ cannot bind or connect to (before: ZMQError "Invalid
     argument", or a worker told to add CURVE keys for an address that was no address)."""
-    scheme, _, rest = str(endpoint).partition("://")
-    host, _, port = rest.rpartition(":")
+    scheme, host, port = _split_endpoint(endpoint)
     ports = port.isdigit() or (bind and port == "*")
-    if not ((scheme in ("ipc", "inproc") and rest) or (scheme == "tcp" and host and ports)):
+    named = str(endpoint).partition("://")[2]
+    if not ((scheme in ("ipc", "inproc") and named) or (scheme == "tcp" and host and ports)):
         raise SpecbenchError(f"{'--bind' if bind else 'a worker endpoint'} takes tcp://HOST:PORT "
                              f"(PORT a number{' or *' if bind else ''}), ipc://PATH or inproc://NAME, not {endpoint!r}")
+
+
+def is_local_endpoint(endpoint: str) -> bool:
+    """True for ipc://, inproc:// and tcp:// on a loopback address: what may be bound without CURVE keys."""
+    scheme, host, _ = _split_endpoint(endpoint)
+    if scheme in ("ipc", "inproc"):
+        return True
+    host = host.strip("[]").lower()
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def encode(header: dict, arrays: Optional[dict[str, np.ndarray]] = None) -> list[bytes]:

@@ -8,12 +8,10 @@ in the queue. `--no-batching` handles one request at a time, for comparison. Wha
 """
 from __future__ import annotations
 
-import ipaddress
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
-from urllib.parse import urlparse
 
 import zmq
 
@@ -92,24 +90,10 @@ class Stats:
         self.longest_s[op] = max(self.longest_s.get(op, 0.0), seconds)
 
 
-def is_local_endpoint(endpoint: str) -> bool:
-    """True for ipc://, inproc:// and tcp:// on a loopback address."""
-    parsed = urlparse(endpoint)
-    if parsed.scheme in ("ipc", "inproc"):
-        return True
-    host = (parsed.hostname or "").strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 class Worker:
     def __init__(self, config: WorkerConfig, log: Callable[[str], None] = print):
         protocol.check_endpoint(config.bind, bind=True)
-        if not is_local_endpoint(config.bind) and not config.curve_keys and not config.insecure:
+        if not protocol.is_local_endpoint(config.bind) and not config.curve_keys and not config.insecure:
             raise SpecbenchError(
                 f"refusing to bind {config.bind} without CURVE keys: anyone who can reach it could use the "
                 f"model. Pass --curve-keys DIR (see `specbench keys`), or --insecure on a trusted network")
