@@ -305,14 +305,14 @@ def test_suffix_sampling_follows_the_target(tree):
     """Point-mass proposals from counts: the first two sampled tokens follow the target exactly."""
     from specbench.decode.target import LocalTarget
     from specbench.models.tiny import tiny_model
-    from test_distributions import REPEATING_PROMPT, check_two_token_marginals
+    from test_distributions import LOOKUP_PROMPT, SAMPLING_LAYERS, check_two_token_marginals
 
     vocab = 16
-    target = tiny_model(seed=3, vocab_size=vocab)
+    target = tiny_model(seed=3, vocab_size=vocab, num_layers=SAMPLING_LAYERS)
     drafter = SuffixDrafter(SuffixSettings(depth=6, cache="off", min_prob=0.0, factor=3.0), tree=tree)
-    # a chain proposes the one most seen continuation (14 here, which the target samples ~54% of the time);
+    # a chain proposes the one most seen continuation (13 here, which the target samples ~51% of the time);
     # a tree proposes the three seen after "1, 2" as siblings
-    prompt = REPEATING_PROMPT if tree else [4, 14, 4, 14, 4]
+    prompt = LOOKUP_PROMPT if tree else [9, 13, 9, 13, 9]
     check_two_token_marginals(LocalTarget(target), target, drafter,
                               Decoding(6, 2, SamplingParams(temperature=1.5, rule="rejection")), vocab, prompt=prompt)
     assert not drafter._active  # the loop calls finish() at each generation's end: no request is left open
@@ -491,14 +491,15 @@ def test_sampled_drafting_with_suffix_and_a_draft_model_keeps_the_targets_distri
     from specbench.decode.target import LocalTarget
     from specbench.methods import DraftSource, make_drafter
     from specbench.models.tiny import tiny_model
-    from test_distributions import check_two_token_marginals
+    from test_distributions import LOOKUP_PROMPT, SAMPLING_LAYERS, check_two_token_marginals
 
     vocab = 16
-    target = tiny_model(seed=3, vocab_size=vocab)
-    draft = tiny_model(seed=4, vocab_size=vocab, noise_from=target, noise_scale=0.3)
+    target = tiny_model(seed=3, vocab_size=vocab, num_layers=SAMPLING_LAYERS)
+    draft = tiny_model(seed=4, vocab_size=vocab, noise_from=target, noise_scale=0.3, num_layers=SAMPLING_LAYERS)
     local = LocalTarget(target)
     drafter = make_drafter(method, DraftSource(local, target, draft,
                                                suffix=SuffixSettings(cache="drafter", hand_over=0.5, other_k=2)))
     check_two_token_marginals(local, target, drafter,
-                              Decoding(3, 3, SamplingParams(temperature=1.5, rule=rule, draft_top_k=8)), vocab)
+                              Decoding(3, 3, SamplingParams(temperature=1.5, rule=rule, draft_top_k=8)), vocab,
+                              prompt=LOOKUP_PROMPT)
     assert min(drafter.steps.values()) > 100, drafter.steps
