@@ -101,7 +101,10 @@ def chain_load(folder: str, args) -> None:
         print(f"alone and profiled in {time.perf_counter() - started:.1f} s; "
               f"network {1000 * alone['network_s'].mean():.2f}"
               f" ms/step, client overhead {1000 * alone['overhead_s'].mean():.2f} ms/step", flush=True)
-        context = multiprocessing.get_context("spawn")
+        # clients fork from one server that imported what a client runs: spawn paid those imports (~6 CPU-s on a
+        # 2-core box) once per client process; the server is a fresh interpreter, so no CUDA state is inherited
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(["specbench.worker.client", "specbench.decode.loop", "replay_draft"])
         rows = []
         with context.Pool(most) as pool:
             spawned = []
