@@ -38,9 +38,10 @@ test: setup
 	$(PY) -m specbench.cli models fetch qwen2.5-coder-0.5b  # notebook 05: a target of another family (0.5 GB once)
 	# two processes, one thread each (2 cores): most tests wait on workers, kernels and sockets. Tests that assert a
 	# wall-clock bound between tenants (marked `serial`) then run alone, with every core.
-	# --durations names the slowest tests in every log (conftest's LONGEST_FIRST is kept from them).
-	CI=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider --nbmake -n 2 --dist loadfile -m "not serial" \
-		--durations=20 tests notebooks
+	# --durations names the slowest tests in every log (conftest's LONGEST_FIRST is kept from them); without
+	# --no-loadscope-reorder xdist hands out files by their number of tests, not in that order.
+	CI=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider --nbmake -n 2 --dist loadfile --no-loadscope-reorder \
+		-m "not serial" --durations=20 tests notebooks
 	CI=1 $(PY) -m pytest -q -p no:cacheprovider -m serial tests
 
 bench: setup

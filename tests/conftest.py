@@ -1,8 +1,16 @@
 """Shared fixtures: tiny random fp32 models (exact, offline) and the embedded SmolLM2 (cached download)."""
+import os
+
 import pytest
 import torch
 
+from specbench.data_paths import cache_root
 from specbench.models.tiny import tiny_model
+
+# torch.compile's generated code kept in the user cache, which CI keeps between runs (models live there too): the
+# compiled-backend tests spend ~75 s of a cold 2-core box generating code that a warm cache replays in ~10 s. The
+# graphs are still traced and guarded each run, and the tests still compare their tokens with eager ones.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
 
 torch.set_num_threads(max(1, torch.get_num_threads()))
 
