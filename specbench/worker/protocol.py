@@ -40,10 +40,10 @@ class LimitError(SpecbenchError):
 
 
 def _split_endpoint(endpoint: str) -> tuple[str, str, str]:
-    """scheme, host and port of a ZeroMQ address (host and port empty for ipc:// and inproc://)."""
+    """scheme, host and port of a ZeroMQ address; for ipc:// and inproc:// the path or name, and no port."""
     scheme, _, rest = str(endpoint).partition("://")
     if scheme in ("ipc", "inproc"):
-        return scheme, "", ""
+        return scheme, rest, ""
     host, _, port = rest.rpartition(":")
     return scheme, host, port
 
@@ -53,8 +53,7 @@ def check_endpoint(endpoint: str, bind: bool = False) -> None:
     argument", or a worker told to add CURVE keys for an address that was no address)."""
     scheme, host, port = _split_endpoint(endpoint)
     ports = port.isdigit() or (bind and port == "*")
-    named = str(endpoint).partition("://")[2]
-    if not ((scheme in ("ipc", "inproc") and named) or (scheme == "tcp" and host and ports)):
+    if not ((scheme in ("ipc", "inproc") and host) or (scheme == "tcp" and host and ports)):
         raise SpecbenchError(f"{'--bind' if bind else 'a worker endpoint'} takes tcp://HOST:PORT "
                              f"(PORT a number{' or *' if bind else ''}), ipc://PATH or inproc://NAME, not {endpoint!r}")
 
