@@ -36,11 +36,13 @@ demo: setup
 test: setup
 	$(PY) -m specbench.cli models fetch smollm2-135m
 	$(PY) -m specbench.cli models fetch qwen2.5-coder-0.5b  # notebook 05: a target of another family (0.5 GB once)
-	# two processes, one thread each (2 cores): most tests wait on workers, kernels and sockets. Tests that assert a
-	# wall-clock bound between tenants (marked `serial`) then run alone, with every core.
+	# three processes, one thread each, on 2 cores: much of a test's time is waiting on the workers, kernels, scripts
+	# and sockets it starts, and a third process fills it (-n 3 ran 16% faster than -n 2 on a 2-vCPU box; -n 4 was
+	# slower than both: benchmarks/results/2026-12-02-test-workers-amx.md). Tests that assert a wall-clock bound, or
+	# start a Ray cluster (marked `serial`), then run alone, with every core.
 	# --durations names the slowest tests in every log (conftest's LONGEST_FIRST is kept from them); without
 	# --no-loadscope-reorder xdist hands out files by their number of tests, not in that order.
-	CI=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider --nbmake -n 2 --dist loadfile --no-loadscope-reorder \
+	CI=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider --nbmake -n 3 --dist loadfile --no-loadscope-reorder \
 		-m "not serial" --durations=20 tests notebooks
 	CI=1 $(PY) -m pytest -q -p no:cacheprovider -m serial tests
 

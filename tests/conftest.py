@@ -66,8 +66,7 @@ def assert_batches_match_lone_verifies(batched, alone, prompts, drafters, steps:
 
 
 # The files that take longest under `make test` (seconds of test time on a 2-core AVX2 box, 2026-12-02: 243 to 50 s),
-# sent to the two xdist workers first: with `--dist loadfile` a long file left to the end runs while the other
-# worker idles.
+# sent to the xdist workers first: with `--dist loadfile` a long file left to the end runs while the others idle.
 LONGEST_FIRST = ("tests/test_heads.py", "tests/test_gpu_check.py", "tests/test_serve.py", "tests/test_fast_forward.py",
                  "tests/test_distributions.py", "tests/test_browser.py", "notebooks/05_profile_and_reference.ipynb",
                  "tests/test_golden_greedy.py", "tests/test_suffix.py", "tests/test_sweep.py",

@@ -86,6 +86,8 @@ def test_ray_executor_says_how_to_install_it(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def ray_cluster():
+    """A local Ray cluster for the module. Its tests are `serial`: Ray gives a starting node a fixed 30 s to
+    register, and under `make test`'s parallel processes it took 23-29 s (and timed out with four)."""
     if os.environ.get("CI"):
         import ray  # CI installs the ray extra (make test): a missing Ray fails here instead of skipping
     else:
@@ -95,6 +97,7 @@ def ray_cluster():
     ray.shutdown()
 
 
+@pytest.mark.serial
 def test_ray_gives_the_same_records_as_local(tmp_path, ray_cluster):
     cells = tiny_grid()
     local = sweep(cells, tmp_path / "local", progress=False)
@@ -106,6 +109,7 @@ def test_ray_gives_the_same_records_as_local(tmp_path, ray_cluster):
     assert on_ray.status["models_loaded"].sum() <= 2 * 2
 
 
+@pytest.mark.serial
 def test_a_killed_ray_worker_loses_no_cell(tmp_path, ray_cluster):
     """kill -9 a Ray worker while it runs a cell: Ray retries that cell, every cell lands exactly once,
     and a rerun of the finished sweep does no work."""
