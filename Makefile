@@ -17,8 +17,10 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# CPU build of torch first, so no dependency pulls a multi-GB CUDA build on CPU machines.
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[dev,ray,serve]"
+	$(PY) -m pip install -q --no-compile torch==2.13.0
+	$(PY) -m pip install -q --no-compile -e ".[dev,ray,serve]"
+	# bytecode only for what specbench imports, in two processes: pip compiles every installed file on one core
+	$(PY) .ci/bytecode.py
 	# Chromium + driver for the headless-browser checks (Debian packages; skipped where apt is not ours).
 	command -v chromedriver >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 		(apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver) \
