@@ -133,6 +133,8 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
     if not asked:
         raise SpecbenchError(f"method must name one method or several (specbench.methods), got {method!r}")
     names, ks = method_ks(asked, k)
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):  # "a" met torch's OverflowError
+        raise SpecbenchError(f"seed must be a whole number, got {seed!r}")
     if "auto" in names and router is None:
         raise SpecbenchError("method 'auto' routes each prompt to a method and K: pass router=... (a Router from "
                              "specbench.route.auto.train_router, or Router.load(path))")

@@ -7,11 +7,12 @@ import torch
 from specbench.data_paths import cache_root
 from specbench.models.tiny import tiny_model
 
-# torch.compile's generated code kept in the user cache, which CI keeps between runs (models live there too): the
-# compiled-backend tests spend ~75 s of a cold 2-core box generating code that a warm cache replays in ~10 s. The
-# graphs are still traced and guarded each run, and the tests still compare their tokens with eager ones. One folder
-# per torch version and CPU instruction set: CI's CPU model changes between runs, and code generated for AVX-512
-# must never be replayed on a CPU without it.
+# torch.compile's generated code kept in the user cache (models live there too): the compiled-backend tests spend
+# ~60-75 s of a cold 2-core box generating code that a warm cache replays in ~10 s. It is found again only from the
+# same checkout path: inductor's key holds the compiler's command line, whose include paths name this environment's
+# torch (a clone elsewhere generated all 123 files again). The graphs are still traced and guarded each run, and the
+# tests still compare their tokens with eager ones. One folder per torch version and CPU instruction set: CI's CPU
+# model changes between runs, and code generated for AVX-512 must never be replayed on a CPU without it.
 _COMPILED = f"{torch.__version__}-{torch.backends.cpu.get_cpu_capability()}".replace("+", "-")
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor" / _COMPILED))
 

@@ -171,7 +171,8 @@ def test_a_profile_grid_that_cannot_be_measured_is_refused_by_name(tiny_target, 
 def test_run_reads_one_text_as_one_prompt_and_refuses_what_is_no_prompt_list(tiny_target):
     """An outside tester's calls: `run(t, "def f():")` ran one prompt per character (8 prompts); `k="3"`,
     `method=[]`, `method=None` and `prompts=[None]` raised TypeError or ZeroDivisionError; `k=2.5` ran;
-    `prompts=[]` returned an empty frame unsaid; a flat list of ids failed in `list(1)`."""
+    `prompts=[]` returned an empty frame unsaid; a flat list of ids failed in `list(1)`; `seed="a"` met torch's
+    OverflowError ("cannot fit 'int' into an index-sized integer")."""
     from specbench.api import outputs
 
     ids = run(tiny_target, [(1, 2, 3)], method="target-only", max_new_tokens=3, progress=False, warmup=False)
@@ -179,7 +180,8 @@ def test_run_reads_one_text_as_one_prompt_and_refuses_what_is_no_prompt_list(tin
     for changes, words in (({"k": "3"}, "k must be a whole number"), ({"k": 2.5}, "k must be a whole number"),
                            ({"method": []}, "method must name"), ({"method": None}, "method must name"),
                            ({"prompts": []}, "no prompts to run"), ({"prompts": [None]}, "prompt 0 is None"),
-                           ({"prompts": [1, 2, 3]}, "one list of 3 integers")):
+                           ({"prompts": [1, 2, 3]}, "one list of 3 integers"), ({"seed": "a"}, "seed must be a whole"),
+                           ({"seed": 1.5}, "seed must be a whole")):
         call = {"prompts": [[1, 2, 3]], "method": "prompt-lookup", "k": 2, **changes}
         with pytest.raises(SpecbenchError, match=words):
             run(tiny_target, call.pop("prompts"), max_new_tokens=3, progress=False, warmup=False, **call)
