@@ -48,4 +48,5 @@ if __name__ == "__main__":
     else:
         env = {name: value for name, value in os.environ.items() if name != "PYTHONDONTWRITEBYTECODE"}
         children = [subprocess.Popen([sys.executable, __file__, group], env=env) for group in GROUPS]
-        sys.exit(max(child.wait() for child in children))
+        codes = [child.wait() for child in children]
+        sys.exit(1 if any(codes) else 0)  # a child killed by a signal returns a negative code, which max() hid
