@@ -235,6 +235,8 @@ def main() -> None:
     router.save(Path(args.out).with_suffix(".router.json"))
     print(f"router: default {router.default}, margin {router.margin}"
           + (f" (cross-validated tok/s by margin: {router.margins})" if router.margins else ""))
+    print(f"router: family defaults {'used' if router.by_family else 'not used'}: {router.family_defaults}"
+          + (f" (cross-validated tok/s by margin with them: {router.family_margins})" if router.family_margins else ""))
 
     rows, made = [], {}  # made: each held-out run's output, (label, pass, prompt) -> ids
     families = sorted(set(r["set"] for r in held), key=lambda f: (f not in MULTI_TURN, f))
@@ -291,6 +293,8 @@ def main() -> None:
                    **({"hand_overs": hand_overs.to_dict("records")} if args.hand_over == "auto" else {}),
                    **({"suffix_floors": floors.to_dict("records")} if args.suffix_min_score == "auto" else {}),
                    "router_margins": {str(m): v for m, v in router.margins.items()},
+                   "router_by_family": router.by_family, "router_family_defaults": router.family_defaults,
+                   "router_family_margins": {str(m): v for m, v in router.family_margins.items()},
                    "router_features": json.loads(Path(args.out).with_suffix(".router.json").read_text())["features"]})
     write_report(args.out, report)
 

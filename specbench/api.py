@@ -244,7 +244,8 @@ def _auto_run(router, families, *, target, source, prompt_ids, k, max_new_tokens
         bar.set_postfix_str(f"auto over {len(router.candidates)} candidates, {max_new_tokens} tokens")
         ids = prompt_ids[index]
         started = time.perf_counter()
-        candidate, table = router.choose(ids, families[index] if families is not None else None)
+        family = families[index] if families is not None else None
+        candidate, table = router.choose(ids, family)
         route_s = time.perf_counter() - started
         one = prepared(candidate)
         result = _measured(ids, index, seed, device, one)
@@ -255,7 +256,8 @@ def _auto_run(router, families, *, target, source, prompt_ids, k, max_new_tokens
                 other["drafter"].remember(result.output_ids)
                 fed.add(id(cache))
         why = json.dumps({row.candidate: round(row.tokens_per_s, 3) for row in table.itertuples()})
-        return [dict(row, method="auto", chosen=candidate.label, route_s=route_s, route_predicted=why)
+        return [dict(row, method="auto", chosen=candidate.label, route_s=route_s, route_predicted=why,
+                     route_default=router.default_for(family))
                 for row in _rows(result, ids, candidate.k if one["method"].kind != "none" else 0,
                                  _memory(one["drafter"], target_bytes))]
 

@@ -374,3 +374,36 @@ def test_workload_oracle_cross_fitted_takes_each_choice_from_the_other_pass():
     assert best.seconds.sum() < min(rows[rows.label == x].seconds.sum() for x in "ab") < crossed.seconds.sum()
     one_pass, none = oracles(rows[rows["pass"] == 0], ["a", "b"])
     assert len(one_pass) == 2 and none.empty
+
+
+def test_a_family_default_starts_each_prompt_from_what_its_family_measured(tmp_path):
+    """By family: lookup pays 4 tokens a step on code, nothing on chat, and the repetition features say nothing of
+    it (prompts alike in both). A strongly shrunk ridge fit cannot tell the families apart; each family's measured
+    best can, and cross-validation finds it on prompts the folds never saw. A prompt of an uncalibrated family
+    starts from the overall default; families that all measure alike leave the overall default in place."""
+    prompts = _mixed_prompts(30, seed=2)
+    families = ["code" if i % 3 else "chat" for i in range(30)]  # 20 code, 10 chat
+    candidates = [Candidate("target-only"), Candidate("prompt-lookup", 4)]
+    records = _records(prompts, lambda ids: 4 if families[prompts.index(ids)] == "code" else 1)
+    router = fit_router(records, prompts, candidates, families, ridge=100.0)
+    assert router.family_defaults == {"code": "prompt-lookup k=4", "chat": "target-only"}
+    assert router.default == "prompt-lookup k=4" and router.by_family
+    assert max(router.family_margins.values()) > 1.1 * max(router.margins.values())  # measured, held out
+    plain = [50, 81, 3, 66, 12, 97, 25, 44]
+    assert router.choose(plain, "chat")[0].method == "target-only"
+    assert router.choose(plain, "code")[0].method == "prompt-lookup"
+    assert router.default_for("poetry") == router.default and router.choose(plain, "poetry")[0].method == \
+        "prompt-lookup"
+    again = Router.load(router.save(tmp_path / "router.json"))
+    assert again.by_family and again.family_defaults == router.family_defaults
+    assert again.family_margins == pytest.approx(router.family_margins)
+    assert again.choose(plain, "chat")[0].method == "target-only"
+    off = fit_router(records, prompts, candidates, families, ridge=100.0, margin=np.inf)  # a fixed margin: off
+    assert not off.by_family and off.choose(plain, "chat")[0].method == "prompt-lookup"
+    on = fit_router(records, prompts, candidates, families, ridge=100.0, margin=np.inf, by_family=True)
+    assert on.choose(plain, "chat")[0].method == "target-only"
+    alike = _records(prompts, lambda ids: 4 if repeat_share(ids, 2) > 0.3 else 1)  # family says nothing here
+    level = fit_router(alike, prompts, candidates, families, ridge=0.1)
+    assert set(level.family_defaults.values()) == {"prompt-lookup k=4"} and not level.by_family
+    unlabelled = fit_router(alike, prompts, candidates, ridge=0.1)
+    assert not unlabelled.family_margins and not unlabelled.family_defaults  # nothing to try without families

@@ -19,6 +19,11 @@ whose choices were fastest as measured wins (the widest of equals; `inf`: always
 per-prompt predictions can be trusted depends on the candidates and on how many prompts calibrate them. It is
 the default wherever there are prompts enough to cross-validate (benchmarks/results/2026-11-27-workload-learned-
 margin.md: learned, `auto` kept pace with the best fixed method; at a fixed 5% it ran 0.92-0.95x it).
+
+Where prompts carry a family, the default can be the family's own: the candidate best over that family's
+calibration prompts, measured (`by_family`). A few prompts of a family say which drafter pays there (a
+translation prompt repeats nothing a suffix index could not find, a code edit resends a file) more reliably than a
+ridge fit over every family does; cross-validation decides whether they do, beside the margin.
 """
 from __future__ import annotations
 
@@ -79,6 +84,9 @@ class Router:
     default: Optional[str] = None  # the label of the candidate best over all calibration prompts
     margin: float = 0.0  # how much better (relative) another candidate must be predicted to replace it
     margins: dict = field(default_factory=dict)  # a learned margin's reason: {margin: cross-validated score}
+    family_defaults: dict = field(default_factory=dict)  # {family: label of its best candidate, measured}
+    by_family: bool = False  # a prompt of a known family starts from its family's default
+    family_margins: dict = field(default_factory=dict)  # as `margins`, with family defaults
 
     def predict(self, ids: Sequence[int], family: Optional[str] = None) -> pd.DataFrame:
         """Each candidate's predicted tokens per step, draft tokens per step, step seconds, tokens/s and
@@ -102,7 +110,12 @@ class Router:
     def choose(self, ids: Sequence[int], family: Optional[str] = None) -> tuple[Candidate, pd.DataFrame]:
         """The best candidate under the objective, and every candidate's predictions (the reason)."""
         table = self.predict(ids, family)
-        return self.candidates[_pick(table, self.objective, self.default, self.margin)], table
+        return self.candidates[_pick(table, self.objective, self.default_for(family), self.margin)], table
+
+    def default_for(self, family: Optional[str] = None) -> Optional[str]:
+        """The candidate a prompt keeps unless another is predicted better by the margin: its family's best
+        where `by_family` and the family was calibrated, else the best over all calibration prompts."""
+        return self.family_defaults.get(family, self.default) if self.by_family else self.default
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -110,6 +123,8 @@ class Router:
                 "objective": self.objective, "mean": self.mean.tolist(), "scale": self.scale.tolist(),
                 "default": self.default, "margin": _finite(self.margin),
                 "margins": {str(_finite(m)): score for m, score in self.margins.items()},
+                "family_defaults": self.family_defaults, "by_family": self.by_family,
+                "family_margins": {str(_finite(m)): score for m, score in self.family_margins.items()},
                 "features": feature_names(self.families),
                 "fits": {label: {"tokens": fit.tokens.tolist(), "drafted": fit.drafted.tolist(),
                                  "fixed_s": fit.fixed_s, "per_token_s": fit.per_token_s,
@@ -127,7 +142,9 @@ class Router:
                        {label: _Fit(np.asarray(f["tokens"]), np.asarray(f["drafted"]), f["fixed_s"], f["per_token_s"],
                                     None if f.get("draft_s") is None else np.asarray(f["draft_s"]))
                         for label, f in body["fits"].items()}, body.get("default"), float(body.get("margin", 0.0)),
-                       {float(m): float(score) for m, score in body.get("margins", {}).items()})
+                       {float(m): float(score) for m, score in body.get("margins", {}).items()},
+                       dict(body.get("family_defaults", {})), bool(body.get("by_family", False)),
+                       {float(m): float(score) for m, score in body.get("family_margins", {}).items()})
         except (OSError, ValueError, KeyError, TypeError) as error:
             raise SpecbenchError(f"{path}: not a router file ({type(error).__name__}: {error}); "
                                  f"train one with train_router(...) and save it") from None
@@ -135,10 +152,11 @@ class Router:
 
 def fit_router(records: pd.DataFrame, prompts: Sequence[Sequence[int]], candidates: Sequence[Candidate],
                families: Optional[Sequence[Optional[str]]] = None, objective: str = "speed",
-               ridge: float = 1.0, margin: float | str | None = None) -> Router:
+               ridge: float = 1.0, margin: float | str | None = None, by_family: Optional[bool] = None) -> Router:
     """A router from `run` records of each candidate over `prompts` (rows labelled by method and k;
     `families[i]` is prompt i's family, when known). `margin`: a share, "learn" (cross-validated), or None:
-    learned where there are at least 2 x `FOLDS` prompts, else `MARGIN`."""
+    learned where there are at least 2 x `FOLDS` prompts, else `MARGIN`. `by_family`: start each prompt from its
+    family's default; None: cross-validated with a learned margin, else off."""
     if objective not in OBJECTIVES:
         raise SpecbenchError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     if margin is None:
@@ -149,9 +167,14 @@ def fit_router(records: pd.DataFrame, prompts: Sequence[Sequence[int]], candidat
     families = list(families) if families is not None else [None] * len(prompts)
     if margin == LEARN:
         router = fit_router(records, prompts, candidates, families, objective, ridge, margin=0.0)
-        router.margins = learn_margin(records, prompts, candidates, families, objective, ridge)
-        best = max(router.margins.values())
-        router.margin = max(m for m, score in router.margins.items() if score >= best)
+        tried = [bool(by_family)] if by_family is not None or not any(families) else [False, True]
+        scores = {flag: learn_margin(records, prompts, candidates, families, objective, ridge, by_family=flag)
+                  for flag in tried}
+        best = max(score for flag in tried for score in scores[flag].values())
+        router.by_family = min(flag for flag in tried if max(scores[flag].values()) >= best)  # global at a tie
+        router.margins, router.family_margins = scores.get(False, {}), scores.get(True, {})
+        chosen = scores[router.by_family]
+        router.margin = max(m for m, score in chosen.items() if score >= best)
         return router
     known = sorted({f for f in families if f})
     features = np.stack([prompt_features(ids, family, known) for ids, family in zip(prompts, families)])
@@ -160,7 +183,11 @@ def fit_router(records: pd.DataFrame, prompts: Sequence[Sequence[int]], candidat
     x = np.hstack([(features - mean) / scale, np.ones((len(prompts), 1))])
     steps = {candidate: rows_of(records, candidate) for candidate in candidates}
     router = Router(list(candidates), known, objective, mean, scale, default=_best_overall(steps, objective),
-                    margin=margin)
+                    margin=margin, by_family=bool(by_family))
+    for family in known:
+        own = [i for i, f in enumerate(families) if f == family]
+        router.family_defaults[family] = _best_overall(
+            {c: rows[rows["prompt_index"].isin(own)] for c, rows in steps.items()}, objective)
     timed = all("draft_s" in rows and rows["draft_s"].notna().all() for rows in steps.values())
     costs = _step_costs({c: rows.assign(step_s=rows["step_s"] - rows["draft_s"]) for c, rows in steps.items()},
                         own_draft_cost=False) if timed else _step_costs(steps)
@@ -194,10 +221,12 @@ def parse_margin(value) -> float | str:
 
 def learn_margin(records: pd.DataFrame, prompts: Sequence[Sequence[int]], candidates: Sequence[Candidate],
                  families: Sequence[Optional[str]], objective: str = "speed", ridge: float = 1.0,
-                 folds: int = FOLDS) -> dict[float, float]:
+                 folds: int = FOLDS, by_family: bool = False) -> dict[float, float]:
     """{margin: score} over `MARGINS`: `folds` routers, each fitted without every folds-th prompt, route those
     prompts; each prompt's chosen candidate is scored as its records measured it (tokens over step seconds
-    for speed, tokens over verified tokens for the cost objective), summed over all prompts."""
+    for speed, tokens over verified tokens for the cost objective), summed over all prompts. With `by_family`
+    each fold's router starts a prompt from the family default its own prompts measured (a family none of
+    them holds: the overall default)."""
     count = len(prompts)
     if count < 2 * folds:
         raise SpecbenchError(f"a learned margin needs at least {2 * folds} calibration prompts, got {count}")
@@ -213,11 +242,12 @@ def learn_margin(records: pd.DataFrame, prompts: Sequence[Sequence[int]], candid
         subset = records[records["prompt_index"].isin(kept)].assign(
             prompt_index=lambda d: d["prompt_index"].map(renumber))
         router = fit_router(subset, [prompts[i] for i in kept], candidates, [families[i] for i in kept],
-                            objective, ridge, margin=0.0)
+                            objective, ridge, margin=0.0, by_family=by_family)
         for i in held:
             table = router.predict(prompts[i], families[i])
             for m in MARGINS:
-                chosen = measured[table.loc[_pick(table, objective, router.default, m), "candidate"]].loc[i]
+                start = router.default_for(families[i])
+                chosen = measured[table.loc[_pick(table, objective, start, m), "candidate"]].loc[i]
                 totals[m][0] += chosen["emitted"]
                 totals[m][1] += chosen[cost]
     return {m: tokens / max(seconds, 1e-12) for m, (tokens, seconds) in totals.items()}
