@@ -10,6 +10,7 @@ OUT.held-out.json (the held-out requests, written since 2026-12-02).
 
     python benchmarks/router_refit.py results/wl-qwen-amx.json
     python benchmarks/router_refit.py results/wl-qwen-amx.json --ridge 0.1 1 10 --margins learn 0 inf
+    python benchmarks/router_refit.py results/wl-qwen-amx.json --margins learn inf --by-family learn on off
 """
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ def score(router, rows: pd.DataFrame, held: dict[str, dict]) -> dict:
     best_label = max(speeds, key=speeds.get)
     speed = picked.tokens.sum() / picked.seconds.sum()
     return {"tok_s": speed, "over_best_fixed": speed / speeds[best_label], "best_fixed": best_label,
-            "default": router.default, "margin": router.margin,
+            "default": router.default, "margin": router.margin, "by family": router.by_family,
             "choices": pd.Series(chosen).value_counts().to_dict()}
 
 
@@ -72,6 +73,8 @@ def main() -> None:
     parser.add_argument("--margins", nargs="+", default=["learn"], help="shares, 'inf' or 'learn'")
     parser.add_argument("--families", action=argparse.BooleanOptionalAction, default=True,
                         help="give the router each prompt's family (a one-hot feature per family)")
+    parser.add_argument("--by-family", nargs="+", default=["learn"], choices=["learn", "on", "off"],
+                        help="start each prompt from its family's measured default: cross-validated, or forced")
     parser.add_argument("--features", nargs="+", default=["default"], choices=["default", "history"],
                         help="feature sets to compare; history: the default's and how many earlier turns the "
                              "prompt holds (earlier copies of its last 3 ids, a chat template's assistant header)")
@@ -90,10 +93,12 @@ def main() -> None:
             router_module.prompt_features = FEATURES[features]
             for ridge in args.ridge:
                 for margin in args.margins:
-                    router = fit_router(records, prompts, candidates, families, ridge=ridge,
-                                        margin=parse_margin(margin))
-                    lines.append({"features": features, "ridge": ridge, "margin asked": margin,
-                                  **score(router, rows, held)})
+                    for by_family in args.by_family:
+                        router = fit_router(records, prompts, candidates, families, ridge=ridge,
+                                            margin=parse_margin(margin),
+                                            by_family={"learn": None, "on": True, "off": False}[by_family])
+                        lines.append({"features": features, "ridge": ridge, "margin asked": margin,
+                                      "by family asked": by_family, **score(router, rows, held)})
     finally:
         router_module.prompt_features = prompt_features
     frame = pd.DataFrame(lines)

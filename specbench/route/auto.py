@@ -35,8 +35,8 @@ def candidates_from(specs: Sequence[str]) -> list[Candidate]:
 
 def train_router(target, prompts: Sequence, candidates: Sequence[Candidate], *, draft=None,
                  families: Optional[Sequence[str]] = None, objective: str = "speed", max_new_tokens: int = 64,
-                 ridge: float = 1.0, margin: float | str | None = None, progress: bool = True,
-                 **run_options) -> tuple[Router, pd.DataFrame]:
+                 ridge: float = 1.0, margin: float | str | None = None, by_family: Optional[bool] = None,
+                 progress: bool = True, **run_options) -> tuple[Router, pd.DataFrame]:
     """Run each candidate over `prompts` (text or ids), fit a router on their per-prompt records, and return
     it with the records. Candidates are checked before anything runs; `run_options` go to every `run`."""
     candidates = list(candidates)
@@ -51,7 +51,7 @@ def train_router(target, prompts: Sequence, candidates: Sequence[Candidate], *, 
     ids = encode_prompts(prompts, run_options.pop("tokenizer", None) or target.tokenizer, run_options.pop("chat", True))
     records = calibrate(target, ids, candidates, draft=draft, max_new_tokens=max_new_tokens, progress=progress,
                         **run_options)
-    return fit_router(records, ids, candidates, families, objective, ridge, margin), records
+    return fit_router(records, ids, candidates, families, objective, ridge, margin, by_family), records
 
 
 def calibrate(target, ids: Sequence[Sequence[int]], candidates: Sequence[Candidate], *, draft=None,

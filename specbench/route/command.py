@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from specbench.route.router import FOLDS, LEARN, MARGIN, parse_margin
 
+BY_FAMILY = {"learn": None, "on": True, "off": False}
+
 
 def add_route(commands) -> None:
     route = commands.add_parser("route", help="train a per-prompt router (method and K per prompt) on calibration "
@@ -20,6 +22,9 @@ def add_route(commands) -> None:
                             f"better by more than this share (0: always the predicted best; inf: never; {LEARN}: "
                             f"chosen by cross-validation on the calibration prompts, the default from "
                             f"{2 * FOLDS} prompts; {MARGIN} below that)")
+    route.add_argument("--by-family", choices=("learn", "on", "off"), default="learn",
+                       help="start each prompt from the candidate best over its family's calibration prompts, not "
+                            "over all of them (learn: cross-validated with a learned margin, else off)")
     route.add_argument("--dtype", default="float32")
     route.add_argument("--out", default="router.json")
     route.set_defaults(handler=_route)
@@ -36,7 +41,7 @@ def _route(args) -> int:
     router, records = train_router(ModelSpec(args.target, dtype=args.dtype), [row["prompt"] for row in rows],
                                    candidates, draft=draft, families=[row["set"] for row in rows],
                                    objective=args.objective, max_new_tokens=args.max_new_tokens, dtype=args.dtype,
-                                   margin=args.margin)
+                                   margin=args.margin, by_family=BY_FAMILY[args.by_family])
     path = router.save(args.out)
     counts = records.groupby("method")["emitted"].sum() / records.groupby("method")["step_s"].sum()
     print("calibration tokens/s: " + ", ".join(f"{method} {speed:.2f}" for method, speed in counts.items()))
@@ -46,4 +51,9 @@ def _route(args) -> int:
     if router.margins:
         print("margin cross-validated, tokens/s by margin: "
               + ", ".join(f"{m:.0%} {score:.2f}" for m, score in router.margins.items()))
+    if router.family_margins:
+        print("the same, each prompt starting from its family's default: "
+              + ", ".join(f"{m:.0%} {score:.2f}" for m, score in router.family_margins.items()))
+    if router.by_family:
+        print("family defaults used: " + ", ".join(f"{f} {label}" for f, label in router.family_defaults.items()))
     return 0
