@@ -168,8 +168,8 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
     device = str(target.device) if target_model else None  # a remote worker's peak is its own
     shared = dict(target=target, source=source, prompt_ids=prompt_ids, k=k, max_new_tokens=max_new_tokens,
                   sampling=sampling, seed=seed, warmup=warmup, draft=draft, bar=bar, device=device,
-                  target_bytes=target_bytes, wrap=wrap_drafter or (lambda drafter: drafter))
-    runs = [_auto_run(router, families, **shared) if chosen is None else
+                  target_bytes=target_bytes, wrap=wrap_drafter or (lambda drafter: drafter), families=families)
+    runs = [_auto_run(router, **shared) if chosen is None else
             _method_run(chosen, planner, proactive, **dict(shared, k=own_k)) for chosen, own_k in zip(methods, ks)]
     for index in range(len(prompt_ids)):  # every method on a prompt before the next prompt, in an order rotated
         turn = index % len(runs)  # per prompt: the machine's drift during the call weighs on all methods alike
@@ -199,7 +199,7 @@ def method_ks(names: Sequence[str], k: int) -> tuple[list[str], list[int]]:
 
 
 def _method_run(chosen, planner, proactive, *, target, source, prompt_ids, k, max_new_tokens, sampling, seed,
-                warmup, draft, bar, device, target_bytes, wrap) -> Callable[[int], list[dict]]:
+                warmup, draft, bar, device, target_bytes, wrap, families) -> Callable[[int], list[dict]]:
     """Build `chosen`'s drafter and warm it up; return what runs prompt `index` through it (its step rows)."""
     drafter = wrap(chosen.build(source)) if chosen.build else None
     planned = planner if chosen.plannable else None  # baselines in the same call run as they are
@@ -214,14 +214,15 @@ def _method_run(chosen, planner, proactive, *, target, source, prompt_ids, k, ma
         bar.set_postfix_str(f"{chosen.name}, k={k}, {max_new_tokens} tokens")
         if planned is not None:
             planned.reset()
-        result = _measured(prompt_ids[index], index, seed, device, one)
+        routed = chosen.name == "auto-server" and families is not None  # the worker's router may use the family
+        result = _measured(prompt_ids[index], index, seed, device, dict(one, family=families[index]) if routed else one)
         return _rows(result, prompt_ids[index], 0 if chosen.kind == "none" else k, _memory(drafter, target_bytes))
 
     return run_prompt
 
 
-def _auto_run(router, families, *, target, source, prompt_ids, k, max_new_tokens, sampling, seed, warmup, draft, bar,
-              device, target_bytes, wrap) -> Callable[[int], list[dict]]:
+def _auto_run(router, *, target, source, prompt_ids, k, max_new_tokens, sampling, seed, warmup, draft, bar,
+              device, target_bytes, wrap, families) -> Callable[[int], list[dict]]:
     """What runs prompt `index` through the method and K the router predicts best for it; each row says what was
     chosen, how long choosing took, and every candidate's predicted tokens/s (the reason)."""
     import json
@@ -312,13 +313,16 @@ def _plannable() -> list[Method]:
     return [m for m in METHODS.values() if m.plannable]
 
 
-def _generate_one(ids, prompt_index, seed, *, target, method, drafter, decoding, draft, proactive, suffix=None):
-    """One prompt through one method; worker methods run wholly on the worker (with `suffix`'s step knobs)."""
+def _generate_one(ids, prompt_index, seed, *, target, method, drafter, decoding, draft, proactive, suffix=None,
+                  family=None):
+    """One prompt through one method; worker methods run wholly on the worker (with `suffix`'s step knobs;
+    `family`: the prompt's, for a worker that routes it)."""
     if method.on_worker:
         draft_spec = ModelSpec(draft) if isinstance(draft, str) else draft if isinstance(draft, ModelSpec) else None
         return target.generate_on_worker(method.name, ids, k=decoding.k, max_new_tokens=decoding.max_new_tokens,
                                          sampling=decoding.sampling, seed=seed, prompt_index=prompt_index,
-                                         draft=draft_spec, suffix=suffix if method.keeps_outputs else None)
+                                         draft=draft_spec, suffix=suffix if method.keeps_outputs else None,
+                                         **({"family": family} if family is not None else {}))
     step = ProactiveDrafting() if proactive else speculative_step
     return generate(target, drafter, ids, decoding, seed=seed, prompt_index=prompt_index, step=step)
 

@@ -12,7 +12,7 @@ from specbench.api import outputs, run
 from specbench.route.auto import candidates_from, train_router
 from specbench.route.features import repeat_share
 from specbench.route.router import MARGIN, Candidate, Router, fit_router
-from specbench.types import SpecbenchError
+from specbench.types import SamplingParams, SpecbenchError
 
 from conftest import PROMPTS
 
@@ -407,3 +407,40 @@ def test_a_family_default_starts_each_prompt_from_what_its_family_measured(tmp_p
     assert set(level.family_defaults.values()) == {"prompt-lookup k=4"} and not level.by_family
     unlabelled = fit_router(alike, prompts, candidates, ridge=0.1)
     assert not unlabelled.family_margins and not unlabelled.family_defaults  # nothing to try without families
+
+
+def test_a_worker_routes_by_the_family_its_client_names(tiny_target, tmp_path):
+    """auto-server with family defaults: the client sends each dataset row's family, the worker's router starts
+    from that family's default (suffix decoding for code, target-only for chat here, the prompts alike), and
+    a family name that is no name is refused by name while the worker keeps serving."""
+    from specbench.worker.client import RemoteTarget, WorkerError
+    from worker_helpers import ThreadWorker
+
+    prompts = _mixed_prompts(12, seed=3)
+    families = ["code", "chat"] * 6
+    rows = [dict(method=m, k=k, prompt_index=i, emitted=e, drafted=d, step_s=s)
+            for i in range(12) for _ in range(4)
+            for m, k, e, d, s in (("target-only", 0, 1, 0, 0.010),
+                                  ("suffix", 8, 3 if families[i] == "code" else 1, 8, 0.015))]
+    router = fit_router(pd.DataFrame(rows), prompts, candidates_from(["target-only", "suffix:8"]), families,
+                        margin=np.inf, by_family=True)
+    assert router.family_defaults == {"code": "suffix k=8", "chat": "target-only"}
+    path = router.save(tmp_path / "router.json")
+    running = ThreadWorker(router=str(path))
+    asked = [[5, 9, 5, 9, 5, 9, 5], [5, 9, 5, 9, 5, 9, 5], [17, 3, 44, 8]]
+    try:
+        remote = RemoteTarget(running.endpoint)
+        got = run(remote, asked, method="auto-server", max_new_tokens=12, progress=False,
+                  families=["chat", "code", "chat"])
+        with pytest.raises(WorkerError, match="family"):
+            remote.generate_on_worker("auto-server", [5, 6, 7], k=4, max_new_tokens=4, sampling=SamplingParams(),
+                                      seed=0, family="x" * 500)
+        assert remote.health()  # still serving
+        local = outputs(run(remote, asked, method="server-only-ar", max_new_tokens=12, progress=False))
+    finally:
+        running.stop()
+    chosen = got.groupby("prompt_index")["chosen"].first().tolist()
+    assert chosen == ["server-only-ar k=4", "suffix-server k=8", "server-only-ar k=4"]
+    assert got.groupby("prompt_index")["route_default"].first().tolist() == ["target-only", "suffix k=8",
+                                                                              "target-only"]
+    assert [outputs(got)[("auto-server", i)] for i in range(3)] == [local[("server-only-ar", i)] for i in range(3)]

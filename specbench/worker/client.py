@@ -188,10 +188,11 @@ class RemoteTarget:
     # -- worker-side operations ------------------------------------------------------------------
     def generate_on_worker(self, method: str, prompt_ids: Sequence[int], *, k: int, max_new_tokens: int,
                            sampling: SamplingParams, seed: int, prompt_index: int = 0,
-                           draft: Optional[ModelSpec] = None, suffix=None) -> Generation:
+                           draft: Optional[ModelSpec] = None, suffix=None, family: Optional[str] = None) -> Generation:
         """Server-only baselines (AutoDraft's Server-Only and Server-Only-AR): only finished tokens travel.
         `suffix` (SuffixSettings): its step knobs (floor, factor, ...) shape the worker's suffix drafting, and
-        its cache scope picks the worker's cache (`protocol.suffix_to_wire`)."""
+        its cache scope picks the worker's cache (`protocol.suffix_to_wire`). `family`: the prompt's, which
+        auto-server's router may start from."""
         # `model`: run only on the model this client decodes with; `request`: a resend after a timeout
         # joins (or replays) the run under way instead of starting a second one
         header = {"op": "generate", "method": method, "k": k, "max_new_tokens": max_new_tokens,
@@ -202,6 +203,8 @@ class RemoteTarget:
         knobs = protocol.suffix_to_wire(suffix, method) if suffix is not None else {}
         if knobs:
             header["suffix"] = knobs
+        if family is not None:
+            header["family"] = str(family)
         reply, arrays, timing = self._request(header, {"tokens": np.asarray(list(prompt_ids), dtype=np.int32)},
                                               with_timing=True)
         self._confirm_model(reply)
@@ -216,7 +219,7 @@ class RemoteTarget:
             records = [replace(record, method=method) for record in records]
         generation = Generation(prompt_index, list(prompt_ids), arrays["output"].tolist(), float(reply["prefill_s"]),
                                 records)
-        generation.route = {key: reply[key] for key in ("chosen", "route_predicted") if key in reply}
+        generation.route = {key: reply[key] for key in ("chosen", "route_predicted", "route_default") if key in reply}
         return generation
 
     def profile(self, tokens=(1, 2, 4, 8, 16), contexts=(128, 512), repeats: int = 5, batches=(1,)) -> dict:

@@ -19,6 +19,8 @@ from specbench.worker.jobs import Job
 from specbench.worker.limits import check
 from specbench.worker.protocol import MAX_SEED, ProtocolError, field as get
 
+MAX_FAMILY_CHARS = 200  # auto-server's `family`: a dataset family's name, not a payload
+
 
 def profile(ops, header: dict, curve_key: str) -> Job:
     """The forward-latency grid on the worker's hardware, in pieces of at most `--slice-tokens`
@@ -78,7 +80,11 @@ def generate(ops, header: dict, arrays: dict, curve_key: str):
 
     method, chosen = get(header, "method", str), {}
     if method == "auto-server":  # the worker's router picks the method and K for this prompt
-        method, k_chosen, chosen = _routed(ops, protocol.array(arrays, "tokens").tolist())
+        family = get(header, "family", str) if "family" in header else None
+        if family is not None and len(family) > MAX_FAMILY_CHARS:
+            raise ProtocolError(f"field 'family' is a family's name: at most {MAX_FAMILY_CHARS} characters, "
+                                f"got {len(family)}")
+        method, k_chosen, chosen = _routed(ops, protocol.array(arrays, "tokens").tolist(), family)
         header = dict(header, k=k_chosen)
     if method not in METHODS or not METHODS[method].on_worker:
         on_worker = [name for name, m in METHODS.items() if m.on_worker]
@@ -177,7 +183,7 @@ def worker_router(path: str):
     return router
 
 
-def _routed(ops, prompt: list) -> tuple[str, int, dict]:
+def _routed(ops, prompt: list, family: Optional[str] = None) -> tuple[str, int, dict]:
     """auto-server: the worker method and K its router predicts best for `prompt`, and what to tell the client."""
     import json
 
@@ -185,10 +191,11 @@ def _routed(ops, prompt: list) -> tuple[str, int, dict]:
         raise ProtocolError("method auto-server needs a router on the worker: start it with --router FILE")
     if ops.router is None:
         ops.router = worker_router(ops.config.router)
-    candidate, table = ops.router.choose(prompt)
+    candidate, table = ops.router.choose(prompt, family)
     method = ON_WORKER.get(candidate.method, candidate.method)
     predicted = {row.candidate: round(row.tokens_per_s, 3) for row in table.itertuples()}
-    told = {"chosen": f"{method} k={candidate.k}", "route_predicted": json.dumps(predicted)}
+    told = {"chosen": f"{method} k={candidate.k}", "route_predicted": json.dumps(predicted),
+            "route_default": ops.router.default_for(family)}
     return method, max(1, candidate.k), told
 
 
