@@ -24,7 +24,7 @@ import pandas as pd
 import specbench.route.router as router_module
 from specbench.route.auto import candidates_from
 from specbench.route.features import prompt_features
-from specbench.route.router import fit_router, parse_margin
+from specbench.route.router import BY_FAMILY, fit_router, parse_margin
 
 
 def history_turns(ids) -> float:
@@ -73,7 +73,7 @@ def main() -> None:
     parser.add_argument("--margins", nargs="+", default=["learn"], help="shares, 'inf' or 'learn'")
     parser.add_argument("--families", action=argparse.BooleanOptionalAction, default=True,
                         help="give the router each prompt's family (a one-hot feature per family)")
-    parser.add_argument("--by-family", nargs="+", default=["learn"], choices=["learn", "on", "off"],
+    parser.add_argument("--by-family", nargs="+", default=["learn"], choices=list(BY_FAMILY),
                         help="start each prompt from its family's measured default: cross-validated, or forced")
     parser.add_argument("--features", nargs="+", default=["default"], choices=["default", "history"],
                         help="feature sets to compare; history: the default's and how many earlier turns the "
@@ -96,7 +96,7 @@ def main() -> None:
                     for by_family in args.by_family:
                         router = fit_router(records, prompts, candidates, families, ridge=ridge,
                                             margin=parse_margin(margin),
-                                            by_family={"learn": None, "on": True, "off": False}[by_family])
+                                            by_family=BY_FAMILY[by_family])
                         lines.append({"features": features, "ridge": ridge, "margin asked": margin,
                                       "by family asked": by_family, **score(router, rows, held)})
     finally:

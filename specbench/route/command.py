@@ -1,9 +1,7 @@
 """`specbench route`: train a per-prompt router on a dataset and write it where `run --router` reads it."""
 from __future__ import annotations
 
-from specbench.route.router import FOLDS, LEARN, MARGIN, parse_margin
-
-BY_FAMILY = {"learn": None, "on": True, "off": False}
+from specbench.route.router import BY_FAMILY, FOLDS, LEARN, MARGIN, parse_margin
 
 
 def add_route(commands) -> None:
@@ -22,7 +20,7 @@ def add_route(commands) -> None:
                             f"better by more than this share (0: always the predicted best; inf: never; {LEARN}: "
                             f"chosen by cross-validation on the calibration prompts, the default from "
                             f"{2 * FOLDS} prompts; {MARGIN} below that)")
-    route.add_argument("--by-family", choices=("learn", "on", "off"), default="learn",
+    route.add_argument("--by-family", choices=tuple(BY_FAMILY), default="learn",
                        help="start each prompt from the candidate best over its family's calibration prompts, not "
                             "over all of them (learn: cross-validated with a learned margin, else off)")
     route.add_argument("--dtype", default="float32")

@@ -44,6 +44,7 @@ MARGIN = 0.05
 LEARN = "learn"  # margin: chosen by cross-validation on the calibration prompts
 MARGINS = (0.0, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, math.inf)  # what cross-validation chooses among
 FOLDS = 5
+BY_FAMILY = {"learn": None, "on": True, "off": False}  # `by_family` as a command line names it
 
 
 @dataclass(frozen=True)
@@ -245,8 +246,8 @@ def learn_margin(records: pd.DataFrame, prompts: Sequence[Sequence[int]], candid
                             objective, ridge, margin=0.0, by_family=by_family)
         for i in held:
             table = router.predict(prompts[i], families[i])
+            start = router.default_for(families[i])
             for m in MARGINS:
-                start = router.default_for(families[i])
                 chosen = measured[table.loc[_pick(table, objective, start, m), "candidate"]].loc[i]
                 totals[m][0] += chosen["emitted"]
                 totals[m][1] += chosen[cost]
