@@ -46,7 +46,7 @@ from specbench.models.loading import load_model
 from specbench.models.spec import KERNELS, KERNELS_HELP, ModelSpec
 from specbench.route.auto import calibrate, candidates_from, drafts_with_a_model
 from specbench.route.router import LEARN, MARGIN, fit_router, parse_margin, rows_of
-from specbench.route.hand_over import choose_hand_over
+from specbench.route.hand_over import choose_catch_up, choose_hand_over
 from specbench.route.suffix_floor import choose_min_score
 
 from common import RESULTS, write_report
@@ -140,6 +140,11 @@ def main() -> None:
                              "whose suffix proposal expects fewer accepted tokens than this; 'auto' (suffix-chain "
                              "candidates): calibrate at the default, then the held-out runs take the hand-over "
                              "`route.hand_over` picks from the calibration run (after the floor)")
+    parser.add_argument("--catch-up", type=float_or_auto, default=SuffixSettings.catch_up,
+                        help="suffix-chain candidates: the draft model drafts only while what it must read first is "
+                             "at most this many times the tokens the request may still emit (inf: always); 'auto': "
+                             "calibrate at inf, then the held-out runs take the catch-up `route.hand_over` picks "
+                             "from the calibration run (after the hand-over)")
     parser.add_argument("--other-k", type=int, default=SuffixSettings.other_k,
                         help="hybrid candidates: the head's or draft model's budget on the steps it drafts")
     parser.add_argument("--margin", type=parse_margin, default=None, help="the router leaves its default candidate "
@@ -185,17 +190,18 @@ def main() -> None:
     if args.suffix_min_score == "auto" and "target-only" not in args.candidates:
         raise SystemExit("--suffix-min-score auto replays the target's own outputs: add target-only to --candidates")
     hybrids = [c for c in candidates if c.method in ("suffix-chain", "suffix-tree-chain")]
-    if args.hand_over == "auto" and not (hybrids and "target-only" in args.candidates
+    if "auto" in (args.hand_over, args.catch_up) and not (hybrids and "target-only" in args.candidates
                                          and any(c.method == "chain" for c in candidates) and args.draft):
-        raise SystemExit("--hand-over auto replays the calibration: it needs target-only, chain and suffix-chain or "
+        raise SystemExit("--hand-over auto and --catch-up auto replay the calibration: they need target-only, chain and suffix-chain or "
                          "suffix-tree-chain among --candidates, and --draft (an unquantized model)")
     chosen = {"min_score": 0.0 if args.suffix_min_score == "auto" else args.suffix_min_score,  # auto: chosen below
-              "hand_over": SuffixSettings.hand_over if args.hand_over == "auto" else args.hand_over}
+              "hand_over": SuffixSettings.hand_over if args.hand_over == "auto" else args.hand_over,
+              "catch_up": SuffixSettings.catch_up if args.catch_up == "auto" else args.catch_up}
 
     def settings(cache):
         return SuffixSettings(name=cache, factor=args.suffix_factor, offset=args.suffix_offset,
                               min_prob=args.suffix_min_prob, min_score=chosen["min_score"],
-                              hand_over=chosen["hand_over"], other_k=args.other_k)
+                              hand_over=chosen["hand_over"], other_k=args.other_k, catch_up=chosen["catch_up"])
 
     def one(method, k, prompts, families, cache, **extra):
         return run(target, [r["ids"] for r in prompts], method=method, k=k, draft=draft,
@@ -229,9 +235,16 @@ def main() -> None:
             chosen["hand_over"], hand_overs = choose_hand_over(
                 [r["ids"] for r in calibration], [produced[("target-only", i)] for i in range(len(calibration))],
                 calibration_records, draft, settings("replay"), k=max(c.k for c in hybrids),
-                tree=any(c.method == "suffix-tree-chain" for c in hybrids))
+                tree=any(c.method == "suffix-tree-chain" for c in hybrids), max_new_tokens=args.max_new_tokens)
             print(f"hand-over from the calibration run: {chosen['hand_over']}\n"
                   f"{hand_overs.round(3).to_string(index=False)}")
+        if args.catch_up == "auto":
+            chosen["catch_up"], catch_ups = choose_catch_up(
+                [r["ids"] for r in calibration], [produced[("target-only", i)] for i in range(len(calibration))],
+                calibration_records, draft, settings("replay"), k=max(c.k for c in hybrids),
+                tree=any(c.method == "suffix-tree-chain" for c in hybrids), max_new_tokens=args.max_new_tokens)
+            print(f"catch-up from the calibration run: {chosen['catch_up']}\n"
+                  f"{catch_ups.round(3).to_string(index=False)}")
     router.save(Path(args.out).with_suffix(".router.json"))
     print(f"router: default {router.default}, margin {router.margin}"
           + (f" (cross-validated tok/s by margin: {router.margins})" if router.margins else ""))
@@ -291,6 +304,8 @@ def main() -> None:
                    "router_margin": str(router.margin), "suffix_min_score": chosen["min_score"],
                    "hand_over": chosen["hand_over"],
                    **({"hand_overs": hand_overs.to_dict("records")} if args.hand_over == "auto" else {}),
+                   "catch_up": chosen["catch_up"],
+                   **({"catch_ups": catch_ups.to_dict("records")} if args.catch_up == "auto" else {}),
                    **({"suffix_floors": floors.to_dict("records")} if args.suffix_min_score == "auto" else {}),
                    "router_margins": {str(m): v for m, v in router.margins.items()},
                    "router_by_family": router.by_family, "router_family_defaults": router.family_defaults,

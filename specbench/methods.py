@@ -208,7 +208,7 @@ def _suffix_eagle(source: DraftSource, tree: bool = False, key: tuple = ()):
     head = head_drafter(source, tree=tree)  # first: a missing head is refused before any cache is made
     name = "suffix-eagle-tree" if tree else "suffix-eagle"
     return HybridDrafter(_suffix(source, tree=tree, key=key), head, source.suffix.hand_over, source.suffix.other_k,
-                         name=name)
+                         name=name, catch_up=source.suffix.catch_up)
 
 
 def _suffix_chain(source: DraftSource, tree: bool = False):
@@ -220,7 +220,7 @@ def _suffix_chain(source: DraftSource, tree: bool = False):
     method = "suffix-tree-chain" if tree else "suffix-chain"
     model = source.model_drafter(method)  # first: a missing draft is refused before any cache is made
     return HybridDrafter(_suffix(source, tree=tree), model, source.suffix.hand_over, source.suffix.other_k,
-                         name=method)
+                         name=method, catch_up=source.suffix.catch_up)
 
 
 def _eagle(source: DraftSource):

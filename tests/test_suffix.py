@@ -2,6 +2,7 @@
 scopes, and lossless decoding (greedy token for token, sampled by chi-square)."""
 import random
 from collections import OrderedDict
+from dataclasses import replace
 
 import pytest
 
@@ -148,9 +149,13 @@ def test_command_line_words_become_settings_each_refused_by_name():
     assert suffix_settings(build_parser().parse_args(["run"])) is None
     for words, message in ((["depth=3.5"], "depth must be a whole number"), (["floor=1"], "KEY one of"),
                            (["min_score"], "KEY=VALUE"), (["min_prob=nan"], "finite"),
-                           (["min_prob=2"], "min_prob must be in"), (["cache=everywhere"], "suffix cache must be")):
+                           (["min_prob=2"], "min_prob must be in"), (["cache=everywhere"], "suffix cache must be"),
+                           (["min_prob=inf"], "finite number, got"), (["catch_up=nan"], "finite number or inf"),
+                           (["catch_up=-2"], "catch_up must be >= 0")):
         with pytest.raises(SpecbenchError, match=message):
             suffix_options(words)
+    assert suffix_options(["catch_up=inf", "catch-up=8"]) == {"catch_up": 8.0}
+    assert suffix_options(["catch_up=inf"]) == {"catch_up": float("inf")}
 
 
 def test_an_earlier_output_drafts_a_later_request_only_where_the_cache_is_shared():
@@ -265,7 +270,9 @@ def test_a_client_sets_the_worker_side_floor_and_bad_knobs_are_refused_by_name(t
                          ({"other_k": 1.5}, "whole number"), ({"factor": float("nan")}, "finite"),
                          ({"offset": True}, "finite number"), ([1], "must be a map"),
                          ({"cache": 3}, "'cache' must be 'off' or a cache name"),
-                         ({"cache": "a\nline"}, "'cache' must be"), ({"cache": "x" * 201}, "'cache' must be")):
+                         ({"cache": "a\nline"}, "'cache' must be"), ({"cache": "x" * 201}, "'cache' must be"),
+                         ({"min_prob": float("inf")}, "must be a finite number$"), ({"catch_up": float("nan")}, "or inf"),
+                         ({"catch_up": -1.0}, "catch_up must be >= 0")):
         with pytest.raises(protocol.ProtocolError, match=message):
             protocol.suffix_from_wire(bad)
     assert protocol.suffix_to_wire(SuffixSettings(cache="off", name="x")) == {"cache": "off"}
@@ -275,6 +282,9 @@ def test_a_client_sets_the_worker_side_floor_and_bad_knobs_are_refused_by_name(t
         "cache": "run-1/suffix-server"}
     assert protocol.suffix_from_wire({"cache": "run-1/suffix-server", "min_score": 1}) == {
         "cache": "run-1/suffix-server", "min_score": 1}
+    assert protocol.suffix_from_wire({"catch_up": float("inf"), "hand_over": 2}) == {"catch_up": float("inf"),
+                                                                                     "hand_over": 2}
+    assert protocol.suffix_to_wire(SuffixSettings(catch_up=8.0)) == {"catch_up": 8.0}
     with pytest.raises(SpecbenchError, match=r"\['depth=8'\] are the worker's own"):  # refused, not dropped
         protocol.suffix_to_wire(SuffixSettings(depth=8, min_score=1.0), "suffix-server")
     running = ThreadWorker()
@@ -481,6 +491,36 @@ def test_the_draft_model_drafts_at_most_its_own_budget_in_the_hybrid(tiny_target
     assert drafter.last_source == "other" and len(fresh) == 2
     repeating = drafter.propose([5, 6, 7, 8, 9] * 4 + [5, 6], 8, SamplingParams(), draws)
     assert drafter.last_source == "suffix" and len(repeating) > 2
+
+
+def test_the_draft_model_leaves_a_step_to_suffix_decoding_when_it_has_too_much_to_read(tiny_target, tiny_draft):
+    """`catch_up`: the draft model drafts only while what it must read first (the whole prompt on a fresh
+    cache) is at most catch_up x the tokens still to emit (max_depth + 1); else suffix decoding keeps the step,
+    and the model reads nothing. Greedy output stays target-only's, with both kinds of step taken."""
+    import torch
+
+    from specbench.decode.loop import generate
+    from specbench.decode.target import LocalTarget
+    from specbench.methods import DraftSource, make_drafter
+
+    local = LocalTarget(tiny_target)
+    settings = SuffixSettings(cache="off", other_k=2, catch_up=1.0)
+    drafter = make_drafter("suffix-chain", DraftSource(local, tiny_target, tiny_draft, suffix=settings))
+    model, draws, fresh = drafter.other, torch.Generator().manual_seed(0), list(range(1, 31))
+    assert model.pending(fresh) == 30
+    drafter.propose(fresh, 8, SamplingParams(), draws, max_depth=9)  # 30 to read > 1 x 10 still to emit
+    assert drafter.last_source == "suffix" and drafter.kept_for_catch_up == 1 and model.cached_ids == []
+    drafter.propose(fresh, 8, SamplingParams(), draws, max_depth=29)  # 30 <= 30: worth reading
+    assert drafter.last_source == "other" and model.pending(fresh + [40, 41]) <= 3
+    drafter.propose(fresh + [40, 41], 8, SamplingParams(), draws, max_depth=2)  # a step's worth to read
+    assert drafter.last_source == "other"
+    prompts = PROMPTS + [[5, 6, 7, 8, 9] * 4, [11, 12, 13] * 5 + [11]]
+    expected = outputs(run(local, prompts, method="target-only", max_new_tokens=24, progress=False, warmup=False))
+    drafter = make_drafter("suffix-chain", DraftSource(local, tiny_target, tiny_draft, suffix=replace(
+        settings, catch_up=0.5)))
+    for index, prompt in enumerate(prompts):
+        assert generate(local, drafter, prompt, Decoding(6, 24)).output_ids == expected[("target-only", index)]
+    assert drafter.kept_for_catch_up > 0 and drafter.steps["other"] > 0, (drafter.kept_for_catch_up, drafter.steps)
 
 
 @pytest.mark.parametrize("method,rule", [("suffix-chain", "rejection"), ("suffix-tree-chain", "sample-match")])

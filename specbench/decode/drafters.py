@@ -65,6 +65,16 @@ class ModelDrafter:
                 logits = self._extend(tokens[-1:])
         return DraftTree.chain(tokens, dists)
 
+    def pending(self, context: Sequence[int]) -> int:
+        """How many tokens of `context` a proposal would first feed: those past the cache's common prefix with it
+        (the whole context on a fresh cache; at least its last token)."""
+        common = 0
+        for cached, token in zip(self.cached_ids, context):
+            if cached != token:
+                break
+            common += 1
+        return len(context) - min(common, max(len(context) - 1, 0))
+
     def warm(self, context: Sequence[int], max_tokens: int) -> bool:
         """Feed up to `max_tokens` more of `context` (all but its last token) into the cache; True once
         fed. A shared worker takes a long prompt into its draft this way, a bounded piece per slice."""

@@ -23,6 +23,7 @@ from specbench.decode.suffix_index import SuffixDraft, SuffixIndex
 from specbench.types import DraftTree, SparseDist, SpecbenchError
 
 CACHE_SCOPES = ("process", "drafter", "off")
+UNLIMITED = ("catch_up",)  # the knobs whose `inf` means no limit
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,10 @@ class SuffixSettings:
     on text that repeats). In a hybrid (`suffix-eagle`, `suffix-chain`), a step whose suffix proposal expects
     fewer accepted tokens than `hand_over` is drafted by the other drafter (the head, the draft model) instead,
     with at most `other_k` tokens (chain) or nodes (tree): its budget pays at a few nodes, suffix decoding's at
-    many."""
+    many; and only while the context a draft model has not read yet (the whole prompt on its first step) is at
+    most `catch_up` times the tokens the request may still emit: reading a prompt costs the draft a prefill,
+    which a short answer never wins back (the 0.5B Qwen read a 750-token prompt in 4 s on a 2-core CPU, about
+    ten of the 1.5B target's steps, for a 40-token answer)."""
 
     depth: int = 24
     factor: float = 1.0
@@ -50,6 +54,7 @@ class SuffixSettings:
     name: str = ""  # "process" scope: drafters naming one cache share it, others keep theirs apart
     hand_over: float = 1.0
     other_k: int = 4
+    catch_up: float = math.inf  # inf: the draft model drafts whatever it must read first
 
     def __post_init__(self):
         if self.cache not in CACHE_SCOPES:
@@ -63,6 +68,8 @@ class SuffixSettings:
             raise SpecbenchError(f"min_score must be >= 0 (expected accepted tokens), got {self.min_score}")
         if self.hand_over < 0 or self.other_k < 1:
             raise SpecbenchError(f"need hand_over >= 0 and other_k >= 1, got {self.hand_over}, {self.other_k}")
+        if not self.catch_up >= 0:
+            raise SpecbenchError(f"catch_up must be >= 0 (inf: no limit), got {self.catch_up}")
         if self.factor <= 0 or self.offset < 0:
             raise SpecbenchError(f"need factor > 0 and offset >= 0, got {self.factor}, {self.offset}")
 
@@ -84,8 +91,10 @@ def suffix_options(words: Sequence[str]) -> dict:
             value = kind(text)
         except ValueError:
             value = None
-        if value is None or (kind is float and not math.isfinite(value)):
+        unlimited = name in UNLIMITED and value == math.inf
+        if value is None or (kind is float and not math.isfinite(value) and not unlimited):
             wanted = {int: "a whole number", float: "a finite number"}.get(kind, "text")
+            wanted += " or inf" if name in UNLIMITED else ""
             raise SpecbenchError(f"--suffix {name} must be {wanted}, got {text!r}")
         changes[name] = value
     SuffixSettings(**changes)  # its own range checks, by name

@@ -200,7 +200,7 @@ def sampling_from_wire(data: Any) -> SamplingParams:
 
 # suffix decoding's per-step knobs a client may set for its own worker-side requests; the cache's depth and
 # size stay the worker's (its cache is shared by the tenant's requests, or by all)
-SUFFIX_STEP_FIELDS = ("factor", "offset", "min_prob", "min_score", "hand_over", "other_k")
+SUFFIX_STEP_FIELDS = ("factor", "offset", "min_prob", "min_score", "hand_over", "other_k", "catch_up")
 # and which of its caches a request drafts from and feeds: absent, the worker's (its tenant's, or everyone's);
 # "off", none; any other name, a cache of the client's own under that name (still its tenant's alone)
 SUFFIX_CACHE_FIELD = "cache"
@@ -238,7 +238,7 @@ def suffix_from_wire(data: Any, caches: bool = True) -> dict:
     """Checked step knobs (changes to apply to the worker's SuffixSettings), each refused by name, and the
     cache the client asked for under `SUFFIX_CACHE_FIELD` where it named one. `caches=False`: a server whose one
     cache serves all its requests (`specbench serve`), where that field is refused like any unknown one."""
-    from specbench.decode.suffix_drafter import SuffixSettings
+    from specbench.decode.suffix_drafter import UNLIMITED, SuffixSettings
 
     if not isinstance(data, dict):
         raise ProtocolError("field 'suffix' must be a map of suffix decoding settings")
@@ -257,8 +257,9 @@ def suffix_from_wire(data: Any, caches: bool = True) -> dict:
     for name, value in data.items():
         whole = name == "other_k"
         if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)) \
-                or not math.isfinite(value):
-            raise ProtocolError(f"suffix field {name!r} must be a finite {'whole number' if whole else 'number'}")
+                or not (math.isfinite(value) or (name in UNLIMITED and value == math.inf)):
+            wanted = "whole number" if whole else "number" + (" (or inf)" if name in UNLIMITED else "")
+            raise ProtocolError(f"suffix field {name!r} must be a finite {wanted}")
     try:
         SuffixSettings(**data)  # its own range checks
     except (SpecbenchError, TypeError) as error:
