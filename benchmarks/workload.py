@@ -192,11 +192,12 @@ def main() -> None:
     hybrids = [c for c in candidates if c.method in ("suffix-chain", "suffix-tree-chain")]
     if "auto" in (args.hand_over, args.catch_up) and not (hybrids and "target-only" in args.candidates
                                          and any(c.method == "chain" for c in candidates) and args.draft):
-        raise SystemExit("--hand-over auto and --catch-up auto replay the calibration: they need target-only, chain and suffix-chain or "
-                         "suffix-tree-chain among --candidates, and --draft (an unquantized model)")
+        raise SystemExit("--hand-over auto and --catch-up auto replay the calibration: they need target-only, chain "
+                         "and suffix-chain or suffix-tree-chain among --candidates, and --draft (an unquantized model)")
     chosen = {"min_score": 0.0 if args.suffix_min_score == "auto" else args.suffix_min_score,  # auto: chosen below
               "hand_over": SuffixSettings.hand_over if args.hand_over == "auto" else args.hand_over,
               "catch_up": SuffixSettings.catch_up if args.catch_up == "auto" else args.catch_up}
+    replays = {}  # knob -> the replay table it was chosen from
 
     def settings(cache):
         return SuffixSettings(name=cache, factor=args.suffix_factor, offset=args.suffix_offset,
@@ -224,27 +225,21 @@ def main() -> None:
         produced = outputs(calibration_records[calibration_records["method"] == "target-only"])
         Path(args.out).with_suffix(".calibration.json").write_text(json.dumps(
             [dict(r, output=produced[("target-only", i)]) for i, r in enumerate(calibration)]))
+        prompts = [r["ids"] for r in calibration]
+        answers = [produced[("target-only", i)] for i in range(len(calibration))]
         if args.suffix_min_score == "auto":
             chosen["min_score"], floors = choose_min_score(
-                [r["ids"] for r in calibration], [produced[("target-only", i)] for i in range(len(calibration))],
-                calibration_records, settings("replay"), k=max((c.k for c in candidates if c.method == "suffix"),
-                                                                default=16))
+                prompts, answers, calibration_records, settings("replay"),
+                k=max((c.k for c in candidates if c.method == "suffix"), default=16))
             print(f"suffix floor from the calibration run: min_score {chosen['min_score']} "
                   f"({floors.attrs['step_cost']})\n{floors.round(3).to_string(index=False)}")
-        if args.hand_over == "auto":
-            chosen["hand_over"], hand_overs = choose_hand_over(
-                [r["ids"] for r in calibration], [produced[("target-only", i)] for i in range(len(calibration))],
-                calibration_records, draft, settings("replay"), k=max(c.k for c in hybrids),
-                tree=any(c.method == "suffix-tree-chain" for c in hybrids), max_new_tokens=args.max_new_tokens)
-            print(f"hand-over from the calibration run: {chosen['hand_over']}\n"
-                  f"{hand_overs.round(3).to_string(index=False)}")
-        if args.catch_up == "auto":
-            chosen["catch_up"], catch_ups = choose_catch_up(
-                [r["ids"] for r in calibration], [produced[("target-only", i)] for i in range(len(calibration))],
-                calibration_records, draft, settings("replay"), k=max(c.k for c in hybrids),
-                tree=any(c.method == "suffix-tree-chain" for c in hybrids), max_new_tokens=args.max_new_tokens)
-            print(f"catch-up from the calibration run: {chosen['catch_up']}\n"
-                  f"{catch_ups.round(3).to_string(index=False)}")
+        for knob, choose in (("hand_over", choose_hand_over), ("catch_up", choose_catch_up)):  # in that order
+            if getattr(args, knob) == "auto":
+                chosen[knob], replays[knob] = choose(
+                    prompts, answers, calibration_records, draft, settings("replay"), k=max(c.k for c in hybrids),
+                    tree=any(c.method == "suffix-tree-chain" for c in hybrids), max_new_tokens=args.max_new_tokens)
+                print(f"{knob.replace('_', '-')} from the calibration run: {chosen[knob]}\n"
+                      f"{replays[knob].round(3).to_string(index=False)}")
     router.save(Path(args.out).with_suffix(".router.json"))
     print(f"router: default {router.default}, margin {router.margin}"
           + (f" (cross-validated tok/s by margin: {router.margins})" if router.margins else ""))
@@ -302,10 +297,8 @@ def main() -> None:
     report.update({"args": vars(args), "requests": len(found), "calibration": len(calibration), "held_out": len(held),
                    "seconds": round(time.perf_counter() - started, 1), "router_default": router.default,
                    "router_margin": str(router.margin), "suffix_min_score": chosen["min_score"],
-                   "hand_over": chosen["hand_over"],
-                   **({"hand_overs": hand_overs.to_dict("records")} if args.hand_over == "auto" else {}),
-                   "catch_up": chosen["catch_up"],
-                   **({"catch_ups": catch_ups.to_dict("records")} if args.catch_up == "auto" else {}),
+                   "hand_over": chosen["hand_over"], "catch_up": chosen["catch_up"],
+                   **{f"{knob}s": table.to_dict("records") for knob, table in replays.items()},
                    **({"suffix_floors": floors.to_dict("records")} if args.suffix_min_score == "auto" else {}),
                    "router_margins": {str(m): v for m, v in router.margins.items()},
                    "router_by_family": router.by_family, "router_family_defaults": router.family_defaults,
