@@ -6,7 +6,8 @@ step), a weak suffix match is worth less than the model's draft, and the default
 greedy decoding the choice is read off one calibration run, as the floor is (`route.suffix_floor`): the target's
 own outputs replay each hand-over exactly (suffix decoding's proposals depend on the context and its cache, an
 unquantized draft's on the prefix: one teacher-forced forward a prompt, `tune.replay.model_proposer`), priced by
-the step cost fitted on the run's records plus the model's drafting seconds a step (its chain's, as measured).
+the step cost fitted on the run's records plus the model's drafting seconds a step and its seconds for each token
+it must read first (its chain's, as measured: `draft_prices`; a prompt's read was once spread over every step).
 Example: a step where suffix decoding expects 1.4 tokens goes to suffix decoding at hand_over 1.0 and to the
 model at 2.0. The catch-up (`SuffixSettings.catch_up`: how much the draft may have to read first, against the
 tokens still to emit) is chosen the same way, its reads priced at the seconds a token the chain's first step of
