@@ -6,7 +6,7 @@ from typing import Optional, Protocol, Sequence
 import torch
 
 from specbench.decode import packed_attention
-from specbench.decode.kv import cached_length, can_crop_to, crop_to, new_cache
+from specbench.decode.kv import cached_length, can_crop_to, common_prefix, crop_to, new_cache
 from specbench.models.loaded import LoadedModel
 from specbench.sampling.probs import draft_distribution, sample_sparse
 from specbench.sampling.streams import DraftDraws, draft_draws
@@ -68,12 +68,7 @@ class ModelDrafter:
     def pending(self, context: Sequence[int]) -> int:
         """How many tokens of `context` a proposal would first feed: those past the cache's common prefix with it
         (the whole context on a fresh cache; at least its last token)."""
-        common = 0
-        for cached, token in zip(self.cached_ids, context):
-            if cached != token:
-                break
-            common += 1
-        return len(context) - min(common, max(len(context) - 1, 0))
+        return len(context) - min(common_prefix(self.cached_ids, context), max(len(context) - 1, 0))
 
     def warm(self, context: Sequence[int], max_tokens: int) -> bool:
         """Feed up to `max_tokens` more of `context` (all but its last token) into the cache; True once
@@ -94,12 +89,7 @@ class ModelDrafter:
         to feed; returns that prefix's length."""
         if self.cache is None:
             self.cache = self.fast.new_cache() if self.fast else new_cache(self.model.config)
-        common = 0
-        for cached, token in zip(self.cached_ids, context):
-            if cached != token:
-                break
-            common += 1
-        common = min(common, len(context) - 1, cached_length(self.cache))
+        common = min(common_prefix(self.cached_ids, context), len(context) - 1, cached_length(self.cache))
         if not can_crop_to(self.cache, common):  # sliding-window layers dropped what this rollback needs
             self.cache, self.cached_ids, common = new_cache(self.model.config), [], 0
         crop_to(self.cache, common)

@@ -13,6 +13,16 @@ import torch
 from specbench.types import SpecbenchError
 
 
+def common_prefix(cached: Sequence[int], context: Sequence[int]) -> int:
+    """How many leading tokens two sequences share: what a drafter's cache of `cached` may keep for `context`."""
+    common = 0
+    for kept, token in zip(cached, context):
+        if kept != token:
+            break
+        common += 1
+    return common
+
+
 def cached_length(cache) -> int:
     return 0 if cache is None else int(cache.get_seq_length())
 

@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from specbench.decode.kv import common_prefix
 from specbench.decode.tree_drafters import TreeGrowth
 from specbench.heads.model import EagleHead, HeadCache
 from specbench.sampling.probs import draft_distribution, sample_sparse
@@ -76,12 +77,7 @@ class HeadDrafter:
         if self.session is None:
             raise SpecbenchError("a head drafter is bound to a session before it drafts (the loop's bind)")
         rows = self.target.features(self.session)
-        common = 0
-        for fed, token in zip(self.fed, context):
-            if fed != token:
-                break
-            common += 1
-        real = max(0, min(len(self.fed), common) - 1)  # head positions still valid
+        real = max(0, min(len(self.fed), common_prefix(self.fed, context)) - 1)  # head positions still valid
         self.cache.keep(real)
         self.fed = self.fed[:real + 1] if real else []
         new = len(context) - 1 - real

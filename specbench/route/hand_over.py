@@ -23,6 +23,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from specbench.decode.kv import common_prefix
 from specbench.decode.suffix_drafter import SuffixDrafter, SuffixSettings
 from specbench.route.suffix_floor import StepCost, choose_fastest, fit_step_cost
 from specbench.tune.replay import chain_accepted, model_proposer, tree_accepted
@@ -67,7 +68,7 @@ def replay_hand_overs(prompts: Sequence[Sequence[int]], outputs: Sequence[Sequen
                 if budget >= 1:
                     found = suffix.propose(full[:position], budget, SamplingParams(), torch.Generator(),
                                            max_depth=budget)
-                    pending = position - min(_common(cached, full, position), position - 1)
+                    pending = position - min(common_prefix(cached, full[:position]), position - 1)
                     if (len(found) and (found.expected_accepted or 0.0) >= hand_over) \
                             or pending > catch_up * (limit - position):
                         accepted, width = (tree_accepted(found, full[position:]), len(found)) if len(found) else (0, 0)
@@ -85,15 +86,6 @@ def replay_hand_overs(prompts: Sequence[Sequence[int]], outputs: Sequence[Sequen
                      "verified": verified, "model_steps": model_steps, "read": read,
                      "tokens_per_step": tokens / steps, "priced_tokens_per_s": tokens / seconds})
     return pd.DataFrame(rows)
-
-
-def _common(cached: Sequence[int], full: Sequence[int], position: int) -> int:
-    common = 0
-    for a, b in zip(cached, full[:position]):
-        if a != b:
-            break
-        common += 1
-    return common
 
 
 def draft_prices(records: pd.DataFrame, prompt_lengths: Sequence[int]) -> tuple[float, float]:
@@ -119,11 +111,8 @@ def choose_hand_over(prompts: Sequence[Sequence[int]], outputs: Sequence[Sequenc
     """The hand-over whose replay is priced fastest (the lowest of equals) and the table it was chosen from.
     `records`: the calibration run's step records, with target-only's and a lookup's steps (the step cost) and a
     model chain's (`chain`: its drafting seconds a step and a token read, `draft_prices`)."""
-    cost = fit_step_cost(records)
-    step_s, read_s = draft_prices(records, [len(p) for p in prompts])
-    table = replay_hand_overs(prompts, outputs, draft, settings, cost, step_s, k, tree, hand_overs, read_s=read_s,
-                              max_new_tokens=max_new_tokens)
-    return choose_fastest(table, "hand_over", cost), table
+    return _choose("hand_over", prompts, outputs, records, draft, settings, k, tree, max_new_tokens,
+                   hand_overs=hand_overs)
 
 
 def choose_catch_up(prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]], records: pd.DataFrame,
@@ -132,8 +121,15 @@ def choose_catch_up(prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence
                     max_new_tokens: Optional[int] = None) -> tuple[float, pd.DataFrame]:
     """The catch-up (at `settings.hand_over`) whose replay is priced fastest, the lowest of equals, as
     `choose_hand_over` picks the hand-over."""
+    return _choose("catch_up", prompts, outputs, records, draft, settings, k, tree, max_new_tokens,
+                   catch_ups=catch_ups)
+
+
+def _choose(column: str, prompts, outputs, records: pd.DataFrame, draft, settings: SuffixSettings, k: int,
+            tree: bool, max_new_tokens: Optional[int], **grid) -> tuple[float, pd.DataFrame]:
+    """The replay of `grid` priced from `records`, and the value of `column` it prices fastest."""
     cost = fit_step_cost(records)
     step_s, read_s = draft_prices(records, [len(p) for p in prompts])
-    table = replay_hand_overs(prompts, outputs, draft, settings, cost, step_s, k, tree, catch_ups=catch_ups,
-                              read_s=read_s, max_new_tokens=max_new_tokens)
-    return choose_fastest(table, "catch_up", cost), table
+    table = replay_hand_overs(prompts, outputs, draft, settings, cost, step_s, k, tree, read_s=read_s,
+                              max_new_tokens=max_new_tokens, **grid)
+    return choose_fastest(table, column, cost), table
