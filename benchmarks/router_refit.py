@@ -11,10 +11,18 @@ OUT.held-out.json (the held-out requests, written since 2026-12-02).
     python benchmarks/router_refit.py results/wl-qwen-amx.json
     python benchmarks/router_refit.py results/wl-qwen-amx.json --ridge 0.1 1 10 --margins learn 0 inf
     python benchmarks/router_refit.py results/wl-qwen-amx.json --margins learn inf --by-family learn on off
+    python benchmarks/router_refit.py results/wl-qwen-6.json --ridge 10 --margins 0 --seen on \
+        --time suffix-tree-chain:16 --passes 2    # the first refit's `auto`, timed beside the hybrid
+
+`--time` decodes again: the held-out prompts in the run's order, the first refit router's `auto` and the named fixed
+candidates interleaved (run rotates their order per prompt; every pass with fresh suffix caches), with the run's
+target, draft and suffix knobs. A refit scored on the rows picks from timings it did not make; timed, it answers
+for its own.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from pathlib import Path
 
@@ -22,8 +30,9 @@ import numpy as np
 import pandas as pd
 
 import specbench.route.router as router_module
+from common import RESULTS, write_report
 from specbench.route.auto import candidates_from
-from specbench.route.features import prompt_features
+from specbench.route.features import prompt_features, seen_shares
 from specbench.route.router import BY_FAMILY, fit_router, parse_margin
 
 
@@ -36,8 +45,8 @@ def history_turns(ids) -> float:
 
 
 FEATURES = {"default": prompt_features,
-            "history": lambda ids, family=None, families=(): np.append(prompt_features(ids, family, families),
-                                                                      history_turns(ids))}
+            "history": lambda ids, family=None, families=(), seen=0.0: np.append(
+                prompt_features(ids, family, families, seen), history_turns(ids))}
 
 
 def load_run(out: Path) -> tuple[dict, pd.DataFrame, list[dict], dict[str, dict]]:
@@ -53,10 +62,17 @@ def load_run(out: Path) -> tuple[dict, pd.DataFrame, list[dict], dict[str, dict]
             json.loads(out.with_suffix(".held-out.json").read_text()))
 
 
-def score(router, rows: pd.DataFrame, held: dict[str, dict]) -> dict:
+def seen_in_order(requests: list[dict]) -> list[float]:
+    """Each request's seen share against the outputs of those before it, as a run's fresh cache holds them (the
+    target's own answers kept beside the requests; a request without one adds nothing)."""
+    return seen_shares([r["ids"] for r in requests], [r.get("output", []) for r in requests])
+
+
+def score(router, rows: pd.DataFrame, held: dict[str, dict], seen: dict[str, float]) -> dict:
     """The router's choice for every held-out prompt, scored with that prompt's measured row of it."""
     fixed = rows[rows["label"] != "auto"]
-    chosen = {name: router.choose(request["ids"], request["set"])[0].label for name, request in held.items()}
+    chosen = {name: router.choose(request["ids"], request["set"], seen[name])[0].label
+              for name, request in held.items()}
     picked = fixed[fixed["label"] == fixed["prompt"].map(chosen)]
     speeds = {label: chunk.tokens.sum() / chunk.seconds.sum() for label, chunk in fixed.groupby("label")}
     best_label = max(speeds, key=speeds.get)
@@ -64,6 +80,46 @@ def score(router, rows: pd.DataFrame, held: dict[str, dict]) -> dict:
     return {"tok_s": speed, "over_best_fixed": speed / speeds[best_label], "best_fixed": best_label,
             "default": router.default, "margin": router.margin, "by family": router.by_family,
             "choices": pd.Series(chosen).value_counts().to_dict()}
+
+
+def time_router(router, report: dict, held: dict[str, dict], fixed: list[str], passes: int) -> dict:
+    """`auto` with `router` and the `fixed` candidates over the held-out prompts, interleaved, `passes` times:
+    tok/s per label (tokens over prefill, steps and routing, pooled) overall and per pass, and auto's choices."""
+    from workload import per_prompt
+
+    from specbench.api import run
+    from specbench.decode.suffix_drafter import SuffixSettings
+    from specbench.decode.target import LocalTarget
+    from specbench.models.loading import load_model
+    from specbench.models.spec import ModelSpec
+
+    args = report["args"]
+    target = LocalTarget(load_model(ModelSpec(args["target"], dtype=args["dtype"], kernels=args["kernels"])))
+    draft = load_model(ModelSpec(args["draft"], dtype=args["draft_dtype"] or args["dtype"], kernels=args["kernels"])) \
+        if args.get("draft") else None
+    knobs = dict(factor=args["suffix_factor"], offset=args["suffix_offset"], min_prob=args["suffix_min_prob"],
+                 min_score=report["suffix_min_score"], hand_over=report["hand_over"], other_k=args["other_k"],
+                 catch_up=float(report.get("catch_up", "inf")))
+    prompts = list(held.values())
+    ids, families = [r["ids"] for r in prompts], [r["set"] for r in prompts]
+    methods = fixed + ["auto"]
+    frames, chosen = [], []
+    for turn in range(passes):
+        records = run(target, ids, method=methods if turn % 2 == 0 else methods[::-1], k=4, draft=draft,
+                      router=router, families=families, max_new_tokens=args["max_new_tokens"], warmup=turn == 0,
+                      progress=f"timed, pass {turn + 1}/{passes}", suffix=SuffixSettings(name=f"timed {turn}", **knobs))
+        frames.append(per_prompt(records).assign(turn=turn))
+        chosen += records[records["method"] == "auto"].groupby("prompt_index")["chosen"].first().tolist()
+    table = pd.concat(frames)
+
+    def speeds(rows):
+        return {method: rows[rows.method == method].tokens.sum() / rows[rows.method == method].seconds.sum()
+                for method in sorted(set(rows.method))}
+    overall = speeds(table)
+    best = max((m for m in overall if m != "auto"), key=overall.get)
+    return {"tok_s": overall, "by_pass": {turn: speeds(rows) for turn, rows in table.groupby("turn")},
+            "auto_over_best_fixed": overall["auto"] / overall[best], "best_fixed": best,
+            "auto_choices": pd.Series(chosen).value_counts().to_dict(), "rows": table.to_dict("records")}
 
 
 def main() -> None:
@@ -78,6 +134,13 @@ def main() -> None:
     parser.add_argument("--features", nargs="+", default=["default"], choices=["default", "history"],
                         help="feature sets to compare; history: the default's and how many earlier turns the "
                              "prompt holds (earlier copies of its last 3 ids, a chat template's assistant header)")
+    parser.add_argument("--seen", nargs="+", default=["on"], choices=["on", "off"],
+                        help="give the router each prompt's seen share (how much of it earlier outputs hold), or 0")
+    parser.add_argument("--time", nargs="+", metavar="CANDIDATE",
+                        help="decode again: the first refit's auto beside these fixed candidates (method:K) on the "
+                             "held-out prompts (see above)")
+    parser.add_argument("--passes", type=int, default=2)
+    parser.add_argument("--report", default=str(RESULTS / "router-timed.json"), help="--time's JSON report")
     args = parser.parse_args()
     report, records, calibration, held = load_run(Path(args.out))
     rows = pd.DataFrame(report["rows"])
@@ -87,24 +150,35 @@ def main() -> None:
     if not args.families:
         held = {name: dict(request, set=None) for name, request in held.items()}
     measured_auto = rows[rows["label"] == "auto"]
+    shares = {"on": (seen_in_order(calibration), dict(zip(held, seen_in_order(list(held.values()))))),
+              "off": (None, dict.fromkeys(held, 0.0))}
     lines = []
     try:  # the router reads its features through its module's name: swapped for each set, put back after
         for features in args.features:
             router_module.prompt_features = FEATURES[features]
-            for ridge in args.ridge:
-                for margin in args.margins:
-                    for by_family in args.by_family:
-                        router = fit_router(records, prompts, candidates, families, ridge=ridge,
-                                            margin=parse_margin(margin),
-                                            by_family=BY_FAMILY[by_family])
-                        lines.append({"features": features, "ridge": ridge, "margin asked": margin,
-                                      "by family asked": by_family, **score(router, rows, held)})
+            for seen, ridge, margin, by_family in itertools.product(args.seen, args.ridge, args.margins,
+                                                                    args.by_family):
+                router = fit_router(records, prompts, candidates, families, ridge=ridge, margin=parse_margin(margin),
+                                    by_family=BY_FAMILY[by_family], seen=shares[seen][0])
+                lines.append({"features": features, "seen": seen, "ridge": ridge, "margin asked": margin,
+                              "by family asked": by_family, **score(router, rows, held, shares[seen][1])})
     finally:
         router_module.prompt_features = prompt_features
     frame = pd.DataFrame(lines)
     print(f"{args.out}: {len(calibration)} calibration, {len(held)} held-out prompts; auto as run: "
           f"{measured_auto.tokens.sum() / max(measured_auto.seconds.sum(), 1e-12):.3f} tok/s")
     print(frame.round(3).to_string(index=False))
+    if args.time:
+        first = lines[0]
+        if first["features"] != "default":
+            raise SystemExit("--time decodes with the package's own features: give --features default first")
+        router = fit_router(records, prompts, candidates, families, ridge=first["ridge"],
+                            margin=parse_margin(first["margin asked"]), by_family=BY_FAMILY[first["by family asked"]],
+                            seen=shares[first["seen"]][0])
+        timed = time_router(router, report, held, args.time, args.passes)
+        print(json.dumps({k: v for k, v in timed.items() if k != "rows"}, indent=1, default=str))
+        write_report(args.report, {"refit": {k: v for k, v in first.items() if k != "choices"}, "run": args.out,
+                                   "args": vars(args), **timed})
 
 
 if __name__ == "__main__":

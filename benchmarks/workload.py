@@ -11,7 +11,9 @@ slow spell of the machine falls on all of them alike (timed one call per method,
 3x slower than the method it chose on the same steps: 2026-12-02-workload-qwen-amx-two-passes.md). With one
 method at two Ks (prompt-lookup:4 and :8), held-out runs go family by family, one call per method, their order
 reversed every other family. Either way each suffix method has its own cache, which sees only that method's
-earlier requests.
+earlier requests. Knobs chosen by replay (`--suffix-min-score`, `--hand-over`, `--catch-up auto`) are read off the
+calibration run; the candidates they change are then calibrated again at the chosen values before the router is
+fitted, so it learns them as they run held out.
 
 The oracle takes, per prompt, the fastest of several timings, so timing noise alone lifts it above every
 method it picks from. `--passes 2` times the held-out half twice (the second pass in the reverse order,
@@ -42,9 +44,10 @@ from specbench.datasets.sessions import script_sessions
 from specbench.decode.divergence import divergence
 from specbench.decode.suffix_drafter import SuffixSettings
 from specbench.decode.target import LocalTarget
+from specbench.methods import get_method
 from specbench.models.loading import load_model
 from specbench.models.spec import KERNELS, KERNELS_HELP, ModelSpec
-from specbench.route.auto import calibrate, candidates_from, drafts_with_a_model
+from specbench.route.auto import calibrate, calibration_seen, candidates_from, drafts_with_a_model
 from specbench.route.router import LEARN, MARGIN, fit_router, parse_margin, rows_of
 from specbench.route.hand_over import choose_catch_up, choose_hand_over
 from specbench.route.suffix_floor import choose_min_score
@@ -197,6 +200,7 @@ def main() -> None:
     chosen = {"min_score": 0.0 if args.suffix_min_score == "auto" else args.suffix_min_score,  # auto: chosen below
               "hand_over": SuffixSettings.hand_over if args.hand_over == "auto" else args.hand_over,
               "catch_up": SuffixSettings.catch_up if args.catch_up == "auto" else args.catch_up}
+    first = dict(chosen)  # the knobs the calibration runs at
     replays = {}  # knob -> the replay table it was chosen from
 
     def settings(cache):
@@ -215,12 +219,6 @@ def main() -> None:
     calibration_records = calibrate(target, [r["ids"] for r in calibration], candidates, draft=draft,
                                     max_new_tokens=args.max_new_tokens, warmup=False, progress=False,
                                     suffix=settings("calibration "))  # interleaved: drift weighs on all alike
-    for c in candidates:
-        records = rows_of(calibration_records, c)
-        print(f"calibration {c.label}: {records['emitted'].sum() / records['step_s'].sum():.2f} tok/s (steps)")
-    calibration_records.to_pickle(Path(args.out).with_suffix(".calibration-records.pkl"))  # for re-fits
-    router = fit_router(calibration_records, [r["ids"] for r in calibration], candidates,
-                        [r["set"] for r in calibration], margin=args.margin)
     if "target-only" in args.candidates:  # the calibration prompts with the target's own outputs, for replays
         produced = outputs(calibration_records[calibration_records["method"] == "target-only"])
         Path(args.out).with_suffix(".calibration.json").write_text(json.dumps(
@@ -240,6 +238,22 @@ def main() -> None:
                     tree=any(c.method == "suffix-tree-chain" for c in hybrids), max_new_tokens=args.max_new_tokens)
                 print(f"{knob.replace('_', '-')} from the calibration run: {chosen[knob]}\n"
                       f"{replays[knob].round(3).to_string(index=False)}")
+    again = [c for c in candidates if _knobs_touch(c, {knob for knob in chosen if chosen[knob] != first[knob]})]
+    if again:  # the router learns these candidates as they run held out: at the chosen knobs, not the defaults
+        print(f"calibrating {[c.label for c in again]} again at {chosen} (the replays chose knobs they read)")
+        rerun = calibrate(target, [r["ids"] for r in calibration], again, draft=draft,
+                          max_new_tokens=args.max_new_tokens, warmup=False, progress=False,
+                          suffix=settings("calibration again "))
+        stale = [index for c in again for index in rows_of(calibration_records, c).index]
+        calibration_records = pd.concat([calibration_records.drop(index=stale), rerun], ignore_index=True)
+    for c in candidates:
+        records = rows_of(calibration_records, c)
+        print(f"calibration {c.label}: {records['emitted'].sum() / records['step_s'].sum():.2f} tok/s (steps)")
+    calibration_records.to_pickle(Path(args.out).with_suffix(".calibration-records.pkl"))  # for re-fits
+    prompts = [r["ids"] for r in calibration]
+    router = fit_router(calibration_records, prompts, candidates, [r["set"] for r in calibration],
+                        margin=args.margin, seen=calibration_seen(calibration_records, prompts, candidates,
+                                                                  settings("calibration ")))
     router.save(Path(args.out).with_suffix(".router.json"))
     print(f"router: default {router.default}, margin {router.margin}"
           + (f" (cross-validated tok/s by margin: {router.margins})" if router.margins else ""))
@@ -298,6 +312,7 @@ def main() -> None:
                    "seconds": round(time.perf_counter() - started, 1), "router_default": router.default,
                    "router_margin": str(router.margin), "suffix_min_score": chosen["min_score"],
                    "hand_over": chosen["hand_over"], "catch_up": chosen["catch_up"],
+                   "calibrated_again": [c.label for c in again],
                    **{f"{knob}s": table.to_dict("records") for knob, table in replays.items()},
                    **({"suffix_floors": floors.to_dict("records")} if args.suffix_min_score == "auto" else {}),
                    "router_margins": {str(m): v for m, v in router.margins.items()},
@@ -324,6 +339,15 @@ def unlike_target_only(made: dict, model, prompt_ids: dict) -> dict:
         if not check.near_tie:
             defects.append({"label": label, "pass": turn, "prompt": prompt, **asdict(check)})
     return {"differ": dict(found), "near_ties": dict(ties), "not_near_ties": defects}
+
+
+def _knobs_touch(candidate, knobs: set) -> bool:
+    """Whether changing these suffix knobs changes how `candidate` drafts: the floor (`min_score`) every suffix
+    method's, the hand-over and catch-up the hybrids' (a model or head drafts their weak steps)."""
+    method = get_method(candidate.method)
+    if not method.keeps_outputs:
+        return False
+    return "min_score" in knobs or (not method.lookup and bool(knobs & {"hand_over", "catch_up"}))
 
 
 def float_or_auto(text: str) -> float | str:

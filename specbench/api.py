@@ -227,7 +227,18 @@ def _auto_run(router, *, target, source, prompt_ids, k, max_new_tokens, sampling
     chosen, how long choosing took, and every candidate's predicted tokens/s (the reason)."""
     import json
 
+    from specbench.decode.suffix_drafter import new_cache
+    from specbench.methods import suffix_cache
+    from specbench.route.features import seen_share
+
     built: dict = {}
+    history: list[list[int]] = []  # this call's outputs, for a suffix drafter built after some of them ran
+    # what earlier outputs hold, for the router's seen share: the suffix candidates' shared cache, or this call's own
+    # (each suffix drafter keeps its own when several methods share the call)
+    memory = None
+    if any(get_method(c.method).keeps_outputs for c in router.candidates) and source.suffix.cache != "off":
+        memory = suffix_cache(source)
+        memory = new_cache(source.suffix) if memory is None else memory  # (an empty cache is falsy: no `or`)
 
     def prepared(candidate):
         if candidate not in built:
@@ -239,6 +250,11 @@ def _auto_run(router, *, target, source, prompt_ids, k, max_new_tokens, sampling
                                           proactive=False, suffix=source.suffix)
             if warmup:
                 _warm_up(prompt_ids[0], seed, one, source)
+            cache = getattr(one["drafter"], "cache", None)
+            others = [getattr(other["drafter"], "cache", None) for other in built.values() if other is not one]
+            if hasattr(one["drafter"], "remember") and cache is not memory and all(cache is not c for c in others):
+                for output in history:  # its cache starts where the others' are: every earlier output of the call
+                    one["drafter"].remember(output)
         return built[candidate]
 
     def run_prompt(index: int) -> list[dict]:
@@ -246,16 +262,19 @@ def _auto_run(router, *, target, source, prompt_ids, k, max_new_tokens, sampling
         ids = prompt_ids[index]
         started = time.perf_counter()
         family = families[index] if families is not None else None
-        candidate, table = router.choose(ids, family)
+        candidate, table = router.choose(ids, family, seen_share(ids, memory) if router.reads_seen else 0.0)
         route_s = time.perf_counter() - started
         one = prepared(candidate)
         result = _measured(ids, index, seed, device, one)
+        history.append(list(result.output_ids))
         fed = {id(getattr(one["drafter"], "cache", None))}  # a cache that keeps outputs sees every prompt's once
         for other in built.values():
             cache = getattr(other["drafter"], "cache", None)
             if hasattr(other["drafter"], "remember") and id(cache) not in fed:
                 other["drafter"].remember(result.output_ids)
                 fed.add(id(cache))
+        if memory is not None and id(memory) not in fed and result.output_ids:
+            memory.extend(memory.open(), list(result.output_ids))
         why = json.dumps({row.candidate: round(row.tokens_per_s, 3) for row in table.itertuples()})
         return [dict(row, method="auto", chosen=candidate.label, route_s=route_s, route_predicted=why,
                      route_default=router.default_for(family))

@@ -163,11 +163,17 @@ def _prompt_lookup_tree(source: DraftSource):
 
 
 def _suffix(source: DraftSource, tree: bool = False, key: tuple = ()):
-    from specbench.decode.suffix_drafter import SuffixDrafter, process_cache
+    from specbench.decode.suffix_drafter import SuffixDrafter
 
-    settings = source.suffix
-    cache = process_cache(_target_key(source) + key, settings) if settings.cache == "process" else None
-    return SuffixDrafter(settings, cache, tree=tree, name="suffix-tree" if tree else "suffix")
+    return SuffixDrafter(source.suffix, suffix_cache(source, key), tree=tree, name="suffix-tree" if tree else "suffix")
+
+
+def suffix_cache(source: DraftSource, key: tuple = ()):
+    """The process-wide cache of earlier outputs that suffix drafters built from `source` (and, on a worker, a
+    tenant's `key`) share; None unless its settings keep one process-wide."""
+    from specbench.decode.suffix_drafter import process_cache
+
+    return process_cache(_target_key(source) + key, source.suffix) if source.suffix.cache == "process" else None
 
 
 def _target_key(source: DraftSource) -> tuple:

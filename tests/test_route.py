@@ -10,7 +10,7 @@ import pytest
 
 from specbench.api import outputs, run
 from specbench.route.auto import candidates_from, train_router
-from specbench.route.features import repeat_share
+from specbench.route.features import repeat_share, seen_share, seen_shares
 from specbench.route.router import MARGIN, Candidate, Router, fit_router
 from specbench.types import SamplingParams, SpecbenchError
 
@@ -376,6 +376,22 @@ def test_workload_oracle_cross_fitted_takes_each_choice_from_the_other_pass():
     assert len(one_pass) == 2 and none.empty
 
 
+def test_workload_calibrates_again_the_candidates_a_chosen_knob_changes():
+    """benchmarks/workload.py picks suffix knobs by replaying the calibration run, then calibrates again the
+    candidates those knobs change (the router once learned a hybrid at hand-over 1.0 and ran it at 0.5)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from workload import _knobs_touch
+
+    hybrid, tree, chain = Candidate("suffix-tree-chain", 16), Candidate("suffix-tree", 16), Candidate("chain", 3)
+    assert _knobs_touch(hybrid, {"catch_up"}) and _knobs_touch(hybrid, {"hand_over"})
+    assert _knobs_touch(hybrid, {"min_score"}) and _knobs_touch(tree, {"min_score"})
+    assert not _knobs_touch(tree, {"hand_over", "catch_up"})  # suffix decoding alone never hands a step over
+    assert not _knobs_touch(chain, {"min_score", "hand_over", "catch_up"})
+    assert not _knobs_touch(Candidate("target-only"), {"min_score"}) and not _knobs_touch(hybrid, set())
+
+
 def test_a_family_default_starts_each_prompt_from_what_its_family_measured(tmp_path):
     """By family: lookup pays 4 tokens a step on code, nothing on chat, and the repetition features say nothing of
     it (prompts alike in both). A strongly shrunk ridge fit cannot tell the families apart; each family's measured
@@ -444,3 +460,96 @@ def test_a_worker_routes_by_the_family_its_client_names(tiny_target, tmp_path):
     assert got.groupby("prompt_index")["route_default"].first().tolist() == ["target-only", "suffix k=8",
                                                                               "target-only"]
     assert [outputs(got)[("auto-server", i)] for i in range(3)] == [local[("server-only-ar", i)] for i in range(3)]
+
+
+def test_seen_share_counts_the_prompt_ngrams_earlier_outputs_hold():
+    """Against a brute-force search on random strings of a small alphabet (many partial matches), through the
+    index and the cache a run's suffix drafters share; `seen_shares` looks only at the outputs before each prompt."""
+    import random
+
+    from specbench.decode.suffix_drafter import SuffixCache
+    from specbench.decode.suffix_index import SuffixIndex
+
+    rng = random.Random(3)
+    for _ in range(40):
+        made = [[rng.randrange(5) for _ in range(rng.randrange(0, 40))] for _ in range(3)]
+        prompt = [rng.randrange(5) for _ in range(rng.randrange(0, 30))]
+        index, cache = SuffixIndex(depth=8), SuffixCache(depth=8)
+        for number, output in enumerate(made):
+            index.extend(number, output)
+            cache.extend(cache.open(), output)
+        for n in (2, 4, 8):
+            grams = [tuple(prompt[s:s + n]) for s in range(len(prompt) - n + 1)]
+            held = {tuple(o[s:s + n]) for o in made for s in range(len(o) - n + 1)}
+            expected = sum(gram in held for gram in grams) / len(grams) if grams else 0.0
+            assert seen_share(prompt, index, n) == pytest.approx(expected)
+            assert seen_share(prompt, cache, n) == pytest.approx(expected)
+    assert seen_share(PLAIN[0], None) == 0.0
+    quoted = list(range(10, 20))
+    assert seen_shares([[1, 1, 1] + quoted, quoted, quoted[:5]], [quoted, [], [3]]) == [0.0, 1.0, 0.0]
+
+
+def test_router_reads_how_much_of_a_prompt_earlier_outputs_hold(tmp_path):
+    """Prompts alike inside (no repetition), half of them quoting an earlier answer: only the seen share says
+    lookup pays there. A router file saved before the feature (or with no feature list) still loads, without it."""
+    rng = np.random.default_rng(0)
+    prompts = [rng.permutation(np.arange(100, 1000))[:12].tolist() for _ in range(16)]
+    seen = [0.8 if i % 2 else 0.0 for i in range(16)]
+    by_prompt = {tuple(ids): share for ids, share in zip(prompts, seen)}
+    records = _records(prompts, lambda ids: 4 if by_prompt[tuple(ids)] else 1)
+    candidates = [Candidate("target-only"), Candidate("prompt-lookup", 4)]
+    router = fit_router(records, prompts, candidates, ridge=0.01, margin=0.0, seen=seen)
+    fresh = rng.permutation(np.arange(100, 1000))[:12].tolist()
+    assert router.reads_seen
+    assert router.choose(fresh, seen=0.8)[0].method == "prompt-lookup"
+    assert router.choose(fresh, seen=0.0)[0].method == "target-only"
+    blind = fit_router(records, prompts, candidates, ridge=0.01, margin=0.0)  # no seen shares: it cannot tell
+    assert blind.choose(fresh, seen=0.8)[0] == blind.choose(fresh, seen=0.0)[0]
+    with pytest.raises(SpecbenchError, match="seen share per prompt"):
+        fit_router(records, prompts, candidates, seen=seen[:3])
+    path = router.save(tmp_path / "router.json")
+    assert Router.load(path).choose(fresh, seen=0.8)[0].method == "prompt-lookup"
+    body = json.loads(path.read_text())  # as a file saved before seen_8 existed: its column never there
+    gone = body["features"].index("seen_8")
+    for vector in [body["mean"], body["scale"]] + [fit[part] for fit in body["fits"].values()
+                                                   for part in ("tokens", "drafted")]:
+        del vector[gone]
+    body["features"].remove("seen_8")
+    for kept in (True, False):  # with its feature list, and from before files kept one
+        if not kept:
+            del body["features"]
+        (tmp_path / "old.json").write_text(json.dumps(body))
+        old = Router.load(tmp_path / "old.json")
+        assert not old.reads_seen
+        assert old.predict(fresh, seen=0.8).equals(old.predict(fresh, seen=0.0))
+
+
+def test_auto_reads_the_outputs_before_each_prompt_and_a_late_suffix_drafter_gets_them(tiny_target, monkeypatch):
+    """run(method="auto") gives the router each prompt's seen share from the cache of this call's earlier
+    outputs; a suffix candidate first chosen for a later prompt starts with those outputs in its cache, as it had
+    them in calibration (it was once built empty, missing every answer before it)."""
+    from specbench.decode.suffix_drafter import SuffixSettings
+
+    candidates = candidates_from(["target-only", "suffix:8"])
+    router, _ = train_router(tiny_target, PROMPTS, candidates, max_new_tokens=16, progress=False)
+    assert router.reads_seen
+    first = outputs(run(tiny_target, PROMPTS[:1], method="target-only", max_new_tokens=16, progress=False))
+    quoting = PROMPTS[1] + first[("target-only", 0)]  # a later turn that quotes the first prompt's answer
+    asked, picks = [], iter([0, 0, 1])
+    real = Router.choose
+
+    def scripted(self, ids, family=None, seen=0.0):
+        asked.append(seen)
+        _, table = real(self, ids, family, seen)
+        return self.candidates[next(picks)], table
+
+    monkeypatch.setattr(Router, "choose", scripted)
+    built = []
+    got = run(tiny_target, [PROMPTS[0], PROMPTS[2], quoting], method=["target-only", "auto"], router=router,
+              max_new_tokens=16, progress=False, suffix=SuffixSettings(cache="drafter"),
+              wrap_drafter=lambda drafter: built.append(drafter) or drafter)
+    assert asked[0] == 0.0 and asked[2] > 0.5  # the quoted answer is in the cache by the third prompt
+    suffix = [d for d in built if getattr(d, "cache", None) is not None and getattr(d, "name", "") == "suffix"]
+    assert len(suffix) == 1 and len(suffix[0].cache) == 3  # two earlier outputs handed over, then its own
+    produced = outputs(got)
+    assert all(produced[("auto", i)] == produced[("target-only", i)] for i in range(3))

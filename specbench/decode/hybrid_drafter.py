@@ -69,3 +69,9 @@ class HybridDrafter:
 
     def remember(self, output: Sequence[int]) -> None:
         self.suffix.remember(output)
+
+    @property
+    def cache(self):
+        """Its suffix half's cache of earlier outputs (None without one): what a router checks before feeding
+        it an output twice."""
+        return getattr(self.suffix, "cache", None)

@@ -146,6 +146,11 @@ class SuffixCache:
         with self.lock:
             return self.index.speculate(context, budget, **options)
 
+    def match(self, context: Sequence[int], length: int):
+        """The index's node of the context's last `length` tokens (None: never seen); a router's `seen_share`."""
+        with self.lock:
+            return self.index.match(context, length)
+
     def clear(self) -> None:
         with self.lock:
             while self._order:

@@ -8,11 +8,12 @@ from typing import Optional, Sequence
 import pandas as pd
 from tqdm.auto import tqdm
 
-from specbench.api import as_target, encode_prompts, run
+from specbench.api import as_target, encode_prompts, outputs, run
 from specbench.decode.suffix_drafter import SuffixSettings
 from specbench.methods import get_method
 from specbench.models.loading import as_loaded
-from specbench.route.router import Candidate, Router, fit_router
+from specbench.route.features import seen_shares
+from specbench.route.router import Candidate, Router, fit_router, rows_of
 from specbench.types import SpecbenchError
 
 CHUNK = 8  # calibration prompts per round of candidates
@@ -51,7 +52,8 @@ def train_router(target, prompts: Sequence, candidates: Sequence[Candidate], *, 
     ids = encode_prompts(prompts, run_options.pop("tokenizer", None) or target.tokenizer, run_options.pop("chat", True))
     records = calibrate(target, ids, candidates, draft=draft, max_new_tokens=max_new_tokens, progress=progress,
                         **run_options)
-    return fit_router(records, ids, candidates, families, objective, ridge, margin, by_family), records
+    seen = calibration_seen(records, ids, candidates, run_options.get("suffix"))
+    return fit_router(records, ids, candidates, families, objective, ridge, margin, by_family, seen), records
 
 
 def calibrate(target, ids: Sequence[Sequence[int]], candidates: Sequence[Candidate], *, draft=None,
@@ -81,6 +83,18 @@ def calibrate(target, ids: Sequence[Sequence[int]], candidates: Sequence[Candida
             bar.update()
     bar.close()
     return pd.concat(frames, ignore_index=True)
+
+
+def calibration_seen(records: pd.DataFrame, ids: Sequence[Sequence[int]], candidates: Sequence[Candidate],
+                     suffix: Optional[SuffixSettings] = None) -> Optional[list[float]]:
+    """Each calibration prompt's `seen_share` as `calibrate` ran it: against the outputs of the prompts before it
+    (each suffix candidate's cache starts empty and sees its own). None where no candidate keeps outputs or the
+    cache is off: `run` then gives the router 0, and so must its fit."""
+    keeping = [c for c in candidates if get_method(c.method).keeps_outputs]
+    if not keeping or (suffix or SuffixSettings()).cache == "off":
+        return None
+    made = outputs(rows_of(records, keeping[0]))
+    return seen_shares(ids, [made.get((keeping[0].method, i), []) for i in range(len(ids))])
 
 
 def _needs_a_draft(method) -> bool:

@@ -1,7 +1,8 @@
 """A per-prompt router (SpecDecode's idea): pick the method and K each prompt should get.
 
 Trained on per-prompt records of every candidate run over calibration prompts: per candidate, a ridge
-regression from the prompt's features (`route/features.py`) to its tokens per step and draft tokens per
+regression from the prompt's features (`route/features.py`, including how much of the prompt earlier outputs
+hold: `seen`, given per prompt as it ran) to its tokens per step and draft tokens per
 step (acceptance), and a step cost fitted on the same records: the target's forward (fixed + per verified
 token, shared by all candidates) plus the candidate's drafting seconds per step, itself a ridge regression on
 the features where records time drafting (`draft_s`), else a cost per drafted token. Per step, not per drafted
@@ -36,7 +37,7 @@ from typing import Optional, Sequence
 import numpy as np
 import pandas as pd
 
-from specbench.route.features import feature_names, prompt_features
+from specbench.route.features import SEEN_N, feature_names, prompt_features
 from specbench.types import SpecbenchError
 
 OBJECTIVES = ("speed", "verify_tokens")
@@ -88,13 +89,15 @@ class Router:
     family_defaults: dict = field(default_factory=dict)  # {family: label of its best candidate, measured}
     by_family: bool = False  # a prompt of a known family starts from its family's default
     family_margins: dict = field(default_factory=dict)  # as `margins`, with family defaults
+    names: list = field(default_factory=list)  # the features it was fitted on ([]: every one of `feature_names`)
 
-    def predict(self, ids: Sequence[int], family: Optional[str] = None) -> pd.DataFrame:
+    def predict(self, ids: Sequence[int], family: Optional[str] = None, seen: float = 0.0) -> pd.DataFrame:
         """Each candidate's predicted tokens per step, draft tokens per step, step seconds, tokens/s and
-        verified tokens per output token on this prompt."""
+        verified tokens per output token on this prompt (`seen`: its `features.seen_share`, against the cache of
+        earlier outputs its suffix candidates draft from)."""
         if not self.fits:
             raise SpecbenchError("this router is not trained: use train_router(...) or Router.load(path)")
-        x = np.append((prompt_features(ids, family, self.families) - self.mean) / self.scale, 1.0)
+        x = np.append((self.features(ids, family, seen) - self.mean) / self.scale, 1.0)
         rows = []
         for candidate in self.candidates:
             fit = self.fits[candidate.label]
@@ -108,10 +111,24 @@ class Router:
                          "tokens_per_s": tokens / step_s, "verify_tokens": (1.0 + drafted) / tokens})
         return pd.DataFrame(rows)
 
-    def choose(self, ids: Sequence[int], family: Optional[str] = None) -> tuple[Candidate, pd.DataFrame]:
+    def choose(self, ids: Sequence[int], family: Optional[str] = None,
+               seen: float = 0.0) -> tuple[Candidate, pd.DataFrame]:
         """The best candidate under the objective, and every candidate's predictions (the reason)."""
-        table = self.predict(ids, family)
+        table = self.predict(ids, family, seen)
         return self.candidates[_pick(table, self.objective, self.default_for(family), self.margin)], table
+
+    def features(self, ids: Sequence[int], family: Optional[str] = None, seen: float = 0.0) -> np.ndarray:
+        """The prompt's features this router was fitted on (a file saved before a feature existed lacks it)."""
+        every = prompt_features(ids, family, self.families, seen)
+        if not self.names:
+            return every
+        where = {name: i for i, name in enumerate(feature_names(self.families))}
+        return every[[where[name] for name in self.names]]
+
+    @property
+    def reads_seen(self) -> bool:
+        """Whether this router's choice depends on what earlier outputs hold (`seen_share`)."""
+        return f"seen_{SEEN_N}" in (self.names or feature_names(self.families))
 
     def default_for(self, family: Optional[str] = None) -> Optional[str]:
         """The candidate a prompt keeps unless another is predicted better by the margin: its family's best
@@ -126,7 +143,7 @@ class Router:
                 "margins": {str(_finite(m)): score for m, score in self.margins.items()},
                 "family_defaults": self.family_defaults, "by_family": self.by_family,
                 "family_margins": {str(_finite(m)): score for m, score in self.family_margins.items()},
-                "features": feature_names(self.families),
+                "features": self.names or feature_names(self.families),
                 "fits": {label: {"tokens": fit.tokens.tolist(), "drafted": fit.drafted.tolist(),
                                  "fixed_s": fit.fixed_s, "per_token_s": fit.per_token_s,
                                  "draft_s": None if fit.draft_s is None else fit.draft_s.tolist()}
@@ -145,7 +162,8 @@ class Router:
                         for label, f in body["fits"].items()}, body.get("default"), float(body.get("margin", 0.0)),
                        {float(m): float(score) for m, score in body.get("margins", {}).items()},
                        dict(body.get("family_defaults", {})), bool(body.get("by_family", False)),
-                       {float(m): float(score) for m, score in body.get("family_margins", {}).items()})
+                       {float(m): float(score) for m, score in body.get("family_margins", {}).items()},
+                       _known_features(body.get("features"), list(body["families"])))
         except (OSError, ValueError, KeyError, TypeError) as error:
             raise SpecbenchError(f"{path}: not a router file ({type(error).__name__}: {error}); "
                                  f"train one with train_router(...) and save it") from None
@@ -153,11 +171,13 @@ class Router:
 
 def fit_router(records: pd.DataFrame, prompts: Sequence[Sequence[int]], candidates: Sequence[Candidate],
                families: Optional[Sequence[Optional[str]]] = None, objective: str = "speed",
-               ridge: float = 1.0, margin: float | str | None = None, by_family: Optional[bool] = None) -> Router:
+               ridge: float = 1.0, margin: float | str | None = None, by_family: Optional[bool] = None,
+               seen: Optional[Sequence[float]] = None) -> Router:
     """A router from `run` records of each candidate over `prompts` (rows labelled by method and k;
     `families[i]` is prompt i's family, when known). `margin`: a share, "learn" (cross-validated), or None:
     learned where there are at least 2 x `FOLDS` prompts, else `MARGIN`. `by_family`: start each prompt from its
-    family's default; None: cross-validated with a learned margin, else off."""
+    family's default; None: cross-validated with a learned margin, else off. `seen[i]`: prompt i's `seen_share`
+    as it ran (`features.seen_shares`; None: 0, as where no candidate keeps outputs)."""
     if objective not in OBJECTIVES:
         raise SpecbenchError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     if margin is None:
@@ -166,11 +186,14 @@ def fit_router(records: pd.DataFrame, prompts: Sequence[Sequence[int]], candidat
     if not prompts:
         raise SpecbenchError("a router needs calibration prompts: got none")
     families = list(families) if families is not None else [None] * len(prompts)
+    seen = list(seen) if seen is not None else [0.0] * len(prompts)
+    if len(seen) != len(prompts):
+        raise SpecbenchError(f"need one seen share per prompt, got {len(seen)} for {len(prompts)} prompts")
     if margin == LEARN:
-        router = fit_router(records, prompts, candidates, families, objective, ridge, margin=0.0)
+        router = fit_router(records, prompts, candidates, families, objective, ridge, margin=0.0, seen=seen)
         tried = [bool(by_family)] if by_family is not None or not any(families) else [False, True]
-        scores = {flag: learn_margin(records, prompts, candidates, families, objective, ridge, by_family=flag)
-                  for flag in tried}
+        scores = {flag: learn_margin(records, prompts, candidates, families, objective, ridge, by_family=flag,
+                                     seen=seen) for flag in tried}
         best = max(score for flag in tried for score in scores[flag].values())
         router.by_family = min(flag for flag in tried if max(scores[flag].values()) >= best)  # global at a tie
         router.margins, router.family_margins = scores.get(False, {}), scores.get(True, {})
@@ -178,7 +201,8 @@ def fit_router(records: pd.DataFrame, prompts: Sequence[Sequence[int]], candidat
         router.margin = max(m for m, score in chosen.items() if score >= best)
         return router
     known = sorted({f for f in families if f})
-    features = np.stack([prompt_features(ids, family, known) for ids, family in zip(prompts, families)])
+    features = np.stack([prompt_features(ids, family, known, share)
+                         for ids, family, share in zip(prompts, families, seen)])
     mean, scale = features.mean(axis=0), features.std(axis=0)
     scale[scale == 0] = 1.0
     x = np.hstack([(features - mean) / scale, np.ones((len(prompts), 1))])
@@ -222,13 +246,15 @@ def parse_margin(value) -> float | str:
 
 def learn_margin(records: pd.DataFrame, prompts: Sequence[Sequence[int]], candidates: Sequence[Candidate],
                  families: Sequence[Optional[str]], objective: str = "speed", ridge: float = 1.0,
-                 folds: int = FOLDS, by_family: bool = False) -> dict[float, float]:
+                 folds: int = FOLDS, by_family: bool = False,
+                 seen: Optional[Sequence[float]] = None) -> dict[float, float]:
     """{margin: score} over `MARGINS`: `folds` routers, each fitted without every folds-th prompt, route those
     prompts; each prompt's chosen candidate is scored as its records measured it (tokens over step seconds
     for speed, tokens over verified tokens for the cost objective), summed over all prompts. With `by_family`
     each fold's router starts a prompt from the family default its own prompts measured (a family none of
     them holds: the overall default)."""
     count = len(prompts)
+    seen = list(seen) if seen is not None else [0.0] * count
     if count < 2 * folds:
         raise SpecbenchError(f"a learned margin needs at least {2 * folds} calibration prompts, got {count}")
     steps = {c: rows_of(records, c) for c in candidates}
@@ -243,9 +269,9 @@ def learn_margin(records: pd.DataFrame, prompts: Sequence[Sequence[int]], candid
         subset = records[records["prompt_index"].isin(kept)].assign(
             prompt_index=lambda d: d["prompt_index"].map(renumber))
         router = fit_router(subset, [prompts[i] for i in kept], candidates, [families[i] for i in kept],
-                            objective, ridge, margin=0.0, by_family=by_family)
+                            objective, ridge, margin=0.0, by_family=by_family, seen=[seen[i] for i in kept])
         for i in held:
-            table = router.predict(prompts[i], families[i])
+            table = router.predict(prompts[i], families[i], seen[i])
             start = router.default_for(families[i])
             for m in MARGINS:
                 chosen = measured[table.loc[_pick(table, objective, start, m), "candidate"]].loc[i]
@@ -264,6 +290,14 @@ def _pick(table: pd.DataFrame, objective: str, default: Optional[str], margin: f
         if score[best] <= score[kept] * (1.0 + margin):
             return kept
     return best
+
+
+def _known_features(saved: Optional[list], families: list) -> list:
+    """The features a saved router was fitted on: as saved (a file from before `seen_8` lacks it), or, for a file
+    that kept no list, those it could have had: every one but `seen_8`."""
+    if saved is not None:
+        return list(saved)
+    return [name for name in feature_names(families) if name != f"seen_{SEEN_N}"]
 
 
 def _finite(margin: float):

@@ -84,7 +84,7 @@ def generate(ops, header: dict, arrays: dict, curve_key: str):
         if family is not None and len(family) > MAX_FAMILY_CHARS:
             raise ProtocolError(f"field 'family' is a family's name: at most {MAX_FAMILY_CHARS} characters, "
                                 f"got {len(family)}")
-        method, k_chosen, chosen = _routed(ops, protocol.array(arrays, "tokens").tolist(), family)
+        method, k_chosen, chosen = _routed(ops, protocol.array(arrays, "tokens").tolist(), family, header, curve_key)
         header = dict(header, k=k_chosen)
     if method not in METHODS or not METHODS[method].on_worker:
         on_worker = [name for name, m in METHODS.items() if m.on_worker]
@@ -183,15 +183,26 @@ def worker_router(path: str):
     return router
 
 
-def _routed(ops, prompt: list, family: Optional[str] = None) -> tuple[str, int, dict]:
-    """auto-server: the worker method and K its router predicts best for `prompt`, and what to tell the client."""
+def _routed(ops, prompt: list, family: Optional[str], header: dict, curve_key: str) -> tuple[str, int, dict]:
+    """auto-server: the worker method and K its router predicts best for `prompt`, and what to tell the client.
+    A router that reads what earlier outputs hold reads this tenant's suffix cache (the one the request's suffix
+    drafter would draft from)."""
     import json
+
+    from specbench.methods import DraftSource, suffix_cache
+    from specbench.route.features import seen_share
 
     if ops.config.router is None:
         raise ProtocolError("method auto-server needs a router on the worker: start it with --router FILE")
     if ops.router is None:
         ops.router = worker_router(ops.config.router)
-    candidate, table = ops.router.choose(prompt, family)
+    seen = 0.0
+    if ops.router.reads_seen:
+        target = ops.ensure_loaded()
+        suffix = protocol.suffix_from_wire(header["suffix"]) if "suffix" in header else {}
+        settings, key = _suffix_scope(ops, ops.owner(header, curve_key)[1], suffix)
+        seen = seen_share(prompt, suffix_cache(DraftSource(target, target.loaded, suffix=settings), key))
+    candidate, table = ops.router.choose(prompt, family, seen)
     method = ON_WORKER.get(candidate.method, candidate.method)
     predicted = {row.candidate: round(row.tokens_per_s, 3) for row in table.itertuples()}
     told = {"chosen": f"{method} k={candidate.k}", "route_predicted": json.dumps(predicted),
