@@ -522,6 +522,10 @@ def test_router_reads_how_much_of_a_prompt_earlier_outputs_hold(tmp_path):
         old = Router.load(tmp_path / "old.json")
         assert not old.reads_seen
         assert old.predict(fresh, seen=0.8).equals(old.predict(fresh, seen=0.0))
+    body["features"] = ["log_length", "moon_phase"]
+    (tmp_path / "odd.json").write_text(json.dumps(body))
+    with pytest.raises(SpecbenchError, match="moon_phase"):
+        Router.load(tmp_path / "odd.json")
 
 
 def test_auto_reads_the_outputs_before_each_prompt_and_a_late_suffix_drafter_gets_them(tiny_target, monkeypatch):

@@ -295,9 +295,13 @@ def _pick(table: pd.DataFrame, objective: str, default: Optional[str], margin: f
 def _known_features(saved: Optional[list], families: list) -> list:
     """The features a saved router was fitted on: as saved (a file from before `seen_8` lacks it), or, for a file
     that kept no list, those it could have had: every one but `seen_8`."""
+    known = feature_names(families)
     if saved is not None:
+        unknown = [name for name in saved if name not in known]
+        if unknown:
+            raise ValueError(f"features {unknown} are not this version's ({known})")
         return list(saved)
-    return [name for name in feature_names(families) if name != f"seen_{SEEN_N}"]
+    return [name for name in known if name != f"seen_{SEEN_N}"]
 
 
 def _finite(margin: float):
