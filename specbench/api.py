@@ -250,10 +250,9 @@ def _auto_run(router, *, target, source, prompt_ids, k, max_new_tokens, sampling
                                           proactive=False, suffix=source.suffix)
             if warmup:
                 _warm_up(prompt_ids[0], seed, one, source)
-            cache = getattr(one["drafter"], "cache", None)
-            others = [getattr(other["drafter"], "cache", None) for other in built.values() if other is not one]
-            if hasattr(one["drafter"], "remember") and cache is not memory and all(cache is not c for c in others):
-                for output in history:  # its cache starts where the others' are: every earlier output of the call
+            # a cache of its own (not the shared one `memory` is) starts with every earlier output of the call
+            if hasattr(one["drafter"], "remember") and getattr(one["drafter"], "cache", None) is not memory:
+                for output in history:
                     one["drafter"].remember(output)
         return built[candidate]
 
