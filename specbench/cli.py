@@ -112,11 +112,6 @@ def _worker(args) -> int:
     from specbench.worker.limits import LIMIT_FLAGS, WorkerLimits
     from specbench.worker.server import Worker, WorkerConfig
 
-    if args.router:  # a router file it cannot read or route with is refused before the worker serves anyone
-        from specbench.worker.long_requests import worker_router
-
-        worker_router(args.router)
-
     def log(line: str) -> None:
         print(f"{datetime.now().isoformat(timespec='seconds')} {line}", flush=True)
 
@@ -126,6 +121,10 @@ def _worker(args) -> int:
     # every limit is a flag named in LIMIT_FLAGS (the KV budget given in GiB)
     limits = WorkerLimits(**{name: getattr(args, name) for name in LIMIT_FLAGS if name != "max_kv_bytes"},
                           max_kv_bytes=int(args.max_kv_gib * 2**30) if args.max_kv_gib else None)
+    if args.router:  # a router file it cannot read or route with within its limits is refused before it serves
+        from specbench.worker.long_requests import worker_router
+
+        worker_router(args.router, limits)
     config = WorkerConfig(bind=args.bind, model=spec(args.model),
                           draft=ModelSpec(args.draft, dtype=args.dtype, device=args.device) if args.draft else None,
                           device=args.device, lazy=args.lazy, allow_load=tuple(args.allow_load),

@@ -229,7 +229,9 @@ def test_a_worker_routes_with_its_own_router(tiny_target, tiny_draft, tmp_path):
     from specbench.worker.client import RemoteTarget, WorkerError
     from worker_helpers import ThreadWorker
 
-    candidates = candidates_from(["target-only", "suffix:8", "chain:3"])  # run on the worker as their -server forms
+    # run on the worker as their -server forms; suffix decoding's K over --max-generate-k (8): its lookups are no
+    # draft forwards, so only the verify's nodes bound it (this router was once refused at every suffix choice)
+    candidates = candidates_from(["target-only", "suffix:16", "chain:3"])
     router, _ = train_router(tiny_target, PROMPTS, candidates, draft=tiny_draft, max_new_tokens=16, progress=False)
     path = router.save(tmp_path / "router.json")
     plain = ThreadWorker()
@@ -238,12 +240,16 @@ def test_a_worker_routes_with_its_own_router(tiny_target, tiny_draft, tmp_path):
         with pytest.raises(WorkerError, match="--router"):
             run(RemoteTarget(plain.endpoint), PROMPTS[:1], method="auto-server", max_new_tokens=8, progress=False)
         got = run(RemoteTarget(routed.endpoint), PROMPTS, method="auto-server", max_new_tokens=16, progress=False)
+        suffix = run(RemoteTarget(routed.endpoint), PROMPTS, method="suffix-tree-server", k=16, max_new_tokens=16,
+                     progress=False)
     finally:
         plain.stop()
         routed.stop()
     local = outputs(run(tiny_target, PROMPTS, method="target-only", max_new_tokens=16, progress=False))
     assert [outputs(got)[("auto-server", i)] for i in range(4)] == [local[("target-only", i)] for i in range(4)]
-    assert set(got["chosen"]) <= {"server-only-ar k=4", "suffix-server k=8", "server-only k=3"}
+    assert [outputs(suffix)[("suffix-tree-server", i)] for i in range(4)] == [local[("target-only", i)]
+                                                                             for i in range(4)]
+    assert set(got["chosen"]) <= {"server-only-ar k=4", "suffix-server k=16", "server-only k=3"}
     assert set(json.loads(got["route_predicted"].iloc[0])) == {c.label for c in candidates}
 
 
@@ -323,6 +329,36 @@ def test_a_worker_refuses_a_router_whose_candidates_cannot_run_there(tmp_path):
                                                                       Candidate("prompt-lookup", 4)])
     with pytest.raises(SpecbenchError, match=r"\['prompt-lookup k=4'\] have no worker method"):
         worker_router(str(router.save(tmp_path / "router.json")))
+
+
+def test_a_generates_k_is_held_to_the_limit_that_bounds_its_step(tmp_path):
+    """--max-generate-k bounds the draft forwards of a step (a draft model's or head's k, a hybrid's other_k of
+    it), --max-tree-nodes its verify's nodes (suffix decoding's lookups included); a worker started with a router
+    whose candidate it would refuse says so before it serves, naming the candidate and the flag."""
+    from specbench.worker.limits import WorkerLimits
+    from specbench.worker.long_requests import check_step, worker_router
+    from specbench.worker.protocol import LimitError
+
+    limits = WorkerLimits()  # 8 forwards, 256 nodes
+    check_step("suffix-tree-server", 16, {}, limits)
+    check_step("suffix-eagle-server", 16, {"other_k": 8}, limits)
+    check_step("server-only-ar", 1, {}, limits)
+    for method, k, suffix, flag in (("server-only", 9, {}, "--max-generate-k"),
+                                    ("eagle-tree-server", 9, {}, "--max-generate-k"),
+                                    ("suffix-eagle-tree-server", 16, {"other_k": 9}, "--max-generate-k"),
+                                    ("suffix-server", 257, {}, "--max-tree-nodes")):
+        with pytest.raises(LimitError, match=f"{method} k={k}.*{flag}"):
+            check_step(method, k, suffix, limits)
+    prompts = REPETITIVE + PLAIN
+    records = _records(prompts, lambda ids: 2)
+    records = pd.concat([records, records.assign(method="suffix", k=16),
+                         records[records["method"] == "prompt-lookup"].assign(method="chain", k=12)])
+    router = fit_router(records, prompts, [Candidate("target-only"), Candidate("suffix", 16), Candidate("chain", 12)])
+    path = str(router.save(tmp_path / "router.json"))
+    worker_router(path)  # no limits given: only where candidates run is checked
+    with pytest.raises(SpecbenchError, match=r"candidate chain k=12 is over .*--max-generate-k"):
+        worker_router(path, limits)
+    assert worker_router(path, WorkerLimits(max_generate_k=12)).candidates == router.candidates
 
 
 def test_drafting_is_priced_per_step_where_records_time_it():

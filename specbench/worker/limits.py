@@ -19,7 +19,7 @@ class WorkerLimits:
     max_sessions_per_client: int = 8  # per client (CURVE key, else client token) and per connection
     max_prompt_tokens: int = 4096  # tokens in one prefill (and a server-only prompt)
     max_tree_nodes: int = 256  # draft nodes in one verify
-    max_generate_k: int = 8  # draft tokens per step of a server-only generate: a step (k draft forwards) is one slice
+    max_generate_k: int = 8  # draft forwards per step of a server-only generate (a step is one slice)
     max_new_tokens: int = 1024  # tokens one server-only `generate` may produce
     max_profile_points: int = 64  # (tokens, context) points in one `profile`
     max_profile_repeats: int = 20  # timed repeats per profile point
@@ -45,7 +45,7 @@ LIMIT_FLAGS = {
     "max_sessions_per_client": ("--max-sessions-per-client", "open sessions per client and per connection"),
     "max_prompt_tokens": ("--max-prompt-tokens", "tokens in one prefill or server-only prompt"),
     "max_tree_nodes": ("--max-tree-nodes", "draft nodes in one verify"),
-    "max_generate_k": ("--max-generate-k", "draft tokens per step of a server-only generate (one slice)"),
+    "max_generate_k": ("--max-generate-k", "draft forwards per step of a server-only generate (one slice)"),
     "max_new_tokens": ("--max-new-tokens", "tokens one server-only generate may produce"),
     "max_profile_points": ("--max-profile-points", "(tokens, context) points in one profile"),
     "max_profile_repeats": ("--max-profile-repeats", "timed repeats per profile point"),

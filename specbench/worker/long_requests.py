@@ -93,11 +93,11 @@ def generate(ops, header: dict, arrays: dict, curve_key: str):
     max_new_tokens = protocol.integer(header, "max_new_tokens", 1)
     check(max_new_tokens, limits.max_new_tokens, "max_new_tokens of a generate", "--max-new-tokens")
     k = protocol.integer(header, "k", 1, None, 4)
-    check(k, limits.max_generate_k, "k of a generate", "--max-generate-k")
+    suffix = protocol.suffix_from_wire(header["suffix"]) if "suffix" in header else {}
+    check_step(method, k, suffix, limits)
     prompt = protocol.array(arrays, "tokens")
     check(len(prompt), limits.max_prompt_tokens, "prompt tokens", "--max-prompt-tokens")
     sampling = protocol.sampling_from_wire(get(header, "sampling", dict))
-    suffix = protocol.suffix_from_wire(header["suffix"]) if "suffix" in header else {}
     seed = protocol.integer(header, "seed", 0, MAX_SEED, 0)
     draft_spec = protocol.spec_from_wire(header["draft"]) if "draft" in header else ops.config.draft
     target = ops.ensure_loaded()
@@ -170,8 +170,27 @@ ON_WORKER = {"target-only": "server-only-ar", "chain": "server-only", "suffix": 
              "suffix-eagle": "suffix-eagle-server", "suffix-eagle-tree": "suffix-eagle-tree-server"}
 
 
-def worker_router(path: str):
-    """The router file a worker routes auto-server with, refused by name unless every candidate runs on a worker."""
+def check_step(method: str, k: int, suffix: dict, limits) -> None:
+    """A generate's `k` against the limits that bound one of its steps (a slice): the draft forwards a step runs
+    (k for a draft model or head, a hybrid's head or model at most `other_k` of them, none for suffix decoding's
+    lookups) against --max-generate-k, and the draft nodes its verify reads against --max-tree-nodes."""
+    from specbench.decode.suffix_drafter import SuffixSettings
+
+    spec = METHODS[method]
+    if spec.lookup or spec.kind == "none":
+        forwards = 0
+    elif spec.keeps_outputs:  # a hybrid: suffix decoding's lookups, or its other drafter's few forwards
+        forwards = min(k, suffix.get("other_k", SuffixSettings.other_k))
+    else:
+        forwards = k
+    check(forwards, limits.max_generate_k, f"draft forwards a step of a generate ({method} k={k})",
+          "--max-generate-k")
+    check(k, limits.max_tree_nodes, f"draft nodes a step of a generate ({method} k={k})", "--max-tree-nodes")
+
+
+def worker_router(path: str, limits=None):
+    """The router file a worker routes auto-server with, refused by name unless every candidate runs on a worker
+    (and, given the worker's `limits`, within them: a router whose choice the worker would refuse serves nobody)."""
     from specbench.route.router import Router
 
     router = Router.load(path)
@@ -180,6 +199,12 @@ def worker_router(path: str):
     if stranded:
         raise SpecbenchError(f"router {path}: candidates {stranded} have no worker method; a worker's router takes "
                              f"{sorted(ON_WORKER)} (run there as {sorted(ON_WORKER.values())}) and the worker methods")
+    for candidate in router.candidates if limits is not None else ():
+        try:
+            check_step(ON_WORKER.get(candidate.method, candidate.method), max(1, candidate.k), {}, limits)
+        except SpecbenchError as error:
+            raise SpecbenchError(f"router {path}: candidate {candidate.label} is over this worker's limits "
+                                 f"({error}): raise the limit or route with a smaller K") from None
     return router
 
 
@@ -195,7 +220,7 @@ def _routed(ops, prompt: list, family: Optional[str], header: dict, curve_key: s
     if ops.config.router is None:
         raise ProtocolError("method auto-server needs a router on the worker: start it with --router FILE")
     if ops.router is None:
-        ops.router = worker_router(ops.config.router)
+        ops.router = worker_router(ops.config.router, ops.limits)
     seen = 0.0
     if ops.router.reads_seen:
         target = ops.ensure_loaded()
