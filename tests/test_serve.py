@@ -72,9 +72,28 @@ def errors_logged():
         logger.removeHandler(handler)
 
 
+ROUTED = ("target-only", ("prompt-lookup", 3), ("suffix", 16))  # auto's candidates
+
+
+def router_file(folder: Path, candidates=ROUTED) -> str:
+    """A router over `candidates` fitted on synthetic steps (a lookup pays on prompts that repeat themselves):
+    what method auto reads, with no calibration run."""
+    import pandas as pd
+
+    from specbench.route.router import Candidate, fit_router
+
+    prompts = [[5, 6, 7, 8] * 6, [3, 4] * 10, [11, 40, 73, 2, 95, 17], [60, 21, 88, 4, 33, 70, 9]]
+    chosen = [Candidate(*c) if isinstance(c, tuple) else Candidate(c) for c in candidates]
+    rows = [dict(method=c.method, k=c.k, prompt_index=i, emitted=3 if c.drafts and i < 2 else 1,
+                 drafted=c.k if c.drafts else 0, step_s=0.012 if c.drafts else 0.010)
+            for c in chosen for i in range(len(prompts)) for _ in range(4)]
+    return str(fit_router(pd.DataFrame(rows), prompts, chosen).save(folder / "router.json"))
+
+
 @pytest.fixture(scope="module")
-def local(errors_logged):
-    served = Served(settings())
+def local(errors_logged, tmp_path_factory):
+    served = Served(settings(methods=("target-only", "chain", "prompt-lookup", "suffix", "auto"),
+                             router=router_file(tmp_path_factory.mktemp("router"))))
     yield served
     served.close()
 
@@ -154,6 +173,55 @@ def test_a_request_sets_suffix_decodings_step_knobs(local, expected):
     assert usage["suffix"] == {"factor": 2, "min_score": 1000.0}
     plain, usage = ask(None)
     assert plain == expected["raw"][1] and usage["accepted_tokens"] > 0 and "suffix" not in usage
+
+
+def test_auto_routes_each_request_says_why_and_stays_lossless(local, expected):
+    """Method auto: the server's router picks each request's method and K from its prompt; the usage names the
+    choice and every candidate's predicted tokens/s; the text is target-only's; a K with auto is refused by name."""
+    client = local.client()
+    labels = {"target-only", "prompt-lookup k=3", "suffix k=16"}
+    for index, prompt in enumerate(PROMPTS):
+        text, usage = chat_text(client, prompt, "auto", None, stream=False)
+        spec = usage.speculative
+        assert text == expected["chat"][index]
+        assert spec["method"] == "auto" and spec["chosen"] in labels and set(spec["route_predicted"]) == labels
+        assert spec["k"] == {"target-only": 0, "prompt-lookup k=3": 3, "suffix k=16": 16}[spec["chosen"]]
+        assert spec["steps"] >= 1 and (spec["chosen"] != "target-only" or spec["drafted_tokens"] == 0)
+    with pytest.raises(openai.BadRequestError, match="takes no k"):
+        chat_text(client, PROMPTS[0], "auto", 4, stream=False)
+    offered = httpx.get(f"{local.url}/specbench/settings").json()
+    assert "auto" in offered["methods"] and set(offered["router"]) == labels
+
+
+def test_an_auto_request_routed_past_suffix_decoding_still_leaves_its_output_in_the_servers_cache(local):
+    """As in calibration and in `run`'s auto: a later request quoting it drafts from it. A plain target-only
+    request leaves nothing (only suffix drafters and auto keep outputs)."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from specbench.methods import suffix_cache
+
+    engine = local.engine
+    memory = suffix_cache(engine._source(SimpleNamespace(vocab_size=engine.vocab_size)))  # the server's cache
+    routed, engine.router = engine.router, replace(engine.router, default="target-only", margin=float("inf"))
+    try:
+        before = memory.tokens
+        _, usage = chat_text(local.client(), "Name three colours of a rainbow.", "target-only", None, stream=False)
+        assert memory.tokens == before
+        _, usage = chat_text(local.client(), "Name three colours of a rainbow.", "auto", None, stream=False)
+        assert usage.speculative["chosen"] == "target-only" and memory.tokens == before + usage.completion_tokens
+    finally:
+        engine.router = routed
+
+
+def test_a_router_serve_cannot_route_with_is_refused_before_any_model_loads(tmp_path):
+    from specbench.serve.engine import Engine
+
+    with pytest.raises(SpecbenchError, match="start serve with --router"):
+        settings(methods=("auto",))
+    stranded = router_file(tmp_path, ("target-only", ("suffix-server", 8)))
+    with pytest.raises(SpecbenchError, match=r"\['suffix-server k=8'\] run wholly on a worker"):
+        Engine(settings(methods=("auto",), router=stranded))
 
 
 def test_a_planned_server_picks_k_per_step_and_stays_lossless(remote, expected):
@@ -375,13 +443,13 @@ def test_chat_page_streams_a_coloured_reply_and_switches_method(local, expected)
     try:
         driver.get(local.url)
         wait = WebDriverWait(driver, 120)
-        wait.until(lambda d: len(Select(d.find_element(By.ID, "method")).options) == 4)
-        for turn, method in enumerate(("chain", "target-only")):
+        wait.until(lambda d: len(Select(d.find_element(By.ID, "method")).options) == 5)
+        for turn, method in enumerate(("chain", "auto", "target-only")):
             Select(driver.find_element(By.ID, "method")).select_by_visible_text(method)
             driver.find_element(By.ID, "max-tokens").clear()
             driver.find_element(By.ID, "max-tokens").send_keys(str(TOKENS))
             box = driver.find_element(By.ID, "message")
-            box.send_keys(PROMPTS[0] if turn == 0 else "Thanks!")
+            box.send_keys(PROMPTS[0] if turn == 0 else "Thanks!" if turn == 2 else PROMPTS[1])
             driver.find_element(By.ID, "send").click()
             wait.until(lambda d: "tok/s" in d.find_elements(By.CSS_SELECTOR, ".stats")[turn].text)
             answer = driver.find_elements(By.CSS_SELECTOR, ".assistant")[turn]
@@ -391,7 +459,7 @@ def test_chat_page_streams_a_coloured_reply_and_switches_method(local, expected)
                 assert driver.execute_script("return arguments[0].textContent", answer) == expected["chat"][0]
                 assert sources == {"draft", "target"}, sources
                 driver.save_screenshot(str(SHOTS / "serve_chat_chain.png"))
-            else:
+            elif method == "target-only":
                 assert sources == {"target"}, sources
                 driver.save_screenshot(str(SHOTS / "serve_chat_target_only.png"))
             stats = driver.find_elements(By.CSS_SELECTOR, ".stats")[turn].text

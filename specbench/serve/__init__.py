@@ -1,7 +1,7 @@
 """`specbench serve`: an OpenAI-compatible endpoint over speculative decoding (see docs/serving.md)."""
 from __future__ import annotations
 
-from specbench.serve.settings import Limits, RequestError, ServeSettings, Speculation
+from specbench.serve.settings import AUTO, Limits, RequestError, ServeSettings, Speculation
 
 __all__ = ["Limits", "RequestError", "ServeSettings", "Speculation", "build_app"]
 
@@ -15,5 +15,5 @@ def build_app(settings: ServeSettings, log=print):
 
     engine = Engine(settings, log=log)
     ks = range(1, settings.max_k + 1)
-    return create_app(engine, predicted_settings(settings.target, settings.draft, settings.methods, ks,
-                                                 settings.dtype))
+    priced = [name for name in settings.methods if name != AUTO]  # auto's choice is priced per request
+    return create_app(engine, predicted_settings(settings.target, settings.draft, priced, ks, settings.dtype))

@@ -19,6 +19,8 @@ def add_serve(commands) -> None:
     serve.add_argument("--suffix", nargs="+", metavar="KEY=VALUE",
                        help="suffix decoding's settings for the suffix methods, e.g. min_score=2 factor=2 (a request "
                             "may change the step knobs in speculative.suffix; the cache stays the server's)")
+    serve.add_argument("--router", help="a router file (`specbench route`): method auto picks each request's method "
+                                        "and K from its prompt (offer it with --method auto ...)")
     serve.add_argument("--plan", action="store_true", help="a step planner from the cached profiles picks K per step")
     serve.add_argument("--worker", help="a worker endpoint serving the target, whose model and tokenizer are used "
                                         "(default: a worker started in this process)")
@@ -66,7 +68,7 @@ def settings_from(args):
                     max_concurrent=args.max_concurrent, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes)
     return ServeSettings(target=target, methods=methods, draft=draft, k=k, max_k=max(args.max_k, k), plan=args.plan,
                          worker=args.worker, dtype=args.dtype, device=args.device, host=args.host, port=args.port,
-                         api_key=args.api_key,
+                         api_key=args.api_key, router=args.router,
                          limits=limits, **extra)
 
 

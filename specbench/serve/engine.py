@@ -21,7 +21,7 @@ from specbench.decode.suffix_drafter import SuffixSettings
 from specbench.methods import DraftSource, get_method
 from specbench.models.loading import load_tokenizer
 from specbench.models.spec import label_model
-from specbench.serve.settings import RequestError, ServeSettings, Speculation
+from specbench.serve.settings import AUTO, RequestError, ServeSettings, Speculation
 from specbench.serve.text import Piece, TextStream
 from specbench.types import SamplingParams, SpecbenchError, StepRecord
 
@@ -46,6 +46,7 @@ class Event:
     finish_reason: Optional[str] = None
     records: list[StepRecord] = field(default_factory=list)
     prefill_s: float = 0.0
+    route: Optional[dict] = None  # method auto: what the router chose, and every candidate's predicted tokens/s
 
     @property
     def completion_tokens(self) -> int:
@@ -60,6 +61,7 @@ class Engine:
         from specbench.worker.client import RemoteTarget
 
         self.settings, self.log = settings, log
+        self.router = self._load_router()  # a router serve cannot route with is refused before anything loads
         self._worker = self._stop_worker = None
         endpoint = settings.worker or self._start_worker()
         probe = RemoteTarget(endpoint)
@@ -77,16 +79,21 @@ class Engine:
         self._clients.put(probe)
         self._draft = self._load_draft()
         self._suffix = settings.suffix or SuffixSettings()
-        self._drafters: dict[str, queue.SimpleQueue] = {name: queue.SimpleQueue() for name in settings.methods}
+        offered = [name for name in settings.methods if name != AUTO]
+        offered += [c.method for c in self.router.candidates if c.method not in offered] if self.router else []
+        self._drafters: dict[str, queue.SimpleQueue] = {name: queue.SimpleQueue() for name in offered}
         self._planners = self._build_planners()
         self.live = 0  # generations holding a worker session now (the tests count them)
         self._live_lock = threading.Lock()
         warm = (self.tokenizer("Hello, world.")["input_ids"] if self.tokenizer is not None else []) or [1, 2, 3]
-        for name in settings.methods:  # every offered method runs here once: a bad one fails at start (its
+        runs = [(name, Speculation(name, settings.k)) for name in settings.methods if name != AUTO]
+        runs += [(f"auto's candidate {c.label}", Speculation(c.method, max(1, c.k)))
+                 for c in (self.router.candidates if self.router else [])]
+        for name, speculation in runs:  # every offered method runs here once: a bad one fails at start (its
             # drafter is built as for a request: a chain without --draft, a self-draft beside another process's
             # worker), and the first user does not pay the first forwards' set-up (seconds on a CPU)
             try:
-                for _ in self.stream(Job(warm, 2, Speculation(name, settings.k)), threading.Event()):
+                for _ in self.stream(Job(warm, 2, speculation), threading.Event()):
                     pass
             except SpecbenchError as error:
                 self.close()
@@ -129,6 +136,44 @@ class Engine:
 
         return load_model(ModelSpec(self.settings.draft, dtype=self.settings.dtype, device=self.settings.device))
 
+    def _load_router(self):
+        """Method auto's router, refused at start unless every candidate drafts here (serve drafts in its own
+        process: a worker-only method has no place in it)."""
+        if AUTO not in self.settings.methods:
+            return None
+        from specbench.route.router import Router
+
+        router = Router.load(self.settings.router)
+        stranded = [c.label for c in router.candidates if get_method(c.method).on_worker]
+        if stranded:
+            raise SpecbenchError(f"router {self.settings.router}: candidates {stranded} run wholly on a worker; serve "
+                                 f"drafts in its own process: route with their client forms (suffix, chain, ...)")
+        return router
+
+    def _route(self, prompt_ids: list[int], client) -> tuple[Speculation, dict]:
+        """Method auto: the candidate the router predicts fastest for this prompt (what the server's suffix cache
+        holds of it read as the router's seen share), and what to tell the client."""
+        from specbench.methods import suffix_cache
+        from specbench.route.features import seen_share
+
+        seen = 0.0
+        if self.router.reads_seen:
+            seen = seen_share(prompt_ids, suffix_cache(self._source(client)))
+        candidate, table = self.router.choose(prompt_ids, None, seen)
+        predicted = {row.candidate: round(row.tokens_per_s, 3) for row in table.itertuples()}
+        chosen = Speculation(candidate.method, max(1, candidate.k))
+        return chosen, {"chosen": candidate.label, "method": chosen.method, "k": chosen.k, "route_predicted": predicted}
+
+    def _remember(self, client, output_ids: list[int]) -> None:
+        """An auto request routed to a method without a suffix cache still leaves its output in the server's (as
+        `run`'s auto and the router's calibration do): a later request that quotes it drafts from it."""
+        from specbench.methods import suffix_cache
+
+        memory = suffix_cache(self._source(client)) if any(
+            get_method(c.method).keeps_outputs for c in self.router.candidates) else None
+        if memory is not None and output_ids:
+            memory.extend(memory.open(), list(output_ids))
+
     def _build_planners(self) -> dict:
         """With `plan`, a step planner per offered method a planner can steer, from the cached profiles
         and references (prompt lookup priced as lookup, a model draft as itself); a method without them
@@ -140,8 +185,8 @@ class Engine:
 
         planners = {}
         for name in self.settings.methods:
-            method = get_method(name)
-            if method.plannable:
+            method = get_method(name) if name != AUTO else None
+            if method is not None and method.plannable:
                 drafted_by = LOOKUP_DRAFT if method.lookup else self.settings.draft
                 if drafted_by is None:
                     raise SpecbenchError(f"--plan prices a chain drafted by --draft or by prompt lookup; method "
@@ -163,13 +208,14 @@ class Engine:
             except queue.Empty:
                 pass
         found = get_method(method)
-        if found.build is None:
-            return None
+        return found.build(self._source(client, suffix)) if found.build is not None else None
+
+    def _source(self, client, suffix: tuple = ()) -> DraftSource:
+        """What a request's drafter is built from (its suffix cache, where shared, is the server's)."""
         target_model = self._worker.ops.target.loaded if self._worker is not None else None
         settings = self.settings
-        source = DraftSource(client, target_model, self._draft, settings.dtype, settings.self_draft_layers,
-                             settings.substitute_quantization, suffix=replace(self._suffix, **dict(suffix)))
-        return found.build(source)
+        return DraftSource(client, target_model, self._draft, settings.dtype, settings.self_draft_layers,
+                           settings.substitute_quantization, suffix=replace(self._suffix, **dict(suffix)))
 
     def _give_drafter(self, method: str, drafter, suffix: tuple = ()) -> None:
         if drafter is not None and not suffix:
@@ -191,13 +237,15 @@ class Engine:
     def stream(self, job: Job, cancelled: threading.Event) -> Iterator[Event]:
         """Run `job`, yielding an Event per step and a last one with the finish reason. Setting
         `cancelled` stops it at the next step and frees its worker session."""
-        method = get_method(job.speculation.method)
-        client, drafter = self._clients.get(), None
+        client, drafter, speculation, route = self._clients.get(), None, job.speculation, None
         steps = None
         try:
-            drafter = self._take_drafter(method.name, client, job.speculation.suffix)
+            if speculation.method == AUTO:
+                speculation, route = self._route(job.prompt_ids, client)
+            method = get_method(speculation.method)
+            drafter = self._take_drafter(method.name, client, speculation.suffix)
             planner = copy.deepcopy(self._planners[method.name]) if method.name in self._planners else None
-            decoding = Decoding(job.speculation.k if method.kind != "none" else 0, job.max_tokens, job.sampling,
+            decoding = Decoding(speculation.k if method.kind != "none" else 0, job.max_tokens, job.sampling,
                                 method.name, method.kind, planner)
             seed = job.seed if job.seed is not None else random.getrandbits(62)
             with self._live_lock:
@@ -208,15 +256,17 @@ class Engine:
             records = []
             while True:
                 if cancelled.is_set():
-                    yield Event(finish_reason="cancelled", records=records)
+                    yield Event(finish_reason="cancelled", records=records, route=route)
                     return
                 try:
                     record = next(steps)
                 except StopIteration as done:
+                    if route is not None and not method.keeps_outputs:
+                        self._remember(client, done.value.output_ids)
                     finish = "stop" if done.value.output_ids and done.value.output_ids[-1] in self.eos_token_ids \
                         else "length"
                     yield Event(pieces=text.flush(), finish_reason=finish, records=records,
-                                prefill_s=done.value.prefill_s)
+                                prefill_s=done.value.prefill_s, route=route)
                     return
                 if record is None:
                     continue
@@ -226,7 +276,7 @@ class Engine:
                 pieces, stopped = text.add(record.emitted_tokens, sources)
                 if stopped:
                     yield Event(pieces=pieces)
-                    yield Event(finish_reason="stop", records=records)
+                    yield Event(finish_reason="stop", records=records, route=route)
                     return
                 yield Event(pieces=pieces)
         except RequestError:
@@ -239,7 +289,8 @@ class Engine:
                 steps.close()  # closes the worker session
                 with self._live_lock:
                     self.live -= 1
-            self._give_drafter(method.name, drafter, job.speculation.suffix)
+            if drafter is not None:
+                self._give_drafter(method.name, drafter, speculation.suffix)
             self._clients.put(client)
 
 

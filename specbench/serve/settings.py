@@ -11,6 +11,9 @@ from typing import Any, Optional
 from specbench.types import SpecbenchError
 
 
+AUTO = "auto"  # the method a router resolves per request (not in the method table: it drafts as its choice does)
+
+
 class RequestError(SpecbenchError):
     """A request the server refuses: `status` is the HTTP code, `param` the field named to the client."""
 
@@ -65,13 +68,19 @@ class ServeSettings:
     api_key: Optional[str] = field(default=None, repr=False)
     limits: Limits = Limits()
     suffix: Any = None  # SuffixSettings of the suffix methods (`--suffix`): default knobs, the cache's scope
+    router: Optional[str] = None  # a router file (`specbench route`): method `auto` picks each request's method and K
 
     def __post_init__(self):
         from specbench.methods import get_method
 
         if not self.methods:
             raise SpecbenchError("offer at least one method")
+        if AUTO in self.methods and self.router is None:
+            raise SpecbenchError("method 'auto' routes each request to the method and K a router predicts fastest "
+                                 "for its prompt: start serve with --router FILE (from `specbench route`)")
         for name in self.methods:
+            if name == AUTO:
+                continue
             method = get_method(name)
             if method.on_worker:
                 raise SpecbenchError(f"method {name!r} runs wholly on a worker; serve drafts here: offer another")
@@ -109,6 +118,9 @@ class Speculation:
             raise RequestError(f"method {method!r} is not offered by this server (started with "
                                f"{', '.join(settings.methods)}); restart it with --method {method}",
                                "speculative.method")
+        if method == AUTO and "k" in asked:
+            raise RequestError("method 'auto' takes no k: the server's router picks each request's method and K",
+                               "speculative.k")
         k = asked.get("k", settings.k)
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= settings.max_k:
             raise RequestError(f"speculative.k must be an integer in 1..{settings.max_k}, got {k!r}", "speculative.k")
