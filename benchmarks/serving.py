@@ -4,7 +4,9 @@ Poisson arrivals at each rate, prompts from a specbench dataset or a JSONL file,
 streamed; per request the time to first token (TTFT), time per output token after it (TPOT), the
 gaps between streamed chunks (ITL: one chunk may carry several tokens when drafts are accepted) and
 end-to-end latency; per method and rate their p50/p90/p99, goodput (requests per second meeting
-the SLO on TTFT and TPOT) and SD acceptance. Methods run side by side at each rate, in one run.
+the SLO on TTFT and TPOT) and SD acceptance. Methods run side by side at each rate, in one run; those whose
+drafts read earlier outputs (suffix decoding, auto) each on a server of its own, so none recalls the prompts'
+outputs another method left in a shared cache.
 Then the HTTP layer's own cost: the same request through the server and straight through its
 engine, alternated, p50 of the difference.
 
@@ -12,6 +14,7 @@ engine, alternated, p50 of the difference.
     python benchmarks/serving.py --methods target-only prompt-lookup:6 --rates 0.5 1 2 --requests 16
     python benchmarks/serving.py --spawn-worker                   # the target in a separate worker process
     python benchmarks/serving.py --url http://127.0.0.1:8000      # a server already running (no overhead row)
+    python benchmarks/serving.py --methods target-only auto --router router.json --prompts agentic  # routed
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import random
 import statistics
 import threading
 import time
+from collections import Counter
 
 import httpx
 import numpy as np
@@ -64,7 +68,8 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: s
     return {"ok": True, "status": 200, "ttft_s": chunks[0] if chunks else e2e, "e2e_s": e2e, "tokens": tokens,
             "tpot_s": (e2e - chunks[0]) / (tokens - 1) if chunks and tokens > 1 else None,
             "itl_s": list(np.diff(chunks)), "drafted": speculative["drafted_tokens"],
-            "accepted": speculative["accepted_tokens"], "steps": speculative["steps"]}
+            "accepted": speculative["accepted_tokens"], "steps": speculative["steps"],
+            "chosen": speculative.get("chosen")}
 
 
 async def run_rate(url: str, model: str, prompts: list[str], method: str, k, rate: float, max_tokens: int,
@@ -98,7 +103,8 @@ def summarize(rows: list[dict], span_s: float, slo_ttft: float, slo_tpot: float)
             "e2e_p50": pct(e2e, 50), "e2e_p90": pct(e2e, 90), "e2e_p99": pct(e2e, 99),
             "goodput_req_per_s": round(len(good) / span_s, 3),
             "acceptance": round(accepted / drafted, 3) if drafted else None,
-            "tokens_per_step": round(sum(r["tokens"] for r in done) / max(1, sum(r["steps"] for r in done)), 3)}
+            "tokens_per_step": round(sum(r["tokens"] for r in done) / max(1, sum(r["steps"] for r in done)), 3),
+            "chosen": dict(sorted(Counter(r["chosen"] for r in done if r["chosen"]).items())) or None}
 
 
 def http_overhead(engine, url: str, model: str, prompt_ids: list[int], repeats: int, max_tokens: int) -> dict:
@@ -130,19 +136,26 @@ def http_overhead(engine, url: str, model: str, prompt_ids: list[int], repeats: 
             "difference_of_p50s_ms": round(1000 * (statistics.median(through) - statistics.median(direct)), 2)}
 
 
-def start_server(args, methods):
+def start_server(args, methods, endpoint=None, cache: str = ""):
+    """A server offering `methods` (on the worker at `endpoint`, else one in its own process), its suffix decoding
+    cache named `cache`: servers in one process keep their caches apart only by name."""
+    from specbench.decode.suffix_drafter import SuffixSettings
     from specbench.serve import Limits, ServeSettings
     from specbench.serve.background import BackgroundServer
 
-    worker = endpoint = None
-    if args.spawn_worker:
-        endpoint = f"tcp://127.0.0.1:{free_port()}"
-        worker = spawn_worker(endpoint, "--model", args.target)
+    k = max([k for _, k in methods if k] or [4])
     settings = ServeSettings(target=args.target, methods=tuple(dict.fromkeys(m for m, _ in methods)),
-                             draft=args.draft, k=max([k for _, k in methods if k] or [4]), worker=endpoint,
+                             draft=args.draft, k=k, max_k=max(8, k), worker=endpoint, router=args.router,
                              port=free_port(), limits=Limits(max_tokens=max(args.max_tokens, 16),
-                                                             max_concurrent=args.max_concurrent, max_queue=256))
-    return BackgroundServer(settings), worker
+                                                             max_concurrent=args.max_concurrent, max_queue=256),
+                             suffix=SuffixSettings(name=cache))
+    return BackgroundServer(settings)
+
+
+def keeps_outputs(method: str) -> bool:
+    from specbench.methods import get_method
+
+    return method == "auto" or get_method(method).keeps_outputs
 
 
 def main() -> None:
@@ -158,6 +171,7 @@ def main() -> None:
     parser.add_argument("--max-concurrent", type=int, default=8)
     parser.add_argument("--slo-ttft", type=float, default=2.0, help="seconds")
     parser.add_argument("--slo-tpot", type=float, default=0.1, help="seconds per output token")
+    parser.add_argument("--router", help="a router file (`specbench route`): the method auto routes each request")
     parser.add_argument("--spawn-worker", action="store_true", help="the target in a separate worker process")
     parser.add_argument("--url", help="a running server (its model must be --target)")
     parser.add_argument("--only-overhead", action="store_true", help="skip the load test")
@@ -172,17 +186,31 @@ def main() -> None:
     methods = [parse_method(m) for m in args.methods]
     prompts = [row["prompt"] for row in load_prompts(args.prompts, args.requests, seed=args.seed)]
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    server = worker = None
-    url = args.url
-    if url is None:
-        server, worker = start_server(args, methods)
-        url = server.url
+    servers, worker, endpoint = [], None, None
+    urls = {label: args.url for label in args.methods}
+    if args.url is None and args.spawn_worker:
+        endpoint = f"tcp://127.0.0.1:{free_port()}"
+        worker = spawn_worker(endpoint, "--model", args.target)
     rows, overhead = [], None
     try:
+        if args.url is None:
+            # methods whose drafts read earlier outputs (suffix decoding's cache, auto's) each get a server with a
+            # cache of its own: in one cache, each method after the first would recall the same prompts'
+            # outputs from the methods before it (a second run of a prompt drafts nearly all of it)
+            apart = [(label, method) for label, method in zip(args.methods, methods) if keeps_outputs(method[0])]
+            together = [method for label, method in zip(args.methods, methods) if not keeps_outputs(method[0])]
+            if together or not apart:
+                servers.append(start_server(args, together or methods, endpoint))
+                urls.update({label: servers[0].url for label, m in zip(args.methods, methods) if m in together})
+            for label, method in apart:
+                servers.append(start_server(args, [method], endpoint, cache=f"serving-{label}"))
+                urls[label] = servers[-1].url
+        server = next((one for one in servers if "target-only" in one.engine.settings.methods), None)
+        url = server.url if server else args.url
         for rate in ([] if args.only_overhead else args.rates):
-            for method, k in methods:  # side by side at each rate
-                requests, span = asyncio.run(run_rate(url, args.target, prompts, method, k, rate, args.max_tokens,
-                                                      args.seed, headers))
+            for label, (method, k) in zip(args.methods, methods):  # side by side at each rate
+                requests, span = asyncio.run(run_rate(urls[label], args.target, prompts, method, k, rate,
+                                                      args.max_tokens, args.seed, headers))
                 failed = [r for r in requests if not r["ok"]]
                 if failed:
                     print(f"  {len(failed)} failed, e.g. {failed[0]}")
@@ -190,14 +218,14 @@ def main() -> None:
                        **summarize(requests, span, args.slo_ttft, args.slo_tpot)}
                 rows.append(row)
                 print({key: row[key] for key in ("method", "rate", "completed", "ttft_p50", "tpot_p50", "e2e_p50",
-                                                 "goodput_req_per_s", "acceptance")}, flush=True)
+                                                 "goodput_req_per_s", "acceptance", "chosen")}, flush=True)
         if server is not None and args.overhead_repeats:
             ids = server.engine.tokenizer(prompts[0])["input_ids"][:args.overhead_prompt_tokens]
             overhead = http_overhead(server.engine, url, args.target, ids, args.overhead_repeats, max_tokens=1)
             print("HTTP overhead:", overhead)
     finally:
-        if server is not None:
-            server.close()
+        for one in servers:
+            one.close()
         if worker is not None:
             worker.terminate()
             worker.wait(30)
@@ -205,7 +233,7 @@ def main() -> None:
                "e2e_p50", "e2e_p99", "output_tokens_per_s", "goodput_req_per_s", "acceptance", "tokens_per_step"]
     if rows:
         print(pd.DataFrame(rows)[columns].to_string(index=False))
-    write_report(args.out, {"command": "benchmarks/serving.py", "args": vars(args),
+    write_report(args.out, {"command": "benchmarks/serving.py", "args": vars(args), "servers": len(servers) or None,
                             "where": "separate worker process" if args.spawn_worker else
                             ("url" if args.url else "worker in the server's process"),
                             "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot},
