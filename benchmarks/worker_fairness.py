@@ -3,7 +3,8 @@
 Why: a shared worker must not let one user starve the others (the brief). Here a victim client decodes
 greedy target-only through a `specbench worker` process, prompt after prompt, while another client
 sends one long request that the worker's default limits allow: a profile point (256 tokens on a
-4,096-token context, 20 repeats), a server-only generate with a long prompt, or a 4,096-token prefill.
+4,096-token context, 20 repeats), a server-only generate with a long prompt, suffix decoding on the worker
+drafting 256-node trees, or a 4,096-token prefill.
 Each row is one such request beside the victim: the victim's median and worst step, how long the
 other request took, and whether every victim output equals the victim's undisturbed run.
 
@@ -32,6 +33,9 @@ SCENARIOS = {
     # the longest profile point the limits allow (tokens: the slice, 256 by default; one client sent exactly this)
     "profile": "profile",
     "generate": "generate",  # built from the vocabulary: a long prompt, server-only target decoding
+    # suffix decoding on the worker at the largest K the limits allow (--max-tree-nodes: its lookups are no draft
+    # forwards), over a prompt whose last tokens continue many ways: its first step verifies a tree that wide
+    "suffix-generate": "suffix-generate",
     "prefill": "prefill",
 }
 
@@ -69,6 +73,12 @@ def long_request(name: str, vocab: int, prompt_tokens: int, slice_tokens: int) -
     if scenario == "generate":
         return ({"op": "generate", "method": "server-only-ar", "k": 1, "max_new_tokens": 32,
                  "sampling": {"temperature": 0.0}, "seed": 0}, {"tokens": tokens})
+    if scenario == "suffix-generate":  # the pair (3, 4) followed by 128 different 8-token runs, and last
+        runs = [[3, 4] + [(r * 8 + j) * 37 % (vocab - 10) + 5 for j in range(8)] for r in range(128)]
+        wide = np.asarray([t for run in runs for t in run][-prompt_tokens + 2:] + [3, 4], dtype=np.int32)
+        return ({"op": "generate", "method": "suffix-tree-server", "k": 256, "max_new_tokens": 32,
+                 "sampling": {"temperature": 0.0}, "seed": 0,  # the request's knobs: every branch, any length
+                 "suffix": {"factor": 100.0, "offset": 256.0, "min_prob": 0.0}}, {"tokens": wide})
     return {"op": "prefill", "session": "long", "epoch": 1}, {"tokens": tokens}
 
 
