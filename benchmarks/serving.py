@@ -154,8 +154,9 @@ def start_server(args, methods, endpoint=None, cache: str = ""):
 
 def keeps_outputs(method: str) -> bool:
     from specbench.methods import get_method
+    from specbench.serve.settings import AUTO
 
-    return method == "auto" or get_method(method).keeps_outputs
+    return method == AUTO or get_method(method).keeps_outputs
 
 
 def main() -> None:
@@ -197,11 +198,12 @@ def main() -> None:
             # methods whose drafts read earlier outputs (suffix decoding's cache, auto's) each get a server with a
             # cache of its own: in one cache, each method after the first would recall the same prompts'
             # outputs from the methods before it (a second run of a prompt drafts nearly all of it)
-            apart = [(label, method) for label, method in zip(args.methods, methods) if keeps_outputs(method[0])]
-            together = [method for label, method in zip(args.methods, methods) if not keeps_outputs(method[0])]
-            if together or not apart:
-                servers.append(start_server(args, together or methods, endpoint))
-                urls.update({label: servers[0].url for label, m in zip(args.methods, methods) if m in together})
+            labelled = list(zip(args.methods, methods))
+            apart = [(label, method) for label, method in labelled if keeps_outputs(method[0])]
+            together = [(label, method) for label, method in labelled if not keeps_outputs(method[0])]
+            if together:
+                servers.append(start_server(args, [method for _, method in together], endpoint))
+                urls.update({label: servers[-1].url for label, _ in together})
             for label, method in apart:
                 servers.append(start_server(args, [method], endpoint, cache=f"serving-{label}"))
                 urls[label] = servers[-1].url

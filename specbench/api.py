@@ -153,8 +153,8 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
         raise SpecbenchError(f"families name {len(families)} prompts' families for {len(prompt_ids)} prompts")
     source = DraftSource(target, target_model, draft, dtype, self_draft_layers, substitute_quantization, tree,
                          cross_tokenizer, fast, suffix)
-    keeping = [chosen.keeps_outputs if chosen is not None else  # auto: through any of its candidates
-               any(get_method(c.method).keeps_outputs for c in router.candidates) for chosen in methods]
+    # auto keeps outputs through any of its candidates
+    keeping = [chosen.keeps_outputs if chosen is not None else router.keeps_outputs for chosen in methods]
     if sum(keeping) > 1 and source.suffix.cache == "process":  # methods compared in one call: none may draft a
         source = replace(source, suffix=replace(source.suffix, cache="drafter"))  # prompt from another's output of it
     if source.suffix.cache == "drafter" and not source.suffix.name:  # a worker keeps this call's caches by its name
@@ -230,13 +230,14 @@ def _auto_run(router, *, target, source, prompt_ids, k, max_new_tokens, sampling
     from specbench.decode.suffix_drafter import new_cache
     from specbench.methods import suffix_cache
     from specbench.route.features import seen_share
+    from specbench.route.router import predicted_speeds
 
     built: dict = {}
     history: list[list[int]] = []  # this call's outputs, for a suffix drafter built after some of them ran
     # what earlier outputs hold, for the router's seen share: the suffix candidates' shared cache, or this call's own
     # (each suffix drafter keeps its own when several methods share the call)
     memory = None
-    if any(get_method(c.method).keeps_outputs for c in router.candidates) and source.suffix.cache != "off":
+    if router.keeps_outputs and source.suffix.cache != "off":
         memory = suffix_cache(source)
         memory = new_cache(source.suffix) if memory is None else memory  # (an empty cache is falsy: no `or`)
 
@@ -274,7 +275,7 @@ def _auto_run(router, *, target, source, prompt_ids, k, max_new_tokens, sampling
                 fed.add(id(cache))
         if memory is not None and id(memory) not in fed and result.output_ids:
             memory.extend(memory.open(), list(result.output_ids))
-        why = json.dumps({row.candidate: round(row.tokens_per_s, 3) for row in table.itertuples()})
+        why = json.dumps(predicted_speeds(table))
         return [dict(row, method="auto", chosen=candidate.label, route_s=route_s, route_predicted=why,
                      route_default=router.default_for(family))
                 for row in _rows(result, ids, candidate.k if one["method"].kind != "none" else 0,

@@ -130,6 +130,14 @@ class Router:
         """Whether this router's choice depends on what earlier outputs hold (`seen_share`)."""
         return f"seen_{SEEN_N}" in (self.names or feature_names(self.families))
 
+    @property
+    def keeps_outputs(self) -> bool:
+        """Whether a candidate drafts from a cache of earlier outputs: only then did calibration give the router a
+        seen share (else 0), and only then is there a cache for a routed request's output to go into."""
+        from specbench.methods import get_method
+
+        return any(get_method(c.method).keeps_outputs for c in self.candidates)
+
     def default_for(self, family: Optional[str] = None) -> Optional[str]:
         """The candidate a prompt keeps unless another is predicted better by the margin: its family's best
         where `by_family` and the family was calibrated, else the best over all calibration prompts."""
@@ -290,6 +298,11 @@ def _pick(table: pd.DataFrame, objective: str, default: Optional[str], margin: f
         if score[best] <= score[kept] * (1.0 + margin):
             return kept
     return best
+
+
+def predicted_speeds(table: pd.DataFrame) -> dict:
+    """{candidate: predicted tokens/s} of a `Router.predict` table: the reason a routed request is told."""
+    return {row.candidate: round(row.tokens_per_s, 3) for row in table.itertuples()}
 
 
 def _known_features(saved: Optional[list], families: list) -> list:

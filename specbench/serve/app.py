@@ -226,18 +226,16 @@ class Answer:
         records, generated = self.end.records, self.end.completion_tokens
         drafted = sum(r.drafted for r in records)
         accepted = sum(r.accepted for r in records)
-        method, k, route = self.job.speculation.method, self.job.speculation.k, self.end.route
-        if route is not None:  # method auto: the K of the method its router chose, and why
-            method, k = route["method"], route["k"]
-        speculative = {"method": method, "k": 0 if get_method(method).kind == "none" else k,
+        asked, route = self.job.speculation, self.end.route
+        ran, k = (route["method"], route["k"]) if route else (asked.method, asked.k)  # auto: what its router chose
+        speculative = {"method": asked.method, "k": 0 if get_method(ran).kind == "none" else k,
                        "steps": len(records), "planned": any(r.planned for r in records),
                        "drafted_tokens": drafted, "accepted_tokens": accepted,
                        "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
                        "tokens_per_step": round(generated / len(records), 4) if records else None,
                        "target_forwards": len(records) + 1}  # each step's verify plus the prefill
         if route is not None:
-            speculative.update(method=self.job.speculation.method, chosen=route["chosen"],
-                               route_predicted=route["route_predicted"])
+            speculative.update(chosen=route["chosen"], route_predicted=route["route_predicted"])
         if self.job.speculation.suffix:
             speculative["suffix"] = dict(self.job.speculation.suffix)
         return {"prompt_tokens": len(self.job.prompt_ids), "completion_tokens": generated,

@@ -153,24 +153,26 @@ class Engine:
     def _route(self, prompt_ids: list[int], client) -> tuple[Speculation, dict]:
         """Method auto: the candidate the router predicts fastest for this prompt (what the server's suffix cache
         holds of it read as the router's seen share), and what to tell the client."""
-        from specbench.methods import suffix_cache
         from specbench.route.features import seen_share
+        from specbench.route.router import predicted_speeds
 
-        seen = 0.0
-        if self.router.reads_seen:
-            seen = seen_share(prompt_ids, suffix_cache(self._source(client)))
+        seen = seen_share(prompt_ids, self._memory(client)) if self.router.reads_seen else 0.0
         candidate, table = self.router.choose(prompt_ids, None, seen)
-        predicted = {row.candidate: round(row.tokens_per_s, 3) for row in table.itertuples()}
         chosen = Speculation(candidate.method, max(1, candidate.k))
-        return chosen, {"chosen": candidate.label, "method": chosen.method, "k": chosen.k, "route_predicted": predicted}
+        return chosen, {"chosen": candidate.label, "method": chosen.method, "k": chosen.k,
+                        "route_predicted": predicted_speeds(table)}
+
+    def _memory(self, client):
+        """The server's cache of earlier outputs as auto's router reads and feeds it: none unless a candidate
+        keeps outputs (calibration then gave the router 0), or the server keeps no shared cache."""
+        from specbench.methods import suffix_cache
+
+        return suffix_cache(self._source(client)) if self.router.keeps_outputs else None
 
     def _remember(self, client, output_ids: list[int]) -> None:
         """An auto request routed to a method without a suffix cache still leaves its output in the server's (as
         `run`'s auto and the router's calibration do): a later request that quotes it drafts from it."""
-        from specbench.methods import suffix_cache
-
-        memory = suffix_cache(self._source(client)) if any(
-            get_method(c.method).keeps_outputs for c in self.router.candidates) else None
+        memory = self._memory(client)
         if memory is not None and output_ids:
             memory.extend(memory.open(), list(output_ids))
 

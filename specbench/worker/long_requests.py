@@ -216,21 +216,21 @@ def _routed(ops, prompt: list, family: Optional[str], header: dict, curve_key: s
 
     from specbench.methods import DraftSource, suffix_cache
     from specbench.route.features import seen_share
+    from specbench.route.router import predicted_speeds
 
     if ops.config.router is None:
         raise ProtocolError("method auto-server needs a router on the worker: start it with --router FILE")
     if ops.router is None:
         ops.router = worker_router(ops.config.router, ops.limits)
     seen = 0.0
-    if ops.router.reads_seen:
+    if ops.router.reads_seen and ops.router.keeps_outputs:  # as calibration: 0 where no candidate keeps outputs
         target = ops.ensure_loaded()
         suffix = protocol.suffix_from_wire(header["suffix"]) if "suffix" in header else {}
         settings, key = _suffix_scope(ops, ops.owner(header, curve_key)[1], suffix)
         seen = seen_share(prompt, suffix_cache(DraftSource(target, target.loaded, suffix=settings), key))
     candidate, table = ops.router.choose(prompt, family, seen)
     method = ON_WORKER.get(candidate.method, candidate.method)
-    predicted = {row.candidate: round(row.tokens_per_s, 3) for row in table.itertuples()}
-    told = {"chosen": f"{method} k={candidate.k}", "route_predicted": json.dumps(predicted),
+    told = {"chosen": f"{method} k={candidate.k}", "route_predicted": json.dumps(predicted_speeds(table)),
             "route_default": ops.router.default_for(family)}
     return method, max(1, candidate.k), told
 
