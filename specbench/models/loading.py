@@ -44,6 +44,10 @@ def _quantization_config(spec: ModelSpec):
     """transformers' config for bitsandbytes; None when loading unquantized (or quantizing after load)."""
     if spec.quantization in ("none", "int8-dynamic"):
         return None
+    # On CPUs with AVX-512 bf16, bitsandbytes' import tries to fetch an optional 4-bit kernel from the Hugging Face
+    # hub and, when it cannot, warns "Failed to load ... pip install kernels" and uses its own bundled kernel: a
+    # warning a user can do nothing about (and wrong where the hub is out of reach), so it is kept from the run.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     try:
         import bitsandbytes  # noqa: F401  (import proves the backend is usable here)
         from transformers import BitsAndBytesConfig
