@@ -81,10 +81,10 @@ def test_a_row_failing_after_the_forward_rolls_back_alone(tiny_target, monkeypat
 
     real = batch.verify
 
-    def failing(tree, logits, sampling, generator, choices=None):
+    def failing(tree, logits, sampling, generator, choices=None, position=None):
         if 77 in tree.tokens:
             raise RuntimeError("this row fails after the forward")
-        return real(tree, logits, sampling, generator, choices)
+        return real(tree, logits, sampling, generator, choices, position)
 
     target, reference = LocalTarget(tiny_target), LocalTarget(tiny_target)
     for name in ("a", "b"):

@@ -3,6 +3,8 @@
 Tolerance: a test fails when the chi-square p-value is below 1e-3. Seeds are fixed, so each run is
 deterministic; the negative controls show the same test does reject a wrong sampler.
 """
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -143,3 +145,29 @@ def test_seeded_runs_are_reproducible(tiny_target, tiny_draft):
     other = run(tiny_target, [[1, 2, 3, 4]], method="chain", draft=tiny_draft, sampling=sampling,
                 max_new_tokens=20, seed=10, progress=False)
     assert outputs(other) != outputs(runs[0])
+
+
+SPECULATIVE = ["chain", "tree", "fixed-tree", "prompt-lookup", "prompt-lookup-tree", "suffix", "suffix-tree",
+               "suffix-tree-chain"]
+
+
+def test_sample_match_gives_target_only_text_under_every_draft(tiny_target, tiny_draft):
+    """Under sample-match the target draws each position from the seed alone (sampling/streams.py), so a
+    seed gives target-only's sampled text token for token whatever drafted it: a check of sampled drafting
+    as strict as greedy's. The drafts must be accepted for it to mean anything; under rejection the same
+    seeds give another text (the property is sample-match's, not a draft that never counts)."""
+    from specbench.api import outputs, run
+
+    prompts = [REPEATING_PROMPT, [3, 4, 5, 6], [7, 1, 2, 7, 1, 2, 7]]
+    sampling = SamplingParams(temperature=1.0, top_k=12, rule="sample-match")
+    records = run(tiny_target, prompts, method=["target-only"] + SPECULATIVE, draft=tiny_draft, sampling=sampling,
+                  max_new_tokens=24, seed=21, k=4, progress=False)
+    texts = outputs(records)
+    for (method, index), text in texts.items():
+        assert text == texts[("target-only", index)], (method, index)
+    accepted = records.groupby("method")["accepted"].sum()
+    assert (accepted[SPECULATIVE] > 0).all(), accepted.to_dict()
+    rejection = run(tiny_target, prompts, method=["target-only", "chain"], draft=tiny_draft, max_new_tokens=24,
+                    sampling=replace(sampling, rule="rejection"), seed=21, k=4, progress=False)
+    chain = outputs(rejection)
+    assert [chain[("chain", i)] for i in range(len(prompts))] != [texts[("target-only", i)] for i in range(len(prompts))]

@@ -313,6 +313,40 @@ def test_seeded_sampling_is_reproducible_and_stop_strings_cut(local):
     assert cut.choices[0].finish_reason == "stop" and cut.choices[0].text == text[:text.index(stop)]
 
 
+def test_a_seed_gives_one_text_under_target_only_lookups_suffix_decoding_and_auto(local):
+    """Those methods' sampled requests run sample-match (engine.request_sampling): the target draws each
+    position from the seed alone, so the text is target-only's whatever drafted it, however the shared
+    suffix cache grew in between (the repeated suffix request recalls the first one's output: it accepts
+    more, and still returns the same text)."""
+    client = local.client()
+
+    def ask(method):
+        reply = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Tell me a story about a dragon."}], max_tokens=20,
+            temperature=0.9, seed=11, extra_body=speculative(method, None))
+        return reply.choices[0].message.content, reply.usage.speculative["accepted_tokens"]
+
+    reference, _ = ask("target-only")
+    replies = [ask(method) for method in ("prompt-lookup", "suffix", "auto", "suffix")]
+    assert [text for text, _ in replies] == [reference] * 4
+    assert replies[3][1] > replies[1][1]  # the cache changed the drafts, not the text
+
+
+def test_a_draft_models_sampled_requests_keep_rejection():
+    """Rejection accepts more of a draft model's drafts (sum min(p, q) against sum p*q), whose drafts depend on
+    the request alone; anything reading the shared cache, or routed, runs sample-match."""
+    from specbench.methods import get_method
+    from specbench.serve.engine import request_sampling
+    from specbench.types import SamplingParams
+
+    sampled = SamplingParams(temperature=0.9, rule="rejection")
+    rules = {(name, routed): request_sampling(sampled, get_method(name), routed).rule
+             for name in ("target-only", "chain", "tree", "prompt-lookup", "suffix-tree", "suffix-tree-chain")
+             for routed in (False, True)}
+    assert {key for key, rule in rules.items() if rule == "rejection"} == {("chain", False), ("tree", False)}
+    assert request_sampling(SamplingParams(), get_method("suffix"), False).effective_rule == "greedy"
+
+
 BAD = [
     ("not json", {}, 400, None),
     ({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, {}, 404, "model"),

@@ -89,6 +89,25 @@ def test_sample_match_follows_certain_target():
     assert verify(tree, peaked(3, 2, 5), SAMPLE_MATCH, gen()) == ((0,), 2)
 
 
+def test_sample_match_draws_each_position_from_the_seed_alone():
+    """Given the position, the token drawn there depends on the seed and the target's row only: a chain
+    drafting exactly the draws of positions 10 and 11 is accepted whole with position 12's as bonus, a
+    wrong draft still gets position 10's draw, and the draws differ from position to position."""
+    rows = torch.zeros(3, VOCAB)  # uniform: each draw is the position's own uniform
+
+    def alone(position):
+        return verify(DraftTree(), rows[:1], SAMPLE_MATCH, gen(4), position=position)[1]
+
+    first, second, third = alone(10), alone(11), alone(12)
+    assert verify(DraftTree.chain([first, second]), rows, SAMPLE_MATCH, gen(4), position=10) == ((0, 1), third)
+    wrong = DraftTree.chain([(first + 1) % VOCAB])
+    assert verify(wrong, rows[:2], SAMPLE_MATCH, gen(4), position=10) == ((), first)
+    siblings = DraftTree(((first + 1) % VOCAB, first), (-1, -1))  # the matching child, wherever it sits
+    assert verify(siblings, rows, SAMPLE_MATCH, gen(4), position=10) == ((1,), second)
+    assert len({alone(position) for position in range(40)}) > 3
+    assert len({verify(DraftTree(), rows[:1], SAMPLE_MATCH, gen(seed), position=10)[1] for seed in range(40)}) > 3
+
+
 def test_rejection_without_q_is_refused_by_name():
     with pytest.raises(SpecbenchError, match="sample-match"):
         verify(DraftTree.chain([1]), peaked(1, 1), REJECTION, gen())

@@ -45,6 +45,9 @@ def test_remote_equals_local(worker, sampling):
                       progress=False))
     # Step seeds travel with each verify, so even sampled runs match the local run token for token.
     assert got == local_outputs(methods, sampling)
+    if sampling.effective_rule == "sample-match":  # the worker draws each position from the seed alone: one text
+        for (method, index), ids in got.items():
+            assert ids == got[("target-only", index)], method
 
 
 def test_records_carry_wire_bytes_and_network_time(worker):

@@ -248,7 +248,8 @@ def _finish(target: LocalTarget, row: _Row, logits: torch.Tensor, forward_s: flo
     num_prefix = len(state.tail)
     try:
         generator = torch.Generator().manual_seed(request.seed)
-        path, bonus = verify(request.tree, logits, request.sampling, generator, choices)  # stays on the device
+        path, bonus = verify(request.tree, logits, request.sampling, generator, choices,  # stays on the device
+                             position=len(state.committed))
     except Exception as error:
         keep_positions(state.cache, list(range(row.past)))
         return error

@@ -28,13 +28,13 @@ class Step:
 def speculative_step(target: Target, drafter: Optional[Drafter], session: str, context: list[int], k: int,
                      max_depth: int, sampling: SamplingParams, streams: Streams) -> Step:
     """Draft at most `k` nodes and `max_depth` levels past `context` (none for k = 0 or no drafter:
-    a plain target step), then verify them; the verdict's seed is the next of the verify stream."""
+    a plain target step), then verify them with the verify seed of `streams`."""
     started = time.perf_counter()
     tree = DraftTree()
     if drafter is not None and k > 0 and max_depth > 0:
         tree = drafter.propose(context, k, sampling, streams.draft, max_depth=max_depth)
     draft_s = time.perf_counter() - started
-    return Step(tree, target.verify(session, tree, sampling, streams.verify_seed()), draft_s)
+    return Step(tree, target.verify(session, tree, sampling, streams.verify_seed(sampling)), draft_s)
 
 
 class ProactiveDrafting:
@@ -66,7 +66,7 @@ class ProactiveDrafting:
             tree = _joined(reused, drafter.propose(context + list(reused.tokens), limit - len(reused), sampling,
                                                    streams.draft))
         draft_s = time.perf_counter() - started
-        pending = target.verify_begin(session, tree, sampling, streams.verify_seed())
+        pending = target.verify_begin(session, tree, sampling, streams.verify_seed(sampling))
         chain_end = context + list(tree.tokens)
         ahead = self._draft_ahead(drafter, chain_end, k + 1, sampling, streams, pending)
         verdict = pending.result()

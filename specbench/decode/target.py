@@ -236,7 +236,8 @@ class LocalTarget:
             logits = self.forward(state, inputs, position_ids, attention_mask)
             forward_s = clock.device_time(self.device) - forward_start
             generator = torch.Generator().manual_seed(seed)
-            path, bonus = verify(tree, logits[num_prefix - 1:], sampling, generator)  # on the device
+            path, bonus = verify(tree, logits[num_prefix - 1:], sampling, generator,  # on the device
+                                 position=len(state.committed))
             if state.features is not None:
                 state.features += self.tap.rows(list(range(num_prefix)) + [num_prefix + i for i in path])
         except BaseException:

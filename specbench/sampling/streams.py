@@ -1,10 +1,13 @@
 """The seeded randomness of one generation, split into streams so that none depends on timing.
 
-p = target, q = draft (Leviathan et al.). Two streams, derived from one seed:
+p = target, q = draft (Leviathan et al.). Three streams, derived from one seed:
 - draft draws, keyed by the absolute position of the token being drawn: a token drafted ahead
   (proactive drafting, while a verify is still in flight) is the very token a plain step would
   draw there later, so how fast a reply comes back changes no output;
-- verify seeds, one per step in step order, for the target's side of the verification rule.
+- verify seeds, one per step in step order, for the target's side of the rejection rule;
+- under sample-match, one seed for the whole generation, from which the target keys its draw of
+  each position (`position_generator`): the token at position t is F(p_t, U_t) whatever was
+  drafted, so a seed gives the same text under every draft, and under target-only.
 
 Why reusing a position's draws is still lossless: a position is drafted again only if no verify
 examined it (verification stops at the first rejected node, and the next draft starts after the
@@ -46,12 +49,22 @@ def draft_draws(rng: "DraftDraws | torch.Generator") -> DraftDraws:
     raise TypeError(f"draft randomness must be DraftDraws or torch.Generator, got {type(rng).__name__}")
 
 
+def position_generator(seed: int, position: int) -> torch.Generator:
+    """The target's draw of the token at absolute `position` under sample-match, from its verify seed."""
+    return torch.Generator().manual_seed(mix(seed, position))
+
+
 class Streams:
-    """Both streams of one generation from its seed."""
+    """The streams of one generation from its seed."""
 
     def __init__(self, seed: int):
         self.draft = DraftDraws(mix(seed, 1))
         self._verify = torch.Generator().manual_seed(mix(seed, 2))
+        self._positions = mix(seed, 3)
 
-    def verify_seed(self) -> int:
+    def verify_seed(self, sampling) -> int:
+        """The seed a step's verify gets: the generation's own under sample-match (the target keys its
+        draws by position from it), else the next of the verify stream."""
+        if sampling.effective_rule == "sample-match":
+            return self._positions
         return int(torch.randint(0, 2**62, (), generator=self._verify))

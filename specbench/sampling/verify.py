@@ -13,17 +13,22 @@ from typing import Optional
 import torch
 
 from specbench.sampling.probs import dense, processed_probs, sample_from
+from specbench.sampling.streams import position_generator
 from specbench.types import DraftTree, SamplingParams, SpecbenchError
 
 
 def verify(tree: DraftTree, target_logits: torch.Tensor, sampling: SamplingParams,
-           generator: torch.Generator, choices: Optional[list[int]] = None) -> tuple[tuple[int, ...], int]:
+           generator: torch.Generator, choices: Optional[list[int]] = None,
+           position: Optional[int] = None) -> tuple[tuple[int, ...], int]:
     """Dispatch on the effective rule; returns (accepted node path, bonus token).
 
     target_logits: [num_nodes + 1, vocab_size], on the target's device. Only what the walk needs
     leaves it: the argmax ids under greedy (one small copy), else the processed rows it visits.
     `choices`: those argmax ids, where the caller read them already (a batch reads every greedy
     row's in one transfer: on a GPU each read is a synchronization).
+    `position`: the absolute index of the token the root row predicts (the session's committed
+    length). Given, sample-match draws the token at position t from `position_generator(generator's
+    seed, t)`, so the text depends on the seed and not on the draft; without it, from `generator`.
     """
     if target_logits.shape[0] != len(tree) + 1:
         raise SpecbenchError(
@@ -34,7 +39,11 @@ def verify(tree: DraftTree, target_logits: torch.Tensor, sampling: SamplingParam
         return _walk(tree, lambda node: target_choices[node + 1])
     row_probs = _RowProbs(target_logits, sampling)
     if rule == "sample-match":
-        return _walk(tree, lambda node: sample_from(row_probs(node), generator))
+        if position is None:
+            return _walk(tree, lambda node: sample_from(row_probs(node), generator))
+        depths, seed = tree.depths(), generator.initial_seed()
+        return _walk(tree, lambda node: sample_from(
+            row_probs(node), position_generator(seed, position + (depths[node] if node >= 0 else 0))))
     if tree.draft_dists is None and len(tree):
         raise SpecbenchError(
             "rejection sampling needs the draft distribution q of every node; this drafter sends "
@@ -63,7 +72,9 @@ def _walk(tree: DraftTree, choose) -> tuple[tuple[int, ...], int]:
     Greedy example: tree tokens (5, 7, 9) as a chain, target argmaxes per row (5, 7, 4, 1):
     nodes 0 and 1 match, row 2 says 4 != 9, so the path is (0, 1) and the bonus is 4.
     Lossless for sample-match because every emitted token is a fresh draw from p at its position;
-    the draft only decides how many of those draws one forward pass can check.
+    the draft only decides how many of those draws one forward pass can check. Keyed by position,
+    each position is drawn with its own uniforms whichever step reaches it, so the emitted text is
+    target-only's under the same seed, token for token, whatever the draft.
     """
     path: list[int] = []
     node = -1

@@ -247,7 +247,8 @@ class Engine:
             method = get_method(speculation.method)
             drafter = self._take_drafter(method.name, client, speculation.suffix)
             planner = copy.deepcopy(self._planners[method.name]) if method.name in self._planners else None
-            decoding = Decoding(speculation.k if method.kind != "none" else 0, job.max_tokens, job.sampling,
+            decoding = Decoding(speculation.k if method.kind != "none" else 0, job.max_tokens,
+                                request_sampling(job.sampling, method, routed=route is not None),
                                 method.name, method.kind, planner)
             seed = job.seed if job.seed is not None else random.getrandbits(62)
             with self._live_lock:
@@ -294,6 +295,17 @@ class Engine:
             if drafter is not None:
                 self._give_drafter(method.name, drafter, speculation.suffix)
             self._clients.put(client)
+
+
+def request_sampling(sampling: SamplingParams, method, routed: bool) -> SamplingParams:
+    """A sampled request's rule: sample-match (the target draws each position from the seed alone, so
+    a seed gives the same text under every method and whatever the shared suffix cache holds) for
+    target-only, lookup drafts, drafts that read the cache and routed requests; rejection for a draft
+    model's own drafts, where it accepts more (sum min(p, q) against sum p*q) and the drafts depend on
+    the request alone. For a lookup draft (q one point) both rules accept p(x): nothing is lost."""
+    if sampling.greedy or not (method.kind == "none" or method.lookup or method.keeps_outputs or routed):
+        return sampling
+    return replace(sampling, rule="sample-match")
 
 
 # A worker's refusal, as the HTTP status a client can act on (worker/server.py's ERROR_CODES)
