@@ -6,7 +6,7 @@ import sys
 
 from specbench.models.spec import KERNELS, KERNELS_HELP, QUANTIZATIONS
 from specbench.methods import CROSS_TOKENIZER
-from specbench.types import FAST_BACKENDS, VERIFY_RULES, SamplingParams, SpecbenchError
+from specbench.types import FAST_BACKENDS, VERIFY_RULES, SpecbenchError
 
 FAST_HELP = "static KV caches, compiled fixed-shape steps (CUDA graphs on a GPU); default: on for unquantized CUDA models"
 
@@ -187,7 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     run_parser.add_argument("--k", type=int, default=4)
     run_parser.add_argument("--max-new-tokens", type=int, default=64)
     run_parser.add_argument("--temperature", type=float, default=0.0)
-    run_parser.add_argument("--rule", default=SamplingParams().rule, choices=list(VERIFY_RULES))
+    run_parser.add_argument("--rule", choices=list(VERIFY_RULES),
+                            help="verification rule (default: greedy at temperature 0, else rejection)")
     run_parser.add_argument("--dtype", default="float32")
     run_parser.add_argument("--quant", default="none", choices=list(QUANTIZATIONS), help="target quantization")
     run_parser.add_argument("--kernels", default="default", choices=list(KERNELS), help=KERNELS_HELP)
@@ -292,7 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
     reference.add_argument("--tree-budgets", type=int, nargs="*", default=[8, 16, 32])
     reference.add_argument("--max-new-tokens", type=int, default=64)
     reference.add_argument("--temperature", type=float, default=0.0)
-    reference.add_argument("--rule", default=SamplingParams().rule, choices=list(VERIFY_RULES))
+    reference.add_argument("--rule", choices=list(VERIFY_RULES),
+                           help="verification rule (default: greedy at temperature 0, else rejection)")
     reference.add_argument("--dtype", default="float32")
     reference.add_argument("--cross-tokenizer", default="auto", choices=list(CROSS_TOKENIZER),
                            help="a draft with another tokenizer: how its drafts become target ids")

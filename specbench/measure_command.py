@@ -2,7 +2,7 @@
 in `cli.py`)."""
 from __future__ import annotations
 
-from specbench.types import SamplingParams, SpecbenchError
+from specbench.types import SamplingParams, SpecbenchError, default_rule
 
 
 def profile(args) -> int:
@@ -62,7 +62,7 @@ def reference(args) -> int:
         raise SpecbenchError("give --draft MODEL or --self-draft-layers N")
     rows = load_prompts(args.dataset, limit=args.prompts)
     prompts = [row["prompt"] for row in rows]
-    sampling = SamplingParams(temperature=args.temperature, rule=args.rule)
+    sampling = SamplingParams(temperature=args.temperature, rule=args.rule or default_rule(args.temperature))
     reference = record_reference(target, draft, prompts, dataset=args.dataset_label or args.dataset,
                                  max_chain=args.max_chain, tree_budgets=args.tree_budgets,
                                  max_new_tokens=args.max_new_tokens, sampling=sampling,

@@ -2,7 +2,7 @@
 `cli.py`)."""
 from __future__ import annotations
 
-from specbench.types import SamplingParams, SpecbenchError
+from specbench.types import SamplingParams, SpecbenchError, default_rule
 
 DEFAULT_TARGET = "smollm2-135m"
 
@@ -27,7 +27,7 @@ def run_command(args) -> int:
     target = ModelSpec(args.target or DEFAULT_TARGET, dtype=args.dtype, quantization=args.quant, kernels=args.kernels)
     draft = (ModelSpec(args.draft, dtype=args.dtype, quantization=args.draft_quant, kernels=args.kernels)
              if args.draft else None)
-    sampling = SamplingParams(temperature=args.temperature, rule=args.rule)
+    sampling = SamplingParams(temperature=args.temperature, rule=args.rule or default_rule(args.temperature))
     planner = None
     if args.plan:
         from specbench.plan.step_planner import planner_from_caches

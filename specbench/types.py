@@ -26,6 +26,12 @@ def reason(error: BaseException) -> str:
     return f"{type(error).__name__}: {words}" if words else type(error).__name__
 
 
+def default_rule(temperature: float) -> str:
+    """The rule of a caller that names none: greedy at temperature 0, else rejection (exact, and it
+    accepts the most of a draft model's drafts; sample-match is the one for drafts without q)."""
+    return "greedy" if temperature == 0 else "rejection"
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How the target's next-token distribution p is formed; temperature 0 means greedy.
@@ -59,6 +65,10 @@ class SamplingParams:
             raise SpecbenchError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.rule not in VERIFY_RULES:
             raise SpecbenchError(f"unknown verification rule {self.rule!r}; choose one of {VERIFY_RULES}")
+        if self.rule == "greedy" and self.temperature > 0:  # it would verify by argmax: greedy text, silently
+            raise SpecbenchError(
+                f"temperature {self.temperature} asks for sampling, but rule 'greedy' verifies by the target's "
+                f"argmax (the text would be greedy's): pass rule='rejection' or 'sample-match'")
         if self.draft_top_k < 1:
             raise SpecbenchError(f"draft_top_k must be >= 1, got {self.draft_top_k}")
 

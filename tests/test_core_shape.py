@@ -11,7 +11,7 @@ from specbench.api import outputs, run
 from specbench.decode.target import LocalTarget
 from specbench.models.loading import load_model
 from specbench.models.spec import ModelSpec
-from specbench.types import SamplingParams
+from specbench.types import SamplingParams, default_rule
 
 from conftest import PROMPTS
 from worker_helpers import process_worker
@@ -149,7 +149,8 @@ def test_cli_defaults_equal_the_library_defaults():
     from specbench.worker.server import WorkerConfig
 
     run_args = build_parser().parse_args(["run"])
-    assert run_args.rule == SamplingParams().rule and run_args.temperature == SamplingParams().temperature
+    assert run_args.temperature == SamplingParams().temperature
+    assert default_rule(run_args.temperature) == SamplingParams().rule and run_args.rule is None
     worker_args = build_parser().parse_args(["worker"])
     assert worker_args.lazy == WorkerConfig().lazy
 

@@ -34,6 +34,16 @@ def test_cell_hash_names_everything_that_defines_a_cell():
     assert SweepCell(methods="chain").methods == ("chain",)
     assert SweepCell(**TINY, k=3, device="cpu").key == cell.key  # a default value does not enter the hash
     assert SweepCell(temperature=1).key == SweepCell(temperature=1.0).key
+    assert SweepCell(rule="greedy").key == SweepCell().key
+
+
+def test_a_sampled_cell_samples():
+    """A cell at a temperature verifies by rejection unless it names a rule, and never by argmax (which would
+    give greedy text, silently): refused when it is built, not when it runs."""
+    assert SweepCell(temperature=0.5).rule == "rejection" and SweepCell().rule == "greedy"
+    assert SweepCell(temperature=0.5, rule="sample-match").rule == "sample-match"
+    with pytest.raises(SpecbenchError, match="rule 'greedy' verifies by the target's argmax"):
+        SweepCell(temperature=0.5, rule="greedy")
 
 
 def test_grids_from_json_and_csv(tmp_path):

@@ -135,3 +135,10 @@ def test_row_count_must_match_tree():
 def test_bad_sampling_params(kwargs):
     with pytest.raises(SpecbenchError):
         SamplingParams(**kwargs)
+
+
+def test_a_temperature_under_the_greedy_rule_is_refused():
+    """Greedy verification at a temperature returns the argmax text: the temperature would be ignored."""
+    with pytest.raises(SpecbenchError, match="pass rule='rejection' or 'sample-match'"):
+        SamplingParams(temperature=0.8)
+    assert SamplingParams(temperature=0.8, rule="rejection").effective_rule == "rejection"

@@ -490,7 +490,7 @@ def test_failed_verify_rolls_back_on_a_local_target(tiny_target, monkeypatch):
         with pytest.raises(SpecbenchError):
             target.verify("s", bad, sampling, 0)
     with monkeypatch.context() as patch:  # a failure after the forward, whatever its cause
-        patch.setattr(target_module, "verify", lambda *args: (_ for _ in ()).throw(RuntimeError("boom")))
+        patch.setattr(target_module, "verify", lambda *args, **kwargs: (_ for _ in ()).throw(RuntimeError("boom")))
         with pytest.raises(RuntimeError, match="boom"):
             target.verify("s", tree, SamplingParams(), 0)
     got = target.verify("s", tree, SamplingParams(), 0)

@@ -91,7 +91,7 @@ class TreeGrowth:
         else:
             # rank by the draft's tempered distribution (temperature 1 under greedy decoding)
             ranking = SamplingParams(temperature=sampling.temperature or 1.0, top_k=sampling.top_k,
-                                     top_p=sampling.top_p, draft_top_k=max(width, 1))
+                                     top_p=sampling.top_p, rule="sample-match", draft_top_k=max(width, 1))
             q = self._distribution(logits, ranking)
             tokens = list(q.ids[:width])
         weights = dict(zip(q.ids, q.probs))

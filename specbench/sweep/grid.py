@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
-from specbench.types import SpecbenchError
+from specbench.types import SamplingParams, SpecbenchError, default_rule
 
 CELL_KINDS = ("run", "reference", "profile")
 Prompt = Union[str, tuple[int, ...]]
@@ -51,7 +51,7 @@ class SweepCell:
     max_new_tokens: int = 64
     place: str = "local"
     temperature: float = 0.0
-    rule: str = "greedy"
+    rule: Optional[str] = None  # None: greedy at temperature 0, else rejection (types.default_rule)
     seed: int = 0
     dtype: str = "float32"
     device: str = "cpu"  # where local models load: "cuda" with gpus_per_cell on a GPU cluster
@@ -66,6 +66,9 @@ class SweepCell:
             value = getattr(self, name)
             object.__setattr__(self, name, (value,) if isinstance(value, (str, int)) else tuple(value))
         object.__setattr__(self, "temperature", float(self.temperature))  # 1 and 1.0: one cell, one hash
+        if self.rule is None:
+            object.__setattr__(self, "rule", default_rule(self.temperature))
+        SamplingParams(temperature=self.temperature, rule=self.rule)  # refused here, not when the cell runs
         object.__setattr__(self, "prompts", tuple(p if isinstance(p, str) else tuple(int(t) for t in p)
                                                   for p in self.prompts))
         if self.kind == "run" and not self.methods:
@@ -102,6 +105,7 @@ class SweepCell:
 
 FIELD_NAMES = tuple(f.name for f in fields(SweepCell))
 _DEFAULTS = {f.name: f.default for f in fields(SweepCell)}
+_DEFAULTS["rule"] = default_rule(0.0)  # a greedy cell's key leaves its rule out, as before the rule had no default
 
 
 def expand(axes: dict, fixed: Optional[dict] = None) -> list[SweepCell]:
