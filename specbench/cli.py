@@ -189,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     run_parser.add_argument("--temperature", type=float, default=0.0)
     run_parser.add_argument("--rule", choices=list(VERIFY_RULES),
                             help="verification rule (default: greedy at temperature 0, else rejection)")
+    run_parser.add_argument("--seed", type=int, default=0, help="the sampled runs' seed (the same seed, the same text)")
     run_parser.add_argument("--dtype", default="float32")
     run_parser.add_argument("--quant", default="none", choices=list(QUANTIZATIONS), help="target quantization")
     run_parser.add_argument("--kernels", default="default", choices=list(KERNELS), help=KERNELS_HELP)

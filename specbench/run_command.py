@@ -42,7 +42,7 @@ def run_command(args) -> int:
     # loaded once here (the run and the check share it), or the worker's
     loaded = load_model(target) if not args.worker else None
     records = run(loaded or _remote(args, target), prompts, method=args.method, draft=draft, k=args.k,
-                  max_new_tokens=args.max_new_tokens, sampling=sampling, dtype=args.dtype, planner=planner,
+                  max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed, dtype=args.dtype, planner=planner,
                   substitute_quantization=args.substitute_quant, cross_tokenizer=args.cross_tokenizer,
                   fast=args.fast, self_draft_layers=getattr(args, "self_draft_layers", None),
                   router=_router(args, names), suffix=suffix_settings(args),

@@ -151,6 +151,7 @@ def test_cli_defaults_equal_the_library_defaults():
     run_args = build_parser().parse_args(["run"])
     assert run_args.temperature == SamplingParams().temperature
     assert default_rule(run_args.temperature) == SamplingParams().rule and run_args.rule is None
+    assert run_args.seed == inspect.signature(run).parameters["seed"].default
     worker_args = build_parser().parse_args(["worker"])
     assert worker_args.lazy == WorkerConfig().lazy
 
