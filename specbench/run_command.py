@@ -54,6 +54,9 @@ def run_command(args) -> int:
             print("\n".join(difference_lines(divergences(records, loaded, prompts), args.dtype)))
         elif sampling.greedy:
             print(_remote_differences(records))
+        elif sampling.effective_rule == "sample-match":  # the seed fixes each position's draw: one text
+            print(_remote_differences(records, "in fp32 a defect; in bf16 a draw that rounding moved across a "
+                                               "boundary of the target's distribution"))
     if args.out:
         records.to_csv(args.out, index=False)
         print(f"per-step records: {args.out}")
@@ -118,9 +121,10 @@ def _remote(args, target):
     return RemoteTarget(args.worker, model=target if args.target else None, curve_keys=args.curve_keys)
 
 
-def _remote_differences(records) -> str:
-    """Greedy outputs against target-only's when the target's weights are on a worker: which differ (the near-tie
-    check reads the target's logits, so it runs only in-process: `specbench run` without --worker)."""
+def _remote_differences(records, differing: str = "in fp32 a defect; in bf16 check them for near-ties in-process "
+                                                  "(specbench run without --worker)") -> str:
+    """Outputs against target-only's where no near-tie check runs: greedy ones when the target's weights are on a
+    worker (the check reads the target's logits), sampled ones under sample-match (one seed, one text)."""
     from specbench.api import outputs
 
     got = outputs(records)
@@ -128,5 +132,4 @@ def _remote_differences(records) -> str:
                      and tokens != got[("target-only", i)]})
     if not differ:
         return "every output is target-only's, token for token"
-    return ("outputs that left target-only's (" + ", ".join(f"{m} prompt {i}" for m, i in differ) + "): in fp32 "
-            "a defect; in bf16 check them for near-ties in-process (specbench run without --worker)")
+    return "outputs that left target-only's (" + ", ".join(f"{m} prompt {i}" for m, i in differ) + "): " + differing

@@ -104,6 +104,28 @@ def test_the_run_command_says_why_and_whether_outputs_match(capsys):
     assert "every output is target-only's, token for token" in printed
 
 
+def test_the_run_command_checks_sample_match_outputs_against_target_only(capsys, tmp_path):
+    """Under sample-match the seed fixes each position's draw, so sampled outputs are checked like greedy ones
+    (one seed, one text), and --seed is what fixes it; a sampled run under rejection prints no such line."""
+    import pandas as pd
+
+    from specbench.cli import main
+
+    texts = []
+    for seed in ("4", "5"):
+        out = tmp_path / f"seed-{seed}.csv"
+        assert main(["run", "--target", "smollm2-135m", "--method", "target-only", "prompt-lookup", "--prompt",
+                     "Say hello three times: hello hello hello", "--max-new-tokens", "12", "--temperature", "1.0",
+                     "--rule", "sample-match", "--seed", seed, "--out", str(out)]) == 0
+        assert "every output is target-only's, token for token" in capsys.readouterr().out
+        records = pd.read_csv(out)
+        texts.append(records[records["method"] == "target-only"]["emitted_tokens"].tolist())
+    assert texts[0] != texts[1]
+    assert main(["run", "--target", "smollm2-135m", "--method", "target-only", "--prompt", "Hi", "--max-new-tokens",
+                 "2", "--temperature", "1.0"]) == 0  # rejection, the default at a temperature: no identity line
+    assert "token for token" not in capsys.readouterr().out
+
+
 def test_the_run_command_against_a_worker_on_a_dataset(capsys, tmp_path):
     """`specbench run --worker ENDPOINT --prompts JSONL --prompt-count N`: the prompts are the file's (a seeded
     sample), the target is the worker's model (its tokenizer comes from it), and greedy outputs are checked
