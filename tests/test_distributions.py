@@ -71,6 +71,29 @@ def test_first_token_matches_target(sampling, shape):
     assert chi_square_p(counts, target_p) > P_VALUE_FLOOR
 
 
+def test_coupled_draws_are_exact_and_a_coupled_draft_lands_on_them():
+    """sample-match's Gumbel-max draw (probs.coupled_draw) follows p, and a sparse q perturbed with the same
+    noise (coupled_draw_sparse, one generator per draw as a position gives) proposes the target's token at
+    least (1 - TV) / (1 + TV) of the time, far above the sum p*q that independent draws would reach."""
+    from specbench.sampling.probs import coupled_draw, coupled_draw_sparse
+
+    sampling = SamplingParams(temperature=1.0, rule="sample-match", draft_top_k=VOCAB)
+    target_logits, draft_q = synthetic_case(7, sampling)
+    target_p = processed_probs(target_logits[:1], sampling)[0].double()
+    counts, agree, draws = np.zeros(VOCAB), 0, 8_000
+    for seed in range(draws):
+        token = coupled_draw(target_p, torch.Generator().manual_seed(seed))
+        counts[token] += 1
+        agree += coupled_draw_sparse(draft_q, torch.Generator().manual_seed(seed)) == token
+    assert chi_square_p(counts, target_p.numpy()) > P_VALUE_FLOOR
+    q = np.zeros(VOCAB)
+    q[list(draft_q.ids)] = draft_q.probs
+    p = target_p.numpy()
+    distance = 0.5 * np.abs(p - q).sum()
+    assert agree / draws >= (1 - distance) / (1 + distance) - 0.02
+    assert agree / draws > float(p @ q) + 0.1, (agree / draws, float(p @ q))
+
+
 def test_negative_control_the_test_rejects_the_draft_distribution():
     """Emitting the draft's own samples (no verification) must fail the same test."""
     sampling = SETTINGS[0]
@@ -171,3 +194,15 @@ def test_sample_match_gives_target_only_text_under_every_draft(tiny_target, tiny
                     sampling=replace(sampling, rule="rejection"), seed=21, k=4, progress=False)
     chain = outputs(rejection)
     assert [chain[("chain", i)] for i in range(len(prompts))] != [texts[("target-only", i)] for i in range(len(prompts))]
+
+
+def test_a_draft_identical_to_the_target_is_always_accepted_under_sample_match(tiny_target):
+    """The draft's stream is the target's under sample-match, position for position: a draft that is the target
+    proposes exactly the target's draws, so every drafted token is accepted (one position off, and it would
+    agree only as often as two independent draws do)."""
+    from specbench.api import run
+
+    sampling = SamplingParams(temperature=1.0, top_k=12, rule="sample-match")
+    records = run(tiny_target, [REPEATING_PROMPT, [3, 4, 5, 6]], method="chain", draft=tiny_target,
+                  sampling=sampling, max_new_tokens=24, seed=21, k=4, progress=False)
+    assert records["drafted"].sum() > 20 and (records["accepted"] == records["drafted"]).all()

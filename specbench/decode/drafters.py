@@ -8,7 +8,7 @@ import torch
 from specbench.decode import packed_attention
 from specbench.decode.kv import cached_length, can_crop_to, common_prefix, crop_to, new_cache
 from specbench.models.loaded import LoadedModel
-from specbench.sampling.probs import draft_distribution, sample_sparse
+from specbench.sampling.probs import draft_distribution, draft_draw
 from specbench.sampling.streams import DraftDraws, draft_draws
 from specbench.types import DraftTree, SamplingParams, SparseDist, SpecbenchError
 
@@ -57,9 +57,10 @@ class ModelDrafter:
         logits = self._sync(context)
         tokens: list[int] = []
         dists: list[SparseDist] = []
+        draw = draft_draw(sampling)
         for position in range(k):
             dist = draft_distribution(logits[: self.vocab_limit], sampling)
-            tokens.append(sample_sparse(dist, draws.at(len(context) + position)))
+            tokens.append(draw(dist, draws.at(len(context) + position)))
             dists.append(dist)
             if position + 1 < k:
                 logits = self._extend(tokens[-1:])

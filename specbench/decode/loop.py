@@ -70,7 +70,8 @@ def generate_steps(target: Target, drafter: Optional[Drafter], prompt_ids: Seque
     generation a step at a time between other clients' batches. Closing it closes the session.
     `prefill_chunk` (a `LocalTarget`): the prompt goes in that many tokens per pause (yielding None),
     through the target and a drafter that can `warm` its cache, so no pause holds a whole long prompt."""
-    streams, planner = Streams(seed), decoding.planner if drafter is not None else None
+    streams = Streams(seed, coupled=decoding.sampling.effective_rule == "sample-match")
+    planner = decoding.planner if drafter is not None else None
     if hasattr(drafter, "bind"):  # a drafter that reads the target's session (a draft head, `heads/`)
         drafter.bind(target, session)
     if prefill_chunk:

@@ -16,7 +16,7 @@ import torch
 from specbench.decode.kv import common_prefix
 from specbench.decode.tree_drafters import TreeGrowth
 from specbench.heads.model import EagleHead, HeadCache
-from specbench.sampling.probs import draft_distribution, sample_sparse
+from specbench.sampling.probs import draft_distribution, draft_draw
 from specbench.sampling.streams import DraftDraws, draft_draws
 from specbench.types import DraftTree, SamplingParams, SparseDist, SpecbenchError
 
@@ -48,9 +48,10 @@ class HeadDrafter:
         hidden, logits = self.last
         tokens, dists = [], []
         position = len(context) - 1  # the head position that reads the first drafted token
+        draw = draft_draw(sampling)
         for index in range(k):
             dist = self._distribution(logits, sampling)
-            tokens.append(sample_sparse(dist, draws.at(len(context) + index)))
+            tokens.append(draw(dist, draws.at(len(context) + index)))
             dists.append(dist)
             if index + 1 < k:
                 hidden, logits = self._feed([tokens[-1]], hidden[None], position + index)

@@ -45,6 +45,27 @@ def sample_from(probs: torch.Tensor, generator: torch.Generator) -> int:
     return index
 
 
+def coupled_draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One draw from a probability vector [vocab_size] by the Gumbel-max trick, argmax(log p + G), G from
+    `generator`: as exact as inverting the CDF, and a draft that perturbs its own q with the same G
+    (`coupled_draw_sparse`, the same generator) lands on the same token at least (1 - TV) / (1 + TV) of
+    the time (TV the distance between p and q), where independent draws would agree sum p * q of it."""
+    noise = _gumbel(probs.shape[-1], generator)
+    return int((probs.double().log() + noise).argmax().item())
+
+
+def coupled_draw_sparse(dist: SparseDist, generator: torch.Generator) -> int:
+    """`coupled_draw` for a sparse q: the same G (its first max(ids) + 1 values, which a longer draw starts
+    with: `tests/test_verify_rules.py` checks it), read at q's ids."""
+    noise = _gumbel(max(dist.ids) + 1, generator)
+    scores = torch.tensor(dist.probs, dtype=torch.float64).log() + noise[list(dist.ids)]
+    return dist.ids[int(scores.argmax().item())]
+
+
+def _gumbel(size: int, generator: torch.Generator) -> torch.Tensor:
+    return -torch.log(-torch.log(torch.rand(size, generator=generator, dtype=torch.float64)))
+
+
 def draft_distribution(draft_logits: torch.Tensor, sampling: SamplingParams) -> SparseDist:
     """The exactly sparse draft distribution q: the draft's processed probabilities truncated to
     their top `draft_top_k` and renormalised. Sampling from exactly this q keeps rejection exact.
@@ -69,3 +90,9 @@ def dense(dist: SparseDist, vocab_size: int) -> torch.Tensor:
     out = torch.zeros(vocab_size, dtype=torch.float64)
     out[list(dist.ids)] = torch.tensor(dist.probs, dtype=torch.float64)
     return out
+
+
+def draft_draw(sampling: SamplingParams):
+    """How a chain draft draws each token from its q: under sample-match with the target's own G
+    (`coupled_draw_sparse`), else by inverting q's CDF (what rejection's q describes)."""
+    return coupled_draw_sparse if sampling.effective_rule == "sample-match" else sample_sparse

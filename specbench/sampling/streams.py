@@ -6,8 +6,11 @@ p = target, q = draft (Leviathan et al.). Three streams, derived from one seed:
   draw there later, so how fast a reply comes back changes no output;
 - verify seeds, one per step in step order, for the target's side of the rejection rule;
 - under sample-match, one seed for the whole generation, from which the target keys its draw of
-  each position (`position_generator`): the token at position t is F(p_t, U_t) whatever was
-  drafted, so a seed gives the same text under every draft, and under target-only.
+  each position (`position_generator`): the token at position t is F(p_t, G_t) whatever was
+  drafted, so a seed gives the same text under every draft, and under target-only. The draft's
+  draws are then the very same (its stream gets that seed): a draft model perturbs its q with the
+  G_t the target will use (`probs.coupled_draw_sparse`), so it proposes the target's draw as often
+  as p and q allow. Still lossless: sample-match emits the target's draws, whatever was drafted.
 
 Why reusing a position's draws is still lossless: a position is drafted again only if no verify
 examined it (verification stops at the first rejected node, and the next draft starts after the
@@ -57,10 +60,11 @@ def position_generator(seed: int, position: int) -> torch.Generator:
 class Streams:
     """The streams of one generation from its seed."""
 
-    def __init__(self, seed: int):
-        self.draft = DraftDraws(mix(seed, 1))
-        self._verify = torch.Generator().manual_seed(mix(seed, 2))
+    def __init__(self, seed: int, coupled: bool = False):
+        """`coupled` (sample-match): the draft draws from the target's own seed of positions."""
         self._positions = mix(seed, 3)
+        self.draft = DraftDraws(self._positions if coupled else mix(seed, 1))
+        self._verify = torch.Generator().manual_seed(mix(seed, 2))
 
     def verify_seed(self, sampling) -> int:
         """The seed a step's verify gets: the generation's own under sample-match (the target keys its

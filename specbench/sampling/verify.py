@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from specbench.sampling.probs import dense, processed_probs, sample_from
+from specbench.sampling.probs import coupled_draw, dense, processed_probs, sample_from
 from specbench.sampling.streams import position_generator
 from specbench.types import DraftTree, SamplingParams, SpecbenchError
 
@@ -27,8 +27,9 @@ def verify(tree: DraftTree, target_logits: torch.Tensor, sampling: SamplingParam
     `choices`: those argmax ids, where the caller read them already (a batch reads every greedy
     row's in one transfer: on a GPU each read is a synchronization).
     `position`: the absolute index of the token the root row predicts (the session's committed
-    length). Given, sample-match draws the token at position t from `position_generator(generator's
-    seed, t)`, so the text depends on the seed and not on the draft; without it, from `generator`.
+    length). Given, sample-match draws the token at position t by `coupled_draw` from
+    `position_generator(generator's seed, t)`, so the text depends on the seed and not on the draft
+    (and a draft coupled to the same draws lands on it often); without it, from `generator`.
     """
     if target_logits.shape[0] != len(tree) + 1:
         raise SpecbenchError(
@@ -42,7 +43,7 @@ def verify(tree: DraftTree, target_logits: torch.Tensor, sampling: SamplingParam
         if position is None:
             return _walk(tree, lambda node: sample_from(row_probs(node), generator))
         depths, seed = tree.depths(), generator.initial_seed()
-        return _walk(tree, lambda node: sample_from(
+        return _walk(tree, lambda node: coupled_draw(
             row_probs(node), position_generator(seed, position + (depths[node] if node >= 0 else 0))))
     if tree.draft_dists is None and len(tree):
         raise SpecbenchError(
