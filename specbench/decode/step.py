@@ -34,7 +34,7 @@ def speculative_step(target: Target, drafter: Optional[Drafter], session: str, c
     if drafter is not None and k > 0 and max_depth > 0:
         tree = drafter.propose(context, k, sampling, streams.draft, max_depth=max_depth)
     draft_s = time.perf_counter() - started
-    return Step(tree, target.verify(session, tree, sampling, streams.verify_seed(sampling)), draft_s)
+    return Step(tree, target.verify(session, tree, sampling, streams.verify_seed()), draft_s)
 
 
 class ProactiveDrafting:
@@ -66,7 +66,7 @@ class ProactiveDrafting:
             tree = _joined(reused, drafter.propose(context + list(reused.tokens), limit - len(reused), sampling,
                                                    streams.draft))
         draft_s = time.perf_counter() - started
-        pending = target.verify_begin(session, tree, sampling, streams.verify_seed(sampling))
+        pending = target.verify_begin(session, tree, sampling, streams.verify_seed())
         chain_end = context + list(tree.tokens)
         ahead = self._draft_ahead(drafter, chain_end, k + 1, sampling, streams, pending)
         verdict = pending.result()

@@ -33,6 +33,12 @@ def mix(seed: int, salt: int) -> int:
     return (z ^ (z >> 31)) >> 1
 
 
+def position_generator(seed: int, position: int) -> torch.Generator:
+    """A fresh generator for the token at absolute `position`: the draft's (`DraftDraws.at`), and under
+    sample-match the target's, from the same seed, so the two draw the same numbers there."""
+    return torch.Generator().manual_seed(mix(seed, position))
+
+
 class DraftDraws:
     """The draft's randomness: `at(position)` is a fresh generator for the token at that position."""
 
@@ -40,7 +46,7 @@ class DraftDraws:
         self.seed = seed
 
     def at(self, position: int) -> torch.Generator:
-        return torch.Generator().manual_seed(mix(self.seed, position))
+        return position_generator(self.seed, position)
 
 
 def draft_draws(rng: "DraftDraws | torch.Generator") -> DraftDraws:
@@ -52,23 +58,19 @@ def draft_draws(rng: "DraftDraws | torch.Generator") -> DraftDraws:
     raise TypeError(f"draft randomness must be DraftDraws or torch.Generator, got {type(rng).__name__}")
 
 
-def position_generator(seed: int, position: int) -> torch.Generator:
-    """The target's draw of the token at absolute `position` under sample-match, from its verify seed."""
-    return torch.Generator().manual_seed(mix(seed, position))
-
-
 class Streams:
     """The streams of one generation from its seed."""
 
     def __init__(self, seed: int, coupled: bool = False):
-        """`coupled` (sample-match): the draft draws from the target's own seed of positions."""
+        """`coupled` (sample-match): every verify gets one seed, from which the target keys its draws by
+        position, and the draft draws from that same seed."""
+        self.coupled = coupled
         self._positions = mix(seed, 3)
         self.draft = DraftDraws(self._positions if coupled else mix(seed, 1))
         self._verify = torch.Generator().manual_seed(mix(seed, 2))
 
-    def verify_seed(self, sampling) -> int:
-        """The seed a step's verify gets: the generation's own under sample-match (the target keys its
-        draws by position from it), else the next of the verify stream."""
-        if sampling.effective_rule == "sample-match":
+    def verify_seed(self) -> int:
+        """The seed a step's verify gets: the generation's own when coupled, else the next of the verify stream."""
+        if self.coupled:
             return self._positions
         return int(torch.randint(0, 2**62, (), generator=self._verify))
