@@ -188,7 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     run_parser.add_argument("--max-new-tokens", type=int, default=64)
     run_parser.add_argument("--temperature", type=float, default=0.0)
     run_parser.add_argument("--rule", choices=list(VERIFY_RULES),
-                            help="verification rule (default: greedy at temperature 0, else rejection)")
+                            help="verification rule (default: greedy at temperature 0, else rejection, or "
+                                 "sample-match where a method needs it: dynamic trees, auto)")
     run_parser.add_argument("--seed", type=int, default=0, help="the sampled runs' seed (the same seed, the same text)")
     run_parser.add_argument("--dtype", default="float32")
     run_parser.add_argument("--quant", default="none", choices=list(QUANTIZATIONS), help="target quantization")

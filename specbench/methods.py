@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional, Union
 
 from specbench.models.spec import ModelSpec
 from specbench.registry import Registry
-from specbench.types import CROSS_TOKENIZER_RULES, SpecbenchError
+from specbench.types import CROSS_TOKENIZER_RULES, SpecbenchError, default_rule
 
 KINDS = ("none", "chain", "tree")
 CROSS_TOKENIZER = CROSS_TOKENIZER_RULES + ("off",)  # off: refuse a draft with another tokenizer
@@ -126,6 +126,9 @@ class Method:
     lookup: bool = False  # drafts by looking up the context: no draft model, so nothing to profile or price
     reads_features: bool = False  # a draft head here: the target must run eager (fast steps expose no features)
     keeps_outputs: bool = False  # drafts from a cache of earlier outputs (suffix decoding), shared as configured
+    # rejection sampling can verify its drafts; False for dynamic trees (which nodes they keep depends on the
+    # tokens drawn), which sampled runs verify by sample-match
+    rejection: bool = True
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -244,7 +247,7 @@ def _eagle_tree(source: DraftSource):
 for _method in (
     Method("target-only", "none"),
     Method("chain", "chain", _chain, plannable=True, drafts_ahead=True),
-    Method("tree", "tree", _tree),
+    Method("tree", "tree", _tree, rejection=False),
     Method("fixed-tree", "tree", _fixed_tree),
     Method("prompt-lookup", "chain", _prompt_lookup, plannable=True, lookup=True),
     Method("prompt-lookup-tree", "tree", _prompt_lookup_tree, lookup=True),
@@ -259,11 +262,11 @@ for _method in (
     Method("suffix-tree-server", "tree", on_worker=True, lookup=True, keeps_outputs=True,
            worker_build=lambda source, key=(): _suffix(source, tree=True, key=key)),
     Method("eagle", "chain", _eagle, reads_features=True),  # a draft head over the target's hidden states (heads/)
-    Method("eagle-tree", "tree", _eagle_tree, reads_features=True),  # its EAGLE-2 dynamic tree
+    Method("eagle-tree", "tree", _eagle_tree, reads_features=True, rejection=False),  # its EAGLE-2 dynamic tree
     # suffix decoding where its counts vouch for a continuation (SuffixSettings.hand_over), the head elsewhere
     Method("suffix-eagle", "chain", _suffix_eagle, reads_features=True, keeps_outputs=True),
     Method("suffix-eagle-tree", "tree", lambda source: _suffix_eagle(source, tree=True), reads_features=True,
-           keeps_outputs=True),
+           keeps_outputs=True, rejection=False),
     # the same with a draft model in place of the head: the first turn's new text to the model, repeats to suffix
     Method("suffix-chain", "chain", _suffix_chain, keeps_outputs=True),
     Method("suffix-tree-chain", "tree", lambda source: _suffix_chain(source, tree=True), keeps_outputs=True),
@@ -271,16 +274,29 @@ for _method in (
     Method("server-only-ar", "none", on_worker=True),  # AutoDraft's Server-Only-AR
     # a draft head on the worker (the server-side placement): only finished tokens travel, no features
     Method("eagle-server", "chain", on_worker=True, worker_build=lambda source, key=(): _eagle(source)),
-    Method("eagle-tree-server", "tree", on_worker=True, worker_build=lambda source, key=(): _eagle_tree(source)),
+    Method("eagle-tree-server", "tree", on_worker=True, worker_build=lambda source, key=(): _eagle_tree(source),
+           rejection=False),
     # the hybrid on the worker: its head there, its suffix cache the worker's (per tenant unless told otherwise)
     Method("suffix-eagle-server", "chain", on_worker=True, keeps_outputs=True,
            worker_build=lambda source, key=(): _suffix_eagle(source, key=key)),
     Method("suffix-eagle-tree-server", "tree", on_worker=True, keeps_outputs=True,
-           worker_build=lambda source, key=(): _suffix_eagle(source, tree=True, key=key)),
+           worker_build=lambda source, key=(): _suffix_eagle(source, tree=True, key=key), rejection=False),
     # the worker's router (`specbench worker --router FILE`) picks each prompt's worker method and K
     Method("auto-server", "chain", on_worker=True, keeps_outputs=True),  # it may route to suffix decoding
 ):
     register(_method)
+
+
+def sampled_rule(temperature: float, names=()) -> str:
+    """The rule of a run of these methods that names none: greedy at temperature 0; else rejection (exact,
+    and it accepts the most of a draft model's drafts) unless one of them drafts what rejection cannot
+    verify (a dynamic tree) or is routed (`auto`: its choices may be), then sample-match for all, so that
+    their outputs stay comparable. Example: ("chain", "fixed-tree") at 0.8 -> rejection; ("chain", "tree")
+    -> sample-match."""
+    bare = [name.split(":")[0] for name in names]
+    if temperature and any(name == "auto" or not get_method(name).rejection for name in bare):
+        return "sample-match"
+    return default_rule(temperature)
 
 
 def lookup_method(kind: str) -> str:

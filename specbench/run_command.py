@@ -2,7 +2,7 @@
 `cli.py`)."""
 from __future__ import annotations
 
-from specbench.types import SamplingParams, SpecbenchError, default_rule
+from specbench.types import SamplingParams, SpecbenchError
 
 DEFAULT_TARGET = "smollm2-135m"
 
@@ -14,6 +14,7 @@ def run_command(args) -> int:
     from specbench.decode.divergence import difference_lines
     from specbench.decode.metrics import summarize
     from specbench.decode.verdict import speed_verdicts
+    from specbench.methods import sampled_rule
     from specbench.models.loading import load_model
     from specbench.models.spec import ModelSpec
 
@@ -27,7 +28,7 @@ def run_command(args) -> int:
     target = ModelSpec(args.target or DEFAULT_TARGET, dtype=args.dtype, quantization=args.quant, kernels=args.kernels)
     draft = (ModelSpec(args.draft, dtype=args.dtype, quantization=args.draft_quant, kernels=args.kernels)
              if args.draft else None)
-    sampling = SamplingParams(temperature=args.temperature, rule=args.rule or default_rule(args.temperature))
+    sampling = SamplingParams(temperature=args.temperature, rule=args.rule or sampled_rule(args.temperature, names))
     planner = None
     if args.plan:
         from specbench.plan.step_planner import planner_from_caches

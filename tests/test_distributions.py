@@ -12,6 +12,7 @@ from scipy import stats
 
 from specbench.decode.loop import Decoding, generate
 from specbench.decode.target import LocalTarget
+from specbench.methods import TreeShape
 from specbench.models.tiny import tiny_model
 from specbench.sampling.probs import draft_distribution, processed_probs, sample_sparse
 from specbench.sampling.verify import verify
@@ -94,6 +95,32 @@ def test_coupled_draws_are_exact_and_a_coupled_draft_lands_on_them():
     assert agree / draws > float(p @ q) + 0.1, (agree / draws, float(p @ q))
 
 
+def test_a_coupled_trees_children_are_draws_without_replacement_led_by_the_coupled_draw():
+    """probs.coupled_top, a tree's children under sample-match: its leader is coupled_draw_sparse's token, and
+    its first two follow q's draws without replacement (P(a, b) = q_a q_b / (1 - q_a), chi-square), so they hold
+    the target's draw more often than the leader alone and more often than q's top two (which hold it with
+    p's probability of those two)."""
+    from specbench.sampling.probs import coupled_draw, coupled_draw_sparse, coupled_top
+
+    sampling = SamplingParams(temperature=1.0, rule="sample-match", draft_top_k=5)
+    target_logits, draft_q = synthetic_case(7, sampling)
+    target_p = processed_probs(target_logits[:1], sampling)[0].double()
+    q = dict(zip(draft_q.ids, draft_q.probs))
+    pairs = [(a, b) for a in draft_q.ids for b in draft_q.ids if a != b]
+    counts, led, held, draws = np.zeros(len(pairs)), 0, 0, 8_000
+    for seed in range(draws):
+        first, second = coupled_top(draft_q, torch.Generator().manual_seed(seed), 2)
+        assert first == coupled_draw_sparse(draft_q, torch.Generator().manual_seed(seed))
+        counts[pairs.index((first, second))] += 1
+        token = coupled_draw(target_p, torch.Generator().manual_seed(seed))
+        led += token == first
+        held += token in (first, second)
+    expected = np.array([q[a] * q[b] / (1 - q[a]) for a, b in pairs])
+    assert chi_square_p(counts, expected) > P_VALUE_FLOOR
+    top_two = float(target_p[list(draft_q.ids[:2])].sum())
+    assert held / draws > led / draws + 0.02 and held / draws > top_two + 0.05, (held / draws, led / draws, top_two)
+
+
 def test_negative_control_the_test_rejects_the_draft_distribution():
     """Emitting the draft's own samples (no verification) must fail the same test."""
     sampling = SETTINGS[0]
@@ -120,7 +147,7 @@ def target_marginals(target, prompt, sampling, vocab):
                                            ("prompt-lookup-tree", "rejection", 6)])
 def test_end_to_end_two_token_marginals_match_target(method, rule, k):
     """Real models, real KV caches, chains and trees: the first two emitted tokens follow the target."""
-    from specbench.methods import DraftSource, TreeShape, make_drafter
+    from specbench.methods import DraftSource, make_drafter
 
     vocab = 16
     target = tiny_model(seed=3, vocab_size=vocab, num_layers=SAMPLING_LAYERS)
@@ -206,3 +233,21 @@ def test_a_draft_identical_to_the_target_is_always_accepted_under_sample_match(t
     records = run(tiny_target, [REPEATING_PROMPT, [3, 4, 5, 6]], method="chain", draft=tiny_target,
                   sampling=sampling, max_new_tokens=24, seed=21, k=4, progress=False)
     assert records["drafted"].sum() > 20 and (records["accepted"] == records["drafted"]).all()
+
+
+@pytest.mark.parametrize("method,shape", [("fixed-tree", TreeShape(widths=(2, 1, 1))),
+                                          ("tree", TreeShape(max_depth=3, beam=1, branch=1, prune=False))])
+def test_a_tree_from_the_target_itself_is_accepted_along_its_first_children_under_sample_match(tiny_target, method,
+                                                                                             shape):
+    """A coupled tree's first child at every node is the token the target draws there (tree_drafters' children
+    race on the target's own E), so with the target as draft every full step accepts the tree's whole depth,
+    three levels: a fixed (2, 1, 1) tree in 8 nodes, and a dynamic one of one child a node. Ranked by q instead,
+    as before the coupling, such a run accepted 0-2 of 2 levels a step."""
+    from specbench.api import run
+
+    sampling = SamplingParams(temperature=1.0, top_k=12, rule="sample-match")
+    records = run(tiny_target, [REPEATING_PROMPT, [3, 4, 5, 6]], method=method, draft=tiny_target,
+                  sampling=sampling, max_new_tokens=25, seed=21, k=8, progress=False, tree=shape)
+    full = records[records["tree_depth"] == 3]  # each prompt's last step drafts no deeper than what is left
+    assert len(full) >= 10
+    assert (full["accepted"] == 3).all(), full["accepted"].tolist()

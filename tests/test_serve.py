@@ -334,16 +334,18 @@ def test_a_seed_gives_one_text_under_target_only_lookups_suffix_decoding_and_aut
 
 def test_a_draft_models_sampled_requests_keep_rejection():
     """Rejection accepts more of a draft model's drafts (sum min(p, q) against sum p*q), whose drafts depend on
-    the request alone; anything reading the shared cache, or routed, runs sample-match."""
+    the request alone; anything reading the shared cache, routed, or a dynamic tree (which rejection cannot
+    verify) runs sample-match."""
     from specbench.methods import get_method
     from specbench.serve.engine import request_sampling
     from specbench.types import SamplingParams
 
     sampled = SamplingParams(temperature=0.9, rule="rejection")
     rules = {(name, routed): request_sampling(sampled, get_method(name), routed).rule
-             for name in ("target-only", "chain", "tree", "prompt-lookup", "suffix-tree", "suffix-tree-chain")
+             for name in ("target-only", "chain", "fixed-tree", "tree", "eagle-tree", "prompt-lookup", "suffix-tree",
+                          "suffix-tree-chain")
              for routed in (False, True)}
-    assert {key for key, rule in rules.items() if rule == "rejection"} == {("chain", False), ("tree", False)}
+    assert {key for key, rule in rules.items() if rule == "rejection"} == {("chain", False), ("fixed-tree", False)}
     assert request_sampling(SamplingParams(), get_method("suffix"), False).effective_rule == "greedy"
 
 

@@ -41,6 +41,7 @@ def test_a_sampled_cell_samples():
     """A cell at a temperature verifies by rejection unless it names a rule, and never by argmax (which would
     give greedy text, silently): refused when it is built, not when it runs."""
     assert SweepCell(temperature=0.5).rule == "rejection" and SweepCell().rule == "greedy"
+    assert SweepCell(temperature=0.5, methods=("chain", "tree")).rule == "sample-match"  # a dynamic tree
     assert SweepCell(temperature=0.5, rule="sample-match").rule == "sample-match"
     with pytest.raises(SpecbenchError, match="rule 'greedy' verifies by the target's argmax"):
         SweepCell(temperature=0.5, rule="greedy")

@@ -145,6 +145,17 @@ def test_bad_sampling_params(kwargs):
         SamplingParams(**kwargs)
 
 
+def test_a_sampled_run_defaults_to_the_rule_its_methods_can_take():
+    """Rejection unless a method's drafts have no rejection rule (a dynamic tree: which nodes it keeps depends on
+    the tokens drawn) or are routed: then sample-match for all, rather than an error after the models load."""
+    from specbench.methods import sampled_rule
+
+    assert sampled_rule(0.0, ["tree"]) == "greedy"
+    assert sampled_rule(0.8, ["target-only", "chain:3", "fixed-tree", "suffix-tree"]) == "rejection"
+    for names in (["chain", "tree"], ["eagle-tree"], ["suffix-eagle-tree"], ["auto"]):
+        assert sampled_rule(0.8, names) == "sample-match", names
+
+
 def test_a_temperature_under_the_greedy_rule_is_refused():
     """Greedy verification at a temperature returns the argmax text: the temperature would be ignored."""
     with pytest.raises(SpecbenchError, match="pass rule='rejection' or 'sample-match'"):

@@ -119,7 +119,8 @@ class CrossTokenizerDrafter:
         ranking = sampling if sampling.greedy else SamplingParams(
             temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
             rule="sample-match", draft_top_k=sampling.draft_top_k)
-        tree = self.model_drafter.propose(draft_context, k, ranking, draws)
+        # its positions count draft tokens, not the target's: the target's draws there are no guide
+        tree = self.model_drafter.propose(draft_context, k, ranking, DraftDraws(draws.seed))
         candidates = []
         for leaf in _leaves_depth_first(tree):
             path = _path(tree, leaf)

@@ -7,7 +7,7 @@ chain of D tokens. Dynamic trees stop early once no frontier node can reach the 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 import torch
@@ -15,7 +15,7 @@ import torch
 from specbench.decode.drafters import ModelDrafter
 from specbench.decode.kv import check_full_attention, crop_to
 from specbench.models.loaded import LoadedModel
-from specbench.sampling.probs import draft_distribution, sample_sparse
+from specbench.sampling.probs import coupled_top, draft_distribution, sample_sparse
 from specbench.sampling.streams import DraftDraws, draft_draws
 from specbench.types import DraftTree, SamplingParams, SparseDist, SpecbenchError
 
@@ -63,9 +63,12 @@ class TreeGrowth:
         depth_limit = min(self.max_depth, budget, max_depth or budget)
         try:
             for depth in range(1, depth_limit + 1):
-                created, generator = [], draws.at(len(context) + depth - 1)
+                created, position = [], len(context) + depth - 1
+                generator = draws.at(position)
                 for parent, logits in frontier:
-                    created += self._children(nodes, parent, depth, logits, sampling, generator)
+                    if draws.coupled:  # every parent races on the very E the target draws this position with
+                        generator = draws.at(position)
+                    created += self._children(nodes, parent, depth, logits, sampling, generator, draws.coupled)
                 if depth == depth_limit or not created:
                     break
                 expand = created if self.widths else self._worth_expanding(nodes, created, budget)
@@ -82,22 +85,33 @@ class TreeGrowth:
         """q over the target's ids from a level's logits (a head maps its draft vocabulary)."""
         return draft_distribution(logits[: self.vocab_limit], sampling)
 
-    def _children(self, nodes, parent, depth, logits, sampling, generator) -> list[int]:
+    def _children(self, nodes, parent, depth, logits, sampling, generator, coupled=False) -> list[int]:
+        """A node's children: draws from q (rejection), q's top tokens (greedy, uncoupled sample-match) or,
+        coupled to the target's draws (sample-match), the leaders of the race the target runs there
+        (`coupled_top`): the target's draw is its leader when q = p, where q's top tokens hold it only
+        with probability p of them. A child scores the q of its rank (the r-th child the r-th largest q),
+        the acceptance a greedy tree would expect of it."""
         width = self.widths[depth - 1] if self.widths else self.branch
         base = nodes[parent].log_prob if parent >= 0 else 0.0
         if sampling.effective_rule == "rejection":
             q = self._distribution(logits, sampling)
             tokens = [sample_sparse(q, generator) for _ in range(width)]
+            weights = dict(zip(q.ids, q.probs))
+            scores = [weights[token] for token in tokens]
+        elif coupled and not sampling.greedy:
+            q = self._distribution(logits, replace(sampling, draft_top_k=max(width, sampling.draft_top_k)))
+            tokens = coupled_top(q, generator, width)
+            scores = list(q.probs[: len(tokens)])
         else:
             # rank by the draft's tempered distribution (temperature 1 under greedy decoding)
             ranking = SamplingParams(temperature=sampling.temperature or 1.0, top_k=sampling.top_k,
                                      top_p=sampling.top_p, rule="sample-match", draft_top_k=max(width, 1))
             q = self._distribution(logits, ranking)
             tokens = list(q.ids[:width])
-        weights = dict(zip(q.ids, q.probs))
+            scores = list(q.probs[: len(tokens)])
         created = []
-        for token in tokens:
-            nodes.append(_Node(token, parent, depth, base + math.log(max(weights[token], 1e-30)), q))
+        for token, score in zip(tokens, scores):
+            nodes.append(_Node(token, parent, depth, base + math.log(max(score, 1e-30)), q))
             created.append(len(nodes) - 1)
         return created
 

@@ -58,8 +58,15 @@ def coupled_draw(probs: torch.Tensor, generator: torch.Generator) -> int:
 def coupled_draw_sparse(dist: SparseDist, generator: torch.Generator) -> int:
     """`coupled_draw` for a sparse q: the same E (its first max(ids) + 1 values, which a longer draw starts
     with: `tests/test_verify_rules.py` checks it), read at q's ids."""
+    return coupled_top(dist, generator, 1)[0]
+
+
+def coupled_top(dist: SparseDist, generator: torch.Generator, count: int) -> list[int]:
+    """The `count` leaders of `coupled_draw_sparse`'s race, best first: a draw of `count` tokens without
+    replacement from q (Gumbel top-k), the first of them the coupled draw. A tree's children under
+    sample-match: the target's draw there is among them as often as the race's order allows."""
     race = torch.tensor(dist.probs, dtype=torch.float32) / _exponentials(max(dist.ids) + 1, generator)[list(dist.ids)]
-    return dist.ids[int(race.argmax().item())]
+    return [dist.ids[i] for i in race.argsort(descending=True, stable=True)[:count].tolist()]
 
 
 def _exponentials(size: int, generator: torch.Generator) -> torch.Tensor:

@@ -40,10 +40,11 @@ def position_generator(seed: int, position: int) -> torch.Generator:
 
 
 class DraftDraws:
-    """The draft's randomness: `at(position)` is a fresh generator for the token at that position."""
+    """The draft's randomness: `at(position)` is a fresh generator for the token at that position.
+    `coupled`: these are the target's own draws (sample-match), so a tree ranks children by them too."""
 
-    def __init__(self, seed: int):
-        self.seed = seed
+    def __init__(self, seed: int, coupled: bool = False):
+        self.seed, self.coupled = seed, coupled
 
     def at(self, position: int) -> torch.Generator:
         return position_generator(self.seed, position)
@@ -66,7 +67,7 @@ class Streams:
         position, and the draft draws from that same seed."""
         self.coupled = coupled
         self._positions = mix(seed, 3)
-        self.draft = DraftDraws(self._positions if coupled else mix(seed, 1))
+        self.draft = DraftDraws(self._positions, coupled=True) if coupled else DraftDraws(mix(seed, 1))
         self._verify = torch.Generator().manual_seed(mix(seed, 2))
 
     def verify_seed(self) -> int:

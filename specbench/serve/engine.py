@@ -302,8 +302,10 @@ def request_sampling(sampling: SamplingParams, method, routed: bool) -> Sampling
     a seed gives the same text under every method and whatever the shared suffix cache holds) for
     target-only, lookup drafts, drafts that read the cache and routed requests; rejection for a draft
     model's own drafts, where it accepts more (sum min(p, q) against sum p*q) and the drafts depend on
-    the request alone. For a lookup draft (q one point) both rules accept p(x): nothing is lost."""
-    if sampling.greedy or not (method.kind == "none" or method.lookup or method.keeps_outputs or routed):
+    the request alone. For a lookup draft (q one point) both rules accept p(x): nothing is lost. A
+    dynamic tree (`method.rejection` False) has no rejection rule: sample-match, its children coupled."""
+    if sampling.greedy or not (method.kind == "none" or method.lookup or method.keeps_outputs or routed
+                               or not method.rejection):
         return sampling
     return replace(sampling, rule="sample-match")
 

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
+from specbench.methods import sampled_rule
 from specbench.types import SamplingParams, SpecbenchError, default_rule
 
 CELL_KINDS = ("run", "reference", "profile")
@@ -51,7 +52,7 @@ class SweepCell:
     max_new_tokens: int = 64
     place: str = "local"
     temperature: float = 0.0
-    rule: Optional[str] = None  # None: greedy at temperature 0, else rejection (types.default_rule)
+    rule: Optional[str] = None  # None: greedy at temperature 0, else rejection or what the methods need (sampled_rule)
     seed: int = 0
     dtype: str = "float32"
     device: str = "cpu"  # where local models load: "cuda" with gpus_per_cell on a GPU cluster
@@ -66,8 +67,8 @@ class SweepCell:
             value = getattr(self, name)
             object.__setattr__(self, name, (value,) if isinstance(value, (str, int)) else tuple(value))
         object.__setattr__(self, "temperature", float(self.temperature))  # 1 and 1.0: one cell, one hash
-        if self.rule is None:
-            object.__setattr__(self, "rule", default_rule(self.temperature))
+        if self.rule is None:  # a run cell's methods may need sample-match (methods.sampled_rule)
+            object.__setattr__(self, "rule", sampled_rule(self.temperature, self.methods if self.kind == "run" else ()))
         SamplingParams(temperature=self.temperature, rule=self.rule)  # refused here, not when the cell runs
         object.__setattr__(self, "prompts", tuple(p if isinstance(p, str) else tuple(int(t) for t in p)
                                                   for p in self.prompts))
