@@ -251,3 +251,28 @@ def test_a_tree_from_the_target_itself_is_accepted_along_its_first_children_unde
     full = records[records["tree_depth"] == 3]  # each prompt's last step drafts no deeper than what is left
     assert len(full) >= 10
     assert (full["accepted"] == 3).all(), full["accepted"].tolist()
+
+
+def test_a_coupled_dynamic_tree_learns_to_trust_its_leaders(tiny_target):
+    """tree_drafters.LeaderRate counts how often the target drew the race's leader (a hit when the next
+    context continues with it; a context that does not extend the last one is no evidence), and a dynamic tree
+    scores its first children by that rate: with the target as its own draft every leader is drawn, so the
+    tree grows along them to its full depth (6) and a step returns 6.7 tokens, where scored by q alone it
+    spread wide and returned 3.0."""
+    from specbench.api import run
+    from specbench.decode.tree_drafters import LeaderRate
+
+    rate = LeaderRate()
+    rate.observe([1, 2])  # nothing expected yet
+    rate.expect([1, 2], 7)
+    rate.observe([1, 2, 7, 3])
+    rate.expect([1, 2, 7, 3], 5)
+    rate.observe([1, 2, 7, 3, 4])
+    rate.expect([1, 2, 7, 3, 4], 9)
+    rate.observe([8, 8, 8, 8, 8, 8])  # another generation: not counted
+    assert (rate.hits, rate.tries) == (2, 4)
+
+    sampling = SamplingParams(temperature=1.0, top_k=12, rule="sample-match")
+    records = run(tiny_target, [REPEATING_PROMPT, [3, 4, 5, 6], [7, 1, 2, 7]], method="tree", draft=tiny_target,
+                  sampling=sampling, max_new_tokens=40, seed=21, k=8, progress=False)
+    assert records["emitted"].sum() / len(records) > 5.5, records["accepted"].tolist()

@@ -29,6 +29,32 @@ class _Node:
     q: SparseDist
 
 
+class LeaderRate:
+    """How often the target's draw was the coupled race's leader at a tree's first level (sample-match),
+    counted from the context each step brings: the acceptance a coupled tree's first children can expect.
+    Starts at 1/2 (one hit in two tries, a uniform prior). Example: the tree led with 17 after context c;
+    the next context is c + [17, 4]: a hit (the target drew 17 there)."""
+
+    def __init__(self):
+        self.hits, self.tries, self.pending = 1, 2, None
+
+    def observe(self, context: list[int]) -> None:
+        if self.pending is None:
+            return
+        before, leader = self.pending
+        self.pending = None
+        if len(context) > len(before) and context[: len(before)] == before:
+            self.tries += 1
+            self.hits += context[len(before)] == leader
+
+    def expect(self, context: list[int], leader: int) -> None:
+        self.pending = (context, leader)
+
+    @property
+    def rate(self) -> float:
+        return self.hits / self.tries
+
+
 class TreeGrowth:
     """How a token tree grows, for any drafter that can give the root's logits (`_root_logits`), feed
     one level of nodes (`_forward_level`) and drop the tree afterwards (`_forget_tree`): a draft model
@@ -43,6 +69,7 @@ class TreeGrowth:
         self.widths = tuple(widths) if widths is not None else None
         self.max_depth = len(self.widths) if self.widths else max_depth
         self.beam, self.branch, self.prune = beam, branch, prune
+        self.leaders = LeaderRate()
 
     def propose(self, context: Sequence[int], k: int, sampling: SamplingParams,
                 draws: DraftDraws | torch.Generator, max_depth: Optional[int] = None) -> DraftTree:
@@ -54,6 +81,9 @@ class TreeGrowth:
             raise SpecbenchError("dynamic trees pick nodes by their drawn tokens, so rejection sampling would be "
                                  "biased on them: use rule='sample-match' (lossless) or a fixed-width tree")
         context = list(context)
+        coupled = draws.coupled and not sampling.greedy
+        if coupled:
+            self.leaders.observe(context)
         root_logits = self._root_logits(context)
         if root_logits is None:  # nothing to draft from (a head before any feature)
             return DraftTree()
@@ -68,7 +98,7 @@ class TreeGrowth:
                 for parent, logits in frontier:
                     if draws.coupled:  # every parent races on the very E the target draws this position with
                         generator = draws.at(position)
-                    created += self._children(nodes, parent, depth, logits, sampling, generator, draws.coupled)
+                    created += self._children(nodes, parent, depth, logits, sampling, generator, coupled)
                 if depth == depth_limit or not created:
                     break
                 expand = created if self.widths else self._worth_expanding(nodes, created, budget)
@@ -79,6 +109,8 @@ class TreeGrowth:
         finally:
             self._forget_tree(context)
         keep = self._select(nodes, budget)
+        if coupled and nodes:
+            self.leaders.expect(context, nodes[0].token)  # nodes[0]: the root's first child, the race's leader
         return self._as_tree(nodes, keep, sampling)
 
     def _distribution(self, logits: torch.Tensor, sampling: SamplingParams) -> SparseDist:
@@ -89,8 +121,9 @@ class TreeGrowth:
         """A node's children: draws from q (rejection), q's top tokens (greedy, uncoupled sample-match) or,
         coupled to the target's draws (sample-match), the leaders of the race the target runs there
         (`coupled_top`): the target's draw is its leader when q = p, where q's top tokens hold it only
-        with probability p of them. A child scores the q of its rank (the r-th child the r-th largest q),
-        the acceptance a greedy tree would expect of it."""
+        with probability p of them. A child's score, the chance it is the target's token, is q's top
+        values under greedy; coupled, the r-th child scores a * [r = 1] + (1 - a) * (r-th largest q), a the
+        leaders' measured rate (`LeaderRate`): a good draft's tree grows deep along its leaders."""
         width = self.widths[depth - 1] if self.widths else self.branch
         base = nodes[parent].log_prob if parent >= 0 else 0.0
         if sampling.effective_rule == "rejection":
@@ -98,10 +131,10 @@ class TreeGrowth:
             tokens = [sample_sparse(q, generator) for _ in range(width)]
             weights = dict(zip(q.ids, q.probs))
             scores = [weights[token] for token in tokens]
-        elif coupled and not sampling.greedy:
+        elif coupled:
             q = self._distribution(logits, replace(sampling, draft_top_k=max(width, sampling.draft_top_k)))
-            tokens = coupled_top(q, generator, width)
-            scores = list(q.probs[: len(tokens)])
+            tokens, trust = coupled_top(q, generator, width), self.leaders.rate
+            scores = [trust * (rank == 0) + (1 - trust) * value for rank, value in enumerate(q.probs[: len(tokens)])]
         else:
             # rank by the draft's tempered distribution (temperature 1 under greedy decoding)
             ranking = SamplingParams(temperature=sampling.temperature or 1.0, top_k=sampling.top_k,
