@@ -49,6 +49,10 @@ def run_command(args) -> int:
                   router=_router(args, names), suffix=suffix_settings(args),
                   families=families if "auto" in names else None)
     print(summarize(records).round(3).to_string(index=False))
+    if not sampling.greedy and not args.rule:  # a rule the user did not name: say which, and why
+        print(f"verified by {sampling.rule} (the default for these methods at a temperature: "
+              f"{'a dynamic tree or auto has no rejection rule' if sampling.rule == 'sample-match' else 'exact'}"
+              f"; --rule picks another)")
     if "target-only" in names:  # why each method paid or not; greedy: whether each output is target-only's
         print("\n".join(speed_verdicts(records)))
         if sampling.greedy and loaded is not None:

@@ -123,7 +123,13 @@ def test_the_run_command_checks_sample_match_outputs_against_target_only(capsys,
     assert texts[0] != texts[1]
     assert main(["run", "--target", "smollm2-135m", "--method", "target-only", "--prompt", "Hi", "--max-new-tokens",
                  "2", "--temperature", "1.0"]) == 0  # rejection, the default at a temperature: no identity line
-    assert "token for token" not in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "token for token" not in printed and "verified by rejection" in printed  # the rule it was not told
+    # a dynamic tree has no rejection rule: the default is sample-match, and said (before: an error after loading)
+    assert main(["run", "--target", "smollm2-135m", "--draft", "smollm2-135m", "--method", "target-only", "tree",
+                 "--prompt", "Hi", "--max-new-tokens", "6", "--temperature", "1.0"]) == 0
+    printed = capsys.readouterr().out
+    assert "verified by sample-match" in printed and "every output is target-only's, token for token" in printed
 
 
 def test_the_run_command_against_a_worker_on_a_dataset(capsys, tmp_path):
