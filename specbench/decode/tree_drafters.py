@@ -25,7 +25,7 @@ class _Node:
     token: int
     parent: int
     depth: int
-    log_prob: float  # cumulative draft log-probability of the path root..node
+    log_prob: float  # cumulative log score of the path root..node: its draft probability (coupled: `_children`)
     q: SparseDist
 
 
@@ -96,7 +96,7 @@ class TreeGrowth:
                 created, position = [], len(context) + depth - 1
                 generator = draws.at(position)
                 for parent, logits in frontier:
-                    if draws.coupled:  # every parent races on the very E the target draws this position with
+                    if coupled:  # every parent races on the very E the target draws this position with
                         generator = draws.at(position)
                     created += self._children(nodes, parent, depth, logits, sampling, generator, coupled)
                 if depth == depth_limit or not created:
