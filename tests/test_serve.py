@@ -373,6 +373,8 @@ BAD = [
       "speculative": {"method": "chain", "suffix": {"min_score": 1}}}, {}, 400, "speculative.suffix"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "speculation": {"method": "chain"}}, {}, 400,
      "speculation"),  # a misspelt field this server reads: refused, not run as the default method unsaid
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+      "extra_body": {"speculative": {"method": "chain"}}}, {}, 400, "extra_body"),  # the client's argument, sent raw
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temprature": 0}, {}, 400, "temprature"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_k": 40}, {}, 400, "top_k"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "repetition_penalty": 1.2}, {}, 400,
@@ -397,7 +399,8 @@ def test_bad_requests_are_refused_by_name_and_the_server_keeps_serving(local, er
         local.client().chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}])
     text, _ = chat_text(local.client(), PROMPTS[0], "target-only", None, stream=False)
     assert text == expected["chat"][0]
-    others = {"metadata": {"team": "a"}, "store": False, "top_k": -1, "min_p": 0, "user": "u"}  # fields that pass
+    others = {"metadata": {"team": "a"}, "store": False, "top_k": -1, "min_p": 0, "user": "u",
+              "extra_body": {"trace": 1}}  # fields that pass
     reply = httpx.post(f"{local.url}/v1/chat/completions", timeout=120, json={
         "model": MODEL, "messages": [{"role": "user", "content": PROMPTS[0]}], "temperature": 0,
         "max_tokens": TOKENS, **others})

@@ -3,7 +3,8 @@
 Fields the OpenAI API defines but this server does not implement (n > 1, logprobs, penalties) are
 refused by name rather than ignored, so a client never gets output it did not ask for; fields that
 change nothing here (`user`, `stream_options` besides include_usage, fields of other servers) pass,
-except a misspelling of a field this server reads (`speculation` for `speculative`), refused naming both.
+except a misspelling of a field this server reads (`speculation` for `speculative`), refused naming both,
+and a raw `extra_body` holding fields it reads (the openai client merges that argument into the body).
 """
 from __future__ import annotations
 
@@ -81,6 +82,12 @@ def _job(body: dict, settings: ServeSettings, prompt_ids: list[int], default_max
         close = [] if name in READ or name in UNSUPPORTED else difflib.get_close_matches(name, READ, 1, 0.8)
         if close:
             raise RequestError(f"unknown field {name!r}: did you mean {close[0]!r}?", name)
+    nested = body.get("extra_body")
+    if isinstance(nested, dict) and any(name in READ or name in UNSUPPORTED for name in nested):
+        # the openai client's argument, merged into the body by the client; sent as a field, its speculative
+        # (or temperature) would be passed over and the request run on defaults, unsaid
+        raise RequestError(f"extra_body is the openai client's argument, which it merges into the request body: sent "
+                           f"raw, put {sorted(nested)} at the top level of the body", "extra_body")
     max_tokens = body.get(max_field)
     max_tokens = min(default_max_tokens, limits.max_tokens) if max_tokens is None else max_tokens
     _integer(max_tokens, max_field, 1, limits.max_tokens)
