@@ -43,16 +43,18 @@ def run_command(args) -> int:
     # loaded once here (the run and the check share it), or the worker's
     loaded = load_model(target) if not args.worker else None
     records = run(loaded or _remote(args, target), prompts, method=args.method, draft=draft, k=args.k,
-                  max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed, dtype=args.dtype, planner=planner,
+                  max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed, dtype=args.dtype,
+                  planner=planner,
                   substitute_quantization=args.substitute_quant, cross_tokenizer=args.cross_tokenizer,
                   fast=args.fast, self_draft_layers=getattr(args, "self_draft_layers", None),
                   router=_router(args, names), suffix=suffix_settings(args),
                   families=families if "auto" in names else None)
     print(summarize(records).round(3).to_string(index=False))
     if not sampling.greedy and not args.rule:  # a rule the user did not name: say which, and why
-        print(f"verified by {sampling.rule} (the default for these methods at a temperature: "
-              f"{'a dynamic tree or auto has no rejection rule' if sampling.rule == 'sample-match' else 'exact'}"
-              f"; --rule picks another)")
+        why = ("a dynamic tree has no rejection rule, and auto may choose one" if sampling.rule == "sample-match"
+               else "exact")
+        print(f"verified by {sampling.rule} (the default for these methods at a temperature: {why}; "
+              f"--rule picks another)")
     if "target-only" in names:  # why each method paid or not; greedy: whether each output is target-only's
         print("\n".join(speed_verdicts(records)))
         if sampling.greedy and loaded is not None:

@@ -94,10 +94,10 @@ class TreeGrowth:
         try:
             for depth in range(1, depth_limit + 1):
                 created, position = [], len(context) + depth - 1
-                generator = draws.at(position)
+                shared = None if coupled else draws.at(position)  # one stream through the level's parents
                 for parent, logits in frontier:
-                    if coupled:  # every parent races on the very E the target draws this position with
-                        generator = draws.at(position)
+                    # coupled: every parent races on the very E the target draws this position with
+                    generator = draws.at(position) if coupled else shared
                     created += self._children(nodes, parent, depth, logits, sampling, generator, coupled)
                 if depth == depth_limit or not created:
                     break
@@ -117,7 +117,7 @@ class TreeGrowth:
         """q over the target's ids from a level's logits (a head maps its draft vocabulary)."""
         return draft_distribution(logits[: self.vocab_limit], sampling)
 
-    def _children(self, nodes, parent, depth, logits, sampling, generator, coupled=False) -> list[int]:
+    def _children(self, nodes, parent, depth, logits, sampling, generator, coupled) -> list[int]:
         """A node's children: draws from q (rejection), q's top tokens (greedy, uncoupled sample-match) or,
         coupled to the target's draws (sample-match), the leaders of the race the target runs there
         (`coupled_top`): the target's draw is its leader when q = p, where q's top tokens hold it only
