@@ -668,3 +668,55 @@ def test_an_edited_tune_configuration_is_refused_naming_the_bad_value(tmp_path, 
     path.write_text(json.dumps(document))
     with pytest.raises(SpecbenchError, match=words):
         read_config(path)
+
+
+def test_a_sampled_tune_records_measures_and_configures_at_its_temperature(tmp_path):
+    """A service at temperature 0.8 accepts other drafts than a greedy one: before, a tune had no temperature
+    and its checked choice was greedy's."""
+    from specbench.cli import build_parser
+    from specbench.plan.library import load_references
+    from specbench.tune.command import apply_config
+    from specbench.tune.phases import Store, point_key
+    from specbench.tune.report import read_config
+    from specbench.tune.spec import Candidate
+
+    greedy = tune(spec(drafts=(DRAFT,), measure_share=0.0), tmp_path, progress=False)
+    assert (read_config(greedy.config_path)["rule"], greedy.chosen["temperature"]) == ("greedy", 0.0)
+    sampled = tune(spec(drafts=(DRAFT,), measure_share=0.0, temperature=0.8), tmp_path, progress=False)
+    references = load_references(tmp_path / "reference")
+    assert sorted((r.temperature, r.rule) for r in references) == [(0.0, "greedy"), (0.8, "rejection")]
+    assert sampled.calibration["acceptance_replayed"] == [] and greedy.calibration["acceptance_replayed"] == [DRAFT]
+    store, held, first = Store(tmp_path), list(PROMPTS[3:6]), Candidate(DRAFT, "chain", draft=DRAFT)
+    outputs = [store.measured(point_key(s, first, "target-only", 0, held))["emitted_tokens"].tolist()
+               for s in (spec(drafts=(DRAFT,)), spec(drafts=(DRAFT,), temperature=0.8))]
+    assert outputs[0] != outputs[1], "the sampled tune's target-only run is greedy's"
+    config = read_config(sampled.config_path)
+    assert (config["temperature"], config["rule"]) == (0.8, "rejection")
+    assert "Sampled at temperature 0.8, verified by rejection" in sampled.report_path.read_text()
+    args = build_parser().parse_args(["run", "--config", str(sampled.config_path)])
+    apply_config(args)
+    assert (args.temperature, args.rule) == (0.8, "rejection")
+    with_trees = spec(drafts=(DRAFT,), temperature=0.8, tree_budgets=(4,))
+    assert with_trees.sampling().rule == "sample-match"  # dynamic trees: the default turns to sample-match
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(temperature=0.8, rule="rejection", tree_budgets=(4,)), "rejection cannot verify the dynamic trees"),
+    (dict(temperature=0.8, rule="nucleus"), "rule 'nucleus'"),
+    (dict(temperature=-1.0), "temperature must be >= 0"),
+    (dict(temperature=0.8, rule="greedy"), "rule 'greedy' verifies by the target's argmax"),
+])
+def test_a_sampled_tune_that_cannot_run_is_refused_by_name_before_any_work(tmp_path, overrides, message):
+    with pytest.raises(SpecbenchError, match=message):
+        tune(spec(**overrides), tmp_path, progress=False)
+    assert not list(tmp_path.rglob("profile-*.json")), "work started before the refusal"
+
+
+def test_a_sampled_tune_under_load_is_refused_for_model_drafts_whose_load_replays_greedy_proposals():
+    from specbench.tune.spec import Candidate, check_sampled_load
+
+    loaded = spec(temperature=0.7, endpoint="tcp://127.0.0.1:5555", clients=(1, 4))
+    with pytest.raises(SpecbenchError, match=r"prompt-lookup and suffix only.*\['qwen'\]"):
+        check_sampled_load(loaded, [Candidate("qwen", "chain", draft="qwen"), Candidate("suffix", "suffix")])
+    check_sampled_load(loaded, [Candidate("suffix", "suffix"), Candidate("prompt-lookup", "prompt-lookup")])
+    check_sampled_load(spec(endpoint="tcp://127.0.0.1:5555", clients=(1, 4)), [Candidate("qwen", "chain")])

@@ -34,6 +34,11 @@ def add_tune(commands) -> None:
                       help="of an exhaustive sweep's measuring time (estimated): then the best measured point's "
                            "neighbouring K")
     tune.add_argument("--budget-minutes", type=float, default=15.0)
+    tune.add_argument("--temperature", type=float, default=0.0,
+                      help="the serving temperature: acceptance recorded and points measured at it (default greedy)")
+    tune.add_argument("--rule", choices=("rejection", "sample-match"),
+                      help="the sampled runs' verification rule (default: rejection, or sample-match with "
+                           "--tree-budgets: dynamic trees need it)")
     tune.add_argument("--dtype", default="float32")
     tune.add_argument("--kernels", default="default", choices=list(KERNELS), help=KERNELS_HELP)
     tune.add_argument("--draft-budget-mib", type=float)
@@ -50,7 +55,7 @@ def _tune(args) -> int:
                     objective=args.cost, cs=args.cs, chain_ks=tuple(args.k), tree_budgets=tuple(args.tree_budgets),
                     max_new_tokens=args.max_new_tokens, measure_top=args.measure_top, measure_share=args.measure_share,
                     budget_minutes=args.budget_minutes, dtype=args.dtype, kernels=args.kernels,
-                    draft_budget_mib=args.draft_budget_mib)
+                    draft_budget_mib=args.draft_budget_mib, temperature=args.temperature, rule=args.rule)
     result = tune(spec, args.out_dir)
     columns = ["label", "measured_tokens_per_s", "predicted_tokens_per_s", "calibrated_tokens_per_s", "error_after",
                "flag"]
@@ -74,4 +79,6 @@ def apply_config(args: argparse.Namespace) -> None:
     if config.get("substitute_quantization"):
         args.substitute_quant = config["substitute_quantization"]
     args.dtype = config.get("dtype", args.dtype)
+    if config.get("temperature"):  # the choice was checked at this temperature, under this rule
+        args.temperature, args.rule = config["temperature"], config.get("rule") or args.rule
     args.kernels = config.get("kernels", args.kernels)

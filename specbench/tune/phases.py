@@ -78,6 +78,8 @@ def point_key(spec: TuneSpec, candidate: Candidate, method: str, k: int, prompts
              "k": k, "prompts": prompts, "tokens": spec.max_new_tokens, "dtype": spec.dtype, "seed": spec.seed}
     if spec.kernels != "default":  # (points measured before kernels were a choice keep their keys)
         point["kernels"] = spec.kernels
+    if spec.sampling() is not None:  # (and greedy points from before sampled tunes theirs)
+        point["sampling"] = spec.sampling_tag
     return _key({**point, "clients": clients} if clients > 1 else point)
 
 
@@ -133,7 +135,7 @@ def reference(store: Store, target, candidate: Candidate, draft, prompts: list, 
         return found
     recorded = record_reference(target, candidate.method if free else candidate.draft if head else draft, prompts,
                                 dataset=dataset, max_chain=max(spec.chain_ks), tree_budgets=spec.tree_budgets,
-                                max_new_tokens=spec.max_new_tokens, dtype=spec.dtype,
+                                max_new_tokens=spec.max_new_tokens, dtype=spec.dtype, sampling=spec.sampling(),
                                 progress=f"tune: reference {candidate.name}" if progress else False)
     store.save_reference(recorded, {"prompts": len(prompts)})
     return store.reference(draft_label, target_label, dataset) or recorded
@@ -146,7 +148,9 @@ def measure(store: Store, target, candidate: Candidate, method: str, k: int, pro
     model draft is recorded at one client and replayed at more (`decode/replay_drafter.py`: the users'
     drafts run on their own devices, not on the cores this box's worker needs)."""
     key = point_key(spec, candidate, method, k, prompts, clients)
-    drafting = bool(spec.endpoint) and candidate.method not in FREE and method != "target-only"
+    sampling = spec.sampling()
+    # a model draft on a worker records its proposals for loaded points (greedy only: `_check_sampled_load`)
+    drafting = bool(spec.endpoint) and candidate.method not in FREE and method != "target-only" and sampling is None
     # the draft's proposals, kept beside its one-client point: written there, replayed at more clients
     proposals_path = store.folder / "measured" / f"{point_key(spec, candidate, method, k, prompts)}.proposals.json"
     found = store.measured(key)
@@ -161,6 +165,7 @@ def measure(store: Store, target, candidate: Candidate, method: str, k: int, pro
                max_new_tokens=spec.max_new_tokens, self_draft_layers=candidate.self_draft_layers,
                substitute_quantization=candidate.quantization if candidate.method == "substitute" else "8bit",
                dtype=spec.dtype, seed=spec.seed, warmup=False, tokenizer=getattr(target, "tokenizer", None),
+               sampling=sampling,
                suffix=SuffixSettings(cache="drafter"))  # suffix decoding's cache: this run's prompts only
     if clients > 1:
         proposals = None

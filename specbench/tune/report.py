@@ -33,18 +33,22 @@ def read_config(path: str | Path) -> dict:
     if missing:
         raise SpecbenchError(f"{path} is not a tune configuration: it lacks {sorted(missing)}")
     from specbench.models.spec import KERNELS
+    from specbench.types import VERIFY_RULES
 
     checks = {"target": lambda v: isinstance(v, str) and v, "method": lambda v: isinstance(v, str) and v,
               "k": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,  # 0: target-only chosen
               "draft": lambda v: v is None or isinstance(v, str),
               "self_draft_layers": lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1),
               "substitute_quantization": lambda v: v is None or isinstance(v, str),
-              "dtype": lambda v: isinstance(v, str), "kernels": lambda v: v in KERNELS}
+              "dtype": lambda v: isinstance(v, str), "kernels": lambda v: v in KERNELS,
+              "temperature": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1e6,
+              "rule": lambda v: v in VERIFY_RULES}
     wrong = [f"{name}={document[name]!r}" for name, good in checks.items()
              if name in document and not good(document[name])]
     if wrong:  # an edited file: named here, not a TypeError deep in the run it configures
         raise SpecbenchError(f"{path}: {', '.join(wrong)} (target, method: names; k an integer >= 0; "
-                             f"self_draft_layers >= 1; kernels: one of {KERNELS})")
+                             f"self_draft_layers >= 1; kernels: one of {KERNELS}; temperature >= 0; "
+                             f"rule: one of {VERIFY_RULES})")
     return document
 
 
@@ -91,6 +95,11 @@ def write_report(path: Path, spec: TuneSpec, result) -> Path:
             f"time{f' (per width: {widths})' if widths and mode != 'speed' else ''}, "
             f"{1000 * result.calibration.get('overhead_s', 0):.1f} ms of loop per step. Chosen: "
             f"{result.chosen['label']} at cs={spec.cs:g} ({spec.objective}).")
+    sampling = spec.sampling()
+    if sampling is not None:
+        note += (f" Sampled at temperature {sampling.temperature:g}, verified by {sampling.rule}: acceptance recorded "
+                 f"and every point measured so (seed {spec.seed}); held-back acceptance is the calibration split's, "
+                 f"not replayed from target-only's outputs.")
     loaded = result.calibration.get("loaded")
     if loaded:
         note += (f" Points at several clients: {loaded['priced']} (a round waits {loaded['window_ms']:g} ms, and up to "

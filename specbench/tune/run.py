@@ -27,7 +27,7 @@ from specbench.tune.calibrate import Calibrator
 from specbench.tune.candidates import check_drafts, draft_model, head_label, resolve_candidates
 from specbench.tune.share import (MeasuringShare, as_points, estimate_s, measuring_s, neighbour, one_client_run,
                                   sweep_points)
-from specbench.tune.spec import FREE, GOAL_ERROR, TuneSpec, split_prompts
+from specbench.tune.spec import FREE, GOAL_ERROR, TuneSpec, check_sampled_load, split_prompts
 from specbench.types import SpecbenchError
 
 
@@ -67,6 +67,7 @@ def tune(spec: TuneSpec, folder: Optional[str | Path] = None, progress: bool = T
     runner, target, rtt_ms = _targets(spec)
     candidates, notes = resolve_candidates(spec, target)
     left_out += notes
+    check_sampled_load(spec, candidates)
     tokenizer = target.tokenizer
     prompts = [row["prompt"] for row in rows]
     calibration, held = split_prompts(prompts, spec.calibration_share)
@@ -88,7 +89,8 @@ def tune(spec: TuneSpec, folder: Optional[str | Path] = None, progress: bool = T
     draft_profiles = {c.name: phases.profile(store, drafts[c.name], draft_grid, spec, progress, label=head_label(c))
                       if drafts[c.name] is not None else None for c in candidates}
     phase("profiles")
-    dataset = f"{Path(spec.prompts).stem if isinstance(spec.prompts, str) else 'prompts'}[{len(calibration)} calibration]"
+    dataset = (f"{Path(spec.prompts).stem if isinstance(spec.prompts, str) else 'prompts'}[{len(calibration)} calibration]"
+               f"{spec.sampling_tag}")  # a sampled tune's acceptance is not a greedy one's
     references = {c.name: phases.reference(store, target, c, drafts[c.name], calibration, dataset, spec, progress)
                   for c in candidates}
     phase("references")
@@ -104,7 +106,8 @@ def tune(spec: TuneSpec, folder: Optional[str | Path] = None, progress: bool = T
     baseline = phases.measure(store, runner, candidates[0], "target-only", 0, held, None, spec, progress)
     calibrator = Calibrator.from_baseline(baseline, runner, target_profile, drafts, draft_profiles, context,
                                           target_grid["tokens"], spec.repeats, mode=spec.calibration)
-    held_references = _held_back(references, candidates, drafts, held, baseline, tokenizer, spec.chain_ks, calibrator)
+    held_references = _held_back(references, candidates, drafts, held, baseline, tokenizer, spec.chain_ks, calibrator,
+                                 replay=spec.sampling() is None)
     replayed = sorted(name for name in held_references if held_references[name] is not references[name])
     alone = {("target-only", "none", 0): baseline}  # one-client runs measured: their loaded points replay them
     stats = runner.stats() if spec.endpoint and max(spec.clients) > 1 else None  # the worker's batching, as it shows it
@@ -257,10 +260,12 @@ def _predict(candidates, target_profile, draft_profiles, references, points, con
 
 
 def _held_back(references: dict, candidates, drafts: dict, held: list, baseline: pd.DataFrame, tokenizer,
-               ks, calibrator: Optional[Calibrator] = None) -> dict:
+               ks, calibrator: Optional[Calibrator] = None, replay: bool = True) -> dict:
     """Each candidate's reference with its chain acceptance replayed on the held-back prompts from the
     target-only run's outputs (`tune/replay.py`); the calibration reference where that cannot be done.
-    A model draft with the target's tokenizer also has its drafting timed there, for `calibrator`."""
+    A model draft with the target's tokenizer also has its drafting timed there, for `calibrator`.
+    `replay` False (a sampled tune: a greedy replay of sampled outputs would count argmax agreement, not
+    what the rule accepts): every candidate keeps its calibration reference, and drafting is still timed."""
     from specbench.api import encode_prompts
     from specbench.decode.drafters import PromptLookupDrafter
     from specbench.decode.suffix_drafter import SuffixDrafter, SuffixSettings
@@ -282,7 +287,7 @@ def _held_back(references: dict, candidates, drafts: dict, held: list, baseline:
             continue
         found = held_back_reference(reference, prompts_ids, outputs, new_drafter=fresh.get(candidate.method),
                                     draft=None if lookup else drafts[candidate.name], ks=ks)
-        replayed[candidate.name] = found or reference
+        replayed[candidate.name] = (found if replay else None) or reference
         if found is not None and not lookup and calibrator is not None and calibrator.mode == "runs":
             calibrator.drafting(candidate.name, drafting_steps(drafts[candidate.name], prompts_ids, outputs, max(ks)))
     return replayed
@@ -408,6 +413,7 @@ def _choose(table: pd.DataFrame, spec: TuneSpec, candidates) -> dict:
             "self_draft_layers": candidate.self_draft_layers if candidate else None,
             "substitute_quantization": candidate.quantization if candidate and candidate.method == "substitute" else None,
             "dtype": spec.dtype, "kernels": spec.kernels, "max_new_tokens": spec.max_new_tokens,
+            "temperature": float(spec.temperature), "rule": spec.verify_rule,
             "objective": spec.objective, "cs": spec.cs,
             "label": best["label"], "measured_tokens_per_s": round(best["measured_tokens_per_s"], 3),
             "clients": int(best.get("clients", 1))}  # the load it was measured under

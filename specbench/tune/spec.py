@@ -55,6 +55,8 @@ class TuneSpec:
     repeats: int = 3  # profile repeats per grid point
     calibration: str = "runs"  # what calibrates the profiles: runs | speed | widths | per-point (tune/calibrate.py)
     seed: int = 0
+    temperature: float = 0.0  # the serving temperature: acceptance recorded and points measured at it (0: greedy)
+    rule: Optional[str] = None  # the sampled runs' rule; None: `methods.sampled_rule` over the methods a tune runs
     extra: dict = field(default_factory=dict)
 
     def check(self) -> None:
@@ -84,9 +86,41 @@ class TuneSpec:
             raise SpecbenchError("clients share a remote target: give a worker endpoint for client counts above 1")
         if not 0 <= self.measure_share <= 1:
             raise SpecbenchError(f"measure_share is a share of a sweep's measuring time, 0 to 1: got {self.measure_share}")
+        self.sampling()  # a bad temperature or rule, or rejection over dynamic trees, refused here
         if self.budget_minutes < 1:
             raise SpecbenchError(f"a budget of {self.budget_minutes} minutes leaves no time to profile, record and "
                                  f"measure anything: give --budget-minutes 1 or more")
+
+
+    def sampling(self):
+        """How every run of the tune samples: None at temperature 0 (greedy). A sampled tune records
+        acceptance and measures at the serving temperature, since a draft accepted greedily 3 tokens a
+        step may accept 2 at 0.8, and a choice checked greedily says nothing of a sampled service."""
+        from specbench.methods import sampled_rule
+        from specbench.types import VERIFY_RULES, SamplingParams
+
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
+            raise SpecbenchError(f"temperature must be a number, got {self.temperature!r}")
+        if self.rule is not None and self.rule not in VERIFY_RULES:
+            raise SpecbenchError(f"rule {self.rule!r}: one of {VERIFY_RULES}")
+        if not self.temperature:
+            return None
+        trees = ("tree",) if self.tree_budgets else ()  # a tune's trees are dynamic: sample-match verifies them
+        rule = self.rule or sampled_rule(self.temperature, ("chain", *trees))
+        if rule == "rejection" and trees:
+            raise SpecbenchError("rule rejection cannot verify the dynamic trees tree_budgets asks for (a tree picks "
+                                 "nodes by their drawn tokens): use rule sample-match, or no tree budgets")
+        return SamplingParams(temperature=float(self.temperature), rule=rule)
+
+    @property
+    def verify_rule(self) -> str:
+        sampling = self.sampling()
+        return "greedy" if sampling is None else sampling.rule
+
+    @property
+    def sampling_tag(self) -> str:
+        """What tells a sampled tune's references and points from a greedy one's in its folder."""
+        return "" if self.sampling() is None else f" t={self.temperature:g} {self.verify_rule}"
 
 
 def candidate(name: str, target_layers: Optional[int] = None) -> Candidate:
@@ -113,6 +147,18 @@ def candidate(name: str, target_layers: Optional[int] = None) -> Candidate:
             raise SpecbenchError(f"candidate {name!r}: substitute takes a quantization of {QUANTIZATIONS[1:]}")
         return Candidate(f"substitute:{quantization}", "substitute", quantization=quantization)
     return Candidate(name, "chain", draft=name)
+
+
+def check_sampled_load(spec: TuneSpec, candidates) -> None:
+    """Several clients of a model draft are measured by replaying its proposals recorded alone, and a
+    replay carries no draft distributions: at a temperature only drafts from the context load a worker."""
+    if spec.sampling() is None or max(spec.clients) == 1:
+        return
+    drafting = [c.name for c in candidates if c.method not in FREE]
+    if drafting:
+        raise SpecbenchError(f"at temperature {spec.temperature:g}, client counts above 1 can be measured for "
+                             f"{' and '.join(FREE)} only (a model draft's load is measured by replaying its greedy "
+                             f"proposals): drop {drafting} from the drafts, or plan for clients 1")
 
 
 def split_prompts(rows: list, share: float) -> tuple[list, list]:
