@@ -720,3 +720,18 @@ def test_a_sampled_tune_under_load_is_refused_for_model_drafts_whose_load_replay
         check_sampled_load(loaded, [Candidate("qwen", "chain", draft="qwen"), Candidate("suffix", "suffix")])
     check_sampled_load(loaded, [Candidate("suffix", "suffix"), Candidate("prompt-lookup", "prompt-lookup")])
     check_sampled_load(spec(endpoint="tcp://127.0.0.1:5555", clients=(1, 4)), [Candidate("qwen", "chain")])
+
+
+def test_a_rerun_at_another_cs_chooses_among_the_points_an_earlier_tune_in_its_folder_measured(tmp_path):
+    """Before, a rerun at cs=0 after one at cs=0.5 ignored the points only the first had listed, and chose a
+    slower one than a point measured (and stored) in the same folder."""
+    first = tune(spec(cs=1.0, measure_top=4, measure_share=0.0), tmp_path / "tune", progress=False)
+    alone = tune(spec(cs=0.0, measure_share=0.0), tmp_path / "alone", progress=False)
+    assert set(first.measured["label"]) - set(alone.measured["label"]), "the two tunes list the same points"
+    stamps = {path: path.stat().st_mtime_ns for path in (tmp_path / "tune" / "measured").glob("*.json")}
+    second = tune(spec(cs=0.0, measure_share=0.0), tmp_path / "tune", progress=False)
+    assert set(first.measured["label"]) <= set(second.measured["label"])
+    assert second.measured["label"].is_unique
+    assert all(path.stat().st_mtime_ns == stamp for path, stamp in stamps.items()), "a stored point was measured again"
+    fastest = second.measured.loc[second.measured["measured_tokens_per_s"].idxmax()]
+    assert second.chosen["label"] == fastest["label"]  # cs=0: the fastest measured point, wherever it was measured

@@ -159,3 +159,13 @@ def loaded_frame(frame: pd.DataFrame, references: dict, profiles, baseline: pd.D
         rows.append(repriced(row, lone, run_clients(own, clients, rules), prices, power))
     return pd.DataFrame(rows, index=frame.index)
 
+
+def loaded_terms(stats: Optional[dict], calibrator) -> dict:
+    """How points at several clients were priced, for the report: the worker's rules the simulation played."""
+    if stats is None:
+        return {}
+    rules = worker_rules(calibrator.profiles()[0], stats)
+    return {"loaded": {"priced": "simulated against the worker's batching",
+                       "wait_cap_ms": round(1000 * rules.wait_cap_s, 1), "window_ms": round(1000 * rules.window_s, 1),
+                       "host_fixed_ms": round(1000 * rules.host.fixed_s, 2),
+                       "host_row_ms": round(1000 * rules.host.row_s, 3)}}

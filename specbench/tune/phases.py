@@ -83,6 +83,19 @@ def point_key(spec: TuneSpec, candidate: Candidate, method: str, k: int, prompts
     return _key({**point, "clients": clients} if clients > 1 else point)
 
 
+def stored_points(store: Store, predicted: pd.DataFrame, spec: TuneSpec, prompts: list, method_of) -> list[dict]:
+    """The predicted points whose records this folder holds for these prompts and settings: an earlier tune
+    here measured them (another cs or objective, a killed run), so they cost a read. `method_of(row)` gives
+    (candidate, method)."""
+    found = []
+    for row in predicted.to_dict("records"):
+        candidate, method = method_of(row)
+        key = point_key(spec, candidate, method, int(row["k"]), prompts, int(row["clients"]))
+        if (store.folder / "measured" / f"{key}.json").exists():
+            found.append(row)
+    return found
+
+
 def profile(store: Store, model, grid: dict, spec: TuneSpec, progress, label: Optional[str] = None) -> LatencyProfile:
     """`model`'s latency over `grid` on this machine (or the worker's, for a RemoteTarget), cached; a draft
     head's (its own forward over the grid's tokens and contexts) under `label`."""

@@ -131,9 +131,10 @@ def tune(spec: TuneSpec, folder: Optional[str | Path] = None, progress: bool = T
     share = MeasuringShare(spec.measure_share, sum(estimate_s(r, len(held), spec)
                                                    for r in sweep_points(predicted, spec).to_dict("records")))
 
-    def measure(row: dict) -> None:
+    def measure(row: dict, stored: bool = False) -> None:
+        """`stored`: an earlier tune in this folder measured the point; read, it costs no time or share."""
         clients = int(row["clients"])
-        estimate = estimate_s(row, len(held), spec)
+        estimate = 0.0 if stored else estimate_s(row, len(held), spec)
         if time.monotonic() + estimate > deadline:
             left_out.append(f"{row['label']}: not measured, ~{estimate:.0f} s would pass the {spec.budget_minutes:g}-minute "
                             f"budget")
@@ -145,7 +146,8 @@ def tune(spec: TuneSpec, folder: Optional[str | Path] = None, progress: bool = T
         at_run = now(retimed) if retimed is not None else None
         records = phases.measure(store, runner, candidate, method, int(row["k"]), held, drafts[candidate.name], spec,
                                  progress, clients=clients)
-        share.took(estimate, measuring_s(records, clients))
+        if not stored:
+            share.took(estimate, measuring_s(records, clients))
         measured.append(_row(candidate.name, method, int(row["k"]), records, predicted, raw, spec, rtt_ms,
                              label=row["label"], at_run=at_run, clients=clients))
         if clients == 1:
@@ -155,8 +157,12 @@ def tune(spec: TuneSpec, folder: Optional[str | Path] = None, progress: bool = T
             calibrator.learn_rounds(records)
 
     measuring_from, free = time.monotonic(), {c.name for c in candidates if c.method in FREE}
+    done = lambda row: row["label"] in {m["label"] for m in measured}  # noqa: E731
     for row in _to_measure(predicted, spec, free=free):
         measure(row)
+    for row in phases.stored_points(store, predicted, spec, held, lambda row: _method(row, candidates)):
+        if not done(row):  # what an earlier tune here measured (at another cs, say) is chosen among too
+            measure(row, stored=True)
     # then, while the share of a sweep's measuring time allows, the best measured point's neighbouring K:
     # the choice is made among measured points, and a neighbour the prediction ranked just below is often
     # as good (a model draft's neighbour at one client is also one more run the calibration learns from)
@@ -181,11 +187,12 @@ def tune(spec: TuneSpec, folder: Optional[str | Path] = None, progress: bool = T
     bar.close()
     table = pd.DataFrame(measured)
     chosen = _choose(table, spec, candidates)
+    from specbench.tune.loaded import loaded_terms
     from specbench.tune.report import write_config, write_report
 
     result = TuneResult(predicted, table, chosen, folder, left_out=left_out,
                         calibration=dict(calibrator.terms, acceptance_replayed=replayed,
-                                         **_loaded_terms(stats, calibrator)),
+                                         **loaded_terms(stats, calibrator)),
                         seconds={name: round(value, 1) for name, value in seconds.items()}, measuring=measuring,
                         calibrator=calibrator, predict_now=now)
     result.config_path = write_config(folder / "tune.json", spec, chosen)
@@ -217,19 +224,6 @@ def _targets(spec: TuneSpec):
         remote.health()
         rtts.append(1000 * (time.perf_counter() - sent))
     return remote, target, round(statistics.median(rtts), 2)
-
-
-def _loaded_terms(stats: Optional[dict], calibrator) -> dict:
-    """How points at several clients were priced, for the report: the worker's rules the simulation played."""
-    if stats is None:
-        return {}
-    from specbench.tune.loaded import worker_rules
-
-    rules = worker_rules(calibrator.profiles()[0], stats)
-    return {"loaded": {"priced": "simulated against the worker's batching",
-                       "wait_cap_ms": round(1000 * rules.wait_cap_s, 1), "window_ms": round(1000 * rules.window_s, 1),
-                       "host_fixed_ms": round(1000 * rules.host.fixed_s, 2),
-                       "host_row_ms": round(1000 * rules.host.row_s, 3)}}
 
 
 def _context(tokenizer, prompts: list, max_new_tokens: int) -> int:
