@@ -162,7 +162,7 @@ def measure(store: Store, target, candidate: Candidate, method: str, k: int, pro
     drafts run on their own devices, not on the cores this box's worker needs)."""
     key = point_key(spec, candidate, method, k, prompts, clients)
     sampling = spec.sampling()
-    # a model draft on a worker records its proposals for loaded points (greedy only: `_check_sampled_load`)
+    # a model draft on a worker records its proposals for loaded points (greedy only: `spec.check_sampled_load`)
     drafting = bool(spec.endpoint) and candidate.method not in FREE and method != "target-only" and sampling is None
     # the draft's proposals, kept beside its one-client point: written there, replayed at more clients
     proposals_path = store.folder / "measured" / f"{point_key(spec, candidate, method, k, prompts)}.proposals.json"

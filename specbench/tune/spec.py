@@ -91,7 +91,6 @@ class TuneSpec:
             raise SpecbenchError(f"a budget of {self.budget_minutes} minutes leaves no time to profile, record and "
                                  f"measure anything: give --budget-minutes 1 or more")
 
-
     def sampling(self):
         """How every run of the tune samples: None at temperature 0 (greedy). A sampled tune records
         acceptance and measures at the serving temperature, since a draft accepted greedily 3 tokens a
