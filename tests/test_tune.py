@@ -42,7 +42,8 @@ def test_tune_end_to_end_chooses_a_measured_point_and_writes_what_run_reads(tmp_
     assert retimed.calibration["mode"] == "per-point" and "error_window" in retimed.measured
     assert (measured["measured_tokens_per_s"] > 0).all() and (measured["predicted_tokens_per_s"] > 0).all()
     assert result.calibration["speed_factor"] > 0 and result.seconds["measurements"] >= 0
-    best = measured.loc[measured["label"] == result.chosen["label"]].iloc[0]
+    chose_from = measured if result.side_by_side is None else result.side_by_side  # close best two: run side by side
+    best = chose_from.loc[chose_from["label"] == result.chosen["label"]].iloc[0]
     assert result.chosen["measured_tokens_per_s"] == pytest.approx(best["measured_tokens_per_s"], rel=1e-3)
     config = read_config(result.config_path)
     assert config["translations"]["note"].startswith("untested")
@@ -733,5 +734,59 @@ def test_a_rerun_at_another_cs_chooses_among_the_points_an_earlier_tune_in_its_f
     assert set(first.measured["label"]) <= set(second.measured["label"])
     assert second.measured["label"].is_unique
     assert all(path.stat().st_mtime_ns == stamp for path, stamp in stamps.items()), "a stored point was measured again"
-    fastest = second.measured.loc[second.measured["measured_tokens_per_s"].idxmax()]
+    chose_from = second.measured if second.side_by_side is None else second.side_by_side
+    fastest = chose_from.loc[chose_from["measured_tokens_per_s"].idxmax()]
     assert second.chosen["label"] == fastest["label"]  # cs=0: the fastest measured point, wherever it was measured
+    if second.side_by_side is not None:  # the two it ran side by side are the fastest two measured apart
+        best = second.measured[second.measured["method"] != "target-only"].nlargest(1, "measured_tokens_per_s")
+        assert best["label"].iloc[0] == second.side_by_side["label"].iloc[1]
+
+
+def test_close_best_points_run_side_by_side_and_the_choice_is_made_on_that_run(tmp_path, monkeypatch):
+    """Points measured minutes apart on a drifting VM once chose prompt lookup over a chain that, interleaved,
+    ran faster (benchmarks/results/2026-12-03-tune-at-a-temperature.md)."""
+    import specbench.tune.duel as duel
+
+    monkeypatch.setattr(duel, "CLOSE", float("inf"))  # any two points count as close
+    settings = dict(drafts=(DRAFT, "prompt-lookup"), chain_ks=(2,), measure_share=0.0)
+    result = tune(spec(**settings), tmp_path, progress=False)
+    table = result.side_by_side
+    assert table is not None and table["method"].iloc[0] == "target-only"
+    assert set(table["method"].iloc[1:]) == {"chain", "prompt-lookup"}
+    chosen = table.loc[table["label"] == result.chosen["label"]].iloc[0]
+    assert result.chosen["measured_tokens_per_s"] == pytest.approx(chosen["measured_tokens_per_s"], rel=1e-3)
+    assert "ran side by side" in result.report_path.read_text()
+    stored = {p: p.stat().st_mtime_ns for p in (tmp_path / "measured").glob("duel-*.json")}
+    assert len(stored) == 1
+    again = tune(spec(**settings), tmp_path, progress=False)  # resumed: the side-by-side run is read, not rerun
+    assert {p: p.stat().st_mtime_ns for p in stored} == stored
+    assert again.side_by_side["measured_tokens_per_s"].tolist() == pytest.approx(table["measured_tokens_per_s"].tolist())
+    monkeypatch.setattr(duel, "CLOSE", -1.0)  # nothing is close: chosen from the points as measured apart
+    assert tune(spec(**settings), tmp_path / "apart", progress=False).side_by_side is None
+
+
+def test_the_best_point_runs_beside_the_next_best_one_call_can_hold():
+    import pandas as pd
+
+    from specbench.tune.duel import contenders
+    from specbench.tune.spec import Candidate
+
+    def table(*points):
+        rows = [("target-only", "target-only", 0, 10.0)] + list(points)
+        return pd.DataFrame([dict(label=f"{c}: {m} K={k}", candidate=c, method=m, k=k, clients=1,
+                                  measured_tokens_per_s=speed, total_cost_usd_per_mtok=100 / speed)
+                             for c, m, k, speed in rows])
+
+    a, b, lookup = (Candidate("a", "chain", draft="a"), Candidate("b", "chain", draft="b"),
+                    Candidate("prompt-lookup", "prompt-lookup"))
+    drafts = {"a": object(), "b": object(), "prompt-lookup": None}
+    together = contenders(table(("a", "chain", 3, 15.0), ("prompt-lookup", "prompt-lookup", 3, 14.5)),
+                          spec(), [a, b, lookup], drafts)
+    assert [row["candidate"] for row in together] == ["a", "prompt-lookup"]
+    assert contenders(table(("a", "chain", 3, 15.0), ("a", "chain", 4, 14.8)), spec(), [a, lookup], drafts) is None
+    beside = contenders(table(("a", "chain", 3, 15.0), ("a", "chain", 4, 14.8), ("prompt-lookup", "prompt-lookup", 3,
+                                                                             14.0)), spec(), [a, lookup], drafts)
+    assert [row["label"] for row in beside] == ["a: chain K=3", "prompt-lookup: prompt-lookup K=3"]  # K=4 skipped
+    assert contenders(table(("a", "chain", 3, 15.0), ("b", "chain", 3, 14.8)), spec(), [a, b], drafts) is None
+    assert contenders(table(("a", "chain", 3, 30.0), ("prompt-lookup", "prompt-lookup", 3, 11.0)), spec(),
+                      [a, lookup], drafts) is None  # not close

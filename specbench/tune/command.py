@@ -60,6 +60,9 @@ def _tune(args) -> int:
     columns = ["label", "measured_tokens_per_s", "predicted_tokens_per_s", "calibrated_tokens_per_s", "error_after",
                "flag"]
     print(result.measured[columns].round(3).to_string(index=False))
+    if result.side_by_side is not None:  # the close best two, interleaved: what the choice was made on
+        print("side by side, every prompt through each in turn:")
+        print(result.side_by_side[["label", "measured_tokens_per_s", "tokens_per_step"]].round(3).to_string(index=False))
     for line in result.left_out:
         print(f"left out: {line}")
     print(f"chosen: {result.chosen['label']} ({result.chosen['measured_tokens_per_s']} tok/s measured)")

@@ -100,6 +100,12 @@ def write_report(path: Path, spec: TuneSpec, result) -> Path:
         note += (f" Sampled at temperature {sampling.temperature:g}, verified by {sampling.rule}: acceptance recorded "
                  f"and every point measured so (seed {spec.seed}); held-back acceptance is the calibration split's, "
                  f"not replayed from target-only's outputs.")
+    duel = getattr(result, "side_by_side", None)
+    if duel is not None:
+        speeds = ", ".join(f"{row.label} {row.measured_tokens_per_s:.3g}" for row in duel.itertuples())
+        note += (f" The best measured point and the next best one run could hold beside it were close, so they ran "
+                 f"side by side with target-only, every held-back prompt through each in turn, and the choice was "
+                 f"made on that run (tok/s: {speeds}).")
     loaded = result.calibration.get("loaded")
     if loaded:
         note += (f" Points at several clients: {loaded['priced']} (a round waits {loaded['window_ms']:g} ms, and up to "

@@ -24,6 +24,7 @@ from specbench.plan.costs import Power, Prices
 from specbench.plan.explore import cost_column, measured_points, operating_points, prediction_frame, recommend
 import specbench.tune.phases as phases
 from specbench.tune.calibrate import Calibrator
+from specbench.tune.duel import settle
 from specbench.tune.candidates import check_drafts, draft_model, head_label, resolve_candidates
 from specbench.tune.share import (MeasuringShare, as_points, estimate_s, measuring_s, neighbour, one_client_run,
                                   sweep_points)
@@ -46,6 +47,7 @@ class TuneResult:
     measuring: dict = field(default_factory=dict)  # its share of a sweep's measuring time, the neighbours it measured
     calibrator: Optional[Calibrator] = field(default=None, repr=False)  # re-times a point now ("per-point")
     predict_now: Optional[object] = field(default=None, repr=False)  # profiles -> the prediction table
+    side_by_side: Optional[pd.DataFrame] = None  # the best two points and target-only interleaved: what chose
 
 
 def tune(spec: TuneSpec, folder: Optional[str | Path] = None, progress: bool = True) -> TuneResult:
@@ -186,11 +188,12 @@ def tune(spec: TuneSpec, folder: Optional[str | Path] = None, progress: bool = T
                                                   window_tokens_per_s=predicted["tokens_per_s"].values)
     bar.close()
     table = pd.DataFrame(measured)
-    chosen = _choose(table, spec, candidates)
+    duel = settle(table, spec, candidates, drafts, store, runner, held, rtt_ms, deadline, progress, left_out)
+    chosen = _choose(table if duel is None else duel, spec, candidates)
     from specbench.tune.loaded import loaded_terms
     from specbench.tune.report import write_config, write_report
 
-    result = TuneResult(predicted, table, chosen, folder, left_out=left_out,
+    result = TuneResult(predicted, table, chosen, folder, left_out=left_out, side_by_side=duel,
                         calibration=dict(calibrator.terms, acceptance_replayed=replayed,
                                          **loaded_terms(stats, calibrator)),
                         seconds={name: round(value, 1) for name, value in seconds.items()}, measuring=measuring,
