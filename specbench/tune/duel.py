@@ -57,10 +57,12 @@ def side_by_side(store, runner, pair: list[dict], base_label: str, candidates, d
     if records is None:
         from specbench.api import run
 
-        model = next((drafts[c.name] for c in chosen if drafts.get(c.name) is not None), None)
+        # what `run` drafts with, as `phases.measure` passes it: a model draft loaded, a head by its folder
+        model = next((found for found in ({"chain": drafts.get(c.name), "eagle": c.draft}.get(c.method)
+                                          for c in chosen) if found is not None), None)
         options = next((c for c in chosen if c.method in ("self-draft", "substitute")), None)
         records = run(runner, held, method=["target-only", *(f"{row['method']}:{int(row['k'])}" for row in pair)],
-                      draft=model if model is not None else next((c.draft for c in chosen if c.draft), None),
+                      draft=model,
                       max_new_tokens=spec.max_new_tokens, sampling=spec.sampling(), seed=spec.seed, dtype=spec.dtype,
                       self_draft_layers=options.self_draft_layers if options else None,
                       substitute_quantization=options.quantization if options and options.method == "substitute"
