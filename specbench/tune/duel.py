@@ -1,4 +1,4 @@
-"""The best two measured points run side by side before a tune chooses between them.
+"""The best measured point and a close runner-up run side by side before a tune chooses between them.
 
 Why: a tune measures its points one after another, minutes apart, and a VM's speed moves 15-20% in that time,
 more than two close candidates differ (benchmarks/results/2026-12-03-tune-at-a-temperature.md: at temperature 0.8
@@ -47,8 +47,7 @@ def side_by_side(store, runner, pair: list[dict], base_label: str, candidates, d
                  spec: TuneSpec, rtt_ms: float, progress) -> pd.DataFrame:
     """Target-only and the two points of `pair` in one interleaved run over the held-back prompts (cached in the
     tune's folder): a row per point with its measured speed and cost, as the choice reads them."""
-    from specbench.decode.suffix_drafter import SuffixSettings
-    from specbench.tune.phases import point_key
+    from specbench.tune.phases import point_key, run_options
 
     by_name = {c.name: c for c in candidates}
     chosen = [by_name[row["candidate"]] for row in pair]
@@ -57,18 +56,12 @@ def side_by_side(store, runner, pair: list[dict], base_label: str, candidates, d
     if records is None:
         from specbench.api import run
 
-        # what `run` drafts with, as `phases.measure` passes it: a model draft loaded, a head by its folder
-        model = next((found for found in ({"chain": drafts.get(c.name), "eagle": c.draft}.get(c.method)
-                                          for c in chosen) if found is not None), None)
-        options = next((c for c in chosen if c.method in ("self-draft", "substitute")), None)
+        # each point's options as `phases.measure` gives them; `contenders` let at most one draft, layer count or
+        # quantization between them, so the second's set options fill the first's unset ones
+        first, second = (run_options(c, drafts.get(c.name), spec, runner) for c in chosen)
+        options = {**first, **{name: value for name, value in second.items() if value is not None}}
         records = run(runner, held, method=["target-only", *(f"{row['method']}:{int(row['k'])}" for row in pair)],
-                      draft=model,
-                      max_new_tokens=spec.max_new_tokens, sampling=spec.sampling(), seed=spec.seed, dtype=spec.dtype,
-                      self_draft_layers=options.self_draft_layers if options else None,
-                      substitute_quantization=options.quantization if options and options.method == "substitute"
-                      else "8bit", warmup=False, tokenizer=getattr(runner, "tokenizer", None),
-                      suffix=SuffixSettings(cache="drafter"),
-                      progress="tune: side by side" if progress else False)
+                      progress="tune: side by side" if progress else False, **options)
         records = records.drop(columns=[c for c in ("emitted_tokens", "tree_widths") if c in records])
         store.save_measured(key, records)
     where = "remote" if spec.endpoint else "local"
@@ -88,8 +81,8 @@ def side_by_side(store, runner, pair: list[dict], base_label: str, candidates, d
 
 
 def settle(table, spec, candidates, drafts, store, runner, held, rtt_ms, deadline, progress, left_out):
-    """The best two measured points of `table` run side by side when close and the time budget allows: that
-    run's rows (target-only first), or None (then the tune chooses from `table`)."""
+    """The `contenders` of `table` run side by side when the time budget allows: that run's rows (target-only
+    first), or None (then the tune chooses from `table`)."""
     pair = contenders(table, spec, candidates, drafts)
     if pair is None:
         return None

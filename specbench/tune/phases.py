@@ -154,6 +154,22 @@ def reference(store: Store, target, candidate: Candidate, draft, prompts: list, 
     return store.reference(draft_label, target_label, dataset) or recorded
 
 
+def run_options(candidate: Candidate, draft, spec: TuneSpec, target) -> dict:
+    """What `run` takes to measure `candidate` (all but method and K): its draft (a model loaded, a head by its
+    folder), its layer count or quantization where it has one, and the tune's settings. A substitute's
+    quantization is given only for a substitute, so two candidates' options merge into one call."""
+    from specbench.decode.suffix_drafter import SuffixSettings
+
+    models = {"chain": draft, "tree": draft, "eagle": candidate.draft}  # a head: its folder, loaded by the drafter
+    options = dict(draft=models.get(candidate.method), max_new_tokens=spec.max_new_tokens,
+                   self_draft_layers=candidate.self_draft_layers, dtype=spec.dtype, seed=spec.seed, warmup=False,
+                   tokenizer=getattr(target, "tokenizer", None), sampling=spec.sampling(),
+                   suffix=SuffixSettings(cache="drafter"))  # suffix decoding's cache: this run's prompts only
+    if candidate.method == "substitute":
+        options["substitute_quantization"] = candidate.quantization
+    return options
+
+
 def measure(store: Store, target, candidate: Candidate, method: str, k: int, prompts: list, draft, spec: TuneSpec,
             progress, clients: int = 1) -> pd.DataFrame:
     """Records of `method` at `k` on the held-back prompts, cached per point; `clients` above 1 decode at
@@ -161,25 +177,18 @@ def measure(store: Store, target, candidate: Candidate, method: str, k: int, pro
     model draft is recorded at one client and replayed at more (`decode/replay_drafter.py`: the users'
     drafts run on their own devices, not on the cores this box's worker needs)."""
     key = point_key(spec, candidate, method, k, prompts, clients)
-    sampling = spec.sampling()
     # a model draft on a worker records its proposals for loaded points (greedy only: `spec.check_sampled_load`)
-    drafting = bool(spec.endpoint) and candidate.method not in FREE and method != "target-only" and sampling is None
+    drafting = (bool(spec.endpoint) and candidate.method not in FREE and method != "target-only"
+                and spec.sampling() is None)
     # the draft's proposals, kept beside its one-client point: written there, replayed at more clients
     proposals_path = store.folder / "measured" / f"{point_key(spec, candidate, method, k, prompts)}.proposals.json"
     found = store.measured(key)
     if found is not None and not (drafting and clients == 1 and not proposals_path.exists()):
         return found
     from specbench.decode.replay_drafter import RecordingDrafter, load_proposals, save_proposals
-    from specbench.decode.suffix_drafter import SuffixSettings
 
     label = f"tune: measure {candidate.name} {method} k={k}" + (f", {clients} clients" if clients > 1 else "")
-    models = {"chain": draft, "tree": draft, "eagle": candidate.draft}  # a head: its folder, loaded by the drafter
-    job = dict(method=method, draft=models.get(candidate.method), k=k,
-               max_new_tokens=spec.max_new_tokens, self_draft_layers=candidate.self_draft_layers,
-               substitute_quantization=candidate.quantization if candidate.method == "substitute" else "8bit",
-               dtype=spec.dtype, seed=spec.seed, warmup=False, tokenizer=getattr(target, "tokenizer", None),
-               sampling=sampling,
-               suffix=SuffixSettings(cache="drafter"))  # suffix decoding's cache: this run's prompts only
+    job = dict(method=method, k=k, **run_options(candidate, draft, spec, target))
     if clients > 1:
         proposals = None
         if drafting:  # the draft alone first (one client), then replayed by every client

@@ -47,7 +47,7 @@ class TuneResult:
     measuring: dict = field(default_factory=dict)  # its share of a sweep's measuring time, the neighbours it measured
     calibrator: Optional[Calibrator] = field(default=None, repr=False)  # re-times a point now ("per-point")
     predict_now: Optional[object] = field(default=None, repr=False)  # profiles -> the prediction table
-    side_by_side: Optional[pd.DataFrame] = None  # the best two points and target-only interleaved: what chose
+    side_by_side: Optional[pd.DataFrame] = None  # target-only and two close best points interleaved: what chose
 
 
 def tune(spec: TuneSpec, folder: Optional[str | Path] = None, progress: bool = True) -> TuneResult:
