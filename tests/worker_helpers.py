@@ -2,6 +2,7 @@
 server that imported the worker once."""
 import contextlib
 import multiprocessing
+import os
 import threading
 
 from specbench.models.spec import ModelSpec
@@ -63,8 +64,10 @@ class ForkedWorker:
         self._process = context.Process(target=_worker_main, args=(["worker", "--bind", endpoint, *args], writer))
         self._process.start()
         writer.close()  # the worker holds the only writing end: its exit ends the log
-        self._reader = reader  # keeps the pipe's reading end open under the log's file
-        log = WorkerLog(open(reader.fileno(), "r", closefd=False))
+        # the log reads its own copy of the reading end: the pipe object closing its fd when collected would
+        # otherwise pull it from under the reading thread (EBADF, or another file's lines once the number is reused)
+        log = WorkerLog(open(os.dup(reader.fileno()), "r"))
+        reader.close()
         self.log_lines = log.lines
         log.wait_listening(timeout_s, self.kill, lambda: self.wait(5))
 
