@@ -34,6 +34,7 @@ from common import write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 GREEDY = SamplingParams()
+CONFIDENT_K, STOP_BELOW = 20, 0.4  # Hugging Face's assisted generation defaults (num_assistant_tokens, threshold)
 
 
 class ForwardTimer:
@@ -73,12 +74,14 @@ def run_specbench(target, drafter, prompt_ids, k, max_new_tokens, eos):
     return result.output_ids, wall, len(result.records), accepted, drafted
 
 
-def run_hf(target_model, prompt_ids, max_new_tokens, eos, pad, assistant=None, k=None, lookup=None):
+def run_hf(target_model, prompt_ids, max_new_tokens, eos, pad, assistant=None, k=None, lookup=None, stop_below=0.0):
     kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=list(eos), pad_token_id=pad)
     if assistant is not None:
         config = assistant.generation_config
         config.num_assistant_tokens, config.num_assistant_tokens_schedule = k, "constant"
-        config.assistant_confidence_threshold = 0.0  # fixed K, the same algorithm as specbench's chain
+        # 0: fixed K, specbench's chain; else HF's default algorithm (K=20, 0.4), specbench's chain-confident. HF
+        # moves the threshold by an ROC fit when scikit-learn is installed; it is not here, so 0.4 stays
+        config.assistant_confidence_threshold = stop_below
         kwargs["assistant_model"] = assistant
     if lookup is not None:
         kwargs["prompt_lookup_num_tokens"] = lookup
@@ -111,6 +114,9 @@ def bench_pair(name, target_spec, draft_spec, prompts, max_new_tokens, ks, self_
     if draft_loaded:
         methods += [("hf", f"assisted K={k}", k) for k in ks]
         methods += [("specbench", f"chain K={k}", k) for k in ks]
+        # Hugging Face's default assisted generation (up to 20 tokens, ended below 0.4) and specbench's same rule
+        methods += [("hf", f"assisted K={CONFIDENT_K} p<{STOP_BELOW}", CONFIDENT_K),
+                    ("specbench", f"chain-confident K={CONFIDENT_K} p<{STOP_BELOW}", CONFIDENT_K)]
     methods += [("hf", "prompt-lookup K=4", 4), ("hf", "prompt-lookup K=10", 10)]
     methods += [("specbench", "prompt-lookup K=4", 4), ("specbench", "self-draft K=4", 4),
                 ("specbench", "substitute-8bit K=4", 4)]
@@ -118,18 +124,18 @@ def bench_pair(name, target_spec, draft_spec, prompts, max_new_tokens, ks, self_
     for engine, method, k in methods:  # each method's drafter, and a warm-up on the first prompt, discarded
         kind = method.split(" ")[0]
         if engine == "specbench" and kind != "target-only":
-            key = {"chain": "chain", "prompt-lookup": "prompt-lookup", "self-draft": "self-draft",
-                   "substitute-8bit": "substitute"}[kind]
+            key = {"chain": "chain", "chain-confident": "chain-confident", "prompt-lookup": "prompt-lookup",
+                   "self-draft": "self-draft", "substitute-8bit": "substitute"}[kind]
             if key not in drafters:
                 drafters[key] = make_drafter(key, DraftSource(target, target_loaded, draft_loaded, dtype,
-                                                              self_draft_layers, "8bit"))
+                                                              self_draft_layers, "8bit", stop_below=STOP_BELOW))
             by_method[method] = drafters[key]
         if engine == "specbench":
             run_specbench(target, by_method.get(method), encoded[0], k or 1, 8, eos)
         else:
             run_hf(target_model, encoded[0], 8, eos, pad,
                    assistant=draft_loaded.model if "assisted" in method else None, k=k,
-                   lookup=k if "lookup" in method else None)
+                   lookup=k if "lookup" in method else None, stop_below=STOP_BELOW if "p<" in method else 0.0)
     rows, outputs = [], {}
     bar = tqdm(total=len(methods) * len(encoded), desc=f"bench {name}")
     for index, ids in enumerate(encoded):  # every method on a prompt before the next prompt, the order rotated
@@ -144,7 +150,8 @@ def bench_pair(name, target_spec, draft_spec, prompts, max_new_tokens, ks, self_
             else:
                 out, wall = run_hf(target_model, ids, max_new_tokens, eos, pad,
                                    assistant=draft_loaded.model if "assisted" in method else None,
-                                   k=k, lookup=k if "lookup" in method else None)
+                                   k=k, lookup=k if "lookup" in method else None,
+                                   stop_below=STOP_BELOW if "p<" in method else 0.0)
                 verify_calls = target_timer.calls  # each HF target call verifies and emits >= 1 token
                 accepted, drafted = len(out) - verify_calls, None
             target_s = target_timer.seconds
@@ -184,6 +191,9 @@ def summarize(frame: pd.DataFrame, checks) -> pd.DataFrame:
                      "acceptance_rate": (group["accepted"].sum() / group["drafted"].sum()
                                          if group["drafted"].notna().all() and group["drafted"].sum() else None),
                      "overhead_ms_per_step": 1000 * overhead,
+                     # the draft model's forwards a step (its prefills included): how deep the chains went
+                     "draft_forwards_per_step": (group["draft_calls"].sum() / steps
+                                                 if method.split(" ")[0].startswith(("chain", "assisted")) else None),
                      "identical": sum(c["identical"] for c in method_checks),
                      "near_ties": sum(bool(c["check"] and c["check"]["near_tie"]) for c in method_checks),
                      "prompts": len(method_checks)})

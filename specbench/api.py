@@ -94,7 +94,7 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
         dtype: str = "float32", chat: bool = True, warmup: bool = True, progress: bool | str = True,
         tokenizer=None, tree: TreeShape = TreeShape(), proactive: bool = False, planner=None,
         cross_tokenizer: str = "auto", fast: bool | str | None = None, suffix=None, router=None,
-        families: Optional[Sequence[str]] = None, wrap_drafter=None) -> pd.DataFrame:
+        families: Optional[Sequence[str]] = None, wrap_drafter=None, stop_below: float = 0.4) -> pd.DataFrame:
     """Run each method over each prompt and return one row per speculative step.
 
     `prompts` are texts (through the chat template), token ids, or dataset rows (`load_prompts`: their "prompt",
@@ -124,7 +124,8 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
     method's output of the prompt it is drafting (on a worker, each method of the call a cache of its own there).
     Method "auto" routes each prompt to the method and K a `router` (`specbench.route`) predicts fastest for it
     (`families`: each prompt's family, when known, which the router may use); its rows say what was chosen.
-    `wrap_drafter` is given each drafter built and returns the one to use: e.g. recording its proposals, or
+    `stop_below` ends a `chain-confident` chain after a token its draft gave less than this probability (K its
+    cap; 0.4 is Hugging Face's assisted generation default). `wrap_drafter` is given each drafter built and returns the one to use: e.g. recording its proposals, or
     replaying recorded ones as clients on other hosts would (`decode/replay_drafter.py`).
     """
     sampling = sampling or SamplingParams()
@@ -152,7 +153,7 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
     if families is not None and len(families) != len(prompt_ids):
         raise SpecbenchError(f"families name {len(families)} prompts' families for {len(prompt_ids)} prompts")
     source = DraftSource(target, target_model, draft, dtype, self_draft_layers, substitute_quantization, tree,
-                         cross_tokenizer, fast, suffix)
+                         cross_tokenizer, fast, suffix, stop_below)
     # auto keeps outputs through any of its candidates
     keeping = [chosen.keeps_outputs if chosen is not None else router.keeps_outputs for chosen in methods]
     if sum(keeping) > 1 and source.suffix.cache == "process":  # methods compared in one call: none may draft a

@@ -47,6 +47,8 @@ class DraftSource:
     # model drafts (chains, trees, self-draft views) run fixed-shape steps (decode/fast_forward.py); None: on CUDA
     fast: bool | str | None = None
     suffix: Any = None  # SuffixSettings: suffix decoding's knobs and where its cache is shared; None: the defaults
+    # chain-confident: a chain ends after a token its draft gave less than this probability (K is then a cap)
+    stop_below: float = 0.4
 
     def __post_init__(self):
         if self.suffix is None:
@@ -64,10 +66,10 @@ class DraftSource:
             raise SpecbenchError(f"method {method!r} needs a draft model: pass draft=...")
         return as_loaded(self.draft, self.dtype)
 
-    def model_drafter(self, method: str, tree: Optional[dict] = None):
+    def model_drafter(self, method: str, tree: Optional[dict] = None, stop_below: float = 0.0):
         """A drafter over the draft model: in the target's own ids when both speak one vocabulary,
         else a cross-tokenizer drafter (unless `cross_tokenizer` is 'off'). `tree` holds TreeDrafter
-        settings for tree methods."""
+        settings for tree methods; `stop_below` ends a chain at an unsure token (ModelDrafter)."""
         from specbench.decode.drafters import ModelDrafter
         from specbench.decode.tree_drafters import TreeDrafter
         from specbench.models.loading import VocabMismatchError, same_vocabulary
@@ -88,11 +90,12 @@ class DraftSource:
             # its own ids run ~1.1-1.2 per target token, so its static cache is as long as its own context
             own_context = getattr(draft.model.config, "max_position_embeddings", None)
             return CrossTokenizerDrafter(draft, target_tokenizer, self.target.vocab_size, rule=self.cross_tokenizer,
-                                         tree=tree, name=f"{name}~cross",
+                                         tree=tree, name=f"{name}~cross", stop_below=stop_below,
                                          fast=None if tree else self.fast_forward(draft, own_context))
         if tree is not None:
             return TreeDrafter(draft, self.target.vocab_size, name=name, fast=self.fast_forward(draft), **tree)
-        return ModelDrafter(draft, self.target.vocab_size, name=name, fast=self.fast_forward(draft))
+        return ModelDrafter(draft, self.target.vocab_size, name=name, fast=self.fast_forward(draft),
+                            stop_below=stop_below)
 
     def fast_forward(self, draft, context: Optional[int] = None):
         """The draft's fixed-shape forward when `fast` asks for one, as long as `context` (default: the
@@ -141,6 +144,10 @@ register, get_method = METHODS.register, METHODS.lookup
 
 def _chain(source: DraftSource):
     return source.model_drafter("chain")
+
+
+def _chain_confident(source: DraftSource):
+    return source.model_drafter("chain-confident", stop_below=source.stop_below)
 
 
 def _tree(source: DraftSource):
@@ -247,6 +254,9 @@ def _eagle_tree(source: DraftSource):
 for _method in (
     Method("target-only", "none"),
     Method("chain", "chain", _chain, plannable=True, drafts_ahead=True),
+    # the same chain ended early where its draft is unsure (DraftSource.stop_below; Hugging Face's assisted
+    # generation's default): K is a cap, as for suffix decoding
+    Method("chain-confident", "chain", _chain_confident),
     Method("tree", "tree", _tree, rejection=False),
     Method("fixed-tree", "tree", _fixed_tree),
     Method("prompt-lookup", "chain", _prompt_lookup, plannable=True, lookup=True),

@@ -47,7 +47,7 @@ def run_command(args) -> int:
                   planner=planner,
                   substitute_quantization=args.substitute_quant, cross_tokenizer=args.cross_tokenizer,
                   fast=args.fast, self_draft_layers=getattr(args, "self_draft_layers", None),
-                  router=_router(args, names), suffix=suffix_settings(args),
+                  router=_router(args, names), suffix=suffix_settings(args), stop_below=args.stop_below,
                   families=families if "auto" in names else None)
     print(summarize(records).round(3).to_string(index=False))
     if not sampling.greedy and not args.rule:  # a rule the user did not name: say which, and why

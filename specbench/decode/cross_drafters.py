@@ -44,7 +44,8 @@ class CrossTokenizerDrafter:
     """
 
     def __init__(self, draft: LoadedModel, target_tokenizer, target_vocab_size: int, rule: str = "auto",
-                 tree: Optional[dict] = None, name: str = "cross", slack: int = 2, fast=None):
+                 tree: Optional[dict] = None, name: str = "cross", slack: int = 2, fast=None,
+                 stop_below: float = 0.0):
         if rule not in CROSS_TOKENIZER_RULES:
             raise SpecbenchError(f"unknown cross-tokenizer rule {rule!r}; choose one of {CROSS_TOKENIZER_RULES}")
         if draft.tokenizer is None or target_tokenizer is None:
@@ -54,7 +55,7 @@ class CrossTokenizerDrafter:
         self.target_vocab_size = target_vocab_size
         self.bridge = TextBridge(draft.tokenizer, target_tokenizer)
         self.model_drafter = (TreeDrafter(draft, draft.vocab_size, name=name, **tree) if tree is not None
-                              else ModelDrafter(draft, draft.vocab_size, name=name, fast=fast))
+                              else ModelDrafter(draft, draft.vocab_size, name=name, fast=fast, stop_below=stop_below))
         self.is_tree = tree is not None
         # ids past the tokenizer's own (padding rows of the output layer) spell nothing
         self.draft_vocab = min(draft.vocab_size, len(draft.tokenizer))
@@ -108,7 +109,7 @@ class CrossTokenizerDrafter:
                 break
             new.append(token)
             proposal = self.bridge.to_target(self.bridge.new_text(draft_context, new))
-            if len(proposal) > k:
+            if len(proposal) > k or self.model_drafter._unsure(logits[: self.draft_vocab], token):
                 break
             logits = self.model_drafter._extend([token])
         return DraftTree(tuple(proposal[:k]), tuple(range(-1, min(k, len(proposal)) - 1)),
@@ -148,8 +149,10 @@ class CrossTokenizerDrafter:
             q = SparseDist(tuple(i for i, _ in pairs), tuple(p for _, p in pairs))
             tokens.append(sample_sparse(q, draws.at(len(context) + position)))
             dists.append(q)
-            if position + 1 < k:
-                logits = self.model_drafter._extend([shared.target_to_draft[tokens[-1]]])
+            own = shared.target_to_draft[tokens[-1]]
+            if position + 1 == k or self.model_drafter._unsure(restricted, own):
+                break
+            logits = self.model_drafter._extend([own])
         return DraftTree(tuple(tokens), tuple(range(-1, len(tokens) - 1)), tuple(dists),
                          draft_tokens=len(tokens), cross_tokenizer="shared-vocab")
 

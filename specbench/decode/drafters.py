@@ -35,8 +35,14 @@ class ModelDrafter:
     common prefix, so it needs no notice of which tokens the target accepted.
     """
 
-    def __init__(self, draft: LoadedModel, target_vocab_size: int, name: str = "draft", fast=None):
+    def __init__(self, draft: LoadedModel, target_vocab_size: int, name: str = "draft", fast=None,
+                 stop_below: float = 0.0):
+        if not 0.0 <= stop_below < 1.0:
+            raise SpecbenchError(f"stop_below is a probability in [0, 1), got {stop_below!r}")
         self.draft = draft
+        # a chain ends after a token the draft gave less than this probability (its own softmax, whatever the
+        # sampling): Hugging Face's assistant_confidence_threshold. K is then a cap; 0 drafts all K
+        self.stop_below = stop_below
         self.model = draft.model
         self.name = name
         self.fast = fast  # a FastForward over the draft model: fixed-shape steps on a static cache
@@ -62,9 +68,17 @@ class ModelDrafter:
             dist = draft_distribution(logits[: self.vocab_limit], sampling)
             tokens.append(draw(dist, draws.at(len(context) + position)))
             dists.append(dist)
-            if position + 1 < k:
-                logits = self._extend(tokens[-1:])
+            if position + 1 == k or self._unsure(logits, tokens[-1]):
+                break
+            logits = self._extend(tokens[-1:])
         return DraftTree.chain(tokens, dists)
+
+    def _unsure(self, logits: torch.Tensor, token: int) -> bool:
+        """Whether the draft gave `token` less than `stop_below` (a stop that depends only on what was drafted
+        keeps every verification rule exact: each position is verified as before, a stop only ends the chain)."""
+        if not self.stop_below:
+            return False
+        return float(torch.softmax(logits[: self.vocab_limit].float(), -1)[token]) < self.stop_below
 
     def pending(self, context: Sequence[int]) -> int:
         """How many tokens of `context` a proposal would first feed: those past the cache's common prefix with it
