@@ -92,8 +92,8 @@ def router_file(folder: Path, candidates=ROUTED) -> str:
 
 @pytest.fixture(scope="module")
 def local(errors_logged, tmp_path_factory):
-    served = Served(settings(methods=("target-only", "chain", "prompt-lookup", "suffix", "auto"),
-                             router=router_file(tmp_path_factory.mktemp("router"))))
+    served = Served(settings(methods=("target-only", "chain", "prompt-lookup", "suffix", "auto", "chain-confident"),
+                             router=router_file(tmp_path_factory.mktemp("router")), stop_below=0.6))
     yield served
     served.close()
 
@@ -146,6 +146,18 @@ def test_greedy_text_is_target_only_text_for_every_method(where, request, expect
                                            extra_body=speculative("prompt-lookup", 3))
     assert completion.choices[0].text == expected["raw"][1]
     assert completion.usage.speculative["accepted_tokens"] > 0  # the prompt repeats itself
+
+
+def test_a_confident_chain_drafts_at_the_servers_threshold_and_keeps_target_only_text(local, expected):
+    """`--stop-below` reaches the drafters serve builds: its chains end where the draft (here the target itself)
+    gave a token less than 0.6, so a step drafts fewer than K, and the text is target-only's."""
+    client = local.client()
+    for index, prompt in enumerate(PROMPTS):
+        text, usage = chat_text(client, prompt, "chain-confident", 8, stream=index == 0)
+        assert text == expected["chat"][index], index
+    assert usage.speculative["method"] == "chain-confident"
+    assert 1 < usage.speculative["tokens_per_step"] < 8, usage.speculative
+    assert local.engine.settings.stop_below == 0.6
 
 
 def test_concurrent_requests_get_what_they_get_alone(local, expected):
@@ -515,6 +527,7 @@ def test_chat_page_streams_a_coloured_reply_and_switches_method(local, expected)
     ({"k": 0}, r"k must be in 1..max_k"),
     ({"port": 99_999}, "port must be in 0..65535"),  # before: uvicorn's OverflowError after the models loaded
     ({"methods": ("server-only",)}, "runs wholly on a worker"),
+    ({"stop_below": 1.0}, r"stop_below is a probability in \[0, 1\)"),
 ])
 def test_settings_that_cannot_serve_are_refused_by_name_before_any_model_loads(changes, words):
     with pytest.raises(SpecbenchError, match=words):

@@ -16,6 +16,8 @@ def add_serve(commands) -> None:
                             "chain with --draft)")
     serve.add_argument("--k", type=int, default=4, help="default K (chain tokens or tree nodes)")
     serve.add_argument("--max-k", type=int, default=8, help="largest K a request may ask for")
+    serve.add_argument("--stop-below", type=float, default=0.4, metavar="P",
+                       help="chain-confident: end a chain after a token its draft gave less than P (default %(default)s)")
     serve.add_argument("--suffix", nargs="+", metavar="KEY=VALUE",
                        help="suffix decoding's settings for the suffix methods, e.g. min_score=2 factor=2 (a request "
                             "may change the step knobs in speculative.suffix; the cache stays the server's)")
@@ -68,7 +70,7 @@ def settings_from(args):
                     max_concurrent=args.max_concurrent, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes)
     return ServeSettings(target=target, methods=methods, draft=draft, k=k, max_k=max(args.max_k, k), plan=args.plan,
                          worker=args.worker, dtype=args.dtype, device=args.device, host=args.host, port=args.port,
-                         api_key=args.api_key, router=args.router,
+                         api_key=args.api_key, router=args.router, stop_below=args.stop_below,
                          limits=limits, **extra)
 
 

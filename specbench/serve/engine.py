@@ -217,7 +217,8 @@ class Engine:
         target_model = self._worker.ops.target.loaded if self._worker is not None else None
         settings = self.settings
         return DraftSource(client, target_model, self._draft, settings.dtype, settings.self_draft_layers,
-                           settings.substitute_quantization, suffix=replace(self._suffix, **dict(suffix)))
+                           settings.substitute_quantization, suffix=replace(self._suffix, **dict(suffix)),
+                           stop_below=settings.stop_below)
 
     def _give_drafter(self, method: str, drafter, suffix: tuple = ()) -> None:
         if drafter is not None and not suffix:

@@ -69,6 +69,7 @@ class ServeSettings:
     limits: Limits = Limits()
     suffix: Any = None  # SuffixSettings of the suffix methods (`--suffix`): default knobs, the cache's scope
     router: Optional[str] = None  # a router file (`specbench route`): method `auto` picks each request's method and K
+    stop_below: float = 0.4  # chain-confident: a chain ends after a token its draft gave less than this
 
     def __post_init__(self):
         from specbench.methods import get_method
@@ -86,6 +87,8 @@ class ServeSettings:
                 raise SpecbenchError(f"method {name!r} runs wholly on a worker; serve drafts here: offer another")
         if not 1 <= self.k <= self.max_k:
             raise SpecbenchError(f"k must be in 1..max_k ({self.max_k}), got {self.k}")
+        if not 0.0 <= self.stop_below < 1.0:
+            raise SpecbenchError(f"stop_below is a probability in [0, 1), got {self.stop_below!r}")
         if not 0 <= self.port <= 65535:
             raise SpecbenchError(f"port must be in 0..65535, got {self.port}")
 
