@@ -117,6 +117,8 @@ def main() -> None:
     parser.add_argument("--per-family", type=int, default=4, help="Spec-Bench prompts per family")
     parser.add_argument("--sessions", type=int, help="agentic sessions per family (default: all)")
     parser.add_argument("--sharegpt-sessions", type=int, default=6)
+    parser.add_argument("--stop-below", type=float, default=0.4,
+                        help="chain-confident candidates: end a chain after a token the draft gave less than this")
     parser.add_argument("--candidates", nargs="+",
                         default=["target-only", "prompt-lookup:4", "suffix:16", "suffix-tree:16", "chain:4"])
     parser.add_argument("--draft-quant", default="int8-dynamic", help="chain candidates' draft: the target at this "
@@ -211,14 +213,14 @@ def main() -> None:
     def one(method, k, prompts, families, cache, **extra):
         return run(target, [r["ids"] for r in prompts], method=method, k=k, draft=draft,
                    max_new_tokens=args.max_new_tokens, warmup=False, progress=False, families=families,
-                   suffix=settings(cache), **extra)
+                   suffix=settings(cache), stop_below=args.stop_below, **extra)
 
     # warm every candidate once (its cache a throwaway one), then calibrate the router
     for c in candidates:
         one(c.method, c.k, calibration[:1], None, "warm")
     calibration_records = calibrate(target, [r["ids"] for r in calibration], candidates, draft=draft,
                                     max_new_tokens=args.max_new_tokens, warmup=False, progress=False,
-                                    suffix=settings("calibration "))  # interleaved: drift weighs on all alike
+                                    suffix=settings("calibration "), stop_below=args.stop_below)  # interleaved
     if "target-only" in args.candidates:  # the calibration prompts with the target's own outputs, for replays
         produced = outputs(calibration_records[calibration_records["method"] == "target-only"])
         Path(args.out).with_suffix(".calibration.json").write_text(json.dumps(
@@ -243,7 +245,7 @@ def main() -> None:
         print(f"calibrating {[c.label for c in again]} again at {chosen} (the replays chose knobs they read)")
         rerun = calibrate(target, [r["ids"] for r in calibration], again, draft=draft,
                           max_new_tokens=args.max_new_tokens, warmup=False, progress=False,
-                          suffix=settings("calibration again "))
+                          suffix=settings("calibration again "), stop_below=args.stop_below)
         stale = [index for c in again for index in rows_of(calibration_records, c).index]
         calibration_records = pd.concat([calibration_records.drop(index=stale), rerun], ignore_index=True)
     for c in candidates:
