@@ -136,6 +136,8 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
     names, ks = method_ks(asked, k)
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):  # "a" met torch's OverflowError
         raise SpecbenchError(f"seed must be a whole number, got {seed!r}")
+    if not 0.0 <= stop_below < 1.0:  # before any model loads
+        raise SpecbenchError(f"stop_below is a probability in [0, 1), got {stop_below!r}")
     if "auto" in names and router is None:
         raise SpecbenchError("method 'auto' routes each prompt to a method and K: pass router=... (a Router from "
                              "specbench.route.auto.train_router, or Router.load(path))")

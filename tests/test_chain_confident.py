@@ -103,6 +103,8 @@ def test_a_threshold_outside_zero_to_one_is_refused():
     for bad in (-0.1, 1.0, 2):
         with pytest.raises(SpecbenchError, match="stop_below is a probability"):
             ModelDrafter(draft, draft.vocab_size, stop_below=bad)
+    with pytest.raises(SpecbenchError, match="stop_below is a probability"):  # before the (missing) model loads
+        run("no-such-model-anywhere", [[1, 2]], method="chain-confident", draft="no-such-draft", stop_below=1.5)
 
 
 def test_the_cli_runs_it_on_smollm2_and_its_output_is_target_onlys(tmp_path, capsys):
