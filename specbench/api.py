@@ -19,7 +19,7 @@ from specbench.methods import DraftSource, Method, TreeShape, get_method
 from specbench.models.loaded import LoadedModel
 from specbench.models.loading import as_loaded
 from specbench.models.spec import ModelSpec
-from specbench.types import SamplingParams, SpecbenchError
+from specbench.types import STOP_BELOW, SamplingParams, SpecbenchError, check_stop_below
 
 ModelLike = Union[str, ModelSpec, LoadedModel]
 __all__ = ["run", "outputs", "divergences", "encode_prompts", "as_target", "TreeShape", "ModelLike"]
@@ -94,7 +94,7 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
         dtype: str = "float32", chat: bool = True, warmup: bool = True, progress: bool | str = True,
         tokenizer=None, tree: TreeShape = TreeShape(), proactive: bool = False, planner=None,
         cross_tokenizer: str = "auto", fast: bool | str | None = None, suffix=None, router=None,
-        families: Optional[Sequence[str]] = None, wrap_drafter=None, stop_below: float = 0.4) -> pd.DataFrame:
+        families: Optional[Sequence[str]] = None, wrap_drafter=None, stop_below: float = STOP_BELOW) -> pd.DataFrame:
     """Run each method over each prompt and return one row per speculative step.
 
     `prompts` are texts (through the chat template), token ids, or dataset rows (`load_prompts`: their "prompt",
@@ -125,8 +125,9 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
     Method "auto" routes each prompt to the method and K a `router` (`specbench.route`) predicts fastest for it
     (`families`: each prompt's family, when known, which the router may use); its rows say what was chosen.
     `stop_below` ends a `chain-confident` chain after a token its draft gave less than this probability (K its
-    cap; 0.4 is Hugging Face's assisted generation default). `wrap_drafter` is given each drafter built and returns the one to use: e.g. recording its proposals, or
-    replaying recorded ones as clients on other hosts would (`decode/replay_drafter.py`).
+    cap; 0.4 is Hugging Face's assisted generation default). `wrap_drafter` is given each drafter built and
+    returns the one to use: e.g. recording its proposals, or replaying recorded ones as clients on other hosts
+    would (`decode/replay_drafter.py`).
     """
     sampling = sampling or SamplingParams()
     prompts = _prompt_list(prompts)
@@ -136,8 +137,7 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
     names, ks = method_ks(asked, k)
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):  # "a" met torch's OverflowError
         raise SpecbenchError(f"seed must be a whole number, got {seed!r}")
-    if not 0.0 <= stop_below < 1.0:  # before any model loads
-        raise SpecbenchError(f"stop_below is a probability in [0, 1), got {stop_below!r}")
+    check_stop_below(stop_below)  # before any model loads
     if "auto" in names and router is None:
         raise SpecbenchError("method 'auto' routes each prompt to a method and K: pass router=... (a Router from "
                              "specbench.route.auto.train_router, or Router.load(path))")

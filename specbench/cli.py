@@ -6,7 +6,7 @@ import sys
 
 from specbench.models.spec import KERNELS, KERNELS_HELP, QUANTIZATIONS
 from specbench.methods import CROSS_TOKENIZER
-from specbench.types import FAST_BACKENDS, VERIFY_RULES, SpecbenchError
+from specbench.types import FAST_BACKENDS, STOP_BELOW, VERIFY_RULES, SpecbenchError
 
 FAST_HELP = "static KV caches, compiled fixed-shape steps (CUDA graphs on a GPU); default: on for unquantized CUDA models"
 
@@ -191,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
                             help="verification rule (default: greedy at temperature 0, else rejection, or "
                                  "sample-match where a method needs it: dynamic trees, auto)")
     run_parser.add_argument("--seed", type=int, default=0, help="the sampled runs' seed (the same seed, the same text)")
-    run_parser.add_argument("--stop-below", type=float, default=0.4, metavar="P",
+    run_parser.add_argument("--stop-below", type=float, default=STOP_BELOW, metavar="P",
                             help="chain-confident: end a chain after a token its draft gave less than P "
                                  "(--k is the cap; default %(default)s, Hugging Face's assisted generation's)")
     run_parser.add_argument("--dtype", default="float32")

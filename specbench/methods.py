@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional, Union
 
 from specbench.models.spec import ModelSpec
 from specbench.registry import Registry
-from specbench.types import CROSS_TOKENIZER_RULES, SpecbenchError, default_rule
+from specbench.types import CROSS_TOKENIZER_RULES, STOP_BELOW, SpecbenchError, default_rule
 
 KINDS = ("none", "chain", "tree")
 CROSS_TOKENIZER = CROSS_TOKENIZER_RULES + ("off",)  # off: refuse a draft with another tokenizer
@@ -48,7 +48,7 @@ class DraftSource:
     fast: bool | str | None = None
     suffix: Any = None  # SuffixSettings: suffix decoding's knobs and where its cache is shared; None: the defaults
     # chain-confident: a chain ends after a token its draft gave less than this probability (K is then a cap)
-    stop_below: float = 0.4
+    stop_below: float = STOP_BELOW
 
     def __post_init__(self):
         if self.suffix is None:

@@ -26,6 +26,17 @@ def reason(error: BaseException) -> str:
     return f"{type(error).__name__}: {words}" if words else type(error).__name__
 
 
+# chain-confident's threshold unless one is given: Hugging Face's assisted generation default
+STOP_BELOW = 0.4
+
+
+def check_stop_below(stop_below: float) -> float:
+    """chain-confident's threshold, a probability in [0, 1): a chain ends after a token its draft gave less."""
+    if not 0.0 <= stop_below < 1.0:
+        raise SpecbenchError(f"stop_below is a probability in [0, 1), got {stop_below!r}")
+    return stop_below
+
+
 def default_rule(temperature: float) -> str:
     """The rule of a caller that names none: greedy at temperature 0, else rejection (exact, and it
     accepts the most of a draft model's drafts; sample-match is the one for drafts without q)."""

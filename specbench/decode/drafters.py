@@ -10,7 +10,7 @@ from specbench.decode.kv import cached_length, can_crop_to, common_prefix, crop_
 from specbench.models.loaded import LoadedModel
 from specbench.sampling.probs import draft_distribution, draft_draw
 from specbench.sampling.streams import DraftDraws, draft_draws
-from specbench.types import DraftTree, SamplingParams, SparseDist, SpecbenchError
+from specbench.types import DraftTree, SamplingParams, SparseDist, SpecbenchError, check_stop_below
 
 
 class Drafter(Protocol):
@@ -37,12 +37,10 @@ class ModelDrafter:
 
     def __init__(self, draft: LoadedModel, target_vocab_size: int, name: str = "draft", fast=None,
                  stop_below: float = 0.0):
-        if not 0.0 <= stop_below < 1.0:
-            raise SpecbenchError(f"stop_below is a probability in [0, 1), got {stop_below!r}")
         self.draft = draft
         # a chain ends after a token the draft gave less than this probability (its own softmax, whatever the
         # sampling): Hugging Face's assistant_confidence_threshold. K is then a cap; 0 drafts all K
-        self.stop_below = stop_below
+        self.stop_below = check_stop_below(stop_below)
         self.model = draft.model
         self.name = name
         self.fast = fast  # a FastForward over the draft model: fixed-shape steps on a static cache

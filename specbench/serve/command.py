@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import os
 
+from specbench.types import STOP_BELOW
+
 
 def add_serve(commands) -> None:
     serve = commands.add_parser("serve", help="an OpenAI-compatible endpoint with speculative decoding, a chat page "
@@ -16,8 +18,9 @@ def add_serve(commands) -> None:
                             "chain with --draft)")
     serve.add_argument("--k", type=int, default=4, help="default K (chain tokens or tree nodes)")
     serve.add_argument("--max-k", type=int, default=8, help="largest K a request may ask for")
-    serve.add_argument("--stop-below", type=float, default=0.4, metavar="P",
-                       help="chain-confident: end a chain after a token its draft gave less than P (default %(default)s)")
+    serve.add_argument("--stop-below", type=float, default=STOP_BELOW, metavar="P",
+                       help="chain-confident: end a chain after a token its draft gave less than P "
+                            "(default %(default)s)")
     serve.add_argument("--suffix", nargs="+", metavar="KEY=VALUE",
                        help="suffix decoding's settings for the suffix methods, e.g. min_score=2 factor=2 (a request "
                             "may change the step knobs in speculative.suffix; the cache stays the server's)")

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from specbench.types import SpecbenchError
+from specbench.types import STOP_BELOW, SpecbenchError, check_stop_below
 
 
 AUTO = "auto"  # the method a router resolves per request (not in the method table: it drafts as its choice does)
@@ -69,7 +69,7 @@ class ServeSettings:
     limits: Limits = Limits()
     suffix: Any = None  # SuffixSettings of the suffix methods (`--suffix`): default knobs, the cache's scope
     router: Optional[str] = None  # a router file (`specbench route`): method `auto` picks each request's method and K
-    stop_below: float = 0.4  # chain-confident: a chain ends after a token its draft gave less than this
+    stop_below: float = STOP_BELOW  # chain-confident: a chain ends after a token its draft gave less than this
 
     def __post_init__(self):
         from specbench.methods import get_method
@@ -87,8 +87,7 @@ class ServeSettings:
                 raise SpecbenchError(f"method {name!r} runs wholly on a worker; serve drafts here: offer another")
         if not 1 <= self.k <= self.max_k:
             raise SpecbenchError(f"k must be in 1..max_k ({self.max_k}), got {self.k}")
-        if not 0.0 <= self.stop_below < 1.0:
-            raise SpecbenchError(f"stop_below is a probability in [0, 1), got {self.stop_below!r}")
+        check_stop_below(self.stop_below)
         if not 0 <= self.port <= 65535:
             raise SpecbenchError(f"port must be in 0..65535, got {self.port}")
 
