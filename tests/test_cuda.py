@@ -20,7 +20,7 @@ from specbench.types import DraftTree, SamplingParams
 from conftest import PROMPTS, assert_batches_match_lone_verifies
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-GREEDY_METHODS = ["target-only", "chain", "tree", "prompt-lookup", "self-draft"]
+GREEDY_METHODS = ["target-only", "chain", "chain-confident", "tree", "prompt-lookup", "self-draft"]
 
 
 def on_cuda(loaded):
@@ -117,6 +117,22 @@ def test_sampled_runs_on_cuda_equal_eager_with_the_same_seed(cuda_target, cuda_d
     fast = outputs(run(LocalTarget(cuda_target, fast="cudagraph"), PROMPTS[:2], method="chain", draft=cuda_draft,
                        k=4, max_new_tokens=30, sampling=sampling, progress=False, seed=3, fast="cudagraph"))
     assert fast == eager
+
+
+def test_sample_match_on_cuda_draws_the_cpus_text_under_every_draft(cuda_target, cuda_draft, tiny_target, tiny_draft):
+    """Under sample-match a seed fixes the text whatever was drafted (sampling/streams: the target's draw at each
+    position comes from a CPU generator keyed by the position): chain, chain-confident and a coupled dynamic tree
+    on the captured GPU target give target-only's text, and the GPU's text is the CPU's (fp32)."""
+    sampling = SamplingParams(temperature=1.0, rule="sample-match")
+    methods = ["target-only", "chain", "chain-confident", "tree"]
+    settings = dict(k=4, max_new_tokens=30, sampling=sampling, progress=False, seed=11)
+    cpu = outputs(run(LocalTarget(tiny_target, kv_pool=False, fast=False), PROMPTS[:2], method="target-only",
+                      fast=False, **settings))
+    gpu = outputs(run(LocalTarget(cuda_target, fast="cudagraph"), PROMPTS[:2], method=methods, draft=cuda_draft,
+                      fast="cudagraph", **settings))
+    for method in methods:
+        for index in range(2):
+            assert gpu[(method, index)] == cpu[("target-only", index)], (method, index)
 
 
 def test_sampled_sd_on_cuda_follows_the_target():
