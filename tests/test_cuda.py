@@ -119,7 +119,7 @@ def test_sampled_runs_on_cuda_equal_eager_with_the_same_seed(cuda_target, cuda_d
     assert fast == eager
 
 
-def test_sample_match_on_cuda_draws_the_cpus_text_under_every_draft(cuda_target, cuda_draft, tiny_target, tiny_draft):
+def test_sample_match_on_cuda_draws_the_cpus_text_under_every_draft(cuda_target, cuda_draft, tiny_target):
     """Under sample-match a seed fixes the text whatever was drafted (sampling/streams: the target's draw at each
     position comes from a CPU generator keyed by the position): chain, chain-confident and a coupled dynamic tree
     on the captured GPU target give target-only's text, and the GPU's text is the CPU's (fp32)."""
