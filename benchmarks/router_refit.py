@@ -82,6 +82,33 @@ def score(router, rows: pd.DataFrame, held: dict[str, dict], seen: dict[str, flo
             "choices": pd.Series(chosen).value_counts().to_dict()}
 
 
+def group_ceilings(rows: pd.DataFrame, seen: dict[str, float]) -> pd.DataFrame:
+    """What a router that gives every prompt of a group one candidate can earn at best, per pass: each group's
+    candidate chosen on the same pass (the group oracle) and on the other pass (cross-fitted), over the best fixed
+    method of the pass. Groups: the family, and the family split by whether earlier outputs hold part of the
+    prompt (a session's first turn against its later ones). Per-prompt headroom beyond these lies within groups."""
+    fixed = rows[rows["label"] != "auto"].assign(quoted=lambda d: d["prompt"].map(seen).fillna(0.0) > 0)
+
+    def speed(chunk):
+        return chunk.tokens.sum() / chunk.seconds.sum()
+
+    def best(chunk):
+        return max(set(chunk.label), key=lambda label: speed(chunk[chunk.label == label]))
+    lines = []
+    for grouping in (["family"], ["family", "quoted"]):
+        for turn in sorted(set(fixed["pass"])):
+            mine, other = fixed[fixed["pass"] == turn], fixed[fixed["pass"] != turn]
+            line = {"groups": " x ".join(grouping), "pass": turn}
+            for name, source in (("same pass", mine), ("cross-fitted", other)):
+                if not len(source):
+                    continue
+                picked = pd.concat([chunk[chunk.label == best(source.merge(chunk[grouping].drop_duplicates()))]
+                                    for _, chunk in mine.groupby(grouping)])
+                line[f"{name} over best fixed"] = speed(picked) / speed(mine[mine.label == best(mine)])
+            lines.append(line)
+    return pd.DataFrame(lines)
+
+
 def time_router(router, report: dict, held: dict[str, dict], fixed: list[str], passes: int) -> dict:
     """`auto` with `router` and the `fixed` candidates over the held-out prompts, interleaved, `passes` times:
     tok/s per label (tokens over prefill, steps and routing, pooled) overall and per pass, and auto's choices."""
@@ -140,6 +167,9 @@ def main() -> None:
                         help="decode again: the first refit's auto beside these fixed candidates (method:K) on the "
                              "held-out prompts (see above)")
     parser.add_argument("--passes", type=int, default=2)
+    parser.add_argument("--ceilings", action="store_true",
+                        help="also print what one candidate per family (and per family and first or later turn) "
+                             "earns at best on the held-out rows, chosen on the same or the other pass")
     parser.add_argument("--report", default=str(RESULTS / "router-timed.json"), help="--time's JSON report")
     args = parser.parse_args()
     report, records, calibration, held = load_run(Path(args.out))
@@ -168,6 +198,8 @@ def main() -> None:
     print(f"{args.out}: {len(calibration)} calibration, {len(held)} held-out prompts; auto as run: "
           f"{measured_auto.tokens.sum() / max(measured_auto.seconds.sum(), 1e-12):.3f} tok/s")
     print(frame.round(3).to_string(index=False))
+    if args.ceilings:
+        print(group_ceilings(rows, shares["on"][1]).round(4).to_string(index=False))
     if args.time:
         first = lines[0]
         if first["features"] != "default":

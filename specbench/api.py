@@ -124,10 +124,10 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
     method's output of the prompt it is drafting (on a worker, each method of the call a cache of its own there).
     Method "auto" routes each prompt to the method and K a `router` (`specbench.route`) predicts fastest for it
     (`families`: each prompt's family, when known, which the router may use); its rows say what was chosen.
-    `stop_below` ends a `chain-confident` chain after a token its draft gave less than this probability (K its
-    cap; 0.4 is Hugging Face's assisted generation default). `wrap_drafter` is given each drafter built and
-    returns the one to use: e.g. recording its proposals, or replaying recorded ones as clients on other hosts
-    would (`decode/replay_drafter.py`).
+    `stop_below` ends a `chain-confident` (or `suffix-tree-chain-confident`) chain after a token its draft gave
+    less than this probability (K its cap; 0.4 is Hugging Face's assisted generation default). `wrap_drafter` is
+    given each drafter built and returns the one to use: e.g. recording its proposals, or replaying recorded ones
+    as clients on other hosts would (`decode/replay_drafter.py`).
     """
     sampling = sampling or SamplingParams()
     prompts = _prompt_list(prompts)

@@ -227,16 +227,19 @@ def _suffix_eagle(source: DraftSource, tree: bool = False, key: tuple = ()):
                          name=name, catch_up=source.suffix.catch_up)
 
 
-def _suffix_chain(source: DraftSource, tree: bool = False):
+def _suffix_chain(source: DraftSource, tree: bool = False, confident: bool = False):
     """Suffix decoding where its counts vouch, the draft model's chain elsewhere (with a tree: suffix decoding's
     tree or the chain, a chain being a tree too). The draft's cache syncs to whatever context it is handed,
-    so the steps suffix decoding drafted cost it one catch-up forward when it next drafts."""
+    so the steps suffix decoding drafted cost it one catch-up forward when it next drafts. `confident`: the
+    chain is chain-confident's, ended where the draft is unsure (`stop_below`) and capped by the step's k
+    rather than `other_k`: its own confidence, not a fixed budget, says how far a model chain pays."""
     from specbench.decode.hybrid_drafter import HybridDrafter
 
-    method = "suffix-tree-chain" if tree else "suffix-chain"
-    model = source.model_drafter(method)  # first: a missing draft is refused before any cache is made
-    return HybridDrafter(_suffix(source, tree=tree), model, source.suffix.hand_over, source.suffix.other_k,
-                         name=method, catch_up=source.suffix.catch_up)
+    method = ("suffix-tree-chain" if tree else "suffix-chain") + ("-confident" if confident else "")
+    # first: a missing draft is refused before any cache is made
+    model = source.model_drafter(method, stop_below=source.stop_below if confident else 0.0)
+    return HybridDrafter(_suffix(source, tree=tree), model, source.suffix.hand_over,
+                         None if confident else source.suffix.other_k, name=method, catch_up=source.suffix.catch_up)
 
 
 def _eagle(source: DraftSource):
@@ -280,6 +283,9 @@ for _method in (
     # the same with a draft model in place of the head: the first turn's new text to the model, repeats to suffix
     Method("suffix-chain", "chain", _suffix_chain, keeps_outputs=True),
     Method("suffix-tree-chain", "tree", lambda source: _suffix_chain(source, tree=True), keeps_outputs=True),
+    # ... with chain-confident's chain: as long as the draft stays sure (first turns and open questions)
+    Method("suffix-tree-chain-confident", "tree", lambda source: _suffix_chain(source, tree=True, confident=True),
+           keeps_outputs=True),
     Method("server-only", "chain", on_worker=True),  # AutoDraft's Server-Only: the worker drafts too
     Method("server-only-ar", "none", on_worker=True),  # AutoDraft's Server-Only-AR
     # a draft head on the worker (the server-side placement): only finished tokens travel, no features

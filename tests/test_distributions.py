@@ -198,7 +198,7 @@ def test_seeded_runs_are_reproducible(tiny_target, tiny_draft):
 
 
 SPECULATIVE = ["chain", "tree", "fixed-tree", "prompt-lookup", "prompt-lookup-tree", "suffix", "suffix-tree",
-               "suffix-tree-chain"]
+               "suffix-tree-chain", "suffix-tree-chain-confident"]
 
 
 def test_sample_match_gives_target_only_text_under_every_draft(tiny_target, tiny_draft):

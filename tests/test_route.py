@@ -412,6 +412,30 @@ def test_workload_oracle_cross_fitted_takes_each_choice_from_the_other_pass():
     assert len(one_pass) == 2 and none.empty
 
 
+def test_group_ceilings_choose_one_candidate_a_group_on_the_same_or_the_other_pass():
+    """benchmarks/router_refit.py --ceilings: per family, and per family and first or later turn, the candidate
+    fastest over the group (pooled) on the same pass or on the other one, over that pass's best fixed method."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from router_refit import group_ceilings
+
+    seconds = {0: {"f0": {"a": 1.0, "b": 2.0}, "f1": {"a": 2.0, "b": 0.8}, "g0": {"a": 1.0, "b": 1.5}},
+               1: {"f0": {"a": 2.0, "b": 1.0}, "f1": {"a": 2.0, "b": 0.8}, "g0": {"a": 1.0, "b": 1.5}}}
+    rows = pd.DataFrame([{"family": p[0], "prompt": p, "pass": t, "label": label, "tokens": 10, "seconds": s}
+                         for t, by_prompt in seconds.items() for p, timed in by_prompt.items()
+                         for label, s in timed.items()] + [{"family": "f", "prompt": "f0", "pass": 0, "label": "auto",
+                                                            "tokens": 10, "seconds": 0.1}])
+    table = group_ceilings(rows, {"f0": 0.0, "f1": 0.3, "g0": 0.0}).set_index(["groups", "pass"])
+    # best fixed: a on pass 0 (4 s), b on pass 1 (3.3 s); auto's rows are not a candidate
+    # family: f -> b, g -> a on either pass (2.8 + 1.0 s on pass 0; 1.8 + 1.0 on pass 1)
+    assert table.loc[("family", 0)].tolist() == pytest.approx([4 / 3.8, 4 / 3.8])
+    assert table.loc[("family", 1)].tolist() == pytest.approx([3.3 / 2.8, 3.3 / 2.8])
+    # split by turn: f0 (fresh) a on pass 0, b on pass 1; crossed, each pass runs the other's choice
+    assert table.loc[("family x quoted", 0)].tolist() == pytest.approx([4 / 2.8, 4 / 3.8])
+    assert table.loc[("family x quoted", 1)].tolist() == pytest.approx([3.3 / 2.8, 3.3 / 3.8])
+
+
 def test_workload_calibrates_again_the_candidates_a_chosen_knob_changes():
     """benchmarks/workload.py picks suffix knobs by replaying the calibration run, then calibrates again the
     candidates those knobs change (the router once learned a hybrid at hand-over 1.0 and ran it at 0.5)."""

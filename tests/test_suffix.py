@@ -245,7 +245,7 @@ def test_suffix_through_a_worker_on_either_side(tiny_target, tiny_draft):
         remote = RemoteTarget(running.endpoint)
         methods = ["suffix", "suffix-tree", "suffix-server", "suffix-tree-server"]
         got = outputs(run(remote, PROMPTS[:3], method=methods, k=6, max_new_tokens=24, progress=False))
-        hybrids = ["suffix-chain", "suffix-tree-chain"]
+        hybrids = ["suffix-chain", "suffix-tree-chain", "suffix-tree-chain-confident"]
         got.update(outputs(run(remote, PROMPTS[:3], method=hybrids, draft=tiny_draft, k=6, max_new_tokens=24,
                                progress=False)))
         methods += hybrids
@@ -453,7 +453,7 @@ def test_a_tenant_keeps_a_few_named_caches_and_may_turn_its_cache_off(monkeypatc
     assert long_requests._suffix_scope(ops, "ann", {"cache": "n3"})[1] == ("worker", "m", "ann", "named", "n3")
 
 
-@pytest.mark.parametrize("method", ["suffix-chain", "suffix-tree-chain"])
+@pytest.mark.parametrize("method", ["suffix-chain", "suffix-tree-chain", "suffix-tree-chain-confident"])
 def test_suffix_with_a_draft_model_drafts_from_whichever_vouches_and_stays_lossless(tiny_target, tiny_draft, method):
     """`suffix-chain`: a step whose suffix proposal expects at least `hand_over` accepted tokens is drafted by
     suffix decoding, every other by the draft model (whose cache catches up on the steps it missed); on
@@ -493,6 +493,26 @@ def test_the_draft_model_drafts_at_most_its_own_budget_in_the_hybrid(tiny_target
     assert drafter.last_source == "suffix" and len(repeating) > 2
 
 
+def test_the_confident_hybrids_chain_ends_where_its_draft_is_unsure_not_at_other_k(tiny_target, tiny_draft):
+    """`suffix-tree-chain-confident`: a step suffix decoding does not vouch for goes to chain-confident's chain,
+    which runs to the step's k while the draft is sure (stop_below 0: always) and ends at the first token the
+    draft gave less than stop_below; `other_k` (2 here) does not cap it."""
+    import torch
+
+    from specbench.decode.target import LocalTarget
+    from specbench.methods import DraftSource, make_drafter
+
+    settings = SuffixSettings(cache="off", other_k=2)
+    lengths = {}
+    for stop_below in (0.0, 0.999):
+        drafter = make_drafter("suffix-tree-chain-confident", DraftSource(
+            LocalTarget(tiny_target), tiny_target, tiny_draft, suffix=settings, stop_below=stop_below))
+        proposal = drafter.propose([1, 2, 3, 4, 5], 8, SamplingParams(), torch.Generator().manual_seed(0))
+        assert drafter.last_source == "other" and drafter.name == "suffix-tree-chain-confident"
+        lengths[stop_below] = len(proposal)
+    assert lengths[0.0] == 8 and 1 <= lengths[0.999] < 8, lengths
+
+
 def test_the_draft_model_leaves_a_step_to_suffix_decoding_when_it_has_too_much_to_read(tiny_target, tiny_draft):
     """`catch_up`: the draft model drafts only while what it must read first (the whole prompt on a fresh
     cache) is at most catch_up x the tokens still to emit (max_depth + 1); else suffix decoding keeps the step,
@@ -523,7 +543,8 @@ def test_the_draft_model_leaves_a_step_to_suffix_decoding_when_it_has_too_much_t
     assert drafter.kept_for_catch_up > 0 and drafter.steps["other"] > 0, (drafter.kept_for_catch_up, drafter.steps)
 
 
-@pytest.mark.parametrize("method,rule", [("suffix-chain", "rejection"), ("suffix-tree-chain", "sample-match")])
+@pytest.mark.parametrize("method,rule", [("suffix-chain", "rejection"), ("suffix-tree-chain", "sample-match"),
+                                         ("suffix-tree-chain-confident", "rejection")])
 def test_sampled_drafting_with_suffix_and_a_draft_model_keeps_the_targets_distribution(method, rule):
     """Each step's proposal carries its own drafter's q (a point mass for suffix decoding, the draft model's
     distribution otherwise): the first two tokens follow the target's marginals (chi-square), with both

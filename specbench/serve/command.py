@@ -19,8 +19,8 @@ def add_serve(commands) -> None:
     serve.add_argument("--k", type=int, default=4, help="default K (chain tokens or tree nodes)")
     serve.add_argument("--max-k", type=int, default=8, help="largest K a request may ask for")
     serve.add_argument("--stop-below", type=float, default=STOP_BELOW, metavar="P",
-                       help="chain-confident: end a chain after a token its draft gave less than P "
-                            "(default %(default)s)")
+                       help="chain-confident and suffix-tree-chain-confident: end a chain after a token its "
+                            "draft gave less than P (default %(default)s)")
     serve.add_argument("--suffix", nargs="+", metavar="KEY=VALUE",
                        help="suffix decoding's settings for the suffix methods, e.g. min_score=2 factor=2 (a request "
                             "may change the step knobs in speculative.suffix; the cache stays the server's)")
