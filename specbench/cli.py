@@ -193,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     run_parser.add_argument("--seed", type=int, default=0, help="the sampled runs' seed (the same seed, the same text)")
     run_parser.add_argument("--stop-below", type=float, default=STOP_BELOW, metavar="P",
                             help="chain-confident and suffix-tree-chain-confident: end a chain after a token its draft "
-                                 "gave less than P (--k is the cap; default %(default)s, Hugging Face's assisted generation's)")
+                                 "gave less than P (--k is the cap; default %(default)s, Hugging Face's assisted "
+                                 "generation's)")
     run_parser.add_argument("--dtype", default="float32")
     run_parser.add_argument("--quant", default="none", choices=list(QUANTIZATIONS), help="target quantization")
     run_parser.add_argument("--kernels", default="default", choices=list(KERNELS), help=KERNELS_HELP)

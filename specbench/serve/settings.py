@@ -69,7 +69,7 @@ class ServeSettings:
     limits: Limits = Limits()
     suffix: Any = None  # SuffixSettings of the suffix methods (`--suffix`): default knobs, the cache's scope
     router: Optional[str] = None  # a router file (`specbench route`): method `auto` picks each request's method and K
-    stop_below: float = STOP_BELOW  # chain-confident('s hybrid): a chain ends after a token its draft gave less
+    stop_below: float = STOP_BELOW  # chain-confident and its hybrid: a chain ends at a token its draft gave less
 
     def __post_init__(self):
         from specbench.methods import get_method
