@@ -161,13 +161,18 @@ def test_greedy_output_is_target_only_token_for_token(tiny_pair, method, rule):
 @pytest.mark.parametrize("rule", ["text", "shared-vocab"])
 def test_a_confident_chain_across_tokenizers_stops_on_its_own_tokens_and_stays_lossless(tiny_pair, rule):
     """chain-confident with a draft of another tokenizer: the stop reads the draft's own tokens' probabilities,
-    so chains end earlier than the plain chain's at the same cap, and the output is still target-only's."""
+    so chains end earlier than the plain chain's at the same cap, and the output is still target-only's (and the
+    hybrid's that drafts with that chain where suffix decoding does not vouch)."""
     target, draft = tiny_pair
-    frame = run(target, TINY_PROMPTS, method=["target-only", "chain", "chain-confident"], draft=draft, k=6,
+    hybrid = "suffix-tree-chain-confident"
+    frame = run(target, TINY_PROMPTS, method=["target-only", "chain", "chain-confident", hybrid], draft=draft, k=6,
                 max_new_tokens=24, progress=False, chat=False, cross_tokenizer=rule, stop_below=0.3)
     got = outputs(frame)
     for index in range(len(TINY_PROMPTS)):
         assert got[("chain-confident", index)] == got[("target-only", index)]
+        assert got[(hybrid, index)] == got[("target-only", index)]
+    # its model steps drafted across tokenizers (its suffix steps, in the target's own ids, record none)
+    assert rule in set(frame.loc[(frame["method"] == hybrid) & (frame["drafted"] > 0), "cross_tokenizer"])
     drafted = frame[frame["drafted"] > 0].groupby("method")["draft_tokens"].mean()
     assert drafted["chain-confident"] < drafted["chain"], drafted.to_dict()
 
