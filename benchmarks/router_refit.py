@@ -87,13 +87,16 @@ def group_ceilings(rows: pd.DataFrame, seen: dict[str, float]) -> pd.DataFrame:
     candidate chosen on the same pass (the group oracle) and on the other pass (cross-fitted), over the best fixed
     method of the pass. Groups: the family, and the family split by whether earlier outputs hold part of the
     prompt (a session's first turn against its later ones). Per-prompt headroom beyond these lies within groups."""
+    from workload import _speeds
+
     fixed = rows[rows["label"] != "auto"].assign(quoted=lambda d: d["prompt"].map(seen).fillna(0.0) > 0)
 
     def speed(chunk):
         return chunk.tokens.sum() / chunk.seconds.sum()
 
     def best(chunk):
-        return max(set(chunk.label), key=lambda label: speed(chunk[chunk.label == label]))
+        pace = _speeds(chunk)
+        return max(pace, key=pace.get)
     lines = []
     for grouping in (["family"], ["family", "quoted"]):
         for turn in sorted(set(fixed["pass"])):
@@ -102,8 +105,8 @@ def group_ceilings(rows: pd.DataFrame, seen: dict[str, float]) -> pd.DataFrame:
             for name, source in (("same pass", mine), ("cross-fitted", other)):
                 if not len(source):
                     continue
-                picked = pd.concat([chunk[chunk.label == best(source.merge(chunk[grouping].drop_duplicates()))]
-                                    for _, chunk in mine.groupby(grouping)])
+                choice = {key: best(group) for key, group in source.groupby(grouping)}
+                picked = pd.concat([chunk[chunk.label == choice[key]] for key, chunk in mine.groupby(grouping)])
                 line[f"{name} over best fixed"] = speed(picked) / speed(mine[mine.label == best(mine)])
             lines.append(line)
     return pd.DataFrame(lines)
