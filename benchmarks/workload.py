@@ -120,7 +120,9 @@ def main() -> None:
     parser.add_argument("--stop-below", type=float, default=0.4,
                         help="chain-confident candidates: end a chain after a token the draft gave less than this")
     parser.add_argument("--candidates", nargs="+",
-                        default=["target-only", "prompt-lookup:4", "suffix:16", "suffix-tree:16", "chain:4"])
+                        default=["target-only", "prompt-lookup:4", "suffix:16", "suffix-tree:16", "chain:4"],
+                        help="METHOD[:K][@DRAFT] each: a draft after '@' is that candidate's own (loaded at "
+                             "--draft-dtype), else --draft")
     parser.add_argument("--draft-quant", default="int8-dynamic", help="chain candidates' draft: the target at this "
                                                               "quantization (the substitute draft), loaded once")
     parser.add_argument("--draft", help="chain and tree candidates' draft: this model (e.g. qwen2.5-coder-0.5b for "
@@ -171,14 +173,17 @@ def main() -> None:
     loaded = load_model(ModelSpec(args.target, dtype=args.dtype, kernels=args.kernels))
     target = LocalTarget(loaded)
     candidates = candidates_from(args.candidates)
-    models = any(drafts_with_a_model(c) for c in candidates)
+    models = any(drafts_with_a_model(c) and c.draft is None for c in candidates)  # drafting with --draft
     if args.head and models:
         raise SystemExit("--head drafts the eagle candidates; chain, tree and suffix-chain candidates would need "
                          "another draft")
     if args.draft and not models:
         raise SystemExit("--draft is the draft of chain, tree and suffix-chain candidates: add one to --candidates")
-    if args.draft_dtype and not args.draft:
-        raise SystemExit("--draft-dtype is --draft's dtype: name the draft model")
+    own = {c.draft for c in candidates if c.draft and drafts_with_a_model(c)}  # "chain:4@NAME": their own drafts
+    if args.draft_dtype and not (args.draft or own):
+        raise SystemExit("--draft-dtype is the draft models' dtype: name a draft model (--draft, or METHOD:K@DRAFT)")
+    drafts = {name: load_model(ModelSpec(name, dtype=args.draft_dtype or args.dtype, kernels=args.kernels))
+              for name in sorted(own)}
     draft = args.head
     if models:
         draft = load_model(ModelSpec(args.draft, dtype=args.draft_dtype or args.dtype, kernels=args.kernels)
@@ -211,14 +216,14 @@ def main() -> None:
                               hand_over=chosen["hand_over"], other_k=args.other_k, catch_up=chosen["catch_up"])
 
     def one(method, k, prompts, families, cache, **extra):
-        return run(target, [r["ids"] for r in prompts], method=method, k=k, draft=draft,
+        return run(target, [r["ids"] for r in prompts], method=method, k=k, draft=draft, drafts=drafts,
                    max_new_tokens=args.max_new_tokens, warmup=False, progress=False, families=families,
                    suffix=settings(cache), stop_below=args.stop_below, **extra)
 
     # warm every candidate once (its cache a throwaway one), then calibrate the router
     for c in candidates:
-        one(c.method, c.k, calibration[:1], None, "warm")
-    calibration_records = calibrate(target, [r["ids"] for r in calibration], candidates, draft=draft,
+        one(c.spec, c.k, calibration[:1], None, "warm")
+    calibration_records = calibrate(target, [r["ids"] for r in calibration], candidates, draft=draft, drafts=drafts,
                                     max_new_tokens=args.max_new_tokens, warmup=False, progress=False,
                                     suffix=settings("calibration "), stop_below=args.stop_below)  # interleaved
     if "target-only" in args.candidates:  # the calibration prompts with the target's own outputs, for replays
@@ -243,7 +248,7 @@ def main() -> None:
     again = [c for c in candidates if _knobs_touch(c, {knob for knob in chosen if chosen[knob] != first[knob]})]
     if again:  # the router learns these candidates as they run held out: at the chosen knobs, not the defaults
         print(f"calibrating {[c.label for c in again]} again at {chosen} (the replays chose knobs they read)")
-        rerun = calibrate(target, [r["ids"] for r in calibration], again, draft=draft,
+        rerun = calibrate(target, [r["ids"] for r in calibration], again, draft=draft, drafts=drafts,
                           max_new_tokens=args.max_new_tokens, warmup=False, progress=False,
                           suffix=settings("calibration again "), stop_below=args.stop_below)
         stale = [index for c in again for index in rows_of(calibration_records, c).index]
@@ -287,23 +292,23 @@ def main() -> None:
     # one call per pass when each candidate is its own method: every prompt runs every method back to back (run
     # rotates their order per prompt), so a slow spell of the machine falls on all of them alike; each method's
     # suffix cache sees the pass's earlier prompts, as the named caches of one call per method did
-    together = len({c.method for c in candidates}) == len(candidates)
+    together = len({c.recorded for c in candidates}) == len(candidates)
     for turn in range(args.passes):
         if together:
             prompts = ordered
-            methods = [f"{c.method}:{c.k}" for c in candidates] + ["auto"]
+            methods = [c.spec for c in candidates] + ["auto"]
             records = one(methods if turn % 2 == 0 else methods[::-1], 4, prompts, [r["set"] for r in prompts],
                           f"held-out pass {turn}", router=router)
-            keep(records, {**{c.method: c.label for c in candidates}, "auto": "auto"}, prompts, turn)
+            keep(records, {**{c.recorded: c.label for c in candidates}, "auto": "auto"}, prompts, turn)
             print(f"held out, pass {turn + 1}/{args.passes}: done ({len(prompts)} prompts, methods interleaved)")
             continue
         for number, family in enumerate(families):
             prompts = [r for r in held if r["set"] == family]
-            order = [(c.method, c.k, c.label) for c in candidates] + [("auto", 4, "auto")]
-            for method, k, label in (order if (number + turn) % 2 == 0 else order[::-1]):
-                records = one(method, k, prompts, [family] * len(prompts), f"held-out {label} pass {turn}",
+            order = [(c.spec, c.recorded, c.label) for c in candidates] + [("auto", "auto", "auto")]
+            for method, recorded, label in (order if (number + turn) % 2 == 0 else order[::-1]):
+                records = one(method, 4, prompts, [family] * len(prompts), f"held-out {label} pass {turn}",
                               **({"router": router} if method == "auto" else {}))
-                keep(records, {method: label}, prompts, turn)
+                keep(records, {recorded: label}, prompts, turn)
             print(f"held out {family}, pass {turn + 1}/{args.passes}: done ({len(prompts)} prompts)")
     report = summarise(pd.DataFrame(rows), [c.label for c in candidates])
     report["outputs_unlike_target_only"] = unlike_target_only(

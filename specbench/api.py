@@ -5,7 +5,7 @@ import numbers
 import time
 import uuid
 from dataclasses import asdict, replace
-from typing import Callable, Iterable, Optional, Sequence, Union
+from typing import Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import pandas as pd
 from tqdm.auto import tqdm
@@ -15,7 +15,7 @@ from specbench.decode.loop import Decoding, generate
 from specbench.decode.step import ProactiveDrafting, speculative_step
 from specbench.decode.target import LocalTarget, Target
 from specbench.hardware import peak_memory_bytes, reset_peak_memory
-from specbench.methods import DraftSource, Method, TreeShape, get_method
+from specbench.methods import DraftSource, Method, TreeShape, get_method, parse_methods
 from specbench.models.loaded import LoadedModel
 from specbench.models.loading import as_loaded
 from specbench.models.spec import ModelSpec
@@ -94,15 +94,17 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
         dtype: str = "float32", chat: bool = True, warmup: bool = True, progress: bool | str = True,
         tokenizer=None, tree: TreeShape = TreeShape(), proactive: bool = False, planner=None,
         cross_tokenizer: str = "auto", fast: bool | str | None = None, suffix=None, router=None,
-        families: Optional[Sequence[str]] = None, wrap_drafter=None, stop_below: float = STOP_BELOW) -> pd.DataFrame:
+        families: Optional[Sequence[str]] = None, wrap_drafter=None, stop_below: float = STOP_BELOW,
+        drafts: Optional[Mapping[str, ModelLike]] = None) -> pd.DataFrame:
     """Run each method over each prompt and return one row per speculative step.
 
     `prompts` are texts (through the chat template), token ids, or dataset rows (`load_prompts`: their "prompt",
     and their "set" as `families` unless given); a RemoteTarget brings its worker's tokenizer for text.
     `target` is a catalog name, Hugging Face id, path, ModelSpec, LoadedModel, LocalTarget or
     RemoteTarget; methods come from the method table (`specbench.methods`), each at `k` or at its own K
-    ("chain:3"). For tree methods K is the node budget. Every method shares the target and the loop, so tokens
-    are counted identically;
+    ("chain:3") and with `draft` or its own ("chain:3@smollm2-135m": a key of `drafts`, else a model name, loaded
+    once in the run's dtype; its records' `method` is "chain@smollm2-135m"). For tree methods K is the node budget.
+    Every method shares the target and the loop, so tokens are counted identically;
     a short warm-up generation per method is run first and discarded. Methods are interleaved: each runs a
     prompt before the next prompt starts, in an order rotated per prompt, so a machine that slows or speeds up
     during the call weighs on all of them alike (every method's drafter stays built for the whole call).
@@ -134,7 +136,8 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
     asked = [method] if isinstance(method, str) else list(method) if isinstance(method, Iterable) else []
     if not asked:
         raise SpecbenchError(f"method must name one method or several (specbench.methods), got {method!r}")
-    names, ks = method_ks(asked, k)
+    choices = parse_methods(asked, k)
+    names = [choice.name for choice in choices]
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):  # "a" met torch's OverflowError
         raise SpecbenchError(f"seed must be a whole number, got {seed!r}")
     check_stop_below(stop_below)  # before any model loads
@@ -172,8 +175,10 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
     shared = dict(target=target, source=source, prompt_ids=prompt_ids, k=k, max_new_tokens=max_new_tokens,
                   sampling=sampling, seed=seed, warmup=warmup, draft=draft, bar=bar, device=device,
                   target_bytes=target_bytes, wrap=wrap_drafter or (lambda drafter: drafter), families=families)
-    runs = [_auto_run(router, **shared) if chosen is None else
-            _method_run(chosen, planner, proactive, **dict(shared, k=own_k)) for chosen, own_k in zip(methods, ks)]
+    drafts_for = _draft_resolver(draft, drafts, dtype)
+    runs = [_auto_run(router, drafts_for, **shared) if chosen is None else
+            _method_run(chosen, planner, proactive, choice.label, **_own_draft(shared, chosen, choice, drafts_for))
+            for chosen, choice in zip(methods, choices)]
     for index in range(len(prompt_ids)):  # every method on a prompt before the next prompt, in an order rotated
         turn = index % len(runs)  # per prompt: the machine's drift during the call weighs on all methods alike
         for one_prompt in runs[turn:] + runs[:turn]:
@@ -183,48 +188,57 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
     return pd.DataFrame(rows)
 
 
-def method_ks(names: Sequence[str], k: int) -> tuple[list[str], list[int]]:
-    """Method names and each one's K: "chain:3" runs the chain at K=3 beside "suffix-tree:16" in one interleaved
-    call; a name without ":K" takes `k`. A method given twice is refused (its rows and outputs would mix)."""
-    if isinstance(k, bool) or not isinstance(k, numbers.Integral):
-        raise SpecbenchError(f"k must be a whole number of draft tokens (a tree's node budget), got {k!r}")
-    found, ks = [], []
-    for given in names:
-        name, _, own = str(given).partition(":")
-        if own and not own.isdigit():
-            raise SpecbenchError(f"method {given!r}: K after ':' must be a whole number")
-        if name in found:
-            raise SpecbenchError(f"method {name!r} is given twice ({given!r}): its rows and outputs would mix; run "
-                                 f"each K of one method in its own call")
-        found.append(name)
-        ks.append(int(own) if own else k)
-    return found, ks
+def _draft_resolver(draft, drafts, dtype: str) -> Callable:
+    """What a method's own draft ("chain@NAME") is: `drafts[NAME]` or NAME as a model, loaded once per name in
+    this process where the method drafts with a model here (a worker's method or a head's folder goes as named)."""
+    drafts = dict(drafts or {})
+    loaded: dict = {}
+
+    def draft_for(name: Optional[str], method: Method):
+        if name is None:
+            return draft
+        given = drafts.get(name, name)
+        if method.on_worker or method.reads_features or method.kind == "none" or method.lookup:
+            return given
+        if name not in loaded:
+            loaded[name] = as_loaded(given, dtype)
+        return loaded[name]
+
+    return draft_for
 
 
-def _method_run(chosen, planner, proactive, *, target, source, prompt_ids, k, max_new_tokens, sampling, seed,
+def _own_draft(shared: dict, method: Method, choice, drafts_for) -> dict:
+    """`shared` for one method: its K, and its own draft where it names one."""
+    if choice.draft is None:
+        return dict(shared, k=choice.k)
+    draft = drafts_for(choice.draft, method)
+    return dict(shared, k=choice.k, draft=draft, source=replace(shared["source"], draft=draft))
+
+
+def _method_run(chosen, planner, proactive, label, *, target, source, prompt_ids, k, max_new_tokens, sampling, seed,
                 warmup, draft, bar, device, target_bytes, wrap, families) -> Callable[[int], list[dict]]:
     """Build `chosen`'s drafter and warm it up; return what runs prompt `index` through it (its step rows)."""
     drafter = wrap(chosen.build(source)) if chosen.build else None
     planned = planner if chosen.plannable else None  # baselines in the same call run as they are
-    decoding = Decoding(k, max_new_tokens, sampling, f"{chosen.name}+planner" if planned else chosen.name,
-                        chosen.kind, planned)
+    decoding = Decoding(k, max_new_tokens, sampling, f"{label}+planner" if planned else label, chosen.kind, planned)
     one = dict(target=target, method=chosen, drafter=drafter, decoding=decoding, draft=draft,
                proactive=proactive and chosen.drafts_ahead, suffix=source.suffix)
     if warmup:
         _warm_up(prompt_ids[0], seed, one, source)
 
     def run_prompt(index: int) -> list[dict]:
-        bar.set_postfix_str(f"{chosen.name}, k={k}, {max_new_tokens} tokens")
+        bar.set_postfix_str(f"{label}, k={k}, {max_new_tokens} tokens")
         if planned is not None:
             planned.reset()
         routed = chosen.name == "auto-server" and families is not None  # the worker's router may use the family
         result = _measured(prompt_ids[index], index, seed, device, dict(one, family=families[index]) if routed else one)
-        return _rows(result, prompt_ids[index], 0 if chosen.kind == "none" else k, _memory(drafter, target_bytes))
+        rows = _rows(result, prompt_ids[index], 0 if chosen.kind == "none" else k, _memory(drafter, target_bytes))
+        return [dict(row, method=label) for row in rows] if chosen.on_worker and label != chosen.name else rows
 
     return run_prompt
 
 
-def _auto_run(router, *, target, source, prompt_ids, k, max_new_tokens, sampling, seed, warmup, draft, bar,
+def _auto_run(router, drafts_for, *, target, source, prompt_ids, k, max_new_tokens, sampling, seed, warmup, draft, bar,
               device, target_bytes, wrap, families) -> Callable[[int], list[dict]]:
     """What runs prompt `index` through the method and K the router predicts best for it; each row says what was
     chosen, how long choosing took, and every candidate's predicted tokens/s (the reason)."""
@@ -248,12 +262,14 @@ def _auto_run(router, *, target, source, prompt_ids, k, max_new_tokens, sampling
         if candidate not in built:
             method = get_method(candidate.method)
             _check(method, target, None)
+            own = drafts_for(candidate.draft, method)  # the candidate's own draft, or the run's
+            own_source = source if candidate.draft is None else replace(source, draft=own)
             decoding = Decoding(max(1, candidate.k), max_new_tokens, sampling, "auto", method.kind)
-            built[candidate] = one = dict(target=target, method=method, decoding=decoding, draft=draft,
-                                          drafter=wrap(method.build(source)) if method.build else None,
+            built[candidate] = one = dict(target=target, method=method, decoding=decoding, draft=own,
+                                          drafter=wrap(method.build(own_source)) if method.build else None,
                                           proactive=False, suffix=source.suffix)
             if warmup:
-                _warm_up(prompt_ids[0], seed, one, source)
+                _warm_up(prompt_ids[0], seed, one, own_source)
             # a cache of its own (not the shared one `memory` is) starts with every earlier output of the call
             if hasattr(one["drafter"], "remember") and getattr(one["drafter"], "cache", None) is not memory:
                 for output in history:

@@ -176,7 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     run_parser.add_argument("--target", help="catalog name, Hugging Face id or path (default smollm2-135m; with "
                                              "--worker: the model the worker is asked to serve, else its own)")
     run_parser.add_argument("--draft")
-    run_parser.add_argument("--method", nargs="+", default=["target-only", "prompt-lookup"])
+    run_parser.add_argument("--method", nargs="+", default=["target-only", "prompt-lookup"],
+                            help="methods side by side, each as METHOD[:K][@DRAFT]: its own K, its own draft model "
+                                 "(e.g. chain-confident:12@smollm2-135m beside chain-confident:12 with --draft)")
     run_parser.add_argument("--prompt", action="append", help="a prompt's text (repeat the flag for more)")
     run_parser.add_argument("--prompts", help="a dataset name or a JSONL path, in place of --prompt (its families go "
                                               "to --method auto's router)")

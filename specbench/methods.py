@@ -303,13 +303,62 @@ for _method in (
     register(_method)
 
 
+@dataclass(frozen=True)
+class MethodChoice:
+    """One method of a run as asked: "chain", "chain:3" (its own K) or "chain:3@smollm2-135m" (its own draft:
+    a name in run's `drafts=`, else a catalog name, Hugging Face id or path), so one call can compare drafts."""
+
+    name: str  # the method table's
+    k: int
+    draft: Optional[str] = None
+
+    @property
+    def label(self) -> str:
+        """How its records name it (their `method`): the method, and its own draft after "@"."""
+        return f"{self.name}@{self.draft}" if self.draft else self.name
+
+
+def parse_methods(asked, k: int) -> list[MethodChoice]:
+    """Each "method[:K][@draft]" string as a MethodChoice (K defaults to `k`), checked against the method table;
+    one label given twice is refused (its rows and outputs would mix)."""
+    import numbers
+
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral):
+        raise SpecbenchError(f"k must be a whole number of draft tokens (a tree's node budget), got {k!r}")
+    found: list[MethodChoice] = []
+    for given in asked:
+        head, at, draft = str(given).partition("@")
+        name, _, own = head.partition(":")
+        if own and not own.isdigit():
+            raise SpecbenchError(f"method {given!r}: K after ':' must be a whole number")
+        if at and not draft:
+            raise SpecbenchError(f"method {given!r}: name a draft after '@' (a model, or a key of drafts=)")
+        choice = MethodChoice(name, int(own) if own else int(k), draft or None)
+        if name != "auto":
+            method = get_method(name)  # an unknown method is refused by name, with the list
+            if draft and (method.kind == "none" or method.lookup):
+                raise SpecbenchError(f"method {given!r}: {name} drafts with no model, so it takes no '@draft'")
+        elif draft:
+            raise SpecbenchError(f"method {given!r}: auto's candidates carry their own drafts (the router's)")
+        if any(other.label == choice.label for other in found):
+            raise SpecbenchError(f"method {choice.label!r} is given twice ({given!r}): its rows and outputs would "
+                                 f"mix; run each K of one method in its own call")
+        found.append(choice)
+    return found
+
+
+def method_of(label: str) -> str:
+    """The method-table name in a records' `method` label: "chain@smollm2-135m+planner" -> "chain"."""
+    return label.split("@")[0].split("+")[0]
+
+
 def sampled_rule(temperature: float, names=()) -> str:
     """The rule of a run of these methods that names none: greedy at temperature 0; else rejection (exact,
     and it accepts the most of a draft model's drafts) unless one of them drafts what rejection cannot
     verify (a dynamic tree) or is routed (`auto`: its choices may be), then sample-match for all, so that
     their outputs stay comparable. Example: ("chain", "fixed-tree") at 0.8 -> rejection; ("chain", "tree")
     -> sample-match."""
-    bare = [name.split(":")[0] for name in names]
+    bare = [method_of(name.split(":")[0]) for name in names]
     if temperature and any(name == "auto" or not get_method(name).rejection for name in bare):
         return "sample-match"
     return default_rule(temperature)

@@ -10,11 +10,11 @@ DEFAULT_TARGET = "smollm2-135m"
 def run_command(args) -> int:
     """Run the methods on the prompts; print the summary and, beside target-only, why each paid or not and
     (greedy) whether every output is target-only's."""
-    from specbench.api import divergences, method_ks, run
+    from specbench.api import divergences, run
     from specbench.decode.divergence import difference_lines
     from specbench.decode.metrics import summarize
     from specbench.decode.verdict import speed_verdicts
-    from specbench.methods import sampled_rule
+    from specbench.methods import parse_methods, sampled_rule
     from specbench.models.loading import load_model
     from specbench.models.spec import ModelSpec
 
@@ -24,7 +24,7 @@ def run_command(args) -> int:
         apply_config(args)
     prompts, families = _prompts(args)
     _check_worker_options(args)
-    names = method_ks(args.method, args.k)[0]  # "chain:3": the method at its own K
+    names = [choice.name for choice in parse_methods(args.method, args.k)]  # "chain:3@NAME": own K, own draft
     target = ModelSpec(args.target or DEFAULT_TARGET, dtype=args.dtype, quantization=args.quant, kernels=args.kernels)
     draft = (ModelSpec(args.draft, dtype=args.dtype, quantization=args.draft_quant, kernels=args.kernels)
              if args.draft else None)

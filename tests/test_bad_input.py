@@ -152,6 +152,30 @@ def test_each_method_may_run_at_its_own_k_in_one_call(tiny_target, tiny_draft):
         run(tiny_target, prompts, method=["chain:2", "chain:4"], draft=tiny_draft, progress=False)
     with pytest.raises(SpecbenchError, match="K after ':' must be a whole number"):
         run(tiny_target, prompts, method=["chain:two"], draft=tiny_draft, progress=False)
+    with pytest.raises(SpecbenchError, match="name a draft after '@'"):
+        run(tiny_target, prompts, method=["chain:2@"], draft=tiny_draft, progress=False)
+    with pytest.raises(SpecbenchError, match="'chain@mine' is given twice"):
+        run(tiny_target, prompts, method=["chain:2@mine", "chain:4@mine"], drafts={"mine": tiny_draft}, progress=False)
+
+
+def test_one_call_compares_two_drafts_of_one_method(tiny_target, tiny_draft):
+    """"chain:2" with `draft` beside "chain:2@far" with its own: rows labelled apart, each drafting with its own
+    model (the far draft accepts less), both outputs target-only's; a draft name that is no key of `drafts` is
+    loaded as a model name, and one that is no model is refused naming it."""
+    from specbench.api import outputs
+    from specbench.models.tiny import tiny_model
+
+    prompts = [[1, 2, 3, 4, 1, 2, 3], [9, 10, 11, 12, 9, 10]]
+    far = tiny_model(seed=1, noise_from=tiny_target, noise_scale=0.05)
+    got = run(tiny_target, prompts, method=["target-only", "chain:2", "chain:2@far"], draft=tiny_draft,
+              drafts={"far": far}, max_new_tokens=16, progress=False, warmup=False)
+    assert list(dict.fromkeys(got["method"])) == ["target-only", "chain", "chain@far"]
+    accepted = got.groupby("method")["accepted"].mean()
+    assert accepted["chain"] > accepted["chain@far"]
+    produced = outputs(got)
+    assert all(produced[(m, i)] == produced[("target-only", i)] for m in ("chain", "chain@far") for i in (0, 1))
+    with pytest.raises(SpecbenchError, match="no-such-draft"):
+        run(tiny_target, prompts, method=["chain:2@no-such-draft"], progress=False, warmup=False)
 
 
 @pytest.mark.parametrize("grid,words", [

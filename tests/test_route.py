@@ -617,3 +617,70 @@ def test_auto_reads_the_outputs_before_each_prompt_and_a_late_suffix_drafter_get
     assert len(suffix) == 1 and len(suffix[0].cache) == 3  # two earlier outputs handed over, then its own
     produced = outputs(got)
     assert all(produced[("auto", i)] == produced[("target-only", i)] for i in range(3))
+
+
+def test_candidates_may_each_draft_with_their_own_model(tiny_target, tiny_draft, tmp_path):
+    """"chain:3@close" and "chain:3@far" (SpecDecode's per-prompt draft choice): calibration runs each with its own
+    draft, the router keeps them apart (rows, fits, labels, its file), and auto runs the chosen one with its own
+    draft, lossless; a draft that accepts more on every prompt drafts more tokens a step in its records."""
+    from specbench.models.tiny import tiny_model
+
+    far = tiny_model(seed=1, noise_from=tiny_target, noise_scale=0.05)  # a worse copy than tiny_draft's 0.005
+    drafts = {"close": tiny_draft, "far": far}
+    candidates = candidates_from(["target-only", "chain:3@close", "chain:3@far"])
+    assert [c.label for c in candidates] == ["target-only", "chain@close k=3", "chain@far k=3"]
+    assert [c.spec for c in candidates[1:]] == ["chain:3@close", "chain:3@far"]
+    router, records = train_router(tiny_target, PROMPTS, candidates, drafts=drafts, max_new_tokens=24, progress=False)
+    assert set(records["method"]) == {"target-only", "chain@close", "chain@far"}
+    per_step = records.groupby("method")["accepted"].mean()
+    assert per_step["chain@close"] > per_step["chain@far"]  # each ran its own draft
+    assert set(router.fits) == {c.label for c in candidates}
+    again = Router.load(router.save(tmp_path / "router.json"))
+    assert again.candidates == router.candidates and again.candidates[1].draft == "close"
+    got = run(tiny_target, PROMPTS, method=["target-only", "auto", "chain:3@far"], router=again, drafts=drafts,
+              max_new_tokens=24, progress=False)
+    produced = outputs(got)
+    for index in range(len(PROMPTS)):
+        assert produced[("auto", index)] == produced[("chain@far", index)] == produced[("target-only", index)]
+    assert set(got.loc[got["method"] == "auto", "chosen"]) <= {c.label for c in candidates}
+    chosen_close = got[(got["method"] == "auto") & (got["chosen"] == "chain@close k=3")]
+    if not chosen_close.empty:  # the chosen candidate drafted with its own model: its acceptance, not far's
+        assert chosen_close["accepted"].mean() > got[got["method"] == "chain@far"]["accepted"].mean()
+    with pytest.raises(SpecbenchError, match="auto is the router itself"):
+        candidates_from(["target-only", "auto"])
+    with pytest.raises(SpecbenchError, match="takes no '@draft'"):
+        candidates_from(["prompt-lookup:4@close"])
+
+
+def test_a_worker_routes_to_a_candidate_with_its_own_draft(tiny_target, tmp_path):
+    """A worker's router whose candidate names its own draft ("server-only:3@MODEL"): the worker drafts that
+    prompt with MODEL where it may load it (`--allow-load`), lossless, and says so in `chosen`; a worker not
+    allowed to load it refuses by name."""
+    from specbench.worker.client import RemoteTarget, WorkerError
+    from worker_helpers import ThreadWorker
+
+    far = "tiny-random:seed=1,noise=0.05,noise_from=0"
+    allowed = ThreadWorker(allow_load=(far,))
+    try:
+        remote = RemoteTarget(allowed.endpoint)
+        candidates = candidates_from(["server-only-ar", f"server-only:3@{far}"])
+        router, records = train_router(remote, PROMPTS[:3], candidates, max_new_tokens=12, progress=False)
+        assert set(records["method"]) == {"server-only-ar", f"server-only@{far}"}
+        path = router.save(tmp_path / "router.json")
+    finally:
+        allowed.stop()
+    router.margin, router.default = float("inf"), candidates[1].label  # always the candidate with its own draft
+    router.by_family = False
+    router.save(path)
+    routed, refusing = ThreadWorker(router=str(path), allow_load=(far,)), ThreadWorker(router=str(path))
+    try:
+        got = run(RemoteTarget(routed.endpoint), PROMPTS[:3], method="auto-server", max_new_tokens=12,
+                  progress=False)
+        with pytest.raises(WorkerError, match="--allow-load"):
+            run(RemoteTarget(refusing.endpoint), PROMPTS[:1], method="auto-server", max_new_tokens=8, progress=False)
+    finally:
+        routed.stop()
+        refusing.stop()
+    local = outputs(run(tiny_target, PROMPTS[:3], method="target-only", max_new_tokens=12, progress=False))
+    assert [outputs(got)[("auto-server", i)] for i in range(3)] == [local[("target-only", i)] for i in range(3)]
+    assert set(got["chosen"]) == {f"server-only@{far} k=3"}

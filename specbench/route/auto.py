@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 
 from specbench.api import as_target, encode_prompts, outputs, run
 from specbench.decode.suffix_drafter import SuffixSettings
-from specbench.methods import get_method
+from specbench.methods import get_method, parse_methods
 from specbench.models.loading import as_loaded
 from specbench.route.features import seen_shares
 from specbench.route.router import Candidate, Router, fit_router, rows_of
@@ -20,21 +20,16 @@ CHUNK = 8  # calibration prompts per round of candidates
 
 
 def candidates_from(specs: Sequence[str]) -> list[Candidate]:
-    """"method" or "method:k" strings (e.g. "suffix:16", "prompt-lookup:4", "target-only") as candidates,
-    each method checked against the method table first."""
-    found = []
-    for spec in specs:
-        name, _, k = spec.partition(":")
-        get_method(name)  # an unknown method is refused by name, with the list
-        if k and not k.isdigit():
-            raise SpecbenchError(f"candidate {spec!r}: K after ':' must be a whole number")
-        found.append(Candidate(name, int(k) if k else 4))
-    if not found:
+    """"method[:k][@draft]" strings (e.g. "suffix:16", "prompt-lookup:4", "target-only", "chain:4@smollm2-135m") as
+    candidates, each method checked against the method table first (K defaults to 4)."""
+    if not specs:
         raise SpecbenchError("a router needs at least one candidate")
-    return found
+    if any(str(spec).partition(":")[0].partition("@")[0] == "auto" for spec in specs):
+        raise SpecbenchError("auto is the router itself, not a candidate: name the methods it chooses among")
+    return [Candidate(choice.name, choice.k, choice.draft) for choice in parse_methods(specs, 4)]
 
 
-def train_router(target, prompts: Sequence, candidates: Sequence[Candidate], *, draft=None,
+def train_router(target, prompts: Sequence, candidates: Sequence[Candidate], *, draft=None, drafts=None,
                  families: Optional[Sequence[str]] = None, objective: str = "speed", max_new_tokens: int = 64,
                  ridge: float = 1.0, margin: float | str | None = None, by_family: Optional[bool] = None,
                  progress: bool = True, **run_options) -> tuple[Router, pd.DataFrame]:
@@ -44,19 +39,19 @@ def train_router(target, prompts: Sequence, candidates: Sequence[Candidate], *, 
     if not candidates:
         raise SpecbenchError("a router needs at least one candidate")
     for candidate in candidates:
-        if _needs_a_draft(get_method(candidate.method)) and draft is None:
+        if _needs_a_draft(get_method(candidate.method)) and draft is None and candidate.draft is None:
             raise SpecbenchError(f"candidate {candidate.label} drafts with a model: pass draft=...")
     if not prompts:
         raise SpecbenchError("a router needs calibration prompts: got none")
     target, _ = as_target(target, run_options.get("dtype", "float32"), run_options.get("fast"))
     ids = encode_prompts(prompts, run_options.pop("tokenizer", None) or target.tokenizer, run_options.pop("chat", True))
-    records = calibrate(target, ids, candidates, draft=draft, max_new_tokens=max_new_tokens, progress=progress,
-                        **run_options)
+    records = calibrate(target, ids, candidates, draft=draft, drafts=drafts, max_new_tokens=max_new_tokens,
+                        progress=progress, **run_options)
     seen = calibration_seen(records, ids, candidates, run_options.get("suffix"))
     return fit_router(records, ids, candidates, families, objective, ridge, margin, by_family, seen), records
 
 
-def calibrate(target, ids: Sequence[Sequence[int]], candidates: Sequence[Candidate], *, draft=None,
+def calibrate(target, ids: Sequence[Sequence[int]], candidates: Sequence[Candidate], *, draft=None, drafts=None,
               max_new_tokens: int = 64, chunk: int = CHUNK, suffix: Optional[SuffixSettings] = None,
               warmup: bool = True, progress: bool = True, **run_options) -> pd.DataFrame:
     """Every candidate over every prompt, interleaved: `chunk` prompts at a time, the candidates back to back
@@ -65,8 +60,14 @@ def calibrate(target, ids: Sequence[Sequence[int]], candidates: Sequence[Candida
     calibration). Each suffix-decoding candidate keeps its own cache across the chunks: one shared cache would
     hand a later candidate the earlier ones' answers to the same prompts, and a cache kept from an earlier
     calibration its answers (process-wide caches are the 16 most recent). Rows' `prompt_index` index `ids`."""
-    if any(drafts_with_a_model(c) for c in candidates) and draft is not None:
-        draft = as_loaded(draft, run_options.get("dtype", "float32"))  # loaded once, not once a chunk
+    dtype = run_options.get("dtype", "float32")
+    if any(drafts_with_a_model(c) and c.draft is None for c in candidates) and draft is not None:
+        draft = as_loaded(draft, dtype)  # loaded once, not once a chunk
+    given, drafts = dict(drafts or {}), {}
+    for c in candidates:  # a candidate's own draft (its name, or a key of `drafts`), loaded once too
+        if c.draft is not None:
+            drafts[c.draft] = as_loaded(given.get(c.draft, c.draft), dtype) if drafts_with_a_model(c) else \
+                given.get(c.draft, c.draft)
     suffix = suffix or SuffixSettings()
     call = uuid.uuid4().hex[:8]  # this call's caches: a second calibration must not recall the first's answers
     starts = range(0, len(ids), max(1, chunk))
@@ -75,7 +76,7 @@ def calibrate(target, ids: Sequence[Sequence[int]], candidates: Sequence[Candida
     for number, start in enumerate(starts):
         for c in candidates if number % 2 == 0 else candidates[::-1]:
             bar.set_postfix_str(c.label)
-            records = run(target, ids[start:start + chunk], method=c.method, draft=draft, k=max(1, c.k),
+            records = run(target, ids[start:start + chunk], method=c.spec, draft=draft, drafts=drafts, k=max(1, c.k),
                           max_new_tokens=max_new_tokens, warmup=warmup and number == 0, progress=False,
                           suffix=replace(suffix, name=f"{suffix.name}router calibration {call} {c.label}"),
                           **run_options)
@@ -94,7 +95,7 @@ def calibration_seen(records: pd.DataFrame, ids: Sequence[Sequence[int]], candid
     if not keeping or (suffix or SuffixSettings()).cache == "off":
         return None
     made = outputs(rows_of(records, keeping[0]))
-    return seen_shares(ids, [made.get((keeping[0].method, i), []) for i in range(len(ids))])
+    return seen_shares(ids, [made.get((keeping[0].recorded, i), []) for i in range(len(ids))])
 
 
 def _needs_a_draft(method) -> bool:

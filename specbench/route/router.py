@@ -50,10 +50,12 @@ BY_FAMILY = {"learn": None, "on": True, "off": False}  # `by_family` as a comman
 
 @dataclass(frozen=True)
 class Candidate:
-    """A method at one K (a tree's node budget; suffix decoding's cap)."""
+    """A method at one K (a tree's node budget; suffix decoding's cap), with the run's draft or its own (`draft`:
+    a model name, id or path, or a key of the `drafts=` given to calibration and `run`)."""
 
     method: str
     k: int = 4
+    draft: Optional[str] = None
 
     @property
     def drafts(self) -> bool:
@@ -62,8 +64,18 @@ class Candidate:
         return get_method(self.method).kind != "none"
 
     @property
+    def recorded(self) -> str:
+        """Its records' `method`: "chain", or "chain@smollm2-135m" with a draft of its own."""
+        return f"{self.method}@{self.draft}" if self.draft else self.method
+
+    @property
+    def spec(self) -> str:
+        """How `run` is asked for it: "chain:4", "chain:4@smollm2-135m"."""
+        return f"{self.method}:{self.k}" + (f"@{self.draft}" if self.draft else "")
+
+    @property
     def label(self) -> str:
-        return f"{self.method} k={self.k}" if self.drafts else self.method
+        return f"{self.recorded} k={self.k}" if self.drafts else self.method
 
 
 @dataclass
@@ -107,6 +119,7 @@ class Router:
             drafting = 0.0 if fit.draft_s is None else max(0.0, float(x @ fit.draft_s))
             step_s = fit.fixed_s + fit.per_token_s * (1.0 + drafted) + drafting
             rows.append({"candidate": candidate.label, "method": candidate.method, "k": candidate.k,
+                         "draft": candidate.draft,
                          "tokens_per_step": tokens, "drafted_per_step": drafted, "step_s": step_s,
                          "tokens_per_s": tokens / step_s, "verify_tokens": (1.0 + drafted) / tokens})
         return pd.DataFrame(rows)
@@ -145,7 +158,8 @@ class Router:
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
-        body = {"candidates": [[c.method, c.k] for c in self.candidates], "families": self.families,
+        body = {"candidates": [[c.method, c.k] + ([c.draft] if c.draft else []) for c in self.candidates],
+                "families": self.families,
                 "objective": self.objective, "mean": self.mean.tolist(), "scale": self.scale.tolist(),
                 "default": self.default, "margin": _finite(self.margin),
                 "margins": {str(_finite(m)): score for m, score in self.margins.items()},
@@ -163,7 +177,7 @@ class Router:
     def load(cls, path: str | Path) -> "Router":
         try:
             body = json.loads(Path(path).read_text())
-            return cls([Candidate(m, int(k)) for m, k in body["candidates"]], list(body["families"]),
+            return cls([Candidate(m, int(k), *draft) for m, k, *draft in body["candidates"]], list(body["families"]),
                        body["objective"], np.asarray(body["mean"]), np.asarray(body["scale"]),
                        {label: _Fit(np.asarray(f["tokens"]), np.asarray(f["drafted"]), f["fixed_s"], f["per_token_s"],
                                     None if f.get("draft_s") is None else np.asarray(f["draft_s"]))
@@ -332,8 +346,8 @@ def _best_overall(steps: dict[Candidate, pd.DataFrame], objective: str) -> str:
 
 
 def rows_of(records: pd.DataFrame, candidate: Candidate) -> pd.DataFrame:
-    """The records of one candidate: its method's rows, at its K where it drafts."""
-    rows = records[records["method"] == candidate.method]
+    """The records of one candidate: its method's rows (with its own draft's label), at its K where it drafts."""
+    rows = records[records["method"] == candidate.recorded]
     if candidate.drafts:
         rows = rows[rows["k"] == candidate.k]
     if rows.empty:

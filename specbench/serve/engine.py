@@ -148,6 +148,10 @@ class Engine:
         if stranded:
             raise SpecbenchError(f"router {self.settings.router}: candidates {stranded} run wholly on a worker; serve "
                                  f"drafts in its own process: route with their client forms (suffix, chain, ...)")
+        own = [c.label for c in router.candidates if c.draft is not None]
+        if own:
+            raise SpecbenchError(f"router {self.settings.router}: candidates {own} draft with a model of their own; "
+                                 f"serve drafts with its --draft alone: route among candidates without '@DRAFT'")
         return router
 
     def _route(self, prompt_ids: list[int], client) -> tuple[Speculation, dict]:

@@ -13,6 +13,7 @@ from typing import Optional
 import numpy as np
 
 from specbench.methods import METHODS
+from specbench.models.spec import ModelSpec
 from specbench.types import SpecbenchError
 from specbench.worker import protocol
 from specbench.worker.jobs import Job
@@ -84,8 +85,13 @@ def generate(ops, header: dict, arrays: dict, curve_key: str):
         if family is not None and len(family) > MAX_FAMILY_CHARS:
             raise ProtocolError(f"field 'family' is a family's name: at most {MAX_FAMILY_CHARS} characters, "
                                 f"got {len(family)}")
-        method, k_chosen, chosen = _routed(ops, protocol.array(arrays, "tokens").tolist(), family, header, curve_key)
+        method, k_chosen, chosen, routed_draft = _routed(ops, protocol.array(arrays, "tokens").tolist(), family,
+                                                         header, curve_key)
         header = dict(header, k=k_chosen)
+        if routed_draft is not None:  # the chosen candidate's own draft, in the worker's draft dtype
+            like = ops.config.draft or ops.config.model or ModelSpec(routed_draft)
+            header = dict(header, draft=protocol.spec_to_wire(ModelSpec(routed_draft, dtype=like.dtype,
+                                                                        device=ops.config.device)))
     if method not in METHODS or not METHODS[method].on_worker:
         on_worker = [name for name, m in METHODS.items() if m.on_worker]
         raise ProtocolError(f"generate runs the worker methods {on_worker}, not {method!r}")
@@ -208,8 +214,10 @@ def worker_router(path: str, limits=None):
     return router
 
 
-def _routed(ops, prompt: list, family: Optional[str], header: dict, curve_key: str) -> tuple[str, int, dict]:
-    """auto-server: the worker method and K its router predicts best for `prompt`, and what to tell the client.
+def _routed(ops, prompt: list, family: Optional[str], header: dict,
+            curve_key: str) -> tuple[str, int, dict, Optional[str]]:
+    """auto-server: the worker method, K and own draft (None: the worker's) its router predicts best for `prompt`,
+    and what to tell the client.
     A router that reads what earlier outputs hold reads this tenant's suffix cache (the one the request's suffix
     drafter would draft from)."""
     import json
@@ -230,9 +238,10 @@ def _routed(ops, prompt: list, family: Optional[str], header: dict, curve_key: s
         seen = seen_share(prompt, suffix_cache(DraftSource(target, target.loaded, suffix=settings), key))
     candidate, table = ops.router.choose(prompt, family, seen)
     method = ON_WORKER.get(candidate.method, candidate.method)
-    told = {"chosen": f"{method} k={candidate.k}", "route_predicted": json.dumps(predicted_speeds(table)),
+    own = f"@{candidate.draft}" if candidate.draft else ""
+    told = {"chosen": f"{method}{own} k={candidate.k}", "route_predicted": json.dumps(predicted_speeds(table)),
             "route_default": ops.router.default_for(family)}
-    return method, max(1, candidate.k), told
+    return method, max(1, candidate.k), told, candidate.draft
 
 
 def _suffix_drafter(ops, target, method, principal: str, suffix: dict):
