@@ -148,9 +148,12 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
     if fast is None and any(chosen is not None and chosen.reads_features for chosen in methods):
         fast = False  # the default (fast on CUDA) yields to a draft head, which reads the target's hidden states
     target, target_model = as_target(target, dtype, fast)
-    for chosen in methods:
+    for chosen, choice in zip(methods, choices):
         if chosen is not None:
             _check(chosen, target, planner)
+        if planner is not None and choice.draft and chosen.plannable:
+            raise SpecbenchError(f"a step planner prices the draft of its reference; method {choice.label!r} drafts "
+                                 f"with its own: run it without planner=")
     if families is None and prompts and all(isinstance(prompt, dict) and "set" in prompt for prompt in prompts):
         families = [str(prompt["set"]) for prompt in prompts]  # dataset rows name their family
     texts = any(isinstance(prompt, (str, dict)) for prompt in prompts)  # ids need none (a RemoteTarget fetches one)

@@ -176,6 +176,8 @@ def test_one_call_compares_two_drafts_of_one_method(tiny_target, tiny_draft):
     assert all(produced[(m, i)] == produced[("target-only", i)] for m in ("chain", "chain@far") for i in (0, 1))
     with pytest.raises(SpecbenchError, match="no-such-draft"):
         run(tiny_target, prompts, method=["chain:2@no-such-draft"], progress=False, warmup=False)
+    with pytest.raises(SpecbenchError, match="drafts with its own: run it without planner"):
+        run(tiny_target, prompts, method=["chain:2@far"], drafts={"far": far}, planner=object(), progress=False)
 
 
 @pytest.mark.parametrize("grid,words", [

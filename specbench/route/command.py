@@ -5,12 +5,14 @@ from specbench.route.router import BY_FAMILY, FOLDS, LEARN, MARGIN, parse_margin
 
 
 def add_route(commands) -> None:
-    route = commands.add_parser("route", help="train a per-prompt router (method and K per prompt) on calibration "
-                                              "prompts; `specbench run --method auto --router FILE` uses it")
+    route = commands.add_parser("route", help="train a per-prompt router (method, K and draft per prompt) on "
+                                              "calibration prompts; `specbench run --method auto --router FILE` "
+                                              "uses it")
     route.add_argument("--target", required=True, help="catalog name, Hugging Face id or path")
-    route.add_argument("--draft", help="the draft model of model-drafting candidates")
+    route.add_argument("--draft", help="the draft model of model-drafting candidates that name none of their own")
     route.add_argument("--candidates", nargs="+", default=["target-only", "prompt-lookup:4", "suffix:16"],
-                       help="method or method:K each (default %(default)s)")
+                       help="METHOD[:K][@DRAFT] each: a draft after '@' is that candidate's own, else --draft "
+                            "(default %(default)s)")
     route.add_argument("--prompts", default="bench", help="a dataset name or a JSONL path (its families kept)")
     route.add_argument("--prompt-count", type=int, default=40)
     route.add_argument("--max-new-tokens", type=int, default=64)
