@@ -84,7 +84,7 @@ def router_file(folder: Path, candidates=ROUTED) -> str:
 
     prompts = [[5, 6, 7, 8] * 6, [3, 4] * 10, [11, 40, 73, 2, 95, 17], [60, 21, 88, 4, 33, 70, 9]]
     chosen = [Candidate(*c) if isinstance(c, tuple) else Candidate(c) for c in candidates]
-    rows = [dict(method=c.method, k=c.k, prompt_index=i, emitted=3 if c.drafts and i < 2 else 1,
+    rows = [dict(method=c.recorded, k=c.k, prompt_index=i, emitted=3 if c.drafts and i < 2 else 1,
                  drafted=c.k if c.drafts else 0, step_s=0.012 if c.drafts else 0.010)
             for c in chosen for i in range(len(prompts)) for _ in range(4)]
     return str(fit_router(pd.DataFrame(rows), prompts, chosen).save(folder / "router.json"))
@@ -234,6 +234,10 @@ def test_a_router_serve_cannot_route_with_is_refused_before_any_model_loads(tmp_
     stranded = router_file(tmp_path, ("target-only", ("suffix-server", 8)))
     with pytest.raises(SpecbenchError, match=r"\['suffix-server k=8'\] run wholly on a worker"):
         Engine(settings(methods=("auto",), router=stranded))
+    (tmp_path / "own").mkdir()
+    own = router_file(tmp_path / "own", ("target-only", ("chain", 3, "smollm2-135m")))
+    with pytest.raises(SpecbenchError, match=r"\['chain@smollm2-135m k=3'\] draft with a model of their own"):
+        Engine(settings(methods=("auto",), router=own))
 
 
 def test_a_planned_server_picks_k_per_step_and_stays_lossless(remote, expected):
