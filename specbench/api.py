@@ -1,6 +1,7 @@
 """The three-line notebook API: `run(target=..., draft=..., method=..., prompts=...) -> DataFrame`."""
 from __future__ import annotations
 
+import hashlib
 import numbers
 import time
 import uuid
@@ -360,6 +361,9 @@ def _generate_one(ids, prompt_index, seed, *, target, method, drafter, decoding,
     `family`: the prompt's, for a worker that routes it)."""
     if method.on_worker:
         draft_spec = ModelSpec(draft) if isinstance(draft, str) else draft if isinstance(draft, ModelSpec) else None
+        own = decoding.method.partition("@")[2]  # "suffix-eagle-server@B": a cache apart from the call's "@A" one
+        if own and suffix is not None and suffix.cache == "drafter":
+            suffix = replace(suffix, name=f"{suffix.name}@{hashlib.sha1(own.encode()).hexdigest()[:10]}")
         return target.generate_on_worker(method.name, ids, k=decoding.k, max_new_tokens=decoding.max_new_tokens,
                                          sampling=decoding.sampling, seed=seed, prompt_index=prompt_index,
                                          draft=draft_spec, suffix=suffix if method.keeps_outputs else None,

@@ -841,3 +841,36 @@ def test_layers_the_target_lacks_are_refused_before_any_response_is_made(tmp_pat
     with pytest.raises(SpecbenchError, match=r"layers \[0, 2, 9\].*ids \[9\] do not exist"):
         train_head(TrainSpec(target="tiny-random:seed=0,layers=4", prompts=prompts, prompt_count=6, held_out=2,
                              layers=(0, 2, 9)), tmp_path, progress=False)
+
+
+def test_two_heads_of_one_worker_hybrid_keep_their_caches_apart(tmp_path):
+    """"suffix-eagle-server:4@A" beside "...@B" in one call: the worker keeps a suffix cache for each (a shared
+    one would hand B, on each prompt, A's output of that very prompt), so B drafts step for step as it does alone;
+    both outputs are target-only's."""
+    from specbench.decode.suffix_drafter import SuffixSettings
+    from specbench.models.loading import load_model
+    from specbench.models.spec import ModelSpec
+    from specbench.worker.client import RemoteTarget
+    from tests.worker_helpers import TARGET, ThreadWorker
+
+    model = load_model(ModelSpec(TARGET))
+    first = str(save_head(new_head(model, seed=3), tmp_path / "first"))
+    second = str(save_head(new_head(model, seed=4), tmp_path / "second"))
+    running = ThreadWorker(allow_load=(first, second))
+    try:
+        remote = RemoteTarget(running.endpoint)
+        settings = dict(k=4, max_new_tokens=16, progress=False, warmup=False)
+        both = run(remote, PROMPTS, method=[f"suffix-eagle-server:4@{first}", f"suffix-eagle-server:4@{second}"],
+                   **settings)
+        alone = run(remote, PROMPTS, method="suffix-eagle-server", draft=second, suffix=SuffixSettings(cache="drafter"),
+                    **settings)
+    finally:
+        running.stop()
+    local = outputs(run(LocalTarget(model), PROMPTS, method="target-only", **settings))
+    mine = both[both["method"] == f"suffix-eagle-server@{second}"]
+    assert mine.groupby("prompt_index")["drafted"].apply(list).tolist() == \
+        alone.groupby("prompt_index")["drafted"].apply(list).tolist()
+    produced = outputs(both)
+    for label in (f"suffix-eagle-server@{first}", f"suffix-eagle-server@{second}"):
+        assert [produced[(label, i)] for i in range(len(PROMPTS))] == \
+            [local[("target-only", i)] for i in range(len(PROMPTS))]
