@@ -179,7 +179,7 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
     shared = dict(target=target, source=source, prompt_ids=prompt_ids, k=k, max_new_tokens=max_new_tokens,
                   sampling=sampling, seed=seed, warmup=warmup, draft=draft, bar=bar, device=device,
                   target_bytes=target_bytes, wrap=wrap_drafter or (lambda drafter: drafter), families=families)
-    drafts_for = _draft_resolver(draft, drafts, dtype)
+    drafts_for = draft_resolver(draft, drafts, dtype)
     runs = [_auto_run(router, drafts_for, **shared) if chosen is None else
             _method_run(chosen, planner, proactive, choice.label, **_own_draft(shared, chosen, choice, drafts_for))
             for chosen, choice in zip(methods, choices)]
@@ -192,7 +192,7 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
     return pd.DataFrame(rows)
 
 
-def _draft_resolver(draft, drafts, dtype: str) -> Callable:
+def draft_resolver(draft, drafts, dtype: str) -> Callable:
     """What a method's own draft ("chain@NAME") is: `drafts[NAME]` or NAME as a model, loaded once per name in
     this process where the method drafts with a model here (a worker's method or a head's folder goes as named)."""
     drafts = dict(drafts or {})
@@ -212,11 +212,15 @@ def _draft_resolver(draft, drafts, dtype: str) -> Callable:
 
 
 def _own_draft(shared: dict, method: Method, choice, drafts_for) -> dict:
-    """`shared` for one method: its K, and its own draft where it names one."""
+    """`shared` for one method: its K, and its own draft where it names one. A call's suffix caches ("drafter")
+    are named per method on a worker; a method with its own draft names one apart ("suffix-eagle-server@B" must
+    not draft from "...@A"'s outputs of the same prompts)."""
     if choice.draft is None:
         return dict(shared, k=choice.k)
-    draft = drafts_for(choice.draft, method)
-    return dict(shared, k=choice.k, draft=draft, source=replace(shared["source"], draft=draft))
+    draft, suffix = drafts_for(choice.draft, method), shared["source"].suffix
+    if suffix.cache == "drafter":
+        suffix = replace(suffix, name=f"{suffix.name}@{hashlib.sha1(choice.draft.encode()).hexdigest()[:10]}")
+    return dict(shared, k=choice.k, draft=draft, source=replace(shared["source"], draft=draft, suffix=suffix))
 
 
 def _method_run(chosen, planner, proactive, label, *, target, source, prompt_ids, k, max_new_tokens, sampling, seed,
@@ -361,9 +365,6 @@ def _generate_one(ids, prompt_index, seed, *, target, method, drafter, decoding,
     `family`: the prompt's, for a worker that routes it)."""
     if method.on_worker:
         draft_spec = ModelSpec(draft) if isinstance(draft, str) else draft if isinstance(draft, ModelSpec) else None
-        own = decoding.method.partition("@")[2]  # "suffix-eagle-server@B": a cache apart from the call's "@A" one
-        if own and suffix is not None and suffix.cache == "drafter":
-            suffix = replace(suffix, name=f"{suffix.name}@{hashlib.sha1(own.encode()).hexdigest()[:10]}")
         return target.generate_on_worker(method.name, ids, k=decoding.k, max_new_tokens=decoding.max_new_tokens,
                                          sampling=decoding.sampling, seed=seed, prompt_index=prompt_index,
                                          draft=draft_spec, suffix=suffix if method.keeps_outputs else None,

@@ -8,7 +8,7 @@ from typing import Optional, Sequence
 import pandas as pd
 from tqdm.auto import tqdm
 
-from specbench.api import as_target, encode_prompts, outputs, run
+from specbench.api import as_target, draft_resolver, encode_prompts, outputs, run
 from specbench.decode.suffix_drafter import SuffixSettings
 from specbench.methods import get_method, parse_methods
 from specbench.models.loading import as_loaded
@@ -24,9 +24,10 @@ def candidates_from(specs: Sequence[str]) -> list[Candidate]:
     candidates, each method checked against the method table first (K defaults to 4)."""
     if not specs:
         raise SpecbenchError("a router needs at least one candidate")
-    if any(str(spec).partition(":")[0].partition("@")[0] == "auto" for spec in specs):
+    choices = parse_methods(specs, 4)
+    if any(choice.name == "auto" for choice in choices):
         raise SpecbenchError("auto is the router itself, not a candidate: name the methods it chooses among")
-    return [Candidate(choice.name, choice.k, choice.draft) for choice in parse_methods(specs, 4)]
+    return [Candidate(choice.name, choice.k, choice.draft) for choice in choices]
 
 
 def train_router(target, prompts: Sequence, candidates: Sequence[Candidate], *, draft=None, drafts=None,
@@ -63,11 +64,8 @@ def calibrate(target, ids: Sequence[Sequence[int]], candidates: Sequence[Candida
     dtype = run_options.get("dtype", "float32")
     if any(drafts_with_a_model(c) and c.draft is None for c in candidates) and draft is not None:
         draft = as_loaded(draft, dtype)  # loaded once, not once a chunk
-    given, drafts = dict(drafts or {}), {}
-    for c in candidates:  # a candidate's own draft (its name, or a key of `drafts`), loaded once too
-        if c.draft is not None:
-            drafts[c.draft] = as_loaded(given.get(c.draft, c.draft), dtype) if drafts_with_a_model(c) else \
-                given.get(c.draft, c.draft)
+    draft_for = draft_resolver(draft, drafts, dtype)  # a candidate's own draft, loaded once too
+    drafts = {c.draft: draft_for(c.draft, get_method(c.method)) for c in candidates if c.draft is not None}
     suffix = suffix or SuffixSettings()
     call = uuid.uuid4().hex[:8]  # this call's caches: a second calibration must not recall the first's answers
     starts = range(0, len(ids), max(1, chunk))
