@@ -414,6 +414,48 @@ def test_train_draft_learns_what_drafting_asks_resumes_and_writes_a_loadable_hea
     assert all(got[("eagle", i)] == got[("target-only", i)] for i in range(3))
 
 
+def test_a_feature_loss_pulls_each_row_towards_the_targets_final_state_where_its_label_came_from(tmp_path):
+    """`feature_loss` (EAGLE-1's regression): after training, the head's normed state at a row that reads
+    position p lies near the target's final state at p + 1 (from a fresh forward, not the cache the loss
+    read), whose output the row is labelled with, and far nearer than a head trained without the loss
+    does; one row off (p) stays far, so the loss meets the labels' alignment. Features cached without the
+    final states are made again when the loss is asked for, and a negative weight is refused."""
+    from specbench.heads.data import load_cached
+    from specbench.heads.train import TrainSpec, train_head, unrolled_logits
+
+    prompts = tuple([(i * 11 + j * 7) % 90 + 3 for j in range(6 + i % 5)] for i in range(10))
+    spec = TrainSpec(target="tiny-random:seed=0,layers=4", prompts=prompts, prompt_count=10, held_out=2,
+                     max_new_tokens=12, draft_vocab=96, labels="greedy", ttt_steps=2, epochs=60, learning_rate=3e-3,
+                     batch=4, checkpoint_every=1_000, eval_every=10_000)
+    without = train_head(spec, tmp_path, progress=False)
+    assert len(load_cached(tmp_path / "features.pt", "")[0]) == 3  # no final states kept when not asked
+    for name in ("checkpoint.pt",):
+        (tmp_path / name).unlink()
+    weighted = train_head(TrainSpec(**{**spec.__dict__, "feature_loss": 10.0}), tmp_path, progress=False)
+    passes = load_cached(tmp_path / "features.pt", "")
+    assert len(passes[0]) == 4  # made again, with the final states
+    target = tiny_model(seed=0, num_layers=4)
+    sequences = load_cached(tmp_path / "data.pt", "")["sequences"]
+
+    def distances(head) -> tuple[float, float]:
+        aligned, shifted = [], []
+        with torch.no_grad():
+            for (raw, *_), ids in zip(passes, sequences):
+                ids = torch.tensor(ids)
+                final = target.model(input_ids=ids[None], output_hidden_states=True).hidden_states[-1][0]
+                states = []
+                unrolled_logits(head, ids, head.fuse(raw[:-1].float()), 1, 0, states)
+                aligned.append((states[0] - final[1:]).abs().mean())
+                shifted.append((states[0] - final[:-1]).abs().mean())
+        return float(torch.stack(aligned).mean()), float(torch.stack(shifted).mean())
+
+    near, off = distances(weighted.head)
+    plain, _ = distances(without.head)
+    assert near < 0.6 * plain and near < 0.6 * off, (near, plain, off)
+    with pytest.raises(SpecbenchError, match="feature_loss is a weight"):
+        TrainSpec(target="x", feature_loss=-1.0).check()
+
+
 def test_training_for_a_bf16_target_keeps_fp32_weights_and_leaves_the_target_in_bf16(tmp_path):
     """A bf16 target trains its head under bf16 autocast with fp32 master weights (a bf16 weight would drop
     every update under 1/256 of itself), the target's shared embeddings untouched in bf16; the loss falls,
@@ -690,7 +732,8 @@ def test_a_head_is_profiled_recorded_and_predicted_like_any_draft(tmp_path):
 @pytest.mark.parametrize("option, flag", [({"ttt_steps": 5}, "--ttt-steps"), ({"init": "layer"}, "--init"),
                                           ({"draft_vocab": 100, "layout": "speculators"}, "--draft-vocab, --layout"),
                                           ({"layers": (1, 2, 3)}, "--layers"), ({"own_embeddings": True},
-                                                                                "--own-embeddings")])
+                                                                                "--own-embeddings"),
+                                          ({"feature_loss": 1.0}, "--feature-loss")])
 def test_distil_refuses_the_options_of_a_head_by_name(tmp_path, option, flag):
     """`--distil` with a head's option (which it would not use) is refused before any model loads, naming it."""
     from specbench.heads.distil import distil_draft

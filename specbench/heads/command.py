@@ -26,6 +26,9 @@ def add_train_draft(commands) -> None:
     train.add_argument("--teacher-forced", action="store_true", help="train on the prompts' text, no responses")
     train.add_argument("--labels", choices=("soft", "greedy"), default=defaults.labels,
                        help="the target's top-k distribution per position (soft) or its argmax (greedy)")
+    train.add_argument("--feature-loss", type=float, default=defaults.feature_loss, metavar="WEIGHT",
+                       help="also pull the head's state towards the target's final hidden state at the position it "
+                            "predicts (EAGLE-1's regression), with this weight beside the labels' (default: off)")
     train.add_argument("--loss-on", choices=("reply", "all"), default=defaults.loss_on,
                        help="positions trained to predict: after the prompt, where drafting proposes (reply), or "
                             "every one (all: the prompt's text too)")
@@ -61,7 +64,8 @@ def _train_draft(args) -> int:
     spec = TrainSpec(target=args.target, prompts=args.prompts, prompt_count=args.prompt_count, held_out=args.held_out,
                      max_new_tokens=args.max_new_tokens, max_length=args.max_length,
                      samples=args.samples, temperature=args.temperature, teacher_forced=args.teacher_forced,
-                     labels=args.labels, loss_on=args.loss_on, own_embeddings=args.own_embeddings,
+                     labels=args.labels, loss_on=args.loss_on, feature_loss=args.feature_loss,
+                     own_embeddings=args.own_embeddings,
                      draft_vocab=args.draft_vocab, layers=tuple(args.layers) if args.layers else None,
                      ttt_steps=args.ttt_steps, epochs=args.epochs,
                      learning_rate=args.learning_rate, batch=args.batch, minutes=args.minutes, layout=args.layout,

@@ -111,15 +111,17 @@ def exchange(tokenizer, messages: list[dict], max_length: int, context: int = 96
 
 
 @torch.inference_mode()
-def target_pass(target, ids: list[int], layer_ids, top: int = 16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def target_pass(target, ids: list[int], layer_ids, top: int = 16, final: bool = False) -> tuple:
     """(the concatenated inputs of `layer_ids` per position [n, layers x hidden], the target's `top` most
     likely next ids after each position [n, top] (its greedy choice first) and their probabilities) from
-    one forward."""
-    output = target.model(input_ids=torch.tensor([ids]), output_hidden_states=bool(layer_ids))
+    one forward; with `final`, also its final normed hidden state per position [n, hidden] (what its
+    output layer reads: a feature loss's goal)."""
+    output = target.model(input_ids=torch.tensor([ids]), output_hidden_states=bool(layer_ids) or final)
     raw = (torch.cat([output.hidden_states[i][0] for i in layer_ids], dim=-1) if layer_ids
            else torch.zeros(len(ids), 0))  # a distilled draft reads no features
     probs, choices = torch.softmax(output.logits[0].float(), dim=-1).topk(top, dim=-1)
-    return raw.to(torch.float16), choices.to(torch.int32), probs.to(torch.float16)
+    kept = (raw.to(torch.float16), choices.to(torch.int32), probs.to(torch.float16))
+    return kept + (output.hidden_states[-1][0].to(torch.float16),) if final else kept
 
 
 @dataclass
@@ -189,10 +191,12 @@ def prepare(spec, folder: str | Path, layer_ids_of, progress: bool) -> Prepared:
             print(f"specbench: {error}", file=sys.stderr)
     # the layers the cached features came from (a cache written before they were kept: the default ones)
     cached_layers = tuple(data.get("feature_layers", default_layer_ids(target.model.config.num_hidden_layers)))
+    final = bool(getattr(spec, "feature_loss", 0))  # a feature loss also needs the target's final states
     if (passes is None or len(passes) != len(data["sequences"]) or passes[0][1].shape[-1] != spec.soft_top
+            or (final and len(passes[0]) < 4)
             or (layer_ids and (passes[0][0].shape[-1] != len(layer_ids) * target.model.config.hidden_size
                                or cached_layers != tuple(layer_ids)))):
-        passes = [target_pass(target, ids, layer_ids, spec.soft_top) for ids in tqdm(
+        passes = [target_pass(target, ids, layer_ids, spec.soft_top, final) for ids in tqdm(
             data["sequences"], desc="train-draft: target features", unit="sequence", disable=not progress)]
         save_cached(passes, features_path)
         if layer_ids:

@@ -22,7 +22,8 @@ from specbench.heads.data import load_cached, prepare, save_cached
 from specbench.heads.train import TrainResult, TrainSpec, optimization
 from specbench.types import SpecbenchError
 
-HEAD_ONLY = ("draft_vocab", "layers", "ttt_steps", "layout", "init", "own_embeddings")  # TrainSpec fields
+# TrainSpec fields
+HEAD_ONLY = ("draft_vocab", "layers", "ttt_steps", "layout", "init", "own_embeddings", "feature_loss")
 
 
 def check_distil(spec: TrainSpec) -> None:
@@ -80,7 +81,7 @@ def distil_draft(spec: TrainSpec, layers: int, folder: str | Path, progress: boo
         loss_sum = 0.0
         for slot in range(spec.batch):
             index = int(order[(step * spec.batch + slot) % len(passes)])
-            (_, choices, probs), ids = passes[index], torch.tensor(data["sequences"][index])
+            (_, choices, probs), ids = passes[index][:3], torch.tensor(data["sequences"][index])
             start = max(0, prepared.prompt_lengths[index] - 1) if spec.loss_on == "reply" else 0
             logits = model(input_ids=ids[None]).logits[0, start:]
             loss = _distil_loss(logits, choices[start:], probs[start:], spec.labels)

@@ -11,6 +11,9 @@ Why these choices, on a 2-core CPU for a 135M target within minutes:
 - Draft vocabulary: the ids the target chose most often in the training data (EAGLE-3's reduced
   vocabulary); the head's output layer and final norm start as the target's own rows for those ids,
   so it starts as "the target's head over a fused, one-layer guess of its last hidden state".
+- Feature loss (`feature_loss`, EAGLE-1's regression, off by default): the head's normed state is also pulled
+  towards the target's own final normed hidden state at the position it predicts (a smooth L1 per dimension):
+  hundreds of numbers per position where the labels give one distribution, for data too small to generalise from.
 - Training-time test (EAGLE-3): each sequence is unrolled `ttt_steps` times: step j reads at base
   position p the head's own output of step j - 1 as its feature, attending to the real positions up to
   p and to its own earlier steps at p, which is exactly what drafting j tokens past p sees.
@@ -52,6 +55,7 @@ class TrainSpec:
     loss_on: str = "all"  # all: predict at every position; reply: only after the prompt, where drafting will
     labels: str = "soft"  # soft: the target's top-`soft_top` distribution; greedy: its argmax
     soft_top: int = 16
+    feature_loss: float = 0.0  # weight of the regression on the target's final state (EAGLE-1); 0: none
     own_embeddings: bool = False  # write a copy of the target's embeddings with the head (to draft on a worker's client)
     draft_vocab: int = 8192
     layers: Optional[tuple] = None  # the target layers whose inputs the head fuses (default: EAGLE-3's 2, L/2, L-3)
@@ -80,6 +84,8 @@ class TrainSpec:
                                  f"{self.temperature}")
         if self.ttt_steps < 1 or self.draft_vocab < 2 or self.batch < 1 or self.epochs <= 0 or self.soft_top < 1:
             raise SpecbenchError("ttt_steps, batch, epochs and soft_top must be positive and draft_vocab at least 2")
+        if not 0 <= self.feature_loss < float("inf"):
+            raise SpecbenchError(f"feature_loss is a weight, 0 or more, got {self.feature_loss}")
         if not 0 < self.learning_rate < float("inf"):
             raise SpecbenchError(f"learning_rate must be positive, got {self.learning_rate}")
         if self.minutes is not None and not self.minutes > 0:
@@ -119,7 +125,7 @@ def draft_ids(labels: list[torch.Tensor], size: int) -> list[int]:
 
 
 def unrolled_logits(head: EagleHead, ids: torch.Tensor, features: torch.Tensor, steps: int,
-                    start: int = 0) -> list[torch.Tensor]:
+                    start: int = 0, states: Optional[list] = None) -> list[torch.Tensor]:
     """Draft-vocabulary logits per training-time-test step: step j [n - j - start, draft vocab] at base
     positions p = start .. n - 1 - j, each predicting the token after x_{p + 1 + j}.
 
@@ -127,7 +133,8 @@ def unrolled_logits(head: EagleHead, ids: torch.Tensor, features: torch.Tensor, 
     head over the real features; step j reads token x_{p + 1 + j} with step j - 1's output at p as its
     feature, at position p + j, attending to the real positions 0 .. p and to steps 1 .. j at base p.
     Positions before `start` (a prompt, whose continuation drafting never proposes) serve only as keys:
-    nothing is predicted there, which saves most of the work when prompts are long."""
+    nothing is predicted there, which saves most of the work when prompts are long. `states`, when given, gets
+    each step's normed state (what its logits are read from), row for row."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     layer = head.layers[0]
@@ -171,7 +178,10 @@ def unrolled_logits(head: EagleHead, ids: torch.Tensor, features: torch.Tensor, 
             mixed = mixed + weights[..., n + i - 1:n + i] * values[i][:, :count]
         hidden = residual + attention.o_proj(mixed.transpose(0, 1).reshape(count, attention.heads * attention.dim))
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        out.append(head.lm_head(head.norm(hidden)))
+        normed = head.norm(hidden)
+        out.append(head.lm_head(normed))
+        if states is not None:
+            states.append(normed)
         feature = hidden
     return out
 
@@ -268,7 +278,7 @@ def train_head(spec: TrainSpec, folder: str | Path, progress: bool = True) -> Tr
     target, data, passes, held, seconds, started = (prepared.target, prepared.data, prepared.passes, prepared.held,
                                                     prepared.seconds, prepared.started)
     folder, data_path = prepared.folder, prepared.folder / "data.pt"
-    vocabulary = data.get("vocabulary") or draft_ids([choices[:, 0] for _, choices, _ in passes], spec.draft_vocab)
+    vocabulary = data.get("vocabulary") or draft_ids([p[1][:, 0] for p in passes], spec.draft_vocab)
     if "vocabulary" not in data:
         data["vocabulary"] = vocabulary
         save_cached(data, data_path)
@@ -299,12 +309,13 @@ def train_head(spec: TrainSpec, folder: str | Path, progress: bool = True) -> Tr
         losses = torch.zeros(spec.ttt_steps)
         for slot in range(spec.batch):
             index = int(order[(step * spec.batch + slot) % len(passes)])
-            (raw, choices, probs), ids = passes[index], torch.tensor(data["sequences"][index])
+            (raw, choices, probs), ids = passes[index][:3], torch.tensor(data["sequences"][index])
             # the first draft after a prompt of P tokens reads position P - 1's features and the target's token P
             start = max(0, prepared.prompt_lengths[index] - 1) if spec.loss_on == "reply" else 0
+            states = [] if spec.feature_loss else None
             with mixed:
                 features = head.fuse(raw[:-1].float())
-                unrolled = unrolled_logits(head, ids, features, spec.ttt_steps, start)
+                unrolled = unrolled_logits(head, ids, features, spec.ttt_steps, start, states)
             total = torch.zeros(())
             for j, logits in enumerate(unrolled):
                 span = slice(len(ids) - logits.shape[0], len(ids))  # every step's last row predicts past x_n
@@ -314,6 +325,9 @@ def train_head(spec: TrainSpec, folder: str | Path, progress: bool = True) -> Tr
                 else:
                     loss = (nn.functional.cross_entropy(logits, wanted[:, 0], ignore_index=-100)
                             if (wanted[:, 0] >= 0).any() else None)
+                if states is not None:  # the target's final state where this row's label came from
+                    regression = nn.functional.smooth_l1_loss(states[j].float(), passes[index][3][span].float())
+                    loss = spec.feature_loss * regression + (0 if loss is None else loss)
                 if loss is not None:
                     total = total + loss * (0.8 ** j) / spec.batch  # later steps weigh less (EAGLE-3's decay)
                     losses[j] += float(loss.detach()) / spec.batch
