@@ -224,7 +224,7 @@ def _suffix_eagle(source: DraftSource, tree: bool = False, key: tuple = ()):
     head = head_drafter(source, tree=tree)  # first: a missing head is refused before any cache is made
     name = "suffix-eagle-tree" if tree else "suffix-eagle"
     return HybridDrafter(_suffix(source, tree=tree, key=key), head, source.suffix.hand_over, source.suffix.other_k,
-                         name=name, catch_up=source.suffix.catch_up)
+                         name=name, catch_up=source.suffix.catch_up, trust=source.suffix.trust)
 
 
 def _suffix_chain(source: DraftSource, tree: bool = False, confident: bool = False):
@@ -239,7 +239,8 @@ def _suffix_chain(source: DraftSource, tree: bool = False, confident: bool = Fal
     # first: a missing draft is refused before any cache is made
     model = source.model_drafter(method, stop_below=source.stop_below if confident else 0.0)
     return HybridDrafter(_suffix(source, tree=tree), model, source.suffix.hand_over,
-                         None if confident else source.suffix.other_k, name=method, catch_up=source.suffix.catch_up)
+                         None if confident else source.suffix.other_k, name=method, catch_up=source.suffix.catch_up,
+                         trust=source.suffix.trust)
 
 
 def _eagle(source: DraftSource):

@@ -564,3 +564,42 @@ def test_sampled_drafting_with_suffix_and_a_draft_model_keeps_the_targets_distri
                               Decoding(3, 3, SamplingParams(temperature=1.5, rule=rule, draft_top_k=8)), vocab,
                               prompt=LOOKUP_PROMPT)
     assert min(drafter.steps.values()) > 100, drafter.steps
+
+
+def test_a_hybrid_hands_a_request_to_the_model_once_suffix_decodings_drafts_there_fail():
+    """Suffix decoding's counts promise a continuation ("1 2" was followed by "3 4 5 6" five times); a request
+    whose text never continues that way (each step's new tokens start elsewhere) has its record fall, and after a
+    few steps the other drafter gets them, while with `trust` inf every step stays suffix decoding's. A request
+    that does continue as promised keeps its steps. The accepted tokens are read off the context: the deepest path
+    of the last proposal it continues with."""
+    import math
+
+    import torch
+
+    from specbench.decode.hybrid_drafter import HybridDrafter, accepted_length
+    from specbench.decode.suffix_drafter import SuffixDrafter
+    from specbench.types import DraftTree, SamplingParams
+
+    class Other:  # the model's stand-in: one token, and a count of its steps
+        def propose(self, context, k, sampling, draws, max_depth=None):
+            return DraftTree.chain((77,))
+
+    def steps(trust: float, copies: bool) -> dict:
+        suffix = SuffixDrafter(SuffixSettings(cache="drafter"))
+        for _ in range(5):
+            suffix.remember([1, 2, 3, 4, 5, 6])
+        hybrid = HybridDrafter(suffix, Other(), hand_over=0.5, trust=trust)
+        context = [50, 51, 1, 2]
+        for step in range(8):
+            found = hybrid.propose(context, 4, SamplingParams(), torch.Generator())
+            # the target: either the proposal and a bonus, or a token of its own, then "1 2" again
+            context = context + (list(found.tokens) + [1, 2] if copies and hybrid.last_source == "suffix"
+                                 else [100 + step, 1, 2])
+        return dict(hybrid.steps)
+
+    assert steps(math.inf, copies=False) == {"suffix": 8, "other": 0}
+    failing = steps(2.0, copies=False)
+    assert failing["other"] >= 5 and failing["suffix"] >= 1, failing
+    assert steps(2.0, copies=True) == {"suffix": 8, "other": 0}
+    tree = DraftTree((3, 9, 4, 5), (-1, -1, 0, 2))  # 3 -> 4 -> 5 and 9
+    assert [accepted_length(tree, new) for new in ([3, 4, 5, 8], [3, 4, 7], [9, 3], [8], [])] == [3, 2, 1, 0, 0]

@@ -10,7 +10,13 @@ must first read whatever of the context it has not (the whole prompt on its firs
 that is more than `catch_up` times the tokens the request may still emit, suffix decoding keeps the step:
 the draft's prefill of a long prompt costs more than a short answer can win back (a summarization prompt of
 750 tokens: 4 s of the 0.5B Qwen's time on 2 CPU cores, ten of its 1.5B target's steps, for 40 new tokens).
-The choice is a function of the context and the request's limit alone and each proposal carries its own
+Suffix decoding's counts over-promise on new text (translation prompts of the Qwen pair: 1.4 tokens expected
+a step, 0.13 accepted), so each request keeps its record, expected and accepted tokens over the steps suffix
+decoding drafted there, and a score is scaled by (accepted + `trust`) / (expected + `trust`) before it meets
+`hand_over`: a few steps of new text hand the request to the other drafter, while copied text keeps its
+record near 1:1 and its steps.
+The choice is a function of the context (the record is read off how the context grew past each proposal), the
+request's limit and earlier steps alone, never of the step's own draws, and each proposal carries its own
 drafter's q, so every verification rule stays exact.
 """
 from __future__ import annotations
@@ -23,12 +29,12 @@ from specbench.types import DraftTree, SpecbenchError
 
 class HybridDrafter:
     def __init__(self, suffix, other, hand_over: float, other_k: Optional[int] = None, name: str = "suffix-eagle",
-                 catch_up: float = math.inf):
-        if hand_over < 0 or (other_k is not None and other_k < 1) or not catch_up >= 0:
-            raise SpecbenchError(f"a hybrid needs hand_over >= 0, other_k >= 1 and catch_up >= 0, got {hand_over}, "
-                                 f"{other_k}, {catch_up}")
+                 catch_up: float = math.inf, trust: float = math.inf):
+        if hand_over < 0 or (other_k is not None and other_k < 1) or not catch_up >= 0 or not trust > 0:
+            raise SpecbenchError(f"a hybrid needs hand_over >= 0, other_k >= 1, catch_up >= 0 and trust > 0, got "
+                                 f"{hand_over}, {other_k}, {catch_up}, {trust}")
         self.suffix, self.other, self.hand_over, self.other_k, self.name = suffix, other, hand_over, other_k, name
-        self.catch_up = catch_up
+        self.catch_up, self.trust = catch_up, trust
         self.last_source = ""  # which drafter the last step's proposal came from: "suffix" or "other"
         self.steps = {"suffix": 0, "other": 0}
         self.kept_for_catch_up = 0  # steps suffix decoding kept because the other drafter had too much to read
@@ -42,7 +48,9 @@ class HybridDrafter:
         if max_depth is not None:  # the loop's cap: the tokens still to emit, less one
             self._still_to_emit = max_depth + 1
         found = self.suffix.propose(context, k, sampling, draws, max_depth)
-        if len(found) and (found.expected_accepted or 0.0) >= self.hand_over:
+        record = self._record(context)
+        expected = found.expected_accepted or 0.0
+        if len(found) and expected * self._scale(record) >= self.hand_over:
             self.last_source = "suffix"
         elif self._too_much_to_read(context):
             self.last_source = "suffix"
@@ -51,7 +59,28 @@ class HybridDrafter:
             budget = k if self.other_k is None else min(k, self.other_k)
             found, self.last_source = self.other.propose(context, budget, sampling, draws, max_depth), "other"
         self.steps[self.last_source] += 1
+        if record is not None:
+            record.pending = (len(context), found, expected) if self.last_source == "suffix" and len(found) else None
         return found
+
+    def _record(self, context: Sequence[int]) -> Optional["_Record"]:
+        """The request's record (None when the scores are taken as they are), brought up to date: the last suffix
+        proposal's accepted tokens are those of its deepest path the context now continues with."""
+        request = getattr(self.suffix, "last_request", None)
+        if math.isinf(self.trust) or request is None:
+            return None
+        if request.record is None:
+            request.record = _Record()
+        record = request.record
+        if record.pending is not None and len(context) > record.pending[0]:
+            start, tree, expected = record.pending
+            record.expected += expected
+            record.accepted += accepted_length(tree, context[start:])
+        record.pending = None
+        return record
+
+    def _scale(self, record: Optional["_Record"]) -> float:
+        return 1.0 if record is None else (record.accepted + self.trust) / (record.expected + self.trust)
 
     def _too_much_to_read(self, context: Sequence[int]) -> bool:
         """Whether the other drafter would first read more than `catch_up` x the tokens still to emit (a
@@ -75,3 +104,27 @@ class HybridDrafter:
         """Its suffix half's cache of earlier outputs (None without one): what a router checks before feeding
         it an output twice."""
         return getattr(self.suffix, "cache", None)
+
+
+class _Record:
+    """Suffix decoding's expected and accepted tokens over the steps it drafted in one request, and its
+    proposal still waiting for the next context: (the context's length then, the tree, its expected tokens)."""
+
+    __slots__ = ("expected", "accepted", "pending")
+
+    def __init__(self):
+        self.expected, self.accepted, self.pending = 0.0, 0, None
+
+
+def accepted_length(tree: DraftTree, new: Sequence[int]) -> int:
+    """How many of `tree`'s tokens, along one path from its root, the committed `new` tokens begin with."""
+    children: dict = {}
+    for node, parent in enumerate(tree.parents):
+        children.setdefault(parent, []).append(node)
+    at, depth = -1, 0
+    while depth < len(new):
+        at = next((node for node in children.get(at, ()) if tree.tokens[node] == new[depth]), None)
+        if at is None:
+            break
+        depth += 1
+    return depth

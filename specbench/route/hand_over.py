@@ -9,7 +9,8 @@ unquantized draft's on the prefix: one teacher-forced forward a prompt, `tune.re
 the step cost fitted on the run's records plus the model's drafting seconds a step and its seconds for each token
 it must read first (its chain's, as measured: `draft_prices`; a prompt's read was once spread over every step).
 Example: a step where suffix decoding expects 1.4 tokens goes to suffix decoding at hand_over 1.0 and to the
-model at 2.0. The catch-up (`SuffixSettings.catch_up`: how much the draft may have to read first, against the
+model at 2.0 (its expectation first scaled by its record in the request, as the hybrid scales it:
+`SuffixSettings.trust`). The catch-up (`SuffixSettings.catch_up`: how much the draft may have to read first, against the
 tokens still to emit) is chosen the same way, its reads priced at the seconds a token the chain's first step of
 each prompt spent reading it (`draft_prices`).
 """
@@ -62,6 +63,7 @@ def replay_hand_overs(prompts: Sequence[Sequence[int]], outputs: Sequence[Sequen
         cached: list[int] = []  # what the draft's cache holds, as `ModelDrafter` keeps it
         for full, start, propose in zip(fulls, (len(p) for p in prompts), proposers):
             position, limit = start, start + (max_new_tokens or len(full) - start)
+            record = [0.0, 0]  # suffix decoding's expected and accepted tokens in this request (`HybridDrafter`)
             while position < len(full):
                 budget = min(k, len(full) - position - 1)
                 accepted = width = 0
@@ -69,9 +71,13 @@ def replay_hand_overs(prompts: Sequence[Sequence[int]], outputs: Sequence[Sequen
                     found = suffix.propose(full[:position], budget, SamplingParams(), torch.Generator(),
                                            max_depth=budget)
                     pending = position - min(common_prefix(cached, full[:position]), position - 1)
-                    if (len(found) and (found.expected_accepted or 0.0) >= hand_over) \
-                            or pending > catch_up * (limit - position):
+                    expected = found.expected_accepted or 0.0
+                    scale = 1.0 if math.isinf(settings.trust) else \
+                        (record[1] + settings.trust) / (record[0] + settings.trust)
+                    if (len(found) and expected * scale >= hand_over) or pending > catch_up * (limit - position):
                         accepted, width = (tree_accepted(found, full[position:]), len(found)) if len(found) else (0, 0)
+                        if len(found):
+                            record = [record[0] + expected, record[1] + accepted]
                     else:
                         chain = list(propose(position, min(settings.other_k, budget)))
                         accepted, width = chain_accepted(chain, full[position:]), len(chain)
