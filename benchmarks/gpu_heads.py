@@ -3,7 +3,8 @@
 A head is trained here for a few seconds on a tiny random target (`specbench.heads.train`, on the CPU:
 nothing is downloaded), then the target decodes the same prompts with target-only, eagle, eagle-tree,
 suffix and the two hybrids (suffix-eagle, suffix-eagle-tree) on each device, with `run`'s defaults (on CUDA
-the fast path, which yields to the head methods).
+the fast path, which yields to the head methods), and two methods with a draft model of their own (`@draft`, a
+noisy copy of the target): its chain and the confident hybrid (`suffix-tree-chain-confident`).
 Every method's tokens must equal target-only's on that device, and each device's must equal the CPU's.
 Prints a table and writes JSON.
 
@@ -23,7 +24,8 @@ from specbench.hardware import device_name
 
 from common import RESULTS, device_agreement, write_report
 
-METHODS = ("target-only", "eagle", "eagle-tree", "suffix", "suffix-eagle", "suffix-eagle-tree")
+METHODS = ("target-only", "eagle", "eagle-tree", "suffix", "suffix-eagle", "suffix-eagle-tree", "chain@draft",
+           "suffix-tree-chain-confident@draft")
 TARGET = "tiny-random:seed=0,layers=4"
 
 
@@ -45,10 +47,13 @@ def decode(head: Path, prompts: list, device: str, max_new_tokens: int) -> list[
     from specbench.models.tiny import tiny_model
 
     target = tiny_model(seed=0, num_layers=4)
+    draft = tiny_model(seed=1, num_layers=4, noise_from=target, noise_scale=0.005)  # accepted about half the time
     target.model.to(device)
+    draft.model.to(device)
     started = time.perf_counter()
-    records = run(target, prompts, method=list(METHODS), draft=str(head), k=4, max_new_tokens=max_new_tokens,
-                  progress=False, warmup=False, suffix=SuffixSettings(cache="drafter"))  # not the CPU run's outputs
+    records = run(target, prompts, method=list(METHODS), draft=str(head), drafts={"draft": draft}, k=4,
+                  max_new_tokens=max_new_tokens, progress=False, warmup=False,
+                  suffix=SuffixSettings(cache="drafter"))  # not the CPU run's outputs
     seconds = time.perf_counter() - started
     got = outputs(records)
     rows = []

@@ -36,7 +36,8 @@ def test_the_gpu_check_rehearses_every_part_on_a_cpu(tmp_path):
     assert alone["accepted_per_step"] == 0
     assert report["parts"][5]["report"]["identical"] == {"cpu": 9}
     heads = report["parts"][6]["report"]
-    assert heads["identical"] == heads["agree_with_target_only"] == {"cpu": 36}
+    assert heads["identical"] == heads["agree_with_target_only"] == {"cpu": 48}  # 8 methods, 6 prompts
     assert heads["accepted_per_step"]["cpu"]["eagle"] > 0.5  # the trained head is accepted: a real smoke
+    assert heads["accepted_per_step"]["cpu"]["suffix-tree-chain-confident@draft"] > 0.3  # the own draft drafts
     compiled = report["parts"][7]["report"]["steps"]  # the lean step alone (no Hugging Face step to compile)
     assert [row["tokens"] for row in compiled] == [1] and compiled[0]["hf_step_ms"] is None
