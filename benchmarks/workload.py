@@ -154,6 +154,9 @@ def main() -> None:
                              "from the calibration run (after the hand-over)")
     parser.add_argument("--other-k", type=int, default=SuffixSettings.other_k,
                         help="hybrid candidates: the head's or draft model's budget on the steps it drafts")
+    parser.add_argument("--trust", type=float, default=SuffixSettings.trust,
+                        help="hybrid candidates: suffix decoding's record a request starts with (its scores scaled "
+                             "by (accepted + trust) / (expected + trust) there; inf: scores as they are)")
     parser.add_argument("--margin", type=parse_margin, default=None, help="the router leaves its default candidate "
                         f"only for one predicted better by more than this share ({LEARN}: cross-validated, the "
                         f"default from 10 calibration prompts, {MARGIN} below)")
@@ -213,7 +216,8 @@ def main() -> None:
     def settings(cache):
         return SuffixSettings(name=cache, factor=args.suffix_factor, offset=args.suffix_offset,
                               min_prob=args.suffix_min_prob, min_score=chosen["min_score"],
-                              hand_over=chosen["hand_over"], other_k=args.other_k, catch_up=chosen["catch_up"])
+                              hand_over=chosen["hand_over"], other_k=args.other_k, catch_up=chosen["catch_up"],
+                              trust=args.trust)
 
     def one(method, k, prompts, families, cache, **extra):
         return run(target, [r["ids"] for r in prompts], method=method, k=k, draft=draft, drafts=drafts,
