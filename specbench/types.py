@@ -161,6 +161,17 @@ class DraftTree:
         """Children of `node` (-1 for the root) in node order."""
         return [i for i, parent in enumerate(self.parents) if parent == node]
 
+    def followed(self, tokens: Sequence[int]) -> int:
+        """How deep the path of this tree that `tokens` follow from the root goes: the tokens greedy verification
+        accepts when the target continues with `tokens`."""
+        depth, node = 0, -1
+        while depth < len(tokens):
+            node = next((child for child in self.children(node) if self.tokens[child] == tokens[depth]), None)
+            if node is None:
+                break
+            depth += 1
+        return depth
+
 
 @dataclass(frozen=True)
 class Timing:

@@ -579,7 +579,7 @@ def test_a_hybrid_hands_a_request_to_the_model_once_suffix_decodings_drafts_ther
 
     import torch
 
-    from specbench.decode.hybrid_drafter import HybridDrafter, accepted_length
+    from specbench.decode.hybrid_drafter import HybridDrafter
     from specbench.decode.suffix_drafter import SuffixDrafter
     from specbench.types import DraftTree, SamplingParams
 
@@ -605,4 +605,4 @@ def test_a_hybrid_hands_a_request_to_the_model_once_suffix_decodings_drafts_ther
     assert failing["other"] >= 5 and failing["suffix"] >= 1, failing
     assert steps(2.0, copies=True) == {"suffix": 8, "other": 0}
     tree = DraftTree((3, 9, 4, 5), (-1, -1, 0, 2))  # 3 -> 4 -> 5 and 9
-    assert [accepted_length(tree, new) for new in ([3, 4, 5, 8], [3, 4, 7], [9, 3], [8], [])] == [3, 2, 1, 0, 0]
+    assert [tree.followed(new) for new in ([3, 4, 5, 8], [3, 4, 7], [9, 3], [8], [])] == [3, 2, 1, 0, 0]

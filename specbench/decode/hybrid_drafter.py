@@ -75,12 +75,12 @@ class HybridDrafter:
         if record.pending is not None and len(context) > record.pending[0]:
             start, tree, expected = record.pending
             record.expected += expected
-            record.accepted += accepted_length(tree, context[start:])
+            record.accepted += tree.followed(context[start:])
         record.pending = None
         return record
 
     def _scale(self, record: Optional["_Record"]) -> float:
-        return 1.0 if record is None else (record.accepted + self.trust) / (record.expected + self.trust)
+        return 1.0 if record is None else record_scale(record.expected, record.accepted, self.trust)
 
     def _too_much_to_read(self, context: Sequence[int]) -> bool:
         """Whether the other drafter would first read more than `catch_up` x the tokens still to emit (a
@@ -116,15 +116,7 @@ class _Record:
         self.expected, self.accepted, self.pending = 0.0, 0, None
 
 
-def accepted_length(tree: DraftTree, new: Sequence[int]) -> int:
-    """How many of `tree`'s tokens, along one path from its root, the committed `new` tokens begin with."""
-    children: dict = {}
-    for node, parent in enumerate(tree.parents):
-        children.setdefault(parent, []).append(node)
-    at, depth = -1, 0
-    while depth < len(new):
-        at = next((node for node in children.get(at, ()) if tree.tokens[node] == new[depth]), None)
-        if at is None:
-            break
-        depth += 1
-    return depth
+def record_scale(expected: float, accepted: float, trust: float) -> float:
+    """What a suffix score is multiplied by, given suffix decoding's record in the request so far (1 at `trust`
+    inf): the hybrid's rule, and its replay's (`route.hand_over`)."""
+    return 1.0 if math.isinf(trust) else (accepted + trust) / (expected + trust)

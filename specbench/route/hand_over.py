@@ -10,9 +10,9 @@ the step cost fitted on the run's records plus the model's drafting seconds a st
 it must read first (its chain's, as measured: `draft_prices`; a prompt's read was once spread over every step).
 Example: a step where suffix decoding expects 1.4 tokens goes to suffix decoding at hand_over 1.0 and to the
 model at 2.0 (its expectation first scaled by its record in the request, as the hybrid scales it:
-`SuffixSettings.trust`). The catch-up (`SuffixSettings.catch_up`: how much the draft may have to read first, against the
-tokens still to emit) is chosen the same way, its reads priced at the seconds a token the chain's first step of
-each prompt spent reading it (`draft_prices`).
+`SuffixSettings.trust`). The catch-up (`SuffixSettings.catch_up`: how much the draft may have to read first,
+against the tokens still to emit) is chosen the same way, its reads priced at the seconds a token the chain's
+first step of each prompt spent reading it (`draft_prices`).
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from specbench.decode.hybrid_drafter import record_scale
 from specbench.decode.kv import common_prefix
 from specbench.decode.suffix_drafter import SuffixDrafter, SuffixSettings
 from specbench.route.suffix_floor import StepCost, choose_fastest, fit_step_cost
@@ -72,9 +73,8 @@ def replay_hand_overs(prompts: Sequence[Sequence[int]], outputs: Sequence[Sequen
                                            max_depth=budget)
                     pending = position - min(common_prefix(cached, full[:position]), position - 1)
                     expected = found.expected_accepted or 0.0
-                    scale = 1.0 if math.isinf(settings.trust) else \
-                        (record[1] + settings.trust) / (record[0] + settings.trust)
-                    if (len(found) and expected * scale >= hand_over) or pending > catch_up * (limit - position):
+                    if (len(found) and expected * record_scale(*record, settings.trust) >= hand_over) \
+                            or pending > catch_up * (limit - position):
                         accepted, width = (tree_accepted(found, full[position:]), len(found)) if len(found) else (0, 0)
                         if len(found):
                             record = [record[0] + expected, record[1] + accepted]

@@ -48,13 +48,7 @@ def chain_accepted(proposal: Sequence[int], actual: Sequence[int]) -> int:
 def tree_accepted(tree, actual: Sequence[int]) -> int:
     """How deep the path of `tree` that the target's own continuation `actual` follows goes (greedy acceptance
     of a tree: a chain's `chain_accepted`)."""
-    depth, parent = 0, -1
-    while depth < len(actual):
-        child = next((i for i, p in enumerate(tree.parents) if p == parent and tree.tokens[i] == actual[depth]), None)
-        if child is None:
-            return depth
-        depth, parent = depth + 1, child
-    return depth
+    return tree.followed(actual)
 
 
 def drafter_proposer(full: Sequence[int], drafter) -> Proposer:
