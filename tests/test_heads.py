@@ -917,3 +917,50 @@ def test_two_heads_of_one_worker_hybrid_keep_their_caches_apart(tmp_path):
     for label in (f"suffix-eagle-server@{first}", f"suffix-eagle-server@{second}"):
         assert [produced[(label, i)] for i in range(len(PROMPTS))] == \
             [local[("target-only", i)] for i in range(len(PROMPTS))]
+
+
+def test_the_router_chooses_between_heads_each_drafting_with_its_own(target, tmp_path):
+    """Heads as a router's candidates ("eagle-tree:4@CODE" beside "suffix-eagle-tree:4@CHAT", a head trained per
+    family): calibration runs each head from its own folder, the router keeps them apart, and `auto` drafts a
+    prompt with the chosen candidate's head, step for step as that candidate alone does; outputs are target-only's."""
+    from specbench.route.auto import candidates_from, train_router
+
+    first = str(save_head(new_head(target, seed=3), tmp_path / "first"))
+    second = str(save_head(new_head(target, seed=4), tmp_path / "second"))
+    specs = ["target-only", f"eagle-tree:4@{first}", f"suffix-eagle-tree:4@{second}"]
+    local = LocalTarget(target)
+    settings = dict(max_new_tokens=16, progress=False, warmup=False)
+    router, records = train_router(local, PROMPTS, candidates_from(specs), **settings)
+    assert set(records["method"]) == {"target-only", f"eagle-tree@{first}", f"suffix-eagle-tree@{second}"}
+    calibrated = records[records["method"] != "target-only"].groupby("method")["drafted"].apply(list)
+    assert calibrated[f"eagle-tree@{first}"] != calibrated[f"suffix-eagle-tree@{second}"]  # each its own head
+    for chosen in specs[1:]:
+        router.margin, router.by_family = float("inf"), False  # always the default: this candidate
+        router.default = next(c.label for c in router.candidates if c.spec == chosen)
+        got = run(local, PROMPTS, method=["target-only", "auto", chosen], router=router, k=4, **settings)
+        label = chosen.replace(":4", "")
+        routed, alone = (got[got["method"] == name].groupby("prompt_index")["drafted"].apply(list)
+                         for name in ("auto", label))
+        assert routed.tolist() == alone.tolist()
+        produced = outputs(got)
+        for index in range(len(PROMPTS)):
+            assert produced[("auto", index)] == produced[(label, index)] == produced[("target-only", index)]
+        assert set(got.loc[got["method"] == "auto", "chosen"]) == {router.default}
+
+
+def test_train_draft_says_so_when_its_minutes_end_before_a_first_step(tmp_path):
+    """`--minutes` spent on the target's replies and features (a long prompt set on a slow box): the command
+    crashed on an empty loss history after the minutes of work it had cached; it now says no step was taken and
+    that a rerun trains from the cache, which it does."""
+    from specbench.heads.command import _final_loss
+    from specbench.heads.train import TrainSpec, train_head
+
+    prompts = tuple([(i * 11 + j * 7) % 90 + 3 for j in range(6)] for i in range(6))
+    spec = TrainSpec(target="tiny-random:seed=0,layers=4", prompts=prompts, prompt_count=6, held_out=2,
+                     max_new_tokens=4, epochs=2, batch=2, eval_every=10_000)
+    cut = train_head(TrainSpec(**{**spec.__dict__, "minutes": 1e-9}), tmp_path, progress=False)
+    assert cut.data["steps"] == 0 and cut.history.empty
+    assert "no training step within --minutes" in _final_loss(cut) and "untrained" in _final_loss(cut)
+    done = train_head(spec, tmp_path, progress=False)
+    assert done.data["steps"] == done.data["total_steps"] == 4
+    assert _final_loss(done) == f", final loss {done.history['loss_0'].iloc[-1]:.3f}"

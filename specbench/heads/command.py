@@ -76,14 +76,23 @@ def _train_draft(args) -> int:
         result = distil_draft(spec, args.distil, args.out)
         print(f"draft written to {result.folder / 'draft'}: {result.data['sequences']} sequences, "
               f"{result.data['tokens']} tokens, {args.distil} layers, step {result.data['steps']} of "
-              f"{result.data['total_steps']}, final loss {result.history['loss_0'].iloc[-1]:.3f}; seconds {result.seconds}")
+              f"{result.data['total_steps']}{_final_loss(result)}; seconds {result.seconds}")
         return 0
     result = train_head(spec, args.out)
     last = result.history.dropna(subset=["held_out_tokens_per_step"]).tail(1) if "held_out_tokens_per_step" in \
         result.history else result.history.tail(0)
     print(f"head written to {result.folder / 'head'} ({spec.layout} layout): {result.data['sequences']} sequences, "
           f"{result.data['tokens']} tokens, draft vocabulary {result.data['draft_vocab']}, step "
-          f"{result.data['steps']} of {result.data['total_steps']}, final loss {result.history['loss_0'].iloc[-1]:.3f}"
+          f"{result.data['steps']} of {result.data['total_steps']}{_final_loss(result)}"
           + (f", held-out tokens per step {float(last['held_out_tokens_per_step'].iloc[0]):.2f}" if len(last) else "")
           + f"; seconds {result.seconds}")
     return 0
+
+
+def _final_loss(result) -> str:
+    """The last step's loss; or, where --minutes ran out before a first step (the target's replies and features
+    took them, and are cached), what to do: the written weights are the untrained start."""
+    if "loss_0" in result.history and len(result.history):
+        return f", final loss {result.history['loss_0'].iloc[-1]:.3f}"
+    return (" - no training step within --minutes (the target's replies and features took them; they are cached, "
+            "so a rerun with the same settings trains): the weights written are untrained")
