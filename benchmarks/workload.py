@@ -157,6 +157,9 @@ def main() -> None:
     parser.add_argument("--trust", type=float, default=SuffixSettings.trust,
                         help="hybrid candidates: suffix decoding's record a request starts with (its scores scaled "
                              "by (accepted + trust) / (expected + trust) there; inf: scores as they are)")
+    parser.add_argument("--bench-below", type=float, default=SuffixSettings.bench_below,
+                        help="hybrid candidates: a request benches the head or draft model once its steps there gain "
+                             "fewer accepted tokens a step than this (0: never)")
     parser.add_argument("--margin", type=parse_margin, default=None, help="the router leaves its default candidate "
                         f"only for one predicted better by more than this share ({LEARN}: cross-validated, the "
                         f"default from 10 calibration prompts, {MARGIN} below)")
@@ -217,7 +220,7 @@ def main() -> None:
         return SuffixSettings(name=cache, factor=args.suffix_factor, offset=args.suffix_offset,
                               min_prob=args.suffix_min_prob, min_score=chosen["min_score"],
                               hand_over=chosen["hand_over"], other_k=args.other_k, catch_up=chosen["catch_up"],
-                              trust=args.trust)
+                              trust=args.trust, bench_below=args.bench_below)
 
     def one(method, k, prompts, families, cache, **extra):
         return run(target, [r["ids"] for r in prompts], method=method, k=k, draft=draft, drafts=drafts,

@@ -25,8 +25,9 @@ def test_the_replay_takes_the_steps_a_real_hybrid_run_takes(tiny_target, tiny_dr
     answers = [produced[("target-only", i)] for i in range(len(REPEATING))]
     cost = StepCost(0.06, 0.004, 0.0)
     steps = {}
-    for hand_over, trust in ((0.5, 2.0), (0.5, math.inf), (2.0, 2.0)):  # the request's record scales the scores
-        settings = SuffixSettings(cache="drafter", hand_over=hand_over, other_k=3, trust=trust)
+    for hand_over, trust, bench_below in ((0.5, 2.0, 0.0), (0.5, math.inf, 0.0), (2.0, 2.0, 0.0), (2.0, 2.0, 1.5)):
+        # the request's records: suffix decoding's scales its scores, the draft's benches it below bench_below
+        settings = SuffixSettings(cache="drafter", hand_over=hand_over, other_k=3, trust=trust, bench_below=bench_below)
         records = run(tiny_target, REPEATING, method=method, draft=tiny_draft, k=8, max_new_tokens=24, progress=False,
                       warmup=False, suffix=settings)
         table = replay_hand_overs(REPEATING, answers, tiny_draft, settings, cost, 0.01, k=8, tree=tree,
@@ -34,8 +35,9 @@ def test_the_replay_takes_the_steps_a_real_hybrid_run_takes(tiny_target, tiny_dr
         row = table.iloc[0]
         assert row["steps"] == len(records) and row["tokens"] == records["emitted"].sum()
         assert row["verified"] == len(records) + records["drafted"].sum()
-        steps[hand_over, trust] = len(records)
-    assert steps[0.5, 2.0] != steps[0.5, math.inf]  # the record changed the run, and the replay followed it
+        steps[hand_over, trust, bench_below] = len(records)
+    assert steps[0.5, 2.0, 0.0] != steps[0.5, math.inf, 0.0]  # the record changed the run, and the replay followed it
+    assert steps[2.0, 2.0, 1.5] != steps[2.0, 2.0, 0.0]  # so did benching the draft
     for catch_up in (0.5, 2.0):  # the draft's reads replayed too: which steps it skips for them, and its cache
         settings = SuffixSettings(cache="drafter", hand_over=1.0, other_k=3, catch_up=catch_up)
         records = run(tiny_target, REPEATING, method=method, draft=tiny_draft, k=8, max_new_tokens=24, progress=False,

@@ -606,3 +606,42 @@ def test_a_hybrid_hands_a_request_to_the_model_once_suffix_decodings_drafts_ther
     assert steps(2.0, copies=True) == {"suffix": 8, "other": 0}
     tree = DraftTree((3, 9, 4, 5), (-1, -1, 0, 2))  # 3 -> 4 -> 5 and 9
     assert [tree.followed(new) for new in ([3, 4, 5, 8], [3, 4, 7], [9, 3], [8], [])] == [3, 2, 1, 0, 0]
+
+
+
+def test_a_hybrid_benches_its_other_drafter_in_a_request_where_its_drafts_fail(tiny_target, tiny_draft):
+    """`bench_below`: where suffix decoding has nothing to propose, the other drafter drafts; in a request where
+    its drafts are never accepted it is benched once (accepted + 1) / (steps + 1) falls below the floor (after 2
+    steps at 0.5) and suffix decoding's empty proposal takes the rest; one whose drafts are kept stays; 0 never
+    benches; a run with it is target-only's output token for token."""
+    import math
+
+    import torch
+
+    from specbench.decode.hybrid_drafter import HybridDrafter
+    from specbench.decode.suffix_drafter import SuffixDrafter
+    from specbench.types import DraftTree, SamplingParams
+
+    class Other:
+        def propose(self, context, k, sampling, draws, max_depth=None):
+            return DraftTree.chain((77,))
+
+    def steps(bench_below: float, kept: bool) -> tuple[dict, int]:
+        hybrid = HybridDrafter(SuffixDrafter(SuffixSettings(cache="drafter")), Other(), hand_over=0.5,
+                               trust=math.inf, bench_below=bench_below)
+        context = [50, 51]
+        for step in range(8):
+            found = hybrid.propose(context, 4, SamplingParams(), torch.Generator())
+            context = context + (list(found.tokens) + [200 + step] if kept and len(found) else [100 + step])
+        return dict(hybrid.steps), hybrid.benched
+
+    assert steps(0.5, kept=False) == ({"suffix": 6, "other": 2}, 6)
+    assert steps(0.0, kept=False) == ({"suffix": 0, "other": 8}, 0)
+    assert steps(0.5, kept=True) == ({"suffix": 0, "other": 8}, 0)
+    with pytest.raises(SpecbenchError, match="bench_below"):
+        SuffixSettings(bench_below=-1)
+    settings = SuffixSettings(cache="drafter", hand_over=0.5, other_k=3, bench_below=0.9)
+    got = outputs(run(tiny_target, PROMPTS, method=["target-only", "suffix-chain", "suffix-tree-chain"],
+                      draft=tiny_draft, k=6, max_new_tokens=24, progress=False, warmup=False, suffix=settings))
+    for index in range(len(PROMPTS)):
+        assert got[("suffix-chain", index)] == got[("suffix-tree-chain", index)] == got[("target-only", index)]

@@ -44,7 +44,9 @@ class SuffixSettings:
     ten of the 1.5B target's steps, for a 40-token answer). A hybrid also scales each score by suffix decoding's
     record in the request, (accepted + `trust`) / (expected + `trust`) over the steps it drafted there: its
     counts over-promise on new text (1.4 tokens expected, 0.13 accepted on translation prompts, the Qwen pair),
-    and a request shows it within a few steps; inf takes the scores as they are."""
+    and a request shows it within a few steps; inf takes the scores as they are. With `bench_below` > 0 the other
+    drafter drafts no more in a request where its steps have gained fewer accepted tokens a step than that (one
+    step of 1 token to start): its forward and a wider verify buy nothing on text it cannot draft."""
 
     depth: int = 24
     factor: float = 1.0
@@ -59,6 +61,7 @@ class SuffixSettings:
     other_k: int = 4
     catch_up: float = math.inf  # inf: the draft model drafts whatever it must read first
     trust: float = 2.0  # expected tokens of record at 1:1 a request starts a hybrid with (inf: scores as they are)
+    bench_below: float = 0.0  # hybrids: the other drafter's accepted tokens a step below which a request benches it
 
     def __post_init__(self):
         if self.cache not in CACHE_SCOPES:
@@ -74,6 +77,8 @@ class SuffixSettings:
             raise SpecbenchError(f"need hand_over >= 0 and other_k >= 1, got {self.hand_over}, {self.other_k}")
         if not self.trust > 0:
             raise SpecbenchError(f"trust must be > 0 (inf: scores as they are), got {self.trust}")
+        if not 0 <= self.bench_below < math.inf:
+            raise SpecbenchError(f"bench_below must be a finite number >= 0 (0: never bench), got {self.bench_below}")
         if not self.catch_up >= 0:
             raise SpecbenchError(f"catch_up must be >= 0 (inf: no limit), got {self.catch_up}")
         if self.factor <= 0 or self.offset < 0:

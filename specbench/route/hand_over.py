@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from specbench.decode.hybrid_drafter import record_scale
+from specbench.decode.hybrid_drafter import bench, record_scale
 from specbench.decode.kv import common_prefix
 from specbench.decode.suffix_drafter import SuffixDrafter, SuffixSettings
 from specbench.route.suffix_floor import StepCost, choose_fastest, fit_step_cost
@@ -65,6 +65,7 @@ def replay_hand_overs(prompts: Sequence[Sequence[int]], outputs: Sequence[Sequen
         for full, start, propose in zip(fulls, (len(p) for p in prompts), proposers):
             position, limit = start, start + (max_new_tokens or len(full) - start)
             record = [0.0, 0]  # suffix decoding's expected and accepted tokens in this request (`HybridDrafter`)
+            other = [0, 0]  # the draft's steps and accepted tokens there
             while position < len(full):
                 budget = min(k, len(full) - position - 1)
                 accepted = width = 0
@@ -74,13 +75,14 @@ def replay_hand_overs(prompts: Sequence[Sequence[int]], outputs: Sequence[Sequen
                     pending = position - min(common_prefix(cached, full[:position]), position - 1)
                     expected = found.expected_accepted or 0.0
                     if (len(found) and expected * record_scale(*record, settings.trust) >= hand_over) \
-                            or pending > catch_up * (limit - position):
+                            or pending > catch_up * (limit - position) or bench(*other, settings.bench_below):
                         accepted, width = (tree_accepted(found, full[position:]), len(found)) if len(found) else (0, 0)
                         if len(found):
                             record = [record[0] + expected, record[1] + accepted]
                     else:
                         chain = list(propose(position, min(settings.other_k, budget)))
                         accepted, width = chain_accepted(chain, full[position:]), len(chain)
+                        other = [other[0] + 1, other[1] + accepted]
                         cached = full[:position] + chain[:-1]  # it fed the context, then each token but the last
                         model_steps, read = model_steps + 1, read + max(0, pending - 2)
                 steps, verified, position = steps + 1, verified + 1 + width, position + accepted + 1

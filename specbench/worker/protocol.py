@@ -200,7 +200,8 @@ def sampling_from_wire(data: Any) -> SamplingParams:
 
 # suffix decoding's per-step knobs a client may set for its own worker-side requests; the cache's depth and
 # size stay the worker's (its cache is shared by the tenant's requests, or by all)
-SUFFIX_STEP_FIELDS = ("factor", "offset", "min_prob", "min_score", "hand_over", "other_k", "catch_up", "trust")
+SUFFIX_STEP_FIELDS = ("factor", "offset", "min_prob", "min_score", "hand_over", "other_k", "catch_up", "trust",
+                      "bench_below")
 # and which of its caches a request drafts from and feeds: absent, the worker's (its tenant's, or everyone's);
 # "off", none; any other name, a cache of the client's own under that name (still its tenant's alone)
 SUFFIX_CACHE_FIELD = "cache"
