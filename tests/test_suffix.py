@@ -273,7 +273,9 @@ def test_a_client_sets_the_worker_side_floor_and_bad_knobs_are_refused_by_name(t
                          ({"cache": "a\nline"}, "'cache' must be"), ({"cache": "x" * 201}, "'cache' must be"),
                          ({"min_prob": float("inf")}, "must be a finite number$"), ({"catch_up": float("nan")}, "or inf"),
                          ({"catch_up": -1.0}, "catch_up must be >= 0"), ({"trust": 0}, "trust must be > 0"),
-                         ({"trust": "2"}, "'trust' must be a finite number \\(or inf\\)")):
+                         ({"trust": "2"}, "'trust' must be a finite number \\(or inf\\)"),
+                         ({"bench_below": -1.0}, "bench_below must be a finite number >= 0"),
+                         ({"bench_below": float("inf")}, "'bench_below' must be a finite number$")):
         with pytest.raises(protocol.ProtocolError, match=message):
             protocol.suffix_from_wire(bad)
     assert protocol.suffix_to_wire(SuffixSettings(cache="off", name="x")) == {"cache": "off"}
@@ -288,6 +290,7 @@ def test_a_client_sets_the_worker_side_floor_and_bad_knobs_are_refused_by_name(t
     assert protocol.suffix_to_wire(SuffixSettings(catch_up=8.0)) == {"catch_up": 8.0}
     assert protocol.suffix_to_wire(SuffixSettings(trust=float("inf"))) == {"trust": float("inf")}  # the old rule
     assert protocol.suffix_from_wire({"trust": float("inf")}) == {"trust": float("inf")}
+    assert protocol.suffix_to_wire(SuffixSettings(bench_below=0.3)) == {"bench_below": 0.3}
     with pytest.raises(SpecbenchError, match=r"\['depth=8'\] are the worker's own"):  # refused, not dropped
         protocol.suffix_to_wire(SuffixSettings(depth=8, min_score=1.0), "suffix-server")
     running = ThreadWorker()
