@@ -72,8 +72,9 @@ class HybridDrafter:
         return found
 
     def _record(self, context: Sequence[int]) -> Optional["_Record"]:
-        """The request's record (None when the scores are taken as they are), brought up to date: the last suffix
-        proposal's accepted tokens are those of its deepest path the context now continues with."""
+        """The request's record (None when the scores are taken as they are and nothing is benched), brought up to
+        date: the last proposal's accepted tokens, suffix decoding's or the other drafter's, are those of its deepest
+        path the context now continues with."""
         request = getattr(self.suffix, "last_request", None)
         if (math.isinf(self.trust) and not self.bench_below) or request is None:
             return None
@@ -139,4 +140,3 @@ def bench(steps: int, accepted: int, floor: float) -> bool:
     """Whether the other drafter drafts no more in a request where its `steps` gained `accepted` tokens (one
     step of 1 token to start, so a first failure does not bench it): the hybrid's rule, and its replay's."""
     return floor > 0 and (accepted + 1) / (steps + 1) < floor
-
