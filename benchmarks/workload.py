@@ -159,7 +159,8 @@ def main() -> None:
                              "by (accepted + trust) / (expected + trust) there; inf: scores as they are)")
     parser.add_argument("--bench-below", type=float, default=SuffixSettings.bench_below,
                         help="hybrid candidates: a request benches the head or draft model once its steps there gain "
-                             "fewer accepted tokens a step than this (0: never)")
+                             "fewer accepted tokens a step than this (0: never; unset: 0.3 behind a head, 0 behind a "
+                             "draft model)")
     parser.add_argument("--margin", type=parse_margin, default=None, help="the router leaves its default candidate "
                         f"only for one predicted better by more than this share ({LEARN}: cross-validated, the "
                         f"default from 10 calibration prompts, {MARGIN} below)")

@@ -225,7 +225,7 @@ def _suffix_eagle(source: DraftSource, tree: bool = False, key: tuple = ()):
     name = "suffix-eagle-tree" if tree else "suffix-eagle"
     return HybridDrafter(_suffix(source, tree=tree, key=key), head, source.suffix.hand_over, source.suffix.other_k,
                          name=name, catch_up=source.suffix.catch_up, trust=source.suffix.trust,
-                         bench_below=source.suffix.bench_below)
+                         bench_below=source.suffix.bench_for(head=True))
 
 
 def _suffix_chain(source: DraftSource, tree: bool = False, confident: bool = False):
@@ -241,7 +241,7 @@ def _suffix_chain(source: DraftSource, tree: bool = False, confident: bool = Fal
     model = source.model_drafter(method, stop_below=source.stop_below if confident else 0.0)
     return HybridDrafter(_suffix(source, tree=tree), model, source.suffix.hand_over,
                          None if confident else source.suffix.other_k, name=method, catch_up=source.suffix.catch_up,
-                         trust=source.suffix.trust, bench_below=source.suffix.bench_below)
+                         trust=source.suffix.trust, bench_below=source.suffix.bench_for(head=False))
 
 
 def _eagle(source: DraftSource):

@@ -141,11 +141,35 @@ def test_suffix_with_a_head_drafts_each_step_from_whichever_vouches_and_stays_lo
         for index, prompt in enumerate(prompts):
             assert generate(local, drafter, prompt, Decoding(4, 24)).output_ids == got[("target-only", index)]
         assert drafter.steps["suffix"] > 0 and drafter.steps["other"] > 0, drafter.steps
-    never = make_drafter("suffix-eagle", DraftSource(local, target, head, suffix=SuffixSettings(hand_over=99.0)))
+    never = make_drafter("suffix-eagle", DraftSource(local, target, head,
+                                                     suffix=SuffixSettings(hand_over=99.0, bench_below=0)))
     generate(local, never, prompts[-1], Decoding(4, 12))
     assert never.steps["suffix"] == 0 and never.steps["other"] > 0
     with pytest.raises(SpecbenchError, match="needs a draft head"):
         make_drafter("suffix-eagle", DraftSource(local, target, None))
+
+
+def test_a_head_hybrid_benches_its_head_by_default_and_a_draft_model_hybrid_does_not(target):
+    """`SuffixSettings.bench_below` unset: 0.3 behind a head (benched in a request where its drafts fail: this
+    untrained head's, after a few steps), 0 behind a draft model; set, it is taken as it is, 0 included."""
+    from specbench.decode.loop import Decoding, generate
+    from specbench.decode.suffix_drafter import HEAD_BENCH_BELOW, SuffixSettings
+    from specbench.methods import DraftSource, make_drafter
+
+    head, local = new_head(target, seed=3), LocalTarget(target)
+    prompt = [11, 12, 13] * 5 + [11]
+    benched = {}
+    for setting in (None, 0.0, 0.6):
+        drafter = make_drafter("suffix-eagle", DraftSource(local, target, head, suffix=SuffixSettings(
+            cache="drafter", hand_over=99.0, bench_below=setting)))
+        assert drafter.bench_below == (HEAD_BENCH_BELOW if setting is None else setting) and HEAD_BENCH_BELOW == 0.3
+        generate(local, drafter, prompt, Decoding(4, 16))
+        benched[setting] = drafter.benched
+    assert benched[0.0] == 0 and 0 < benched[None] <= benched[0.6], benched
+    model = make_drafter("suffix-chain", DraftSource(local, target, target, suffix=SuffixSettings()))
+    assert model.bench_below == 0.0
+    model = make_drafter("suffix-chain", DraftSource(local, target, target, suffix=SuffixSettings(bench_below=0.3)))
+    assert model.bench_below == 0.3
 
 
 @pytest.mark.parametrize("method,rule,hand_over", [("suffix-eagle", "rejection", 1.0),

@@ -156,6 +156,7 @@ def test_command_line_words_become_settings_each_refused_by_name():
             suffix_options(words)
     assert suffix_options(["catch_up=inf", "catch-up=8"]) == {"catch_up": 8.0}
     assert suffix_options(["catch_up=inf"]) == {"catch_up": float("inf")}
+    assert suffix_options(["bench_below=0"]) == {"bench_below": 0.0}  # an optional field, typed as its value
 
 
 def test_an_earlier_output_drafts_a_later_request_only_where_the_cache_is_shared():
@@ -291,6 +292,9 @@ def test_a_client_sets_the_worker_side_floor_and_bad_knobs_are_refused_by_name(t
     assert protocol.suffix_to_wire(SuffixSettings(trust=float("inf"))) == {"trust": float("inf")}  # the old rule
     assert protocol.suffix_from_wire({"trust": float("inf")}) == {"trust": float("inf")}
     assert protocol.suffix_to_wire(SuffixSettings(bench_below=0.3)) == {"bench_below": 0.3}
+    # unset, the worker's drafter picks (0.3 behind a head); an explicit 0, a head's bench turned off, travels
+    assert protocol.suffix_to_wire(SuffixSettings(bench_below=0.0)) == {"bench_below": 0.0}
+    assert protocol.suffix_to_wire(SuffixSettings()) == {}
     with pytest.raises(SpecbenchError, match=r"\['depth=8'\] are the worker's own"):  # refused, not dropped
         protocol.suffix_to_wire(SuffixSettings(depth=8, min_score=1.0), "suffix-server")
     running = ThreadWorker()

@@ -24,6 +24,7 @@ from specbench.types import DraftTree, SparseDist, SpecbenchError
 
 CACHE_SCOPES = ("process", "drafter", "off")
 UNLIMITED = ("catch_up", "trust")  # the knobs whose `inf` means no limit
+HEAD_BENCH_BELOW = 0.3  # `SuffixSettings.bench_below` behind a head when unset
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,9 @@ class SuffixSettings:
     counts over-promise on new text (1.4 tokens expected, 0.13 accepted on translation prompts, the Qwen pair),
     and a request shows it within a few steps; inf takes the scores as they are. With `bench_below` > 0 the other
     drafter drafts no more in a request where its steps have gained fewer accepted tokens a step than that (one
-    step of 1 token to start): its forward and a wider verify buy nothing on text it cannot draft."""
+    step of 1 token to start): its forward and a wider verify buy nothing on text it cannot draft. Unset, it is
+    `HEAD_BENCH_BELOW` behind a head, whose fixed tree widens every verify however little it gains, and 0 behind
+    a draft model, whose confident chain already stops where it is unsure (`bench_for`)."""
 
     depth: int = 24
     factor: float = 1.0
@@ -61,7 +64,8 @@ class SuffixSettings:
     other_k: int = 4
     catch_up: float = math.inf  # inf: the draft model drafts whatever it must read first
     trust: float = 2.0  # expected tokens of record at 1:1 a request starts a hybrid with (inf: scores as they are)
-    bench_below: float = 0.0  # hybrids: the other drafter's accepted tokens a step below which a request benches it
+    bench_below: Optional[float] = None  # hybrids: the other drafter's accepted tokens a step below which a request
+    # benches it; None: the drafter's own default (`bench_for`)
 
     def __post_init__(self):
         if self.cache not in CACHE_SCOPES:
@@ -77,12 +81,20 @@ class SuffixSettings:
             raise SpecbenchError(f"need hand_over >= 0 and other_k >= 1, got {self.hand_over}, {self.other_k}")
         if not self.trust > 0:
             raise SpecbenchError(f"trust must be > 0 (inf: scores as they are), got {self.trust}")
-        if not 0 <= self.bench_below < math.inf:
+        if self.bench_below is not None and not 0 <= self.bench_below < math.inf:
             raise SpecbenchError(f"bench_below must be a finite number >= 0 (0: never bench), got {self.bench_below}")
         if not self.catch_up >= 0:
             raise SpecbenchError(f"catch_up must be >= 0 (inf: no limit), got {self.catch_up}")
         if self.factor <= 0 or self.offset < 0:
             raise SpecbenchError(f"need factor > 0 and offset >= 0, got {self.factor}, {self.offset}")
+
+    def bench_for(self, head: bool) -> float:
+        """The bench a hybrid runs: as set, else `HEAD_BENCH_BELOW` behind a head and 0 behind a draft model (on
+        SmolLM2 in bf16 a head hybrid ran 1.034-1.038x itself unbenched at 0.3, while the Qwen pair's SmolLM2 draft
+        ran 0.983x: benchmarks/results/2026-12-05-workload-heads-by-family.md)."""
+        if self.bench_below is not None:
+            return self.bench_below
+        return HEAD_BENCH_BELOW if head else 0.0
 
 
 def suffix_options(words: Sequence[str]) -> dict:
@@ -90,7 +102,8 @@ def suffix_options(words: Sequence[str]) -> dict:
     field and refused by name: the command line's way to the knobs `run(suffix=...)` takes."""
     from dataclasses import fields
 
-    kinds = {field.name: {"int": int, "float": float, "str": str}[str(field.type)] for field in fields(SuffixSettings)}
+    types = {"int": int, "float": float, "str": str, "Optional[float]": float}
+    kinds = {field.name: types[str(field.type)] for field in fields(SuffixSettings)}
     changes = {}
     for word in words:
         name, equals, text = word.partition("=")

@@ -75,7 +75,7 @@ def replay_hand_overs(prompts: Sequence[Sequence[int]], outputs: Sequence[Sequen
                     pending = position - min(common_prefix(cached, full[:position]), position - 1)
                     expected = found.expected_accepted or 0.0
                     if (len(found) and expected * record_scale(*record, settings.trust) >= hand_over) \
-                            or pending > catch_up * (limit - position) or bench(*other, settings.bench_below):
+                            or pending > catch_up * (limit - position) or bench(*other, settings.bench_for(head=False)):
                         accepted, width = (tree_accepted(found, full[position:]), len(found)) if len(found) else (0, 0)
                         if len(found):
                             record = [record[0] + expected, record[1] + accepted]
