@@ -412,6 +412,27 @@ def test_workload_oracle_cross_fitted_takes_each_choice_from_the_other_pass():
     assert len(one_pass) == 2 and none.empty
 
 
+def test_workload_reports_the_boxs_drift_between_passes(capsys):
+    """benchmarks/workload.py: target-only's steps are the same on every pass, so its pace per pass is the box's;
+    a move of over 2% is printed as drift, a steadier box prints nothing."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from workload import summarise
+
+    def rows(second_pass: float) -> pd.DataFrame:
+        timed = {"target-only": 1.0, "a": 0.5, "auto": 0.45}
+        return pd.DataFrame([{"family": "f", "prompt": p, "pass": t, "label": label, "tokens": 10, "steps": 5,
+                              "seconds": s * (second_pass if t else 1.0), "route_s": 0.001, "chosen": "a"}
+                             for p in ("p0", "p1") for t in (0, 1) for label, s in timed.items()])
+
+    goals = summarise(rows(1.1), ["target-only", "a"])["goals"]
+    assert goals["target_only_by_pass"] == pytest.approx({"0": 10.0, "1": 10 / 1.1})
+    assert "a 10.0% drift of the box" in capsys.readouterr().out
+    summarise(rows(1.01), ["target-only", "a"])
+    assert "drift" not in capsys.readouterr().out
+
+
 def test_group_ceilings_choose_one_candidate_a_group_on_the_same_or_the_other_pass():
     """benchmarks/router_refit.py --ceilings: per family, and per family and first or later turn, the candidate
     fastest over the group (pooled) on the same pass or on the other one, over that pass's best fixed method."""
