@@ -57,6 +57,7 @@ def replay_hand_overs(prompts: Sequence[Sequence[int]], outputs: Sequence[Sequen
     proposers = [model_proposer(full, draft) for full in fulls]  # one forward a prompt serves every hand-over
     grid = [(hand_over, settings.catch_up) for hand_over in hand_overs] if catch_ups is None else \
         [(settings.hand_over, catch_up) for catch_up in catch_ups]
+    bench_below = settings.bench_for(head=False)  # the replay's drafter is a draft model
     rows = []
     for hand_over, catch_up in grid:
         suffix = SuffixDrafter(replace(settings, cache="drafter"), tree=tree)
@@ -75,7 +76,7 @@ def replay_hand_overs(prompts: Sequence[Sequence[int]], outputs: Sequence[Sequen
                     pending = position - min(common_prefix(cached, full[:position]), position - 1)
                     expected = found.expected_accepted or 0.0
                     if (len(found) and expected * record_scale(*record, settings.trust) >= hand_over) \
-                            or pending > catch_up * (limit - position) or bench(*other, settings.bench_for(head=False)):
+                            or pending > catch_up * (limit - position) or bench(*other, bench_below):
                         accepted, width = (tree_accepted(found, full[position:]), len(found)) if len(found) else (0, 0)
                         if len(found):
                             record = [record[0] + expected, record[1] + accepted]
