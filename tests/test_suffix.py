@@ -615,7 +615,6 @@ def test_a_hybrid_hands_a_request_to_the_model_once_suffix_decodings_drafts_ther
     assert [tree.followed(new) for new in ([3, 4, 5, 8], [3, 4, 7], [9, 3], [8], [])] == [3, 2, 1, 0, 0]
 
 
-
 def test_a_hybrid_benches_its_other_drafter_in_a_request_where_its_drafts_fail(tiny_target, tiny_draft):
     """`bench_below`: where suffix decoding has nothing to propose, the other drafter drafts; in a request where
     its drafts are never accepted it is benched once (accepted + 1) / (steps + 1) falls below the floor (after 2
