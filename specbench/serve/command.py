@@ -50,12 +50,13 @@ def settings_from(args):
     from specbench.serve.settings import Limits, ServeSettings
     from specbench.types import SpecbenchError
 
-    target, draft, methods, k = args.target, args.draft, args.method, args.k
+    target, draft, methods, k, suffix = args.target, args.draft, args.method, args.k, args.suffix
     extra = {}
     if args.config:
-        from specbench.tune.report import read_config
+        from specbench.tune.report import read_config, suffix_words
 
         config = read_config(args.config)
+        suffix = suffix or suffix_words(config)  # a hybrid's budget for its draft; --suffix overrides
         target, draft, k = config["target"], config.get("draft") or draft, config["k"] or k
         methods = methods or list(dict.fromkeys([config["method"], "target-only"]))
         extra = {"self_draft_layers": config.get("self_draft_layers"),
@@ -65,10 +66,10 @@ def settings_from(args):
     if not target:
         raise SpecbenchError("serve needs --target (or --config from `specbench tune`, or --worker: its model)")
     methods = tuple(methods or (["target-only", "chain"] if draft else ["target-only"]))
-    if args.suffix:
+    if suffix:
         from specbench.decode.suffix_drafter import SuffixSettings, suffix_options
 
-        extra["suffix"] = SuffixSettings(**suffix_options(args.suffix))
+        extra["suffix"] = SuffixSettings(**suffix_options(suffix))
     limits = Limits(max_tokens=args.max_tokens, max_prompt_tokens=args.max_prompt_tokens,
                     max_concurrent=args.max_concurrent, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes)
     return ServeSettings(target=target, methods=methods, draft=draft, k=k, max_k=max(args.max_k, k), plan=args.plan,

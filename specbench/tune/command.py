@@ -63,6 +63,9 @@ def _tune(args) -> int:
     if result.side_by_side is not None:  # the close best two, interleaved: what the choice was made on
         print("side by side, every prompt through each in turn:")
         print(result.side_by_side[["label", "measured_tokens_per_s", "tokens_per_step"]].round(3).to_string(index=False))
+    if result.hybrid is not None:  # suffix decoding with the best draft, beside the best point: what the choice read
+        print("suffix decoding's hybrid beside the best point, every prompt through each in turn:")
+        print(result.hybrid[["label", "measured_tokens_per_s", "tokens_per_step"]].round(3).to_string(index=False))
     for line in result.left_out:
         print(f"left out: {line}")
     print(f"chosen: {result.chosen['label']} ({result.chosen['measured_tokens_per_s']} tok/s measured)")
@@ -73,10 +76,11 @@ def _tune(args) -> int:
 
 def apply_config(args: argparse.Namespace) -> None:
     """`specbench run --config tune.json`: the tune's choice replaces target, method, draft and K."""
-    from specbench.tune.report import read_config
+    from specbench.tune.report import read_config, suffix_words
 
     config = read_config(args.config)
     args.target, args.method, args.k = config["target"], ["target-only", config["method"]], config["k"]
+    args.suffix = args.suffix or suffix_words(config) or None  # a hybrid's budget for its draft; --suffix overrides
     args.draft = config.get("draft") or args.draft
     args.self_draft_layers = config.get("self_draft_layers")
     if config.get("substitute_quantization"):

@@ -9,6 +9,7 @@ target-only and both points in turn, so the drift weighs on the three alike, and
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Optional
 
 import pandas as pd
@@ -44,22 +45,27 @@ def contenders(table: pd.DataFrame, spec: TuneSpec, candidates, drafts: dict) ->
 
 
 def side_by_side(store, runner, pair: list[dict], base_label: str, candidates, drafts: dict, held: list,
-                 spec: TuneSpec, rtt_ms: float, progress) -> pd.DataFrame:
-    """Target-only and the two points of `pair` in one interleaved run over the held-back prompts (cached in the
-    tune's folder): a row per point with its measured speed and cost, as the choice reads them."""
+                 spec: TuneSpec, rtt_ms: float, progress, other_k: Optional[int] = None) -> pd.DataFrame:
+    """Target-only and the points of `pair` in one interleaved run over the held-back prompts (cached in the
+    tune's folder): a row per point with its measured speed and cost, as the choice reads them. `other_k`: a
+    hybrid's budget for its draft model or head (`tune/hybrid.py`)."""
     from specbench.tune.phases import point_key, run_options
 
     by_name = {c.name: c for c in candidates}
     chosen = [by_name[row["candidate"]] for row in pair]
     key = "duel-" + "-".join(point_key(spec, c, row["method"], int(row["k"]), held) for c, row in zip(chosen, pair))
+    key += "" if other_k is None else f"-other{other_k}"
     records = store.measured(key)
     if records is None:
         from specbench.api import run
 
         # each point's options as `phases.measure` gives them; `contenders` let at most one draft, layer count or
-        # quantization between them, so the second's set options fill the first's unset ones
-        first, second = (run_options(c, drafts.get(c.name), spec, runner) for c in chosen)
-        options = {**first, **{name: value for name, value in second.items() if value is not None}}
+        # quantization between them, so a later point's set options fill the earlier ones' unset ones
+        options = {}
+        for each in (run_options(c, drafts.get(c.name), spec, runner) for c in chosen):
+            options.update({name: value for name, value in each.items() if value is not None or name not in options})
+        if other_k is not None:
+            options["suffix"] = replace(options["suffix"], other_k=other_k)
         records = run(runner, held, method=["target-only", *(f"{row['method']}:{int(row['k'])}" for row in pair)],
                       progress="tune: side by side" if progress else False, **options)
         records = records.drop(columns=[c for c in ("emitted_tokens", "tree_widths") if c in records])

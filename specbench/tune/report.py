@@ -19,6 +19,29 @@ def write_config(path: Path, spec: TuneSpec, chosen: dict) -> Path:
     return path
 
 
+def chosen_config(table: pd.DataFrame, spec: TuneSpec, candidates) -> dict:
+    """The measured point of `table` with the lowest cost knob J at `cs` (target-only's speed and cost the
+    reference), as the configuration `specbench run --config` and `serve --config` read back; a hybrid's budget for
+    its draft (`other_k`) travels as suffix decoding's settings."""
+    from specbench.plan.explore import cost_column
+    from specbench.plan.predict import choose
+    from specbench.tune.share import as_points
+
+    best = choose(as_points(table), spec.cs, cost=cost_column(spec.objective))
+    candidate = next((c for c in candidates if c.name == best["candidate"]), None)
+    other_k = best.get("other_k")
+    return {"target": spec.target, "endpoint": spec.endpoint, "method": best["method"], "k": int(best["k"]),
+            "draft": candidate.draft if candidate else None,
+            "self_draft_layers": candidate.self_draft_layers if candidate else None,
+            "substitute_quantization": candidate.quantization if candidate and candidate.method == "substitute" else None,
+            "suffix": {"other_k": int(other_k)} if other_k is not None and pd.notna(other_k) else None,
+            "dtype": spec.dtype, "kernels": spec.kernels, "max_new_tokens": spec.max_new_tokens,
+            "temperature": float(spec.temperature), "rule": spec.verify_rule,
+            "objective": spec.objective, "cs": spec.cs,
+            "label": best["label"], "measured_tokens_per_s": round(best["measured_tokens_per_s"], 3),
+            "clients": int(best.get("clients", 1))}  # the load it was measured under
+
+
 def read_config(path: str | Path) -> dict:
     """A tune's configuration; refused by name when it is not one."""
     from specbench.types import SpecbenchError
@@ -42,14 +65,26 @@ def read_config(path: str | Path) -> dict:
               "substitute_quantization": lambda v: v is None or isinstance(v, str),
               "dtype": lambda v: isinstance(v, str), "kernels": lambda v: v in KERNELS,
               "temperature": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1e6,
-              "rule": lambda v: v in VERIFY_RULES}
+              "rule": lambda v: v in VERIFY_RULES, "suffix": lambda v: v is None or isinstance(v, dict)}
     wrong = [f"{name}={document[name]!r}" for name, good in checks.items()
              if name in document and not good(document[name])]
     if wrong:  # an edited file: named here, not a TypeError deep in the run it configures
         raise SpecbenchError(f"{path}: {', '.join(wrong)} (target, method: names; k an integer >= 0; "
                              f"self_draft_layers >= 1; kernels: one of {KERNELS}; temperature >= 0; "
-                             f"rule: one of {VERIFY_RULES})")
+                             f"rule: one of {VERIFY_RULES}; suffix: an object of SuffixSettings' fields)")
+    if document.get("suffix"):
+        from specbench.decode.suffix_drafter import suffix_options
+
+        try:
+            suffix_options(suffix_words(document))
+        except SpecbenchError as error:
+            raise SpecbenchError(f"{path}: suffix {document['suffix']}: {error}") from None
     return document
+
+
+def suffix_words(config: dict) -> list[str]:
+    """A configuration's suffix decoding settings as `--suffix` takes them (`other_k=4`); none: []."""
+    return [f"{name}={value}" for name, value in (config.get("suffix") or {}).items()]
 
 
 def translations(chosen: dict) -> dict:
@@ -106,6 +141,12 @@ def write_report(path: Path, spec: TuneSpec, result) -> Path:
         note += (f" The best measured point and the next best one run could hold beside it were close, so they ran "
                  f"side by side with target-only, every held-back prompt through each in turn, and the choice was "
                  f"made on that run (tok/s: {speeds}).")
+    hybrid = getattr(result, "hybrid", None)
+    if hybrid is not None:
+        speeds = ", ".join(f"{row.label} {row.measured_tokens_per_s:.3g}" for row in hybrid.itertuples())
+        note += (f" Suffix decoding with the best measured draft (a hybrid: each step suffix decoding where its counts "
+                 f"vouch, else the draft; the planner does not predict it) ran beside the best point and target-only, "
+                 f"every held-back prompt through each in turn, and the choice was made on that run (tok/s: {speeds}).")
     loaded = result.calibration.get("loaded")
     if loaded:
         note += (f" Points at several clients: {loaded['priced']} (a round waits {loaded['window_ms']:g} ms, and up to "

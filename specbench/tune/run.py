@@ -25,8 +25,9 @@ from specbench.plan.explore import cost_column, measured_points, operating_point
 import specbench.tune.phases as phases
 from specbench.tune.calibrate import Calibrator
 from specbench.tune.duel import settle
+from specbench.tune.hybrid import beside_hybrid
 from specbench.tune.candidates import check_drafts, draft_model, head_label, resolve_candidates
-from specbench.tune.share import (MeasuringShare, as_points, estimate_s, measuring_s, neighbour, one_client_run,
+from specbench.tune.share import (MeasuringShare, estimate_s, measuring_s, neighbour, one_client_run,
                                   sweep_points)
 from specbench.tune.spec import FREE, GOAL_ERROR, TuneSpec, check_sampled_load, split_prompts
 from specbench.types import SpecbenchError
@@ -48,6 +49,7 @@ class TuneResult:
     calibrator: Optional[Calibrator] = field(default=None, repr=False)  # re-times a point now ("per-point")
     predict_now: Optional[object] = field(default=None, repr=False)  # profiles -> the prediction table
     side_by_side: Optional[pd.DataFrame] = None  # target-only and two close best points interleaved: what chose
+    hybrid: Optional[pd.DataFrame] = None  # target-only, the best point and suffix decoding's hybrid with a draft
 
 
 def tune(spec: TuneSpec, folder: Optional[str | Path] = None, progress: bool = True) -> TuneResult:
@@ -189,11 +191,14 @@ def tune(spec: TuneSpec, folder: Optional[str | Path] = None, progress: bool = T
     bar.close()
     table = pd.DataFrame(measured)
     duel = settle(table, spec, candidates, drafts, store, runner, held, rtt_ms, deadline, progress, left_out)
-    chosen = _choose(table if duel is None else duel, spec, candidates)
+    hybrid = beside_hybrid(table, table if duel is None else duel, spec, candidates, drafts, store, runner, held,
+                           rtt_ms, deadline, progress, left_out)
     from specbench.tune.loaded import loaded_terms
-    from specbench.tune.report import write_config, write_report
+    from specbench.tune.report import chosen_config, write_config, write_report
 
-    result = TuneResult(predicted, table, chosen, folder, left_out=left_out, side_by_side=duel,
+    chosen = chosen_config(next(t for t in (hybrid, duel, table) if t is not None), spec, candidates)
+
+    result = TuneResult(predicted, table, chosen, folder, left_out=left_out, side_by_side=duel, hybrid=hybrid,
                         calibration=dict(calibrator.terms, acceptance_replayed=replayed,
                                          **loaded_terms(stats, calibrator)),
                         seconds={name: round(value, 1) for name, value in seconds.items()}, measuring=measuring,
@@ -396,21 +401,3 @@ def _reason(row: dict) -> str:
     if row["queue_ms"] > 0.05 * 1000 / max(row["measured_tokens_per_s"], 1e-6):
         return f"queueing: {row['queue_ms']:.0f} ms per step waiting in the worker"
     return "forward cost: the step's forwards took other times than the calibrated profile says"
-
-
-def _choose(table: pd.DataFrame, spec: TuneSpec, candidates) -> dict:
-    """The measured point with the lowest cost knob J at `cs` (target-only's speed and cost the reference)."""
-    from specbench.plan.predict import choose
-
-    column = cost_column(spec.objective)
-    best = choose(as_points(table), spec.cs, cost=column)
-    candidate = next((c for c in candidates if c.name == best["candidate"]), None)
-    return {"target": spec.target, "endpoint": spec.endpoint, "method": best["method"], "k": int(best["k"]),
-            "draft": candidate.draft if candidate else None,
-            "self_draft_layers": candidate.self_draft_layers if candidate else None,
-            "substitute_quantization": candidate.quantization if candidate and candidate.method == "substitute" else None,
-            "dtype": spec.dtype, "kernels": spec.kernels, "max_new_tokens": spec.max_new_tokens,
-            "temperature": float(spec.temperature), "rule": spec.verify_rule,
-            "objective": spec.objective, "cs": spec.cs,
-            "label": best["label"], "measured_tokens_per_s": round(best["measured_tokens_per_s"], 3),
-            "clients": int(best.get("clients", 1))}  # the load it was measured under

@@ -1,0 +1,91 @@
+"""Suffix decoding with the best measured draft model or head, run beside the tune's best point before it chooses.
+
+Why: wherever a draft model or a head was a candidate, the workload runs found the hybrid of the two (suffix decoding
+where its counts and its record in the request vouch for a continuation, the draft elsewhere:
+`suffix-tree-chain`, `suffix-eagle-tree`) the fastest fixed method: 1.58x target-only and 1.037x suffix decoding
+alone for SmolLM2 with a trained head, 1.83x for the Qwen pair (docs/routing.md). Which drafter a step takes
+depends on suffix decoding's counts and the request's record, which the planner's replay of one drafter cannot
+price; so a tune measures it instead, as `duel.side_by_side` does two close points: target-only, the best measured
+point and the hybrid, every held-back prompt through each in turn, and the choice is made on that run. The hybrid's
+partner is the best measured one-client point of a draft model or head, its K (chain) or nodes (tree) the hybrid's
+`other_k`; suffix decoding drafts up to `BUDGET` nodes a step. Tried only where suffix decoding is a candidate.
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import pandas as pd
+
+from specbench.tune.duel import side_by_side
+from specbench.tune.share import as_points, estimate_s
+from specbench.tune.spec import SUFFIX, TuneSpec
+
+BUDGET = 16  # suffix decoding's nodes a step in the hybrid: the budget the workload runs measured it at
+# the partner's method -> the hybrid: a model chain inside suffix decoding's tree; a head keeps its shape
+GREEDY = {"chain": "suffix-tree-chain", "eagle": "suffix-eagle", "eagle-tree": "suffix-eagle-tree"}
+CHAINS = {"chain": "suffix-chain", "eagle": "suffix-eagle"}  # where the rule cannot verify a tree hybrid
+
+
+def hybrid_method(method: str, rule: str) -> Optional[str]:
+    """The hybrid of suffix decoding and a point run by `method`, one that `rule` can verify; None if none."""
+    from specbench.methods import get_method
+
+    hybrid = GREEDY.get(method)
+    if hybrid is not None and rule == "rejection" and not get_method(hybrid).rejection:
+        hybrid = CHAINS.get(method)
+    return hybrid
+
+
+def hybrid_point(table: pd.DataFrame, spec: TuneSpec, candidates) -> Optional[dict]:
+    """The hybrid of suffix decoding and the best measured one-client point (by J at cs) of a draft model or
+    head in `table`, as a point row (`other_k` its partner's K); None without both in the tune."""
+    from specbench.plan.explore import cost_column
+    from specbench.plan.predict import knob_values
+
+    by_name = {c.name: c for c in candidates}
+    if SUFFIX not in by_name:
+        return None
+    rows = as_points(table)
+    values = knob_values(rows, spec.cs, cost=cost_column(spec.objective))
+    partners = [(values[i], row) for i, row in enumerate(rows)
+                if int(row["clients"]) == 1 and by_name.get(row["candidate"]) is not None
+                and by_name[row["candidate"]].method in ("chain", "eagle")
+                and hybrid_method(row["method"], spec.verify_rule) is not None]
+    if not partners:
+        return None
+    partner = min(partners, key=lambda pair: pair[0])[1]
+    method, other_k = hybrid_method(partner["method"], spec.verify_rule), int(partner["k"])
+    return {"label": f"{partner['candidate']}: {method} k={BUDGET} (suffix decoding, else {partner['method']} "
+                     f"k={other_k})",
+            "candidate": partner["candidate"], "method": method, "k": BUDGET, "other_k": other_k, "clients": 1,
+            "tokens_per_s": partner["measured_tokens_per_s"]}  # for the time estimate
+
+
+def beside_hybrid(measured: pd.DataFrame, choice: pd.DataFrame, spec: TuneSpec, candidates, drafts: dict, store,
+                  runner, held: list, rtt_ms: float, deadline: float, progress, left_out: list) -> Optional[pd.DataFrame]:
+    """Target-only, the best one-client point of `choice` (the measured points, or the duel's run) and the
+    `hybrid_point` of the `measured` points, run side by side: that run's rows (target-only first, the hybrid with
+    its `other_k`), or None where there is no hybrid to try, the tune plans several clients, or the budget has no
+    room."""
+    from specbench.plan.explore import cost_column
+    from specbench.plan.predict import choose
+
+    hybrid = hybrid_point(measured, spec, candidates)
+    if hybrid is None:
+        return None
+    if max(spec.clients) > 1:
+        left_out.append(f"{hybrid['label']}: not tried, a tune for several clients chooses at their load")
+        return None
+    rows = [row for row in as_points(choice) if int(row["clients"]) == 1]
+    best = choose(rows, spec.cs, cost=cost_column(spec.objective))
+    base = next(row for row in rows if row["method"] == "target-only")
+    pair = [row for row in (best, hybrid) if row["method"] != "target-only"]
+    estimate = sum(estimate_s(row, len(held), spec) for row in [base, *pair])
+    if time.monotonic() + estimate > deadline:
+        left_out.append(f"{hybrid['label']}: not run beside {best['label']}, ~{estimate:.0f} s would pass the budget")
+        return None
+    found = side_by_side(store, runner, pair, base["label"], candidates, drafts, held, spec, rtt_ms, progress,
+                         other_k=hybrid["other_k"])
+    return found.assign(other_k=[hybrid["other_k"] if method == hybrid["method"] else None
+                                 for method in found["method"]])

@@ -1,0 +1,124 @@
+"""`specbench tune` runs suffix decoding's hybrid with its best measured draft beside its best point, chooses on that
+run, and writes the hybrid's budget for its draft where `run --config` and `serve --config` read it."""
+import json
+
+import pandas as pd
+import pytest
+
+from specbench.tune import TuneSpec, tune
+from specbench.tune.hybrid import BUDGET, beside_hybrid, hybrid_method, hybrid_point
+from specbench.tune.spec import Candidate
+from specbench.types import SpecbenchError
+
+DRAFT = "tiny-random:seed=1,noise=0.005,noise_from=0"
+PROMPTS = tuple([(i * 7 + j * 3) % 90 + 3 for j in range(12)] + [5, 6, 7, 8] * 3 for i in range(8))
+
+
+def spec(**overrides) -> TuneSpec:
+    settings = dict(target="tiny-random:seed=0", drafts=(DRAFT, "suffix"), prompts=PROMPTS, prompt_count=6,
+                    chain_ks=(2, 4), max_new_tokens=12, budget_minutes=5, repeats=2, measure_share=0.0)
+    settings.update(overrides)
+    return TuneSpec(**settings)
+
+
+def table(*points) -> pd.DataFrame:
+    rows = [("target-only", "target-only", 0, 10.0, 1)] + list(points)
+    return pd.DataFrame([dict(label=f"{c}: {m} K={k}" + (f" x{n}" if n > 1 else ""), candidate=c, method=m, k=k,
+                              clients=n, measured_tokens_per_s=speed, total_cost_usd_per_mtok=100 / speed)
+                         for c, m, k, speed, n in rows])
+
+
+def test_the_hybrid_takes_the_partners_shape_where_the_rule_can_verify_it():
+    assert hybrid_method("chain", "greedy") == "suffix-tree-chain"
+    assert hybrid_method("eagle-tree", "greedy") == "suffix-eagle-tree"
+    assert hybrid_method("chain", "rejection") == "suffix-tree-chain"  # suffix decoding's tree: one-hot drafts
+    assert hybrid_method("eagle-tree", "rejection") is None  # a head's dynamic tree: no rejection rule
+    assert hybrid_method("eagle", "sample-match") == "suffix-eagle"
+    assert hybrid_method("tree", "greedy") is None and hybrid_method("prompt-lookup", "greedy") is None
+
+
+def test_the_partner_is_the_best_measured_draft_model_or_head_at_one_client():
+    model, head, suffix, lookup, own = (Candidate("m", "chain", draft="m"), Candidate("eagle:h", "eagle", draft="h"),
+                                        Candidate("suffix", "suffix"), Candidate("prompt-lookup", "prompt-lookup"),
+                                        Candidate("self-draft:2", "self-draft", self_draft_layers=2))
+    every = [model, head, suffix, lookup, own]
+    measured = table(("m", "chain", 2, 14.0, 1), ("m", "chain", 4, 15.0, 1), ("eagle:h", "eagle-tree", 6, 13.0, 1),
+                     ("suffix", "suffix", 4, 18.0, 1), ("self-draft:2", "self-draft", 2, 20.0, 1),
+                     ("m", "chain", 2, 40.0, 4))  # loaded points are not partners
+    point = hybrid_point(measured, spec(), every)
+    assert (point["candidate"], point["method"], point["k"], point["other_k"]) == ("m", "suffix-tree-chain", BUDGET, 4)
+    heads = table(("m", "chain", 4, 12.0, 1), ("eagle:h", "eagle-tree", 6, 13.0, 1))
+    assert hybrid_point(heads, spec(), every)["method"] == "suffix-eagle-tree"
+    assert hybrid_point(measured, spec(), [model, head, lookup, own]) is None  # suffix decoding not a candidate
+    assert hybrid_point(table(("suffix", "suffix", 4, 18.0, 1)), spec(), every) is None  # no draft measured
+
+
+def test_a_tune_for_several_clients_leaves_the_hybrid_out_and_says_so():
+    left_out = []
+    found = beside_hybrid(table(("m", "chain", 4, 15.0, 1)), table(("m", "chain", 4, 15.0, 1)), spec(clients=(1, 4)),
+                          [Candidate("m", "chain", draft="m"), Candidate("suffix", "suffix")], {}, None, None, [], 0.0,
+                          float("inf"), False, left_out)
+    assert found is None and "several clients" in left_out[0]
+
+
+def test_tune_runs_the_hybrid_beside_its_best_point_and_chooses_on_that_run(tmp_path):
+    from specbench.api import run
+    from specbench.cli import build_parser
+    from specbench.decode.suffix_drafter import SuffixSettings
+    from specbench.tune.command import apply_config
+    from specbench.tune.report import chosen_config, read_config
+
+    result = tune(spec(), tmp_path, progress=False)
+    hybrid = result.hybrid
+    assert hybrid is not None and hybrid["method"].iloc[0] == "target-only" and "suffix-tree-chain" in set(hybrid["method"])
+    row = hybrid[hybrid["method"] == "suffix-tree-chain"].iloc[0]
+    partner = result.measured[result.measured["candidate"] == DRAFT]
+    assert row["k"] == BUDGET and row["other_k"] in set(partner["k"]) and row["measured_tokens_per_s"] > 0
+    chosen = hybrid.loc[hybrid["label"] == result.chosen["label"]].iloc[0]  # the choice is made on that run
+    assert result.chosen["measured_tokens_per_s"] == pytest.approx(chosen["measured_tokens_per_s"], rel=1e-3)
+    assert "ran beside the best point" in result.report_path.read_text()
+    stored = {p: p.stat().st_mtime_ns for p in (tmp_path / "measured").glob("duel-*other*.json")}
+    assert len(stored) == 1
+    again = tune(spec(), tmp_path, progress=False)  # resumed: read, not rerun
+    assert {p: p.stat().st_mtime_ns for p in stored} == stored
+    assert again.hybrid["measured_tokens_per_s"].tolist() == pytest.approx(hybrid["measured_tokens_per_s"].tolist())
+    # the hybrid chosen (J favours it here): its budget for the draft is written and read back
+    favoured = hybrid.assign(measured_tokens_per_s=[10.0 if m != "suffix-tree-chain" else 99.0 for m in hybrid["method"]],
+                             total_cost_usd_per_mtok=1.0)
+    config = chosen_config(favoured, spec(), [Candidate(DRAFT, "chain", draft=DRAFT), Candidate("suffix", "suffix")])
+    assert (config["method"], config["k"], config["draft"]) == ("suffix-tree-chain", BUDGET, DRAFT)
+    assert config["suffix"] == {"other_k": int(row["other_k"])}
+    path = tmp_path / "tune-hybrid.json"
+    path.write_text(json.dumps(config))
+    assert read_config(path)["suffix"] == config["suffix"]
+    args = build_parser().parse_args(["run", "--config", str(path)])
+    apply_config(args)
+    assert args.method[-1] == "suffix-tree-chain" and args.suffix == [f"other_k={int(row['other_k'])}"]
+    args = build_parser().parse_args(["run", "--config", str(path), "--suffix", "other_k=1"])
+    apply_config(args)
+    assert args.suffix == ["other_k=1"]  # the command line's own setting wins
+    # what the choice runs is lossless: greedy, the hybrid's output is target-only's
+    records = run("tiny-random:seed=0", [list(p) for p in PROMPTS[:3]], method=["target-only", "suffix-tree-chain:16"],
+                  draft=DRAFT, max_new_tokens=12, suffix=SuffixSettings(other_k=int(row["other_k"])), progress=False)
+    texts = {m: [[t for s in g.sort_values("step")["emitted_tokens"] for t in s] for _, g in own.groupby("prompt_index")]
+             for m, own in records.groupby("method")}
+    assert texts["suffix-tree-chain"] == texts["target-only"]
+
+
+def test_a_configurations_suffix_settings_are_checked_and_served(tmp_path):
+    from specbench.cli import build_parser
+    from specbench.serve.command import settings_from
+    from specbench.tune.report import read_config
+
+    base = {"target": "tiny-random:seed=0", "method": "suffix-tree-chain", "k": 16, "draft": DRAFT}
+    for suffix, named in (({"other_k": 0}, "other_k"), ({"nope": 1}, "nope"), ({"other_k": "x"}, "other_k")):
+        path = tmp_path / "bad.json"
+        path.write_text(json.dumps({**base, "suffix": suffix}))
+        with pytest.raises(SpecbenchError, match=f"suffix .*{named}"):
+            read_config(path)
+    path = tmp_path / "good.json"
+    path.write_text(json.dumps({**base, "suffix": {"other_k": 3}}))
+    settings = settings_from(build_parser().parse_args(["serve", "--config", str(path)]))
+    assert settings.methods[0] == "suffix-tree-chain" and settings.suffix.other_k == 3
+    settings = settings_from(build_parser().parse_args(["serve", "--config", str(path), "--suffix", "other_k=2"]))
+    assert settings.suffix.other_k == 2
