@@ -87,7 +87,7 @@ def record_reference(target: ModelLike, draft: ModelLike, prompts, dataset: str,
     # found a full chain: without a match it verifies one token whatever K is, so its planner's choice
     # of K matters only where a match is, and that is the acceptance the planner needs.
     full = chain[chain["drafted"] == max_chain]
-    tree_accepts, tree_depth, tree_width, tree_prompts = {}, {}, {}, {}
+    tree_accepts, tree_depth, tree_width, tree_prompts, tree_steps, tree_steps_prompts = {}, {}, {}, {}, {}, {}
     for budget in tree_budgets:
         records = run(target_loaded, prompts, method=tree_method, draft=draft_loaded, k=budget, tree=tree,
                       max_new_tokens=max_new_tokens, sampling=SamplingParams(
@@ -95,6 +95,9 @@ def record_reference(target: ModelLike, draft: ModelLike, prompts, dataset: str,
                           rule="greedy" if sampling.greedy else "sample-match"),
                       progress=label(f"tree budget {budget}"),
                       cross_tokenizer="text" if cross_tokenizer == "shared-vocab" else cross_tokenizer, suffix=suffix)
+        if lookup:  # every step, as found: most draft fewer nodes than the budget, or none
+            tree_steps[budget] = tuple((int(d), int(a)) for d, a in zip(records["drafted"], records["accepted"]))
+            tree_steps_prompts[budget] = tuple(int(p) for p in records["prompt_index"])
         steps = records[records["drafted"] == budget]
         if steps.empty:  # e.g. prompt lookup never found that many candidates: nothing measured at this budget
             continue
@@ -115,7 +118,8 @@ def record_reference(target: ModelLike, draft: ModelLike, prompts, dataset: str,
         dataset=dataset, rule=sampling.effective_rule, temperature=sampling.temperature, max_chain=max_chain,
         chain_accepts=tuple(int(a) for a in full["accepted"]), tree_accepts=tree_accepts,
         tree_depth=tree_depth, tree_width=tree_width, chain_prompts=tuple(int(p) for p in full["prompt_index"]),
-        tree_prompts=tree_prompts, prompt_families=tuple(str(f) for f in families) if families else (),
+        tree_prompts=tree_prompts, tree_steps=tree_steps, tree_steps_prompts=tree_steps_prompts,
+        prompt_families=tuple(str(f) for f in families) if families else (),
         feature_bytes=head_feature_bytes(draft) if chain_method == "eagle" else 0)
 
 

@@ -277,6 +277,30 @@ def test_prompt_lookups_partial_matches_are_priced_at_their_own_widths(tmp_path)
     assert load_references(tmp_path)[0].steps_at_k == {4: steps}
 
 
+
+def test_a_free_drafts_tree_is_priced_by_every_step_it_ran_not_by_its_full_trees(tmp_path):
+    """Suffix decoding's and prompt lookup's trees draft what they find, none on most steps of new text. Priced by
+    their full trees alone, as a model draft's trees are, a tune once predicted suffix decoding's 6-node tree at
+    96.6 tok/s (4.33 tokens a step over 12 full trees of 14 prompts) where it ran 32.7 (1.42): every step of the run
+    is kept (`tree_steps`), priced at its own width (1 + nodes), its family's steps its own, and saved."""
+    from specbench.plan.library import load_references, save_reference
+    from specbench.plan.predict import AcceptanceReference, OperatingPoint, predict_step
+
+    steps = ((0, 0), (0, 0), (3, 1), (6, 5))
+    full = AcceptanceReference("suffix", "t", "d", max_chain=4, tree_accepts={6: (5,)}, tree_prompts={6: (1,)},
+                               tree_depth={6: 5.0}, tree_width={6: 1}, prompt_families=("a", "b"))
+    every = dataclasses.replace(full, tree_steps={6: steps}, tree_steps_prompts={6: (0, 1, 0, 1)})
+    point = OperatingPoint("suffix-tree", k=6)
+    f = lambda width: SHARED.forward_s(width, 256)  # noqa: E731
+    old, new = (predict_step(point, SHARED, None, ref, context=256) for ref in (full, every))
+    assert old.tokens_per_step == pytest.approx(6.0)  # the full tree's, as if every step grew one
+    assert new.tokens_per_step == pytest.approx(1 + 6 / 4) and new.draft_s == 0.0
+    assert new.verify_s == pytest.approx((2 * f(1) + f(4) + f(7)) / 4)
+    family = every.for_family("b")
+    assert family.tree_steps == {6: ((0, 0), (6, 5))} and family.tree_steps_prompts == {6: (1, 1)}
+    save_reference(every, folder=tmp_path)
+    assert load_references(tmp_path)[0].tree_steps == {6: steps}
+
 def test_a_server_prices_suffix_decoding_from_its_own_reference_not_prompt_lookups(monkeypatch):
     """`predicted_settings`: each lookup method from its own steps (suffix decoding drafts otherwise than
     prompt lookup); without a suffix reference the setting is named as not covered, not priced as lookup."""

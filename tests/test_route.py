@@ -286,8 +286,12 @@ def test_a_lookup_references_family_is_priced_from_that_familys_steps_only(tiny_
     repeating = [list(PROMPTS[0]) * 3, list(PROMPTS[1]), list(PROMPTS[2]) * 3, list(PROMPTS[3])]
     families = ["repeats", "once", "repeats", "once"]
     reference = record_reference(tiny_target, "prompt-lookup", repeating, dataset="mixed", max_chain=4,
-                                 tree_budgets=(), max_new_tokens=16, families=families)
+                                 tree_budgets=(6,), max_new_tokens=16, families=families)
     whole = reference.steps_at_k[4]
+    grown = reference.tree_steps[6]  # every step of the tree run, the ones that drafted nothing too
+    assert len(grown) == len(reference.tree_steps_prompts[6]) and any(d == 0 for d, _ in grown)
+    assert len(grown) > len(reference.tree_accepts.get(6, ())) and all(0 <= a <= d <= 6 for d, a in grown)
+    assert sum(len(reference.for_family(f).tree_steps.get(6, ())) for f in ("repeats", "once")) == len(grown)
     assert len(reference.steps_prompts[4]) == len(whole)
     parts = {family: reference.for_family(family) for family in ("repeats", "once")}
     assert sum(len(part.steps_at_k.get(4, ())) for part in parts.values()) == len(whole)

@@ -39,7 +39,7 @@ def operating_points(reference: Optional[AcceptanceReference], chain_ks: Sequenc
         chain, tree = ("eagle", "eagle-tree") if reference.draft.startswith("eagle:") else ("chain", "tree")
         # a reference without a full chain step (prompt lookup that never matched K tokens) predicts no chain
         sizes += [(chain, k) for k in chain_ks if 1 <= k <= reference.max_chain and reference.has_chains]
-        sizes += [(tree, int(b)) for b in sorted(int(b) for b in reference.tree_accepts)]
+        sizes += [(tree, b) for b in sorted({int(b) for b in (*reference.tree_accepts, *reference.tree_steps)})]
     points = [OperatingPoint(method, k, where, rtt, rule, n) for where, rtt in places for method, k in sizes
               for n in (clients if where == "remote" else (1,))]
     if reference is None or not reference.draft.startswith("eagle:"):

@@ -115,7 +115,9 @@ def save_reference(reference: AcceptanceReference, extra: Optional[dict] = None,
                "tree_prompts": {str(k): list(v) for k, v in reference.tree_prompts.items()},
                "prompt_families": list(reference.prompt_families),
                "steps_at_k": {str(k): [list(step) for step in v] for k, v in reference.steps_at_k.items()},
-               "steps_prompts": {str(k): list(v) for k, v in reference.steps_prompts.items()}}
+               "steps_prompts": {str(k): list(v) for k, v in reference.steps_prompts.items()},
+               "tree_steps": {str(k): [list(step) for step in v] for k, v in reference.tree_steps.items()},
+               "tree_steps_prompts": {str(k): list(v) for k, v in reference.tree_steps_prompts.items()}}
     return write_record(folder, "reference", metadata, payload,
                         label=f"{reference.draft}-{reference.target}-{reference.dataset}")
 
@@ -136,7 +138,9 @@ def load_references(folder: Path = REFERENCES, by_family: bool = False, **match)
             tree_prompts={int(k): tuple(v) for k, v in (p.get("tree_prompts") or {}).items()},
             prompt_families=tuple(p.get("prompt_families", ())), feature_bytes=int(m.get("feature_bytes", 0)),
             steps_at_k={int(k): tuple(tuple(step) for step in v) for k, v in (p.get("steps_at_k") or {}).items()},
-            steps_prompts={int(k): tuple(v) for k, v in (p.get("steps_prompts") or {}).items()}))
+            steps_prompts={int(k): tuple(v) for k, v in (p.get("steps_prompts") or {}).items()},
+            tree_steps={int(k): tuple(tuple(step) for step in v) for k, v in (p.get("tree_steps") or {}).items()},
+            tree_steps_prompts={int(k): tuple(v) for k, v in (p.get("tree_steps_prompts") or {}).items()}))
     if by_family:  # each family of a reference as a reference of its own, beside the whole
         out += [reference.for_family(family) for reference in list(out) for family in reference.families()]
     return out

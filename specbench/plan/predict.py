@@ -136,6 +136,8 @@ def predict_step(point: OperatingPoint, target: LatencyProfile, draft: Optional[
                  overhead_s: float = 0.0, bandwidth_mbps: float = 0.0) -> StepCost:
     lookup = reference is not None and reference.draft in FREE_DRAFTS  # drafting is free: no draft profile
     steps = reference.steps_at(point.k) if reference is not None and point.kind == "chain" else ()
+    if lookup and point.kind == "tree":  # a free draft's tree grows as far as it finds: priced step by step
+        steps = reference.tree_steps_at(point.k)
     accepted = reference.accepted(point.method, point.k) if reference and not steps else 0.0
     if point.kind != "none" and (reference is None or (draft is None and not lookup)):
         raise SpecbenchError(f"{point.label} needs a draft profile and an acceptance reference")
@@ -165,7 +167,8 @@ def step_cost(point: OperatingPoint, target: LatencyProfile, draft: Optional[Lat
     costs the step nothing (prompt lookup copies tokens from the context). `hit`: the share of chain
     steps that draft at all (prompt lookup's matches); the rest verify one token. `drafted`: {tokens drafted:
     share of steps} where a run's steps are known (partial matches, each output's capped last steps): each
-    verifies 1 + its drafts and a draft model drafts that many, instead of K and `hit`."""
+    verifies 1 + its drafts and a draft model drafts that many, instead of K and `hit` (a tree of prompt lookup
+    or suffix decoding: 1 + its nodes)."""
     if point.kind == "chain" and draft is not None:
         # The draft's cache keeps the chain it fed (all but its last token), so its first forward
         # catches up on the bonus alone, or on its last token and the bonus after a fully accepted chain.
@@ -182,7 +185,7 @@ def step_cost(point: OperatingPoint, target: LatencyProfile, draft: Optional[Lat
         draft_s = 0.0
     # every client's verify in one batched forward: each waits for the whole batch
     verify_s = target.forward_s(1 + (point.k if point.kind != "none" else 0), context, point.clients)
-    if drafted and point.kind == "chain":
+    if drafted and (point.kind == "chain" or draft is None):  # a free draft's tree of d nodes verifies 1 + d
         verify_s = sum(share * target.forward_s(1 + d, context, point.clients) for d, share in drafted.items())
     elif hit < 1.0 and point.kind == "chain":
         verify_s = hit * verify_s + (1 - hit) * target.forward_s(1, context, point.clients)

@@ -44,6 +44,11 @@ class AcceptanceReference:
     # less, so where a K has them, its steps are priced as they are (tokens and widths), not by full steps
     steps_at_k: dict = field(default_factory=dict)
     steps_prompts: dict = field(default_factory=dict)  # K -> the prompt index of each step in steps_at_k[K]
+    # budget -> ((nodes drafted, accepted), ...) of every step of a tree run of prompt lookup or suffix decoding, and
+    # each step's prompt: they draft what they find, none on most steps of new text, so their trees are priced by
+    # these steps (`tree_accepts` keeps full trees only, a model draft's every step); empty in older references
+    tree_steps: dict = field(default_factory=dict)
+    tree_steps_prompts: dict = field(default_factory=dict)
     # per-prompt rows: the prompt index of each chain step and of each tree step per budget, and each
     # prompt's family (e.g. Spec-Bench's category); empty in references recorded before they were kept
     chain_prompts: tuple[int, ...] = ()
@@ -73,7 +78,12 @@ class AcceptanceReference:
         runs = {k: tuple(s for s, p in zip(steps, self.steps_prompts.get(k, ())) if p in mine)
                 for k, steps in self.steps_at_k.items()}
         runs = {k: steps for k, steps in runs.items() if steps}
+        grown = {b: tuple(s for s, p in zip(steps, self.tree_steps_prompts.get(b, ())) if p in mine)
+                 for b, steps in self.tree_steps.items()}
+        grown = {b: steps for b, steps in grown.items() if steps}
         return replace(self, dataset=f"{self.dataset}/{family}", chain_accepts=chain,
+                       tree_steps=grown, tree_steps_prompts={b: tuple(p for p in self.tree_steps_prompts[b] if p in mine)
+                                                             for b in grown},
                        steps_at_k=runs, steps_prompts={k: tuple(p for p in self.steps_prompts[k] if p in mine)
                                                        for k in runs},
                        chain_prompts=tuple(p for p in self.chain_prompts if p in mine), tree_accepts=trees,
@@ -110,6 +120,10 @@ class AcceptanceReference:
             return tuple(known[k])
         above = [size for size in {int(size) for size in self.steps_at_k} if size > k]
         return tuple(known.get(max(above), ())) if above else ()
+
+    def tree_steps_at(self, budget: int) -> tuple:
+        """(nodes drafted, accepted) per step of a free draft's tree run at `budget`, as recorded; else empty."""
+        return tuple(tuple(step) for step in (self.tree_steps.get(budget) or self.tree_steps.get(str(budget)) or ()))
 
     def full_acceptance(self, k: int) -> float:
         """Share of chain steps of length K whose every draft token was accepted."""
