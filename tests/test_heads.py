@@ -681,6 +681,35 @@ def test_a_head_drafts_through_a_worker_on_either_side_losslessly(tmp_path, batc
     assert (hybrid["drafted"] > 0).mean() > 0.5  # drafted on the worker, by its suffix cache or its head
 
 
+
+@pytest.mark.real_model
+def test_a_served_head_drafts_for_whichever_connection_a_request_takes(smollm2, tmp_path):
+    """`specbench serve` keeps free drafters for later requests, and a head reads the features its worker sends
+    over the connection it was built with: its drafters are kept per connection (kept per method alone, every
+    request after the first that took another connection failed: "a head drafts from the target it was attached
+    to"). A head's folder is handed to its drafter, not loaded as a model. Greedy output stays target-only's."""
+    import threading
+
+    from specbench.serve.engine import Engine, Job
+    from specbench.serve.settings import Limits, ServeSettings, Speculation
+    from specbench.worker.launch import free_port
+
+    head = new_head(smollm2, draft_ids=range(0, 4096, 2), seed=0)
+    own = save_head(head, tmp_path / "own", embeddings=True, target_name="smollm2-135m")
+    engine = Engine(ServeSettings(target="smollm2-135m", methods=("target-only", "eagle", "suffix-eagle-tree"),
+                                  draft=str(own), k=4, port=free_port(), limits=Limits(max_concurrent=3)),
+                    log=lambda line: None)
+    try:
+        def ids(method: str) -> list[int]:
+            events = list(engine.stream(Job(list(PROMPTS[0]), 12, Speculation(method, 4)), threading.Event()))
+            return [token for record in events[-1].records for token in record.emitted_tokens]
+
+        expected = ids("target-only")
+        for _ in range(4):  # the connections come round in turn: each drafter meets another than it was built on
+            assert ids("eagle") == expected and ids("suffix-eagle-tree") == expected
+    finally:
+        engine.close()
+
 def test_the_cost_model_prices_each_placements_wire_bytes():
     """Client side: a feature row per committed position comes back with each verify; server side: one
     round trip per request, the emitted tokens only, so no RTT per step."""

@@ -62,7 +62,7 @@ def test_a_tune_for_several_clients_leaves_the_hybrid_out_and_says_so():
 
 
 def test_tune_runs_the_hybrid_beside_its_best_point_and_chooses_on_that_run(tmp_path):
-    from specbench.api import run
+    from specbench.api import outputs, run
     from specbench.cli import build_parser
     from specbench.decode.suffix_drafter import SuffixSettings
     from specbench.tune.command import apply_config
@@ -70,7 +70,8 @@ def test_tune_runs_the_hybrid_beside_its_best_point_and_chooses_on_that_run(tmp_
 
     result = tune(spec(), tmp_path, progress=False)
     hybrid = result.hybrid
-    assert hybrid is not None and hybrid["method"].iloc[0] == "target-only" and "suffix-tree-chain" in set(hybrid["method"])
+    assert hybrid is not None and hybrid["method"].iloc[0] == "target-only"
+    assert "suffix-tree-chain" in set(hybrid["method"])
     row = hybrid[hybrid["method"] == "suffix-tree-chain"].iloc[0]
     partner = result.measured[result.measured["candidate"] == DRAFT]
     assert row["k"] == BUDGET and row["other_k"] in set(partner["k"]) and row["measured_tokens_per_s"] > 0
@@ -83,8 +84,8 @@ def test_tune_runs_the_hybrid_beside_its_best_point_and_chooses_on_that_run(tmp_
     assert {p: p.stat().st_mtime_ns for p in stored} == stored
     assert again.hybrid["measured_tokens_per_s"].tolist() == pytest.approx(hybrid["measured_tokens_per_s"].tolist())
     # the hybrid chosen (J favours it here): its budget for the draft is written and read back
-    favoured = hybrid.assign(measured_tokens_per_s=[10.0 if m != "suffix-tree-chain" else 99.0 for m in hybrid["method"]],
-                             total_cost_usd_per_mtok=1.0)
+    speeds = [99.0 if method == "suffix-tree-chain" else 10.0 for method in hybrid["method"]]
+    favoured = hybrid.assign(measured_tokens_per_s=speeds, total_cost_usd_per_mtok=1.0)
     config = chosen_config(favoured, spec(), [Candidate(DRAFT, "chain", draft=DRAFT), Candidate("suffix", "suffix")])
     assert (config["method"], config["k"], config["draft"]) == ("suffix-tree-chain", BUDGET, DRAFT)
     assert config["suffix"] == {"other_k": int(row["other_k"])}
@@ -100,9 +101,8 @@ def test_tune_runs_the_hybrid_beside_its_best_point_and_chooses_on_that_run(tmp_
     # what the choice runs is lossless: greedy, the hybrid's output is target-only's
     records = run("tiny-random:seed=0", [list(p) for p in PROMPTS[:3]], method=["target-only", "suffix-tree-chain:16"],
                   draft=DRAFT, max_new_tokens=12, suffix=SuffixSettings(other_k=int(row["other_k"])), progress=False)
-    texts = {m: [[t for s in g.sort_values("step")["emitted_tokens"] for t in s] for _, g in own.groupby("prompt_index")]
-             for m, own in records.groupby("method")}
-    assert texts["suffix-tree-chain"] == texts["target-only"]
+    ids = outputs(records)
+    assert all(ids[("suffix-tree-chain", i)] == ids[("target-only", i)] for i in range(3))
 
 
 def test_a_configurations_suffix_settings_are_checked_and_served(tmp_path):
@@ -117,8 +117,11 @@ def test_a_configurations_suffix_settings_are_checked_and_served(tmp_path):
         with pytest.raises(SpecbenchError, match=f"suffix .*{named}"):
             read_config(path)
     path = tmp_path / "good.json"
-    path.write_text(json.dumps({**base, "suffix": {"other_k": 3}}))
+    path.write_text(json.dumps({**base, "suffix": {"other_k": 3}, "dtype": "bfloat16"}))
     settings = settings_from(build_parser().parse_args(["serve", "--config", str(path)]))
     assert settings.methods[0] == "suffix-tree-chain" and settings.suffix.other_k == 3
-    settings = settings_from(build_parser().parse_args(["serve", "--config", str(path), "--suffix", "other_k=2"]))
-    assert settings.suffix.other_k == 2
+    assert settings.dtype == "bfloat16"  # the dtype the choice was measured at
+    settings = settings_from(build_parser().parse_args(["serve", "--config", str(path), "--suffix", "other_k=2",
+                                                        "--dtype", "float32"]))
+    assert settings.suffix.other_k == 2 and settings.dtype == "float32"  # the command line's own settings win
+    assert settings_from(build_parser().parse_args(["serve", "--target", "smollm2-135m"])).dtype == "float32"

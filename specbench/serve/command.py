@@ -29,7 +29,7 @@ def add_serve(commands) -> None:
     serve.add_argument("--plan", action="store_true", help="a step planner from the cached profiles picks K per step")
     serve.add_argument("--worker", help="a worker endpoint serving the target, whose model and tokenizer are used "
                                         "(default: a worker started in this process)")
-    serve.add_argument("--dtype", default="float32")
+    serve.add_argument("--dtype", help="the target's and draft's dtype (default: a --config's, else float32)")
     serve.add_argument("--device", default="cpu",
                        help="cpu or cuda[:N]: the target (unless --worker) and the draft run there (default cpu)")
     serve.add_argument("--host", default="127.0.0.1")
@@ -50,7 +50,7 @@ def settings_from(args):
     from specbench.serve.settings import Limits, ServeSettings
     from specbench.types import SpecbenchError
 
-    target, draft, methods, k, suffix = args.target, args.draft, args.method, args.k, args.suffix
+    target, draft, methods, k, suffix, dtype = args.target, args.draft, args.method, args.k, args.suffix, args.dtype
     extra = {}
     if args.config:
         from specbench.tune.report import read_config, suffix_words
@@ -58,6 +58,7 @@ def settings_from(args):
         config = read_config(args.config)
         suffix = suffix or suffix_words(config)  # a hybrid's budget for its draft; --suffix overrides
         target, draft, k = config["target"], config.get("draft") or draft, config["k"] or k
+        dtype = dtype or config.get("dtype") or "float32"  # the choice was measured at the tune's dtype
         methods = methods or list(dict.fromkeys([config["method"], "target-only"]))
         extra = {"self_draft_layers": config.get("self_draft_layers"),
                  "substitute_quantization": config.get("substitute_quantization") or "8bit"}
@@ -73,7 +74,8 @@ def settings_from(args):
     limits = Limits(max_tokens=args.max_tokens, max_prompt_tokens=args.max_prompt_tokens,
                     max_concurrent=args.max_concurrent, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes)
     return ServeSettings(target=target, methods=methods, draft=draft, k=k, max_k=max(args.max_k, k), plan=args.plan,
-                         worker=args.worker, dtype=args.dtype, device=args.device, host=args.host, port=args.port,
+                         worker=args.worker, dtype=dtype or "float32", device=args.device, host=args.host,
+                         port=args.port,
                          api_key=args.api_key, router=args.router, stop_below=args.stop_below,
                          limits=limits, **extra)
 

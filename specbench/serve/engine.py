@@ -13,6 +13,7 @@ import queue
 import random
 import threading
 import uuid
+from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Iterator, Optional
 
@@ -81,7 +82,9 @@ class Engine:
         self._suffix = settings.suffix or SuffixSettings()
         offered = [name for name in settings.methods if name != AUTO]
         offered += [c.method for c in self.router.candidates if c.method not in offered] if self.router else []
-        self._drafters: dict[str, queue.SimpleQueue] = {name: queue.SimpleQueue() for name in offered}
+        # free drafters by method; a head's by method and connection too: it reads the features its worker sends
+        # over the connection it was built with (the connections are a fixed set, so the pools stay bounded)
+        self._drafters: dict[tuple, queue.SimpleQueue] = defaultdict(queue.SimpleQueue)
         self._planners = self._build_planners()
         self.live = 0  # generations holding a worker session now (the tests count them)
         self._live_lock = threading.Lock()
@@ -129,10 +132,16 @@ class Engine:
             self._worker_thread.join(timeout=5)
 
     def _load_draft(self):
+        """The draft model, loaded once; a draft head's folder as it is: its drafter loads and checks it against
+        the worker's target (drafting here, it needs embeddings of its own: refused at start by name otherwise)."""
         if not self.settings.draft:
             return None
+        from specbench.heads.profile import is_head
         from specbench.models.loading import load_model
         from specbench.models.spec import ModelSpec
+
+        if is_head(self.settings.draft):
+            return str(self.settings.draft)
 
         return load_model(ModelSpec(self.settings.draft, dtype=self.settings.dtype, device=self.settings.device))
 
@@ -210,11 +219,15 @@ class Engine:
         per choice would grow without bound); the process-wide suffix cache is shared all the same."""
         if not suffix:
             try:
-                return self._drafters[method].get_nowait()
+                return self._drafters[self._pool(method, client)].get_nowait()
             except queue.Empty:
                 pass
         found = get_method(method)
         return found.build(self._source(client, suffix)) if found.build is not None else None
+
+    @staticmethod
+    def _pool(method: str, client) -> tuple:
+        return (method, id(client)) if get_method(method).reads_features else (method,)
 
     def _source(self, client, suffix: tuple = ()) -> DraftSource:
         """What a request's drafter is built from (its suffix cache, where shared, is the server's)."""
@@ -224,9 +237,9 @@ class Engine:
                            settings.substitute_quantization, suffix=replace(self._suffix, **dict(suffix)),
                            stop_below=settings.stop_below)
 
-    def _give_drafter(self, method: str, drafter, suffix: tuple = ()) -> None:
+    def _give_drafter(self, method: str, drafter, client, suffix: tuple = ()) -> None:
         if drafter is not None and not suffix:
-            self._drafters[method].put(drafter)
+            self._drafters[self._pool(method, client)].put(drafter)
 
     # -- one request -------------------------------------------------------------------------------
     def check_prompt(self, prompt_ids: list[int]) -> list[int]:
@@ -298,7 +311,7 @@ class Engine:
                 with self._live_lock:
                     self.live -= 1
             if drafter is not None:
-                self._give_drafter(method.name, drafter, speculation.suffix)
+                self._give_drafter(method.name, drafter, client, speculation.suffix)
             self._clients.put(client)
 
 

@@ -63,7 +63,8 @@ def hybrid_point(table: pd.DataFrame, spec: TuneSpec, candidates) -> Optional[di
 
 
 def beside_hybrid(measured: pd.DataFrame, choice: pd.DataFrame, spec: TuneSpec, candidates, drafts: dict, store,
-                  runner, held: list, rtt_ms: float, deadline: float, progress, left_out: list) -> Optional[pd.DataFrame]:
+                  runner, held: list, rtt_ms: float, deadline: float, progress,
+                  left_out: list) -> Optional[pd.DataFrame]:
     """Target-only, the best one-client point of `choice` (the measured points, or the duel's run) and the
     `hybrid_point` of the `measured` points, run side by side: that run's rows (target-only first, the hybrid with
     its `other_k`), or None where there is no hybrid to try, the tune plans several clients, or the budget has no
