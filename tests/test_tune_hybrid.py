@@ -47,6 +47,7 @@ def test_the_partner_is_the_best_measured_draft_model_or_head_at_one_client():
                      ("m", "chain", 2, 40.0, 4))  # loaded points are not partners
     point = hybrid_point(measured, spec(), every)
     assert (point["candidate"], point["method"], point["k"], point["other_k"]) == ("m", "suffix-tree-chain", BUDGET, 4)
+    assert point["partner"]["label"] == "m: chain K=4"
     heads = table(("m", "chain", 4, 12.0, 1), ("eagle:h", "eagle-tree", 6, 13.0, 1))
     assert hybrid_point(heads, spec(), every)["method"] == "suffix-eagle-tree"
     assert hybrid_point(measured, spec(), [model, head, lookup, own]) is None  # suffix decoding not a candidate
@@ -61,6 +62,29 @@ def test_a_tune_for_several_clients_leaves_the_hybrid_out_and_says_so():
     assert found is None and "several clients" in left_out[0]
 
 
+def test_the_hybrid_runs_beside_the_best_point_and_its_own_draft_alone(monkeypatch):
+    import specbench.tune.hybrid as hybrid
+
+    ran = []
+
+    def fake(store, runner, pair, base_label, *rest, other_k=None):
+        ran.append(([row["method"] for row in pair], other_k))
+        return pd.DataFrame([{"label": base_label, "method": "target-only"}] + [dict(label=row["label"],
+                             method=row["method"]) for row in pair])
+
+    monkeypatch.setattr(hybrid, "side_by_side", fake)
+    every = [Candidate("m", "chain", draft="m"), Candidate("suffix", "suffix")]
+    suffix_best = table(("m", "chain", 4, 15.0, 1), ("suffix", "suffix", 6, 18.0, 1))
+    found = beside_hybrid(suffix_best, suffix_best, spec(), every, {}, None, None, [], 0.0, float("inf"), False, [])
+    assert ran[-1] == (["suffix", "chain", "suffix-tree-chain"], 4)
+    assert found["other_k"].tolist()[-1] == 4 and found["other_k"].isna().sum() == 3
+    model_best = table(("m", "chain", 4, 19.0, 1), ("suffix", "suffix", 6, 18.0, 1))
+    beside_hybrid(model_best, model_best, spec(), every, {}, None, None, [], 0.0, float("inf"), False, [])
+    assert ran[-1] == (["chain", "suffix-tree-chain"], 4)  # the best point is its draft alone
+    left_out = []
+    assert beside_hybrid(model_best, model_best, spec(), every, {}, None, None, [], 0.0, 0.0, False, left_out) is None
+    assert "would pass the budget" in left_out[0]
+
 def test_tune_runs_the_hybrid_beside_its_best_point_and_chooses_on_that_run(tmp_path):
     from specbench.api import outputs, run
     from specbench.cli import build_parser
@@ -71,7 +95,7 @@ def test_tune_runs_the_hybrid_beside_its_best_point_and_chooses_on_that_run(tmp_
     result = tune(spec(), tmp_path, progress=False)
     hybrid = result.hybrid
     assert hybrid is not None and hybrid["method"].iloc[0] == "target-only"
-    assert "suffix-tree-chain" in set(hybrid["method"])
+    assert {"chain", "suffix-tree-chain"} <= set(hybrid["method"])  # beside its own draft alone, best or not
     row = hybrid[hybrid["method"] == "suffix-tree-chain"].iloc[0]
     partner = result.measured[result.measured["candidate"] == DRAFT]
     assert row["k"] == BUDGET and row["other_k"] in set(partner["k"]) and row["measured_tokens_per_s"] > 0

@@ -59,16 +59,16 @@ def hybrid_point(table: pd.DataFrame, spec: TuneSpec, candidates) -> Optional[di
     return {"label": f"{partner['candidate']}: {method} k={BUDGET} (suffix decoding, else {partner['method']} "
                      f"k={other_k})",
             "candidate": partner["candidate"], "method": method, "k": BUDGET, "other_k": other_k, "clients": 1,
-            "tokens_per_s": partner["measured_tokens_per_s"]}  # for the time estimate
+            "tokens_per_s": partner["measured_tokens_per_s"], "partner": partner}  # speed: for the time estimate
 
 
 def beside_hybrid(measured: pd.DataFrame, choice: pd.DataFrame, spec: TuneSpec, candidates, drafts: dict, store,
                   runner, held: list, rtt_ms: float, deadline: float, progress,
                   left_out: list) -> Optional[pd.DataFrame]:
-    """Target-only, the best one-client point of `choice` (the measured points, or the duel's run) and the
-    `hybrid_point` of the `measured` points, run side by side: that run's rows (target-only first, the hybrid with
-    its `other_k`), or None where there is no hybrid to try, the tune plans several clients, or the budget has no
-    room."""
+    """Target-only, the best one-client point of `choice` (the measured points, or the duel's run), the
+    `hybrid_point` of the `measured` points and its partner where that is not the best point, run side by side: that
+    run's rows (target-only first, the hybrid with its `other_k`), or None where there is no hybrid to try, the tune
+    plans several clients, or the budget has no room."""
     from specbench.plan.explore import cost_column
     from specbench.plan.predict import choose
 
@@ -81,7 +81,11 @@ def beside_hybrid(measured: pd.DataFrame, choice: pd.DataFrame, spec: TuneSpec, 
     rows = [row for row in as_points(choice) if int(row["clients"]) == 1]
     best = choose(rows, spec.cs, cost=cost_column(spec.objective))
     base = next(row for row in rows if row["method"] == "target-only")
-    pair = [row for row in (best, hybrid) if row["method"] != "target-only"]
+    # the best point, the hybrid's partner where that is another point (the hybrid against its draft alone), the hybrid
+    pair = [row for row in (best, hybrid["partner"]) if row["method"] != "target-only"]
+    if len(pair) == 2 and pair[0]["method"] == pair[1]["method"]:
+        pair = pair[:1]  # one run holds each method once: the partner is the best point (or another K of it)
+    pair.append(hybrid)
     estimate = sum(estimate_s(row, len(held), spec) for row in [base, *pair])
     if time.monotonic() + estimate > deadline:
         left_out.append(f"{hybrid['label']}: not run beside {best['label']}, ~{estimate:.0f} s would pass the budget")

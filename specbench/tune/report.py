@@ -135,18 +135,17 @@ def write_report(path: Path, spec: TuneSpec, result) -> Path:
         note += (f" Sampled at temperature {sampling.temperature:g}, verified by {sampling.rule}: acceptance recorded "
                  f"and every point measured so (seed {spec.seed}); held-back acceptance is the calibration split's, "
                  f"not replayed from target-only's outputs.")
-    duel = getattr(result, "side_by_side", None)
-    if duel is not None:
-        speeds = ", ".join(f"{row.label} {row.measured_tokens_per_s:.3g}" for row in duel.itertuples())
-        note += (f" The best measured point and the next best one run could hold beside it were close, so they ran "
-                 f"side by side with target-only, every held-back prompt through each in turn, and the choice was "
-                 f"made on that run (tok/s: {speeds}).")
-    hybrid = getattr(result, "hybrid", None)
-    if hybrid is not None:
-        speeds = ", ".join(f"{row.label} {row.measured_tokens_per_s:.3g}" for row in hybrid.itertuples())
-        note += (f" Suffix decoding with the best measured draft (a hybrid: each step suffix decoding where its counts "
-                 f"vouch, else the draft; the planner does not predict it) ran beside the best point and target-only, "
-                 f"every held-back prompt through each in turn, and the choice was made on that run (tok/s: {speeds}).")
+    interleaved = {"side_by_side": "The best measured point and the next best one run could hold beside it were "
+                                   "close, so they ran side by side with target-only",
+                   "hybrid": "Suffix decoding with the best measured draft (a hybrid: each step suffix decoding where "
+                             "its counts vouch, else the draft; the planner does not predict it) ran beside the best "
+                             "point and target-only"}
+    for name, what in interleaved.items():
+        run = getattr(result, name, None)
+        if run is not None:
+            speeds = ", ".join(f"{row.label} {row.measured_tokens_per_s:.3g}" for row in run.itertuples())
+            note += (f" {what}, every held-back prompt through each in turn, and the choice was made on that run "
+                     f"(tok/s: {speeds}).")
     loaded = result.calibration.get("loaded")
     if loaded:
         note += (f" Points at several clients: {loaded['priced']} (a round waits {loaded['window_ms']:g} ms, and up to "
