@@ -101,7 +101,9 @@ def test_tune_runs_the_hybrid_beside_its_best_point_and_chooses_on_that_run(tmp_
     assert row["k"] == BUDGET and row["other_k"] in set(partner["k"]) and row["measured_tokens_per_s"] > 0
     chosen = hybrid.loc[hybrid["label"] == result.chosen["label"]].iloc[0]  # the choice is made on that run
     assert result.chosen["measured_tokens_per_s"] == pytest.approx(chosen["measured_tokens_per_s"], rel=1e-3)
-    assert "ran beside the best point" in result.report_path.read_text()
+    page = result.report_path.read_text()
+    assert "ran beside the best point" in page  # and the hybrid is drawn among the measured points, beside the note
+    assert page.count(str(row["label"])) >= 2
     stored = {p: p.stat().st_mtime_ns for p in (tmp_path / "measured").glob("duel-*other*.json")}
     assert len(stored) == 1
     again = tune(spec(), tmp_path, progress=False)  # resumed: read, not rerun

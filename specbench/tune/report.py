@@ -116,6 +116,10 @@ def write_report(path: Path, spec: TuneSpec, result) -> Path:
 
     column = cost_column(spec.objective)
     measured = result.measured.rename(columns={"measured_tokens_per_s": "tokens_per_s"})
+    hybrid = getattr(result, "hybrid", None)
+    if hybrid is not None:  # measured, not predicted: drawn among the measured points, where the choice may be
+        ran = hybrid[hybrid["other_k"].notna()].rename(columns={"measured_tokens_per_s": "tokens_per_s"})
+        measured = pd.concat([measured, ran[["label", "tokens_per_s", column]]], ignore_index=True)
     predicted = result.predicted.assign(variant=result.predicted["candidate"])
     mode = result.calibration.get("mode", "speed")
     learned = result.calibration.get("runs_learned", 0)
