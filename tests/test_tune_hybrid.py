@@ -85,6 +85,14 @@ def test_the_hybrid_runs_beside_the_best_point_and_its_own_draft_alone(monkeypat
     assert beside_hybrid(model_best, model_best, spec(), every, {}, None, None, [], 0.0, 0.0, False, left_out) is None
     assert "would pass the budget" in left_out[0]
 
+    def refused(*args, **kwargs):
+        raise SpecbenchError("draft head h shares its target's embeddings")
+
+    monkeypatch.setattr(hybrid, "side_by_side", refused)  # the tune keeps its own choice and says why
+    assert beside_hybrid(model_best, model_best, spec(), every, {}, None, None, [], 0.0, float("inf"), False,
+                         left_out) is None
+    assert "could not run (draft head h shares" in left_out[-1]
+
 def test_tune_runs_the_hybrid_beside_its_best_point_and_chooses_on_that_run(tmp_path):
     from specbench.api import outputs, run
     from specbench.cli import build_parser

@@ -20,6 +20,7 @@ import pandas as pd
 from specbench.tune.duel import side_by_side
 from specbench.tune.share import as_points, estimate_s
 from specbench.tune.spec import SUFFIX, TuneSpec
+from specbench.types import SpecbenchError
 
 BUDGET = 16  # suffix decoding's nodes a step in the hybrid: the budget the workload runs measured it at
 # the partner's method -> the hybrid: a model chain inside suffix decoding's tree; a head keeps its shape
@@ -90,7 +91,11 @@ def beside_hybrid(measured: pd.DataFrame, choice: pd.DataFrame, spec: TuneSpec, 
     if time.monotonic() + estimate > deadline:
         left_out.append(f"{hybrid['label']}: not run beside {best['label']}, ~{estimate:.0f} s would pass the budget")
         return None
-    found = side_by_side(store, runner, pair, base["label"], candidates, drafts, held, spec, rtt_ms, progress,
-                         other_k=hybrid["other_k"])
+    try:
+        found = side_by_side(store, runner, pair, base["label"], candidates, drafts, held, spec, rtt_ms, progress,
+                             other_k=hybrid["other_k"])
+    except SpecbenchError as error:  # a refusal of this extra run keeps the tune's own choice, and says why
+        left_out.append(f"{hybrid['label']}: could not run ({error}); chosen without it")
+        return None
     return found.assign(other_k=[hybrid["other_k"] if method == hybrid["method"] else None
                                  for method in found["method"]])
