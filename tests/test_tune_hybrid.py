@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 
 from specbench.tune import TuneSpec, tune
-from specbench.tune.hybrid import BUDGET, beside_hybrid, hybrid_method, hybrid_point
+from specbench.tune.hybrid import BUDGET, KNOBS, beside_hybrid, hybrid_method, hybrid_point
 from specbench.tune.spec import Candidate
 from specbench.types import SpecbenchError
 
@@ -67,8 +67,8 @@ def test_the_hybrid_runs_beside_the_best_point_and_its_own_draft_alone(monkeypat
 
     ran = []
 
-    def fake(store, runner, pair, base_label, *rest, other_k=None):
-        ran.append(([row["method"] for row in pair], other_k))
+    def fake(store, runner, pair, base_label, *rest, suffix=None):
+        ran.append(([row["method"] for row in pair], suffix))
         return pd.DataFrame([{"label": base_label, "method": "target-only"}] + [dict(label=row["label"],
                              method=row["method"]) for row in pair])
 
@@ -76,11 +76,11 @@ def test_the_hybrid_runs_beside_the_best_point_and_its_own_draft_alone(monkeypat
     every = [Candidate("m", "chain", draft="m"), Candidate("suffix", "suffix")]
     suffix_best = table(("m", "chain", 4, 15.0, 1), ("suffix", "suffix", 6, 18.0, 1))
     found = beside_hybrid(suffix_best, suffix_best, spec(), every, {}, None, None, [], 0.0, float("inf"), False, [])
-    assert ran[-1] == (["suffix", "chain", "suffix-tree-chain"], 4)
+    assert ran[-1] == (["suffix", "chain", "suffix-tree-chain"], {"other_k": 4, **KNOBS})
     assert found["other_k"].tolist()[-1] == 4 and found["other_k"].isna().sum() == 3
     model_best = table(("m", "chain", 4, 19.0, 1), ("suffix", "suffix", 6, 18.0, 1))
     beside_hybrid(model_best, model_best, spec(), every, {}, None, None, [], 0.0, float("inf"), False, [])
-    assert ran[-1] == (["chain", "suffix-tree-chain"], 4)  # the best point is its draft alone
+    assert ran[-1][0] == ["chain", "suffix-tree-chain"]  # the best point is its draft alone
     left_out = []
     assert beside_hybrid(model_best, model_best, spec(), every, {}, None, None, [], 0.0, 0.0, False, left_out) is None
     assert "would pass the budget" in left_out[0]
@@ -122,19 +122,20 @@ def test_tune_runs_the_hybrid_beside_its_best_point_and_chooses_on_that_run(tmp_
     favoured = hybrid.assign(measured_tokens_per_s=speeds, total_cost_usd_per_mtok=1.0)
     config = chosen_config(favoured, spec(), [Candidate(DRAFT, "chain", draft=DRAFT), Candidate("suffix", "suffix")])
     assert (config["method"], config["k"], config["draft"]) == ("suffix-tree-chain", BUDGET, DRAFT)
-    assert config["suffix"] == {"other_k": int(row["other_k"])}
+    assert config["suffix"] == {"other_k": int(row["other_k"]), **KNOBS}  # what the hybrid ran with
     path = tmp_path / "tune-hybrid.json"
     path.write_text(json.dumps(config))
     assert read_config(path)["suffix"] == config["suffix"]
     args = build_parser().parse_args(["run", "--config", str(path)])
     apply_config(args)
-    assert args.method[-1] == "suffix-tree-chain" and args.suffix == [f"other_k={int(row['other_k'])}"]
+    assert args.method[-1] == "suffix-tree-chain" and args.suffix[0] == f"other_k={int(row['other_k'])}"
+    assert len(args.suffix) == 1 + len(KNOBS)
     args = build_parser().parse_args(["run", "--config", str(path), "--suffix", "other_k=1"])
     apply_config(args)
     assert args.suffix == ["other_k=1"]  # the command line's own setting wins
     # what the choice runs is lossless: greedy, the hybrid's output is target-only's
     records = run("tiny-random:seed=0", [list(p) for p in PROMPTS[:3]], method=["target-only", "suffix-tree-chain:16"],
-                  draft=DRAFT, max_new_tokens=12, suffix=SuffixSettings(other_k=int(row["other_k"])), progress=False)
+                  draft=DRAFT, max_new_tokens=12, suffix=SuffixSettings(**config["suffix"]), progress=False)
     ids = outputs(records)
     assert all(ids[("suffix-tree-chain", i)] == ids[("target-only", i)] for i in range(3))
 

@@ -45,16 +45,16 @@ def contenders(table: pd.DataFrame, spec: TuneSpec, candidates, drafts: dict) ->
 
 
 def side_by_side(store, runner, pair: list[dict], base_label: str, candidates, drafts: dict, held: list,
-                 spec: TuneSpec, rtt_ms: float, progress, other_k: Optional[int] = None) -> pd.DataFrame:
+                 spec: TuneSpec, rtt_ms: float, progress, suffix: Optional[dict] = None) -> pd.DataFrame:
     """Target-only and the points of `pair` in one interleaved run over the held-back prompts (cached in the
-    tune's folder): a row per point with its measured speed and cost, as the choice reads them. `other_k`: a
-    hybrid's budget for its draft model or head (`tune/hybrid.py`)."""
+    tune's folder): a row per point with its measured speed and cost, as the choice reads them. `suffix`: suffix
+    decoding's settings changed for the run (a hybrid's, `tune/hybrid.py`)."""
     from specbench.tune.phases import point_key, run_options
 
     by_name = {c.name: c for c in candidates}
     chosen = [by_name[row["candidate"]] for row in pair]
     key = "duel-" + "-".join(point_key(spec, c, row["method"], int(row["k"]), held) for c, row in zip(chosen, pair))
-    key += "" if other_k is None else f"-other{other_k}"
+    key += "".join(f"-{name}{value:g}" for name, value in sorted((suffix or {}).items()))
     records = store.measured(key)
     if records is None:
         from specbench.api import run
@@ -64,8 +64,8 @@ def side_by_side(store, runner, pair: list[dict], base_label: str, candidates, d
         options = {}
         for each in (run_options(c, drafts.get(c.name), spec, runner) for c in chosen):
             options.update({name: value for name, value in each.items() if value is not None or name not in options})
-        if other_k is not None:
-            options["suffix"] = replace(options["suffix"], other_k=other_k)
+        if suffix:
+            options["suffix"] = replace(options["suffix"], **suffix)
         records = run(runner, held, method=["target-only", *(f"{row['method']}:{int(row['k'])}" for row in pair)],
                       progress="tune: side by side" if progress else False, **options)
         records = records.drop(columns=[c for c in ("emitted_tokens", "tree_widths") if c in records])

@@ -8,7 +8,8 @@ depends on suffix decoding's counts and the request's record, which the planner'
 price; so a tune measures it instead, as `duel.side_by_side` does two close points: target-only, the best measured
 point and the hybrid, every held-back prompt through each in turn, and the choice is made on that run. The hybrid's
 partner is the best measured one-client point of a draft model or head, its K (chain) or nodes (tree) the hybrid's
-`other_k`; suffix decoding drafts up to `BUDGET` nodes a step. Tried only where suffix decoding is a candidate.
+`other_k`; suffix decoding drafts up to `BUDGET` nodes a step, with the knobs the workload runs chose (`KNOBS`).
+Tried only where suffix decoding is a candidate.
 """
 from __future__ import annotations
 
@@ -26,6 +27,16 @@ BUDGET = 16  # suffix decoding's nodes a step in the hybrid: the budget the work
 # the partner's method -> the hybrid: a model chain inside suffix decoding's tree; a head keeps its shape
 GREEDY = {"chain": "suffix-tree-chain", "eagle": "suffix-eagle", "eagle-tree": "suffix-eagle-tree"}
 CHAINS = {"chain": "suffix-chain", "eagle": "suffix-eagle"}  # where the rule cannot verify a tree hybrid
+# suffix decoding's settings in the hybrid, those the workload runs chose (longer drafts on long matches, the draft
+# handed a step below half a token expected, no draft prefill of a prompt 4x the tokens left): on a tune's 14 held-back
+# prompts the SmolLM2 head's hybrid ran 1.027-1.065x itself at the defaults in three passes
+# (benchmarks/results/2026-12-05-tune-hybrid.md)
+KNOBS = {"factor": 2.0, "offset": 1.0, "hand_over": 0.5, "catch_up": 4.0}
+
+
+def hybrid_suffix(other_k: int) -> dict:
+    """Suffix decoding's settings for a hybrid whose draft drafts `other_k` tokens (chain) or nodes (tree)."""
+    return {"other_k": int(other_k), **KNOBS}
 
 
 def hybrid_method(method: str, rule: str) -> Optional[str]:
@@ -93,7 +104,7 @@ def beside_hybrid(measured: pd.DataFrame, choice: pd.DataFrame, spec: TuneSpec, 
         return None
     try:
         found = side_by_side(store, runner, pair, base["label"], candidates, drafts, held, spec, rtt_ms, progress,
-                             other_k=hybrid["other_k"])
+                             suffix=hybrid_suffix(hybrid["other_k"]))
     except SpecbenchError as error:  # a refusal of this extra run keeps the tune's own choice, and says why
         left_out.append(f"{hybrid['label']}: could not run ({error}); chosen without it")
         return None

@@ -22,9 +22,10 @@ def write_config(path: Path, spec: TuneSpec, chosen: dict) -> Path:
 def chosen_config(table: pd.DataFrame, spec: TuneSpec, candidates) -> dict:
     """The measured point of `table` with the lowest cost knob J at `cs` (target-only's speed and cost the
     reference), as the configuration `specbench run --config` and `serve --config` read back; a hybrid's budget for
-    its draft (`other_k`) travels as suffix decoding's settings."""
+    its draft (`other_k`) and its knobs travel as suffix decoding's settings."""
     from specbench.plan.explore import cost_column
     from specbench.plan.predict import choose
+    from specbench.tune.hybrid import hybrid_suffix
     from specbench.tune.share import as_points
 
     best = choose(as_points(table), spec.cs, cost=cost_column(spec.objective))
@@ -34,7 +35,7 @@ def chosen_config(table: pd.DataFrame, spec: TuneSpec, candidates) -> dict:
             "draft": candidate.draft if candidate else None,
             "self_draft_layers": candidate.self_draft_layers if candidate else None,
             "substitute_quantization": candidate.quantization if candidate and candidate.method == "substitute" else None,
-            "suffix": {"other_k": int(other_k)} if other_k is not None and pd.notna(other_k) else None,
+            "suffix": hybrid_suffix(other_k) if other_k is not None and pd.notna(other_k) else None,
             "dtype": spec.dtype, "kernels": spec.kernels, "max_new_tokens": spec.max_new_tokens,
             "temperature": float(spec.temperature), "rule": spec.verify_rule,
             "objective": spec.objective, "cs": spec.cs,
