@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 
 from specbench.tune import TuneSpec, tune
-from specbench.tune.hybrid import BUDGET, KNOBS, beside_hybrid, hybrid_method, hybrid_point
+from specbench.tune.hybrid import BUDGET, HYBRID_ONLY, KNOBS, beside_hybrid, hybrid_method, hybrid_point
 from specbench.tune.spec import Candidate
 from specbench.types import SpecbenchError
 
@@ -36,6 +36,20 @@ def test_the_hybrid_takes_the_partners_shape_where_the_rule_can_verify_it():
     assert hybrid_method("eagle", "sample-match") == "suffix-eagle"
     assert hybrid_method("tree", "greedy") is None and hybrid_method("prompt-lookup", "greedy") is None
 
+
+def test_the_hybrids_settings_are_read_by_hybrids_alone():
+    """One interleaved run shares its suffix settings between its methods: what the hybrid changes must leave suffix
+    decoding alone (the best point, often) drafting as it was measured."""
+    import dataclasses
+
+    from specbench.decode.suffix_drafter import SuffixDrafter, SuffixSettings
+
+    assert set(KNOBS) <= HYBRID_ONLY and HYBRID_ONLY <= {f.name for f in dataclasses.fields(SuffixSettings)}
+    context = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]
+    plain, changed = (SuffixDrafter(SuffixSettings(cache="drafter", **knobs), tree=True)
+                      for knobs in ({}, {"other_k": 2, **KNOBS}))
+    drafted = plain.propose(context, 8, None, None).tokens
+    assert drafted and changed.propose(context, 8, None, None).tokens == drafted  # (factor 2 would draft 7, not 5)
 
 def test_the_partner_is_the_best_measured_draft_model_or_head_at_one_client():
     model, head, suffix, lookup, own = (Candidate("m", "chain", draft="m"), Candidate("eagle:h", "eagle", draft="h"),

@@ -8,7 +8,7 @@ depends on suffix decoding's counts and the request's record, which the planner'
 price; so a tune measures it instead, as `duel.side_by_side` does two close points: target-only, the best measured
 point and the hybrid, every held-back prompt through each in turn, and the choice is made on that run. The hybrid's
 partner is the best measured one-client point of a draft model or head, its K (chain) or nodes (tree) the hybrid's
-`other_k`; suffix decoding drafts up to `BUDGET` nodes a step, with the knobs the workload runs chose (`KNOBS`).
+`other_k`; suffix decoding drafts up to `BUDGET` nodes a step, with the hand-over the workload runs chose (`KNOBS`).
 Tried only where suffix decoding is a candidate.
 """
 from __future__ import annotations
@@ -27,11 +27,13 @@ BUDGET = 16  # suffix decoding's nodes a step in the hybrid: the budget the work
 # the partner's method -> the hybrid: a model chain inside suffix decoding's tree; a head keeps its shape
 GREEDY = {"chain": "suffix-tree-chain", "eagle": "suffix-eagle", "eagle-tree": "suffix-eagle-tree"}
 CHAINS = {"chain": "suffix-chain", "eagle": "suffix-eagle"}  # where the rule cannot verify a tree hybrid
-# suffix decoding's settings in the hybrid, those the workload runs chose (longer drafts on long matches, the draft
-# handed a step below half a token expected, no draft prefill of a prompt 4x the tokens left): on a tune's 14 held-back
-# prompts the SmolLM2 head's hybrid ran 1.027-1.065x itself at the defaults in three passes
-# (benchmarks/results/2026-12-05-tune-hybrid.md)
-KNOBS = {"factor": 2.0, "offset": 1.0, "hand_over": 0.5, "catch_up": 4.0}
+# the hybrid's own settings as the workload runs chose them: the draft takes a step where suffix decoding expects
+# under half a token, and does not read a prompt over 4x the tokens left. Only fields that no other method reads: one
+# interleaved run shares its suffix settings between its methods, and suffix decoding alone must run as measured.
+# On a tune's 14 held-back prompts the SmolLM2 head's hybrid ran 1.020-1.060x itself at the defaults (two passes;
+# with factor 2 and offset 1 too, 1.027-1.065x in three: benchmarks/results/2026-12-05-tune-hybrid.md)
+KNOBS = {"hand_over": 0.5, "catch_up": 4.0}
+HYBRID_ONLY = {"hand_over", "other_k", "catch_up", "trust", "bench_below"}  # SuffixSettings fields only hybrids read
 
 
 def hybrid_suffix(other_k: int) -> dict:
