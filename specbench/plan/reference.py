@@ -70,24 +70,15 @@ class AcceptanceReference:
                                  f"{family!r}; its families: {self.families() or 'none recorded'}")
         mine = {i for i, f in enumerate(self.prompt_families) if f == family}
         chain = tuple(a for a, p in zip(self.chain_accepts, self.chain_prompts) if p in mine)
-        trees = {b: tuple(a for a, p in zip(steps, self.tree_prompts.get(b, ())) if p in mine)
-                 for b, steps in self.tree_accepts.items()}
-        trees = {b: steps for b, steps in trees.items() if steps}
+        trees, tree_prompts = _family_part(self.tree_accepts, self.tree_prompts, mine)
         # a run's every step, where each kept its prompt; without prompts (recorded before they were kept) the
         # whole set's steps would price every family alike, so the family is priced from its full steps alone
-        runs = {k: tuple(s for s, p in zip(steps, self.steps_prompts.get(k, ())) if p in mine)
-                for k, steps in self.steps_at_k.items()}
-        runs = {k: steps for k, steps in runs.items() if steps}
-        grown = {b: tuple(s for s, p in zip(steps, self.tree_steps_prompts.get(b, ())) if p in mine)
-                 for b, steps in self.tree_steps.items()}
-        grown = {b: steps for b, steps in grown.items() if steps}
+        runs, run_prompts = _family_part(self.steps_at_k, self.steps_prompts, mine)
+        grown, grown_prompts = _family_part(self.tree_steps, self.tree_steps_prompts, mine)
         return replace(self, dataset=f"{self.dataset}/{family}", chain_accepts=chain,
-                       tree_steps=grown, tree_steps_prompts={b: tuple(p for p in self.tree_steps_prompts[b] if p in mine)
-                                                             for b in grown},
-                       steps_at_k=runs, steps_prompts={k: tuple(p for p in self.steps_prompts[k] if p in mine)
-                                                       for k in runs},
-                       chain_prompts=tuple(p for p in self.chain_prompts if p in mine), tree_accepts=trees,
-                       tree_prompts={b: tuple(p for p in self.tree_prompts[b] if p in mine) for b in trees},
+                       chain_prompts=tuple(p for p in self.chain_prompts if p in mine),
+                       tree_accepts=trees, tree_prompts=tree_prompts, steps_at_k=runs, steps_prompts=run_prompts,
+                       tree_steps=grown, tree_steps_prompts=grown_prompts,
                        tree_depth={b: v for b, v in self.tree_depth.items() if b in trees},
                        tree_width={b: v for b, v in self.tree_width.items() if b in trees})
 
@@ -148,3 +139,13 @@ class AcceptanceReference:
                                      f"record a reference at that budget rather than interpolate")
             return mean(steps)
         raise SpecbenchError(f"cannot predict method {method!r} of kind {kind!r}")
+
+
+def _family_part(steps: dict, owners: dict, mine: set) -> tuple[dict, dict]:
+    """`steps` (key -> a value per step) and `owners` (key -> each step's prompt) kept to the steps of the prompts in
+    `mine`; a key left with none is dropped, and a key without owners keeps nothing."""
+    kept = {key: [(step, p) for step, p in zip(values, owners.get(key, ())) if p in mine]
+            for key, values in steps.items()}
+    kept = {key: pairs for key, pairs in kept.items() if pairs}
+    return ({key: tuple(step for step, _ in pairs) for key, pairs in kept.items()},
+            {key: tuple(p for _, p in pairs) for key, pairs in kept.items()})
