@@ -58,7 +58,7 @@ def settings_from(args):
         config = read_config(args.config)
         suffix = suffix or suffix_words(config)  # a hybrid's budget for its draft; --suffix overrides
         target, draft, k = config["target"], config.get("draft") or draft, config["k"] or k
-        dtype = dtype or config.get("dtype") or "float32"  # the choice was measured at the tune's dtype
+        dtype = dtype or config.get("dtype")  # the choice was measured at the tune's dtype
         methods = methods or list(dict.fromkeys([config["method"], "target-only"]))
         extra = {"self_draft_layers": config.get("self_draft_layers"),
                  "substitute_quantization": config.get("substitute_quantization") or "8bit"}

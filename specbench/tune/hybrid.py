@@ -18,6 +18,9 @@ from typing import Optional
 
 import pandas as pd
 
+from specbench.methods import get_method
+from specbench.plan.explore import cost_column
+from specbench.plan.predict import choose, knob_values
 from specbench.tune.duel import side_by_side
 from specbench.tune.share import as_points, estimate_s
 from specbench.tune.spec import SUFFIX, TuneSpec
@@ -43,8 +46,6 @@ def hybrid_suffix(other_k: int) -> dict:
 
 def hybrid_method(method: str, rule: str) -> Optional[str]:
     """The hybrid of suffix decoding and a point run by `method`, one that `rule` can verify; None if none."""
-    from specbench.methods import get_method
-
     hybrid = GREEDY.get(method)
     if hybrid is not None and rule == "rejection" and not get_method(hybrid).rejection:
         hybrid = CHAINS.get(method)
@@ -54,9 +55,6 @@ def hybrid_method(method: str, rule: str) -> Optional[str]:
 def hybrid_point(table: pd.DataFrame, spec: TuneSpec, candidates) -> Optional[dict]:
     """The hybrid of suffix decoding and the best measured one-client point (by J at cs) of a draft model or
     head in `table`, as a point row (`other_k` its partner's K); None without both in the tune."""
-    from specbench.plan.explore import cost_column
-    from specbench.plan.predict import knob_values
-
     by_name = {c.name: c for c in candidates}
     if SUFFIX not in by_name:
         return None
@@ -83,9 +81,6 @@ def beside_hybrid(measured: pd.DataFrame, choice: pd.DataFrame, spec: TuneSpec, 
     `hybrid_point` of the `measured` points and its partner where that is not the best point, run side by side: that
     run's rows (target-only first, the hybrid with its `other_k`), or None where there is no hybrid to try, the tune
     plans several clients, or the budget has no room."""
-    from specbench.plan.explore import cost_column
-    from specbench.plan.predict import choose
-
     hybrid = hybrid_point(measured, spec, candidates)
     if hybrid is None:
         return None
