@@ -15,8 +15,8 @@ with the target's logits of both tokens at the first differing one (a near-tie m
 rounding). With batching on, SD's speedup over target-only per client count is also predicted
 from the alone run's steps, priced on the shipped profile's batch grid of the target plus the
 loopback round trip, two ways, each printed with its error against the measured one: this run
-(`plan.predict.replay_together`: the clients start together and the ones that accept more finish
-first, leaving part-full batches) and steady state (`plan.predict.replay_speed`: every batch full).
+(`plan.replay.replay_together`: the clients start together and the ones that accept more finish
+first, leaving part-full batches) and steady state (`plan.replay.replay_speed`: every batch full).
 
 By default each client decodes a fixed number of prompts (`--rounds`), so a run ends with a tail in which
 the clients that accepted more have finished and batches are part-full (prompt lookup's clients need 8
@@ -55,7 +55,7 @@ from specbench.decode.loop import Decoding, generate
 from specbench.datasets import load_prompts
 from specbench.hardware import device_name
 from specbench.plan.library import load_profiles
-from specbench.plan.predict import replay_speed, replay_together
+from specbench.plan.replay import replay_speed, replay_together
 from specbench.models.loading import load_model
 from specbench.models.spec import ModelSpec, acceptance_label
 from specbench.worker.launch import free_port, spawn_worker

@@ -5,7 +5,7 @@ draft is a `TraceDrafter` (replay_draft.py): the target's weights are random, so
 the shipped Qwen2.5-Coder 0.5B -> 1.5B mt-bench reference's accepted lengths, and drafting sleeps
 `--draft-ms` per step (the draft runs on the user's device, not here); `--k 0` decodes target-only.
 Predicted: the same prompts decoded one at a time through the same worker (their steps: drafted,
-accepted, the client's own time), replayed together by `plan.predict.replay_together` with every round's
+accepted, the client's own time), replayed together by `plan.replay.replay_together` with every round's
 verify priced on the worker's own batch grid (its `profile` op), the loopback round trip measured alone,
 and the worker's own work per round outside the forward (`HostCost`, fitted by the worker on the warm-up
 rounds' rows: its `stats`). The prediction without that host term, as notebook 03 made it before, is
@@ -20,7 +20,8 @@ from dataclasses import asdict
 import pandas as pd
 
 from specbench.hardware import device_name
-from specbench.plan.predict import HostCost, replay_together
+from specbench.plan.predict import HostCost
+from specbench.plan.replay import replay_together
 
 from common import write_report
 

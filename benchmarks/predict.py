@@ -1,11 +1,15 @@
 """Predicted vs measured: replay (profiles x acceptance reference x network) against real runs.
 
-Profiles both models on this machine, records an acceptance reference (chain K=6 plus dynamic trees)
-on the prompts, then runs each operating point for real and prints the error of each prediction.
+Profiles both models on this machine, records an acceptance reference (chain K=6, dynamic trees, and suffix
+decoding's hybrid with the draft at each `--hybrid` budget) on the prompts, then runs each operating point for
+real and prints the error of each prediction. Greedy on the reference's own prompts, every point's tokens a step
+are the reference's: what is checked is the pricing of its steps (drafting, catch-up reads, verify widths).
 Prediction never sees the measured run: the per-step orchestration overhead comes from a separate
 target-only run. Remote points use a real worker on loopback with EMULATED RTT.
 
     python benchmarks/predict.py [--pair qwen|smollm2] [--prompts 3] [--max-new-tokens 32] [--save]
+    python benchmarks/predict.py --pair qwen --dtype bfloat16 --dataset agentic --prompts 12 --max-new-tokens 40 \
+        --hybrid 16 --suffix hand_over=0.5 other_k=3 catch_up=4
 
 --save also writes the profiles and the reference into profiles/ and reference/ (what ships).
 """
@@ -19,6 +23,7 @@ import pandas as pd
 
 from specbench.api import TreeShape, run
 from specbench.datasets import load_prompts
+from specbench.decode.suffix_drafter import suffix_options
 from specbench.decode.metrics import time_split, tokens_per_second, tokens_per_step
 from specbench.models.loading import load_model
 from specbench.models.self_draft import truncated_view
@@ -43,6 +48,10 @@ def main():
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--budgets", type=int, nargs="+", default=[8, 16])
     parser.add_argument("--rtt", type=float, default=50.0)
+    parser.add_argument("--dataset", default="bench", help="a dataset name or a JSONL file of prompts")
+    parser.add_argument("--hybrid", type=int, nargs="*", default=[16], help="suffix decoding's hybrid's budgets")
+    parser.add_argument("--suffix", nargs="*", default=["hand_over=0.5", "other_k=3", "catch_up=4"],
+                        metavar="KEY=VALUE", help="the hybrid's knobs (the tune's)")
     parser.add_argument("--save", action="store_true", help="write profiles/ and reference/ (the shipped caches)")
     parser.add_argument("--out", default=str(ROOT / "results" / "predict.json"))
     args = parser.parse_args()
@@ -55,15 +64,18 @@ def main():
         target_spec = ModelSpec("smollm2-135m", dtype=args.dtype)
         target = load_model(target_spec)
         draft = truncated_view(target, 26)
-    prompts = [row["prompt"] for row in load_prompts("bench", limit=args.prompts)]
-    grid = dict(tokens=(1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 17, 24, 32), contexts=(128, 512), repeats=5)
+    prompts = [row["prompt"] for row in load_prompts(args.dataset, limit=args.prompts)]
+    # up to 96: a hybrid's draft reads in one forward what suffix decoding's steps emitted since its last step
+    grid = dict(tokens=(1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 17, 24, 32, 48, 64, 96), contexts=(128, 512), repeats=5)
+    knobs = dict(suffix_options(args.suffix), cache="drafter")
 
     print("profiling target and draft ...", flush=True)
     target_profile, target_meta = profile_model(target, **grid)
     draft_profile, draft_meta = profile_model(draft, **grid)
     print("recording the acceptance reference ...", flush=True)
-    reference = record_reference(target, draft, prompts, dataset="bench", max_chain=6, tree_budgets=args.budgets,
-                                 max_new_tokens=args.max_new_tokens, tree=TREE)
+    reference = record_reference(target, draft, prompts, dataset=args.dataset, max_chain=6, tree_budgets=args.budgets,
+                                 max_new_tokens=args.max_new_tokens, tree=TREE, hybrid_budgets=args.hybrid,
+                                 hybrid_suffix=knobs)
     if args.save:
         for profile, meta in ((target_profile, target_meta), (draft_profile, draft_meta)):
             print("saved", save_profile(profile, meta, folder=PROFILES))
@@ -75,17 +87,21 @@ def main():
     context = int(baseline["prompt_tokens"].mean() + args.max_new_tokens / 2)
     points = [OperatingPoint("target-only")] + [OperatingPoint("chain", k) for k in (2, 4, 6)]
     points += [OperatingPoint("tree", b) for b in args.budgets]
+    points += [OperatingPoint("suffix-tree-chain", b) for b in args.hybrid]
     measured = {points[0].label: baseline}
     for point in points[1:]:
         measured[point.label] = run(target, prompts, method=point.method, draft=draft, k=point.k, tree=TREE,
-                                    max_new_tokens=args.max_new_tokens, progress=False)
+                                    max_new_tokens=args.max_new_tokens, progress=False, suffix=knobs)
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     worker = spawn_worker(endpoint, "--model", target_spec.model, "--dtype", args.dtype)
     try:
         remote = RemoteTarget(endpoint, network=NetworkEmulation(rtt_ms=args.rtt), timeout_s=300)
-        for point in (OperatingPoint("target-only", 0, "remote", args.rtt), OperatingPoint("chain", 4, "remote", args.rtt)):
-            measured[point.label] = run(remote, prompts, method=point.method, draft=draft, k=point.k,
-                                        max_new_tokens=args.max_new_tokens, progress=False, tokenizer=target.tokenizer)
+        remotes = [OperatingPoint("target-only", 0, "remote", args.rtt), OperatingPoint("chain", 4, "remote", args.rtt)]
+        remotes += [OperatingPoint("suffix-tree-chain", b, "remote", args.rtt) for b in args.hybrid]
+        for point in remotes:
+            measured[point.label] = run(remote, prompts, method=point.method, draft=draft, k=point.k, tree=TREE,
+                                        max_new_tokens=args.max_new_tokens, progress=False, tokenizer=target.tokenizer,
+                                        suffix=knobs)
             points.append(point)
     finally:
         worker.terminate()

@@ -120,7 +120,7 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
     model in fixed-shape steps over static caches (`decode/fast_forward.py`): the same tokens, less overhead;
     the default (None) does so for unquantized CUDA models only, and not with a draft head (eagle methods read
     the target's hidden states, which fast steps do not expose), False or "off" never.
-    `suffix` (a `SuffixSettings`) shapes the suffix methods, whose `k` is a cap: their counts choose each step's
+    `suffix` (a `SuffixSettings`, or a dict of its fields) shapes the suffix methods, whose `k` is a cap: their counts choose each step's
     draft, and their cache of earlier outputs is shared per process by default (`cache="drafter"`: within
     this call's prompts only; "off": each prompt drafts from itself). A call comparing two or more methods that
     keep outputs uses "drafter" for them: each learns from its own earlier prompts of the call, never from another

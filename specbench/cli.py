@@ -306,6 +306,14 @@ def build_parser() -> argparse.ArgumentParser:
     reference.add_argument("--dtype", default="float32")
     reference.add_argument("--cross-tokenizer", default="auto", choices=list(CROSS_TOKENIZER),
                            help="a draft with another tokenizer: how its drafts become target ids")
+    reference.add_argument("--hybrid", type=int, nargs="*", default=[], metavar="BUDGET",
+                           help="also run suffix decoding's hybrid with this draft at each suffix budget, so the "
+                                "planner prices it (a draft model or a head)")
+    reference.add_argument("--hybrid-method", choices=["suffix-chain", "suffix-tree-chain", "suffix-eagle",
+                                                       "suffix-tree-chain-confident", "suffix-eagle-tree"],
+                           help="default: suffix-tree-chain for a draft model, suffix-eagle-tree for a head")
+    reference.add_argument("--suffix", nargs="*", default=[], metavar="KEY=VALUE",
+                           help="the hybrid's suffix knobs, e.g. hand_over=0.5 other_k=3 catch_up=4")
     reference.add_argument("--out-dir", help="default: your own references, in the user cache (the shipped "
                            "reference/ only when named)")
     reference.set_defaults(handler=_reference)

@@ -46,6 +46,7 @@ def reference(args) -> int:
     from specbench.models.spec import ModelSpec
     from specbench.plan.library import OWN_REFERENCES, save_reference
     from specbench.plan.predict import FREE_DRAFTS
+    from specbench.decode.suffix_drafter import suffix_options
     from specbench.record import record_reference
 
     target = as_loaded(ModelSpec(args.target, dtype=args.dtype, quantization=args.target_quant), args.dtype)
@@ -66,9 +67,13 @@ def reference(args) -> int:
     reference = record_reference(target, draft, prompts, dataset=args.dataset_label or args.dataset,
                                  max_chain=args.max_chain, tree_budgets=args.tree_budgets,
                                  max_new_tokens=args.max_new_tokens, sampling=sampling,
-                                 cross_tokenizer=args.cross_tokenizer, families=[row["set"] for row in rows])
+                                 cross_tokenizer=args.cross_tokenizer, families=[row["set"] for row in rows],
+                                 hybrid_budgets=args.hybrid, hybrid_method=args.hybrid_method,
+                                 hybrid_suffix=suffix_options(args.suffix))
     path = save_reference(reference, {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens},
                           folder=args.out_dir or OWN_REFERENCES)
     print(f"{reference.draft} -> {reference.target} on {reference.dataset}: {len(reference.chain_accepts)} chain "
-          f"steps, tree budgets {sorted(reference.tree_accepts)} -> {path}")
+          f"steps, tree budgets {sorted(reference.tree_accepts)}"
+          + (f", {reference.hybrid_method} at {sorted(reference.hybrid_steps)}" if reference.hybrid_steps else "")
+          + f" -> {path}")
     return 0

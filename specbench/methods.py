@@ -51,10 +51,9 @@ class DraftSource:
     stop_below: float = STOP_BELOW
 
     def __post_init__(self):
-        if self.suffix is None:
-            from specbench.decode.suffix_drafter import SuffixSettings
+        from specbench.decode.suffix_drafter import as_settings
 
-            object.__setattr__(self, "suffix", SuffixSettings())
+        object.__setattr__(self, "suffix", as_settings(self.suffix))
         if self.cross_tokenizer not in CROSS_TOKENIZER:
             raise SpecbenchError(f"cross_tokenizer must be one of {CROSS_TOKENIZER}, got {self.cross_tokenizer!r}")
 

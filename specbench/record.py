@@ -12,6 +12,7 @@ from specbench.models.spec import acceptance_label
 from specbench.decode.profile import forward_latency_points, spread
 from specbench.hardware import device_name, measure_power
 from specbench.plan.predict import FREE_DRAFTS, LOOKUP_DRAFT, SUFFIX_DRAFT, AcceptanceReference, LatencyProfile
+from specbench.plan.reference import HEAD_HYBRIDS, HYBRIDS, TREE_OTHERS
 from specbench.types import SamplingParams
 
 DEFAULT_TOKENS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 24, 32, 48, 64, 96, 128)
@@ -48,14 +49,19 @@ def record_reference(target: ModelLike, draft: ModelLike, prompts, dataset: str,
                      sampling: Optional[SamplingParams] = None, tree: TreeShape = TreeShape(),
                      target_name: Optional[str] = None, draft_name: Optional[str] = None,
                      dtype: str = "float32", cross_tokenizer: str = "auto",
-                     progress: bool | str = False, families: Optional[Sequence[str]] = None) -> AcceptanceReference:
+                     progress: bool | str = False, families: Optional[Sequence[str]] = None,
+                     hybrid_budgets: Sequence[int] = (), hybrid_method: Optional[str] = None,
+                     hybrid_suffix=None) -> AcceptanceReference:
     """Run the pair with a long chain (and trees at each budget) and keep per-step acceptance
     (counted in target tokens; a draft with another tokenizer also records its draft tokens per
     target token, which prices its drafting; `draft` "prompt-lookup" or "suffix": that method's own chains and
     trees, each step kept whatever it drafted (`steps_at_k`)).
     `progress`: a bar per run (the chain, each tree budget), labelled with the pair or the string given.
     Each step keeps its prompt's index, and `families` (one per prompt) its family, so the reference can be
-    narrowed to one family (`AcceptanceReference.for_family`)."""
+    narrowed to one family (`AcceptanceReference.for_family`). `hybrid_budgets`: also run suffix decoding's hybrid
+    with this draft model or head (`hybrid_method`; by default `suffix-tree-chain` for a model, `suffix-eagle-tree`
+    for a head) at each suffix budget, with `hybrid_suffix`'s knobs (a `SuffixSettings` or a dict of its fields; its
+    cache holds these prompts' outputs only), and keep which drafter took each step: what prices the hybrid."""
     from specbench.heads.profile import head_feature_bytes, head_label, is_head
 
     sampling = sampling or SamplingParams()
@@ -105,6 +111,9 @@ def record_reference(target: ModelLike, draft: ModelLike, prompts, dataset: str,
         tree_prompts[budget] = tuple(int(p) for p in steps["prompt_index"])
         tree_depth[budget] = float(steps["tree_depth"].mean())
         tree_width[budget] = min(tree.beam, budget)
+    hybrid = _hybrid(target_loaded, draft_loaded, prompts, hybrid_budgets, hybrid_method, hybrid_suffix, tree,
+                     max_new_tokens=max_new_tokens, sampling=sampling, label=label,
+                     cross_tokenizer=cross_tokenizer) if hybrid_budgets else {}
     drafting = chain[chain["drafted"] > 0]
     cross = sorted(set(drafting["cross_tokenizer"]) - {""})
     draft_per_target = (float(drafting["draft_tokens"].sum() / drafting["drafted"].sum())
@@ -120,7 +129,38 @@ def record_reference(target: ModelLike, draft: ModelLike, prompts, dataset: str,
         tree_depth=tree_depth, tree_width=tree_width, chain_prompts=tuple(int(p) for p in full["prompt_index"]),
         tree_prompts=tree_prompts, tree_steps=tree_steps, tree_steps_prompts=tree_steps_prompts,
         prompt_families=tuple(str(f) for f in families) if families else (),
-        feature_bytes=head_feature_bytes(draft) if chain_method == "eagle" else 0)
+        feature_bytes=head_feature_bytes(draft) if chain_method == "eagle" else 0, **hybrid)
+
+
+def _hybrid(target, draft, prompts, budgets: Sequence[int], method: Optional[str], suffix, tree: TreeShape,
+            label, **options) -> dict:
+    """The hybrid's steps at each budget (`AcceptanceReference.hybrid_steps`) and how it ran."""
+    from dataclasses import asdict, replace
+
+    from specbench.decode.suffix_drafter import as_settings
+    from specbench.heads.profile import is_head
+    from specbench.types import SpecbenchError
+
+    if draft is None:
+        raise SpecbenchError("a hybrid pairs suffix decoding with a draft model or head; prompt lookup and suffix "
+                             "decoding have no hybrid of their own")
+    method = method or ("suffix-eagle-tree" if is_head(draft) else "suffix-tree-chain")
+    if method not in HYBRIDS:
+        raise SpecbenchError(f"{method!r} is not one of suffix decoding's hybrids {sorted(HYBRIDS)}")
+    if (method in HEAD_HYBRIDS) != is_head(draft):
+        raise SpecbenchError(f"{method} drafts with a {'head' if method in HEAD_HYBRIDS else 'draft model'}; "
+                             f"the draft given is {'a head' if is_head(draft) else 'a model'}")
+    settings = replace(as_settings(suffix), cache="drafter", name="")
+    steps, owners = {}, {}
+    for budget in budgets:
+        records = run(target, prompts, method=method, draft=draft, k=budget, tree=tree, suffix=settings,
+                      progress=label(f"{method} budget {budget}"), **options)
+        steps[budget] = tuple((int(s == "other"), int(d), int(a), int(h)) for s, d, a, h in zip(
+            records["draft_source"], records["drafted"], records["accepted"], records["tree_depth"]))
+        owners[budget] = tuple(int(p) for p in records["prompt_index"])
+    kept = {key: value for key, value in asdict(settings).items() if key not in ("cache", "name")}
+    return {"hybrid_method": method, "hybrid_steps": steps, "hybrid_prompts": owners, "hybrid_settings": kept,
+            "hybrid_width": min(tree.beam, settings.other_k) if method in TREE_OTHERS else 1}
 
 
 def _asked(chain, max_chain: int, max_new_tokens: int):

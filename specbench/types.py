@@ -119,6 +119,9 @@ class DraftTree:
     # carried them into target ids ("text" or "shared-vocab"); client-side, for the records.
     draft_tokens: Optional[int] = field(default=None, compare=False)
     cross_tokenizer: str = field(default="", compare=False)
+    # A hybrid's step: which of its drafters proposed it ("suffix" or "other"); client-side, for the records
+    # and the planner, which prices the two kinds of step apart.
+    source: str = field(default="", compare=False)
 
     def __post_init__(self):
         if len(self.tokens) != len(self.parents):
@@ -243,3 +246,4 @@ class StepRecord:
     lookahead_reused: int = 0  # tokens of this step's chain that were drafted ahead last step
     cross_tokenizer: str = ""  # "" when the draft speaks the target's vocabulary, else the rule: text | shared-vocab
     draft_tokens: Optional[int] = None  # tokens the draft model produced in its own vocabulary (cross-tokenizer)
+    draft_source: str = ""  # a hybrid's step: "suffix" (suffix decoding drafted it) or "other" (its head or model)

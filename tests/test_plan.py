@@ -195,7 +195,7 @@ def two_prompts():
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 def test_replay_speed_prices_each_measured_step_at_the_batch_size_and_width(packed):
-    from specbench.plan.predict import replay_speed
+    from specbench.plan.replay import replay_speed
 
     records = two_prompts()
     # Alone, each step is priced at its own width: 5 tokens -> 0.15 s, 1 token -> 0.10 s.
@@ -220,7 +220,7 @@ def test_replay_speed_prices_each_measured_step_at_the_batch_size_and_width(pack
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 def test_replay_together_runs_rounds_until_the_last_client_ends(packed):
-    from specbench.plan.predict import replay_speed, replay_together
+    from specbench.plan.replay import replay_speed, replay_together
 
     records = two_prompts()
     # Round 0: both clients, rows of 5 and 1 tokens, batch 2. Packed: 3 tokens a row, 0.125 s at batch 1
@@ -323,7 +323,8 @@ def test_replay_together_adds_the_workers_own_work_per_round_and_can_keep_the_me
     """`HostCost`: a worker's own work per round (fixed + per row) is added to every round at its rows;
     with `alone_verifies`, records of a run through the same worker keep their measured server time and
     swap only the lone forward for the batched one, so one client reproduces its own run exactly."""
-    from specbench.plan.predict import HostCost, replay_together
+    from specbench.plan.predict import HostCost
+    from specbench.plan.replay import replay_together
 
     records = two_prompts()
     host = HostCost(fixed_s=0.001, row_s=0.0005)
@@ -349,7 +350,7 @@ def test_replay_together_adds_the_workers_own_work_per_round_and_can_keep_the_me
 def test_replay_speed_under_steady_load_pays_every_clients_prefills():
     """Prompt after prompt on a shared target: per prompt, a client waits for its own prefill and, on
     average, every other client's one (each blocks the target), plus a round trip to open and one to close."""
-    from specbench.plan.predict import replay_speed
+    from specbench.plan.replay import replay_speed
 
     records = two_prompts().assign(prefill_s=[0.05, 0.05, 0.07])  # per prompt, on every row of its steps
     decode_only = replay_speed(records, [10, 20], SHARED, clients=4, network_s=0.002)

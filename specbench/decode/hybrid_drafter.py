@@ -25,6 +25,7 @@ drafter's q, so every verification rule stays exact.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Optional, Sequence
 
 from specbench.types import DraftTree, SpecbenchError
@@ -67,6 +68,7 @@ class HybridDrafter:
             budget = k if self.other_k is None else min(k, self.other_k)
             found, self.last_source = self.other.propose(context, budget, sampling, draws, max_depth), "other"
         self.steps[self.last_source] += 1
+        found = replace(found, source=self.last_source)
         if record is not None:
             record.pending = (len(context), found, expected, self.last_source) if len(found) else None
         return found

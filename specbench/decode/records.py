@@ -22,4 +22,4 @@ def record_step(step: Step, emitted: list[int], *, prompt_index: int, index: int
         tree_widths=tree.widths(), expected_accepted=tree.expected_accepted,
         lookahead_drafted=step.lookahead_drafted, lookahead_discarded=step.lookahead_discarded,
         lookahead_reused=step.lookahead_reused, cross_tokenizer=tree.cross_tokenizer,
-        draft_tokens=tree.draft_tokens)
+        draft_tokens=tree.draft_tokens, draft_source=tree.source)

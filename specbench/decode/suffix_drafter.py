@@ -97,6 +97,22 @@ class SuffixSettings:
         return HEAD_BENCH_BELOW if head else 0.0
 
 
+def as_settings(value) -> SuffixSettings:
+    """`run(suffix=...)`'s value as settings: None the defaults, a dict their fields by name (an unknown one refused
+    by name, not as a TypeError about keyword arguments)."""
+    from dataclasses import fields
+
+    if value is None or isinstance(value, dict):
+        names = [field.name for field in fields(SuffixSettings)]
+        unknown = sorted(set(value or {}) - set(names))
+        if unknown:
+            raise SpecbenchError(f"SuffixSettings has no field(s) {unknown}; its fields: {names}")
+        return SuffixSettings(**(value or {}))
+    if not isinstance(value, SuffixSettings):
+        raise SpecbenchError(f"suffix= takes a SuffixSettings or a dict of its fields, got {type(value).__name__}")
+    return value
+
+
 def suffix_options(words: Sequence[str]) -> dict:
     """SuffixSettings fields from `KEY=VALUE` words (`--suffix min_score=2 factor=2`), each typed as its
     field and refused by name: the command line's way to the knobs `run(suffix=...)` takes."""

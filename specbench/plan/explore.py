@@ -25,7 +25,8 @@ def operating_points(reference: Optional[AcceptanceReference], chain_ks: Sequenc
                      rtts_ms: Sequence[float] = (0.0,), remote: bool = False, local: bool = True,
                      rule: str = "greedy", clients: Sequence[int] = (1,),
                      worker_side: bool = True) -> list[OperatingPoint]:
-    """Target-only plus every chain K the reference covers and every tree budget it measured,
+    """Target-only plus every chain K the reference covers, every tree budget it measured and suffix decoding's
+    hybrid with its draft at each budget recorded (`hybrid_steps`),
     at each place (local; remote at each RTT); with several client counts, each remote point again
     per count (clients share a remote worker, never a local target). A draft head's remote points come
     in both placements: on the client (its feature rows priced per committed position) and, with
@@ -40,12 +41,13 @@ def operating_points(reference: Optional[AcceptanceReference], chain_ks: Sequenc
         # a reference without a full chain step (prompt lookup that never matched K tokens) predicts no chain
         sizes += [(chain, k) for k in chain_ks if 1 <= k <= reference.max_chain and reference.has_chains]
         sizes += [(tree, b) for b in sorted({int(b) for b in (*reference.tree_accepts, *reference.tree_steps)})]
+        sizes += [(reference.hybrid_method, b) for b in sorted(int(b) for b in reference.hybrid_steps)]
     points = [OperatingPoint(method, k, where, rtt, rule, n) for where, rtt in places for method, k in sizes
               for n in (clients if where == "remote" else (1,))]
     if reference is None or not reference.draft.startswith("eagle:"):
         return points
     rows = reference.feature_bytes
-    served = {"eagle": "eagle-server", "eagle-tree": "eagle-tree-server"}
+    served = {method: f"{method}-server" for method in ("eagle", "eagle-tree", "suffix-eagle", "suffix-eagle-tree")}
     heads = [replace(p, feature_bytes=rows) for p in points if p.where == "remote" and p.method in served]
     return ([p for p in points if p.where == "local" or p.method not in served] + heads
             + ([replace(p, method=served[p.method], feature_bytes=0) for p in heads] if worker_side else []))

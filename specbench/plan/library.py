@@ -106,6 +106,9 @@ def save_reference(reference: AcceptanceReference, extra: Optional[dict] = None,
         metadata.update(chain_hits={str(k): v for k, v in reference.chain_hits.items()})
     if reference.feature_bytes:
         metadata.update(feature_bytes=reference.feature_bytes)
+    if reference.hybrid_method:
+        metadata.update(hybrid_method=reference.hybrid_method, hybrid_settings=reference.hybrid_settings,
+                        hybrid_width=reference.hybrid_width)
     metadata = _stamped(metadata, extra)
     payload = {"chain_accepts": list(reference.chain_accepts),
                "tree_accepts": {str(k): list(v) for k, v in reference.tree_accepts.items()},
@@ -117,7 +120,9 @@ def save_reference(reference: AcceptanceReference, extra: Optional[dict] = None,
                "steps_at_k": {str(k): [list(step) for step in v] for k, v in reference.steps_at_k.items()},
                "steps_prompts": {str(k): list(v) for k, v in reference.steps_prompts.items()},
                "tree_steps": {str(k): [list(step) for step in v] for k, v in reference.tree_steps.items()},
-               "tree_steps_prompts": {str(k): list(v) for k, v in reference.tree_steps_prompts.items()}}
+               "tree_steps_prompts": {str(k): list(v) for k, v in reference.tree_steps_prompts.items()},
+               "hybrid_steps": {str(k): [list(step) for step in v] for k, v in reference.hybrid_steps.items()},
+               "hybrid_prompts": {str(k): list(v) for k, v in reference.hybrid_prompts.items()}}
     return write_record(folder, "reference", metadata, payload,
                         label=f"{reference.draft}-{reference.target}-{reference.dataset}")
 
@@ -140,7 +145,11 @@ def load_references(folder: Path = REFERENCES, by_family: bool = False, **match)
             steps_at_k={int(k): tuple(tuple(step) for step in v) for k, v in (p.get("steps_at_k") or {}).items()},
             steps_prompts={int(k): tuple(v) for k, v in (p.get("steps_prompts") or {}).items()},
             tree_steps={int(k): tuple(tuple(step) for step in v) for k, v in (p.get("tree_steps") or {}).items()},
-            tree_steps_prompts={int(k): tuple(v) for k, v in (p.get("tree_steps_prompts") or {}).items()}))
+            tree_steps_prompts={int(k): tuple(v) for k, v in (p.get("tree_steps_prompts") or {}).items()},
+            hybrid_method=m.get("hybrid_method", ""), hybrid_settings=dict(m.get("hybrid_settings") or {}),
+            hybrid_width=int(m.get("hybrid_width", 1)),
+            hybrid_steps={int(k): tuple(tuple(step) for step in v) for k, v in (p.get("hybrid_steps") or {}).items()},
+            hybrid_prompts={int(k): tuple(v) for k, v in (p.get("hybrid_prompts") or {}).items()}))
     if by_family:  # each family of a reference as a reference of its own, beside the whole
         out += [reference.for_family(family) for reference in list(out) for family in reference.families()]
     return out

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter
-from dataclasses import dataclass, field
-from statistics import mean
+from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
 from specbench.plan.costs import Network, Power, Prices, StepCost, cost_knob, check_cs
@@ -134,6 +133,8 @@ def bytes_per_step(point: OperatingPoint, draft_top_k: int = 32, accepted: float
 def predict_step(point: OperatingPoint, target: LatencyProfile, draft: Optional[LatencyProfile],
                  reference: Optional[AcceptanceReference], context: int = 256,
                  overhead_s: float = 0.0, bandwidth_mbps: float = 0.0) -> StepCost:
+    if reference is not None and reference.prices_hybrid(point.method):
+        return hybrid_step(point, target, draft, reference, context, overhead_s, bandwidth_mbps)
     lookup = reference is not None and reference.draft in FREE_DRAFTS  # drafting is free: no draft profile
     steps = reference.steps_at(point.k) if reference is not None and point.kind == "chain" else ()
     if lookup and point.kind == "tree":  # a free draft's tree grows as far as it finds: priced step by step
@@ -154,6 +155,45 @@ def predict_step(point: OperatingPoint, target: LatencyProfile, draft: Optional[
                          drafted=shares)
     return step_cost(point, target, draft, accepted * hit, context, overhead_s, bandwidth_mbps, depth, width,
                      reference.draft_per_target if reference else 1.0, full, hit)
+
+
+def hybrid_step(point: OperatingPoint, target: LatencyProfile, draft: Optional[LatencyProfile],
+                reference: AcceptanceReference, context: int = 256, overhead_s: float = 0.0,
+                bandwidth_mbps: float = 0.0) -> StepCost:
+    """Suffix decoding's hybrid priced by its recorded steps, each as it ran: suffix decoding's verify 1 + their
+    nodes and draft nothing; the draft's first catch up on what it has not read (the last bonus, the tokens suffix
+    decoding's steps since its own last one emitted: one forward over them), then draft a chain of their tokens or a
+    tree of their depth, and verify 1 + their nodes. The mean step is the sum over steps over their number."""
+    steps, prompts = reference.hybrid_steps_at(point.k)
+    if not steps:
+        raise SpecbenchError(f"no recorded steps of {point.method} at budget {point.k} (recorded: "
+                             f"{sorted(int(b) for b in reference.hybrid_steps)})")
+    if draft is None:
+        raise SpecbenchError(f"{point.label} needs its draft's profile: the draft's steps cost its forwards")
+    ratio, width = reference.draft_per_target, max(1, reference.hybrid_width)
+    shapes, unread = Counter(), {}  # (by the draft, nodes, accepted, depth, tokens to catch up on) -> steps
+    for (by_draft, nodes, accepted, depth), prompt in zip(steps, prompts or [None] * len(steps)):
+        if by_draft:
+            shapes[(1, nodes, accepted, depth, unread.get(prompt, 1))] += 1
+            unread[prompt] = 1 + int(nodes > 0 and accepted == nodes)  # the bonus, and a chain's last token if kept
+        else:
+            shapes[(0, nodes, accepted, 0, 0)] += 1
+            unread[prompt] = unread.get(prompt, 1) + accepted + 1
+    on_worker = point.where == "remote" and get_method(point.method).on_worker
+    network = Network(0.0 if on_worker else point.rtt_ms, bandwidth_mbps)
+    total = [0.0] * 6  # accepted, draft_s, verify_s, network_s, bytes up, bytes down
+    for (by_draft, nodes, accepted, depth, behind), count in shapes.items():
+        draft_s = 0.0
+        if by_draft:
+            later = (max(1, depth) - 1) * draft.forward_s(width, context) if width > 1 else \
+                max(0.0, nodes * ratio - 1) * draft.forward_s(1, context)
+            draft_s = draft.forward_s(behind * ratio, context) + later
+        up, down = bytes_per_step(replace(point, k=nodes), accepted=accepted)
+        figures = (accepted, draft_s, target.forward_s(1 + nodes, context, point.clients),
+                   network.transfer_s(up, down) if point.where == "remote" else 0.0, up, down)
+        total = [sum_ + count * value for sum_, value in zip(total, figures)]
+    mean_ = [value / len(steps) for value in total]
+    return StepCost(1.0 + mean_[0], mean_[1], mean_[2], mean_[3], overhead_s, mean_[4], mean_[5], point.clients)
 
 
 def step_cost(point: OperatingPoint, target: LatencyProfile, draft: Optional[LatencyProfile], accepted: float,
@@ -293,90 +333,3 @@ class HostCost:
     def from_stats(cls, stats: dict) -> "HostCost":
         """From a worker's `stats` reply; nothing (0) while it has too few rounds of differing sizes to fit."""
         return cls(float(stats.get("host_fixed_s") or 0.0), float(stats.get("host_row_s") or 0.0))
-
-
-def replay_speed(records, prompt_lengths: Sequence[int], target: LatencyProfile, clients: int = 1,
-                 network_s: float = 0.0, packed: bool = True, prefills: bool = False,
-                 host: HostCost = HostCost()) -> float:
-    """Per-client tokens/s predicted for a measured run (a records frame, any number of prompts) replayed
-    on a target shared by `clients`: each step's verify priced by the profile's batch grid at its
-    context and at its batch's width, the client's own time (drafting, loop) as measured, plus
-    `network_s` per step. The width: for a packed batch (`LocalTarget.packed`, most models) the mean
-    row, since its linears see the rows' tokens and nothing else: (the step's own 1 + drafted + the
-    other clients' mean row, from the run's own step sizes) / clients; for a padded one its longest
-    row (the step's own, or the longest of the other clients' rows). Why: methods without a draft
-    profile (prompt lookup) still get a concurrency forecast, ragged rows included. `prefills`: the
-    clients decode prompt after prompt (steady load), so per prompt a client also waits for its own
-    prefill and, on average, each other client's one (compute-bound, each blocks the target about as
-    long as alone: the `prefill_s` measured), plus a round trip to open the session and one to close it.
-    `host`: the worker's own work per round of `clients` rows, added to every step."""
-    if prefills and "prefill_s" not in records:
-        raise SpecbenchError("prefills=True needs the records' prefill_s (a run's records carry it)")
-    sizes = (1 + records["drafted"]).astype(int)
-    if packed:
-        others_mean = float(sizes.mean())
-        widths = lambda own: [((own + (clients - 1) * others_mean) / clients, 1.0)]  # noqa: E731
-    else:
-        longest = _longest_of(sizes.value_counts(normalize=True).sort_index(), clients - 1)
-        widths = lambda own: [(max(own, width), p) for width, p in longest.items()]  # noqa: E731
-    seconds, tokens = 0.0, 0
-    for _, steps in records.groupby("prompt_index", sort=False):
-        context = prompt_lengths[int(steps["prompt_index"].iloc[0])]
-        for step in steps.sort_values("step").itertuples():
-            verify_s = sum(p * target.forward_s(width, context, clients) for width, p in widths(1 + int(step.drafted)))
-            seconds += verify_s + step.draft_s + step.overhead_s + network_s + host.at(clients)
-            context += step.emitted
-            tokens += step.emitted
-        if prefills:
-            seconds += clients * float(steps["prefill_s"].iloc[0]) + 2 * network_s
-    return tokens / seconds if seconds else 0.0
-
-
-def replay_together(records, prompt_lengths: Sequence[int], target: LatencyProfile, network_s: float = 0.0,
-                    packed: bool = True, host: HostCost = HostCost(), alone_verifies: bool = False) -> float:
-    """Aggregate tokens/s predicted for the records' prompts decoded at once by as many clients on one
-    shared target, each client replaying its own prompt's measured steps: in rounds, every client
-    still decoding sends its next step, one forward verifies them all (priced like `replay_speed`'s
-    batches: the rows' mean width when packed, the longest when padded, at the rows' mean context),
-    and a round lasts the slowest client's own time + `network_s` + that forward. Why next to
-    `replay_speed`'s steady state: a run that starts clients together ends with a tail where the
-    clients that accept more have finished, so its last batches are part-full. The prompts'
-    prefills (`prefill_s` as measured, where recorded) are added one after another: compute-bound,
-    they gain little from sharing a forward, and they weigh more in a run that decodes faster. `host`:
-    the worker's own work per round, at the round's rows. `alone_verifies`: the records are a run through
-    the same worker, one client at a time, so each step's server time as measured (`queue_s` + `verify_s`)
-    is kept with its lone forward swapped for the batched one (profile at the round's rows minus profile
-    alone); pass `host.beyond_one()`, since those steps already hold a one-row round's own work."""
-    steps = {index: list(group.sort_values("step").itertuples())
-             for index, group in records.groupby("prompt_index", sort=False)}
-    context = {index: prompt_lengths[int(index)] for index in steps}
-    seconds = sum(float(queue[0].prefill_s) for queue in steps.values()) if "prefill_s" in records else 0.0
-    tokens, round_index = 0, 0
-    while True:
-        rows = [(index, queue[round_index]) for index, queue in steps.items() if round_index < len(queue)]
-        if not rows:
-            break
-        sizes = [1 + int(step.drafted) for _, step in rows]
-        width = sum(sizes) / len(sizes) if packed else max(sizes)
-        mean_context = round(mean(context[index] for index, _ in rows))
-        measured = max(step.queue_s + step.verify_s - target.forward_s(1 + int(step.drafted), context[index], 1)
-                       for index, step in rows) if alone_verifies else 0.0
-        seconds += (max(step.draft_s + step.overhead_s for _, step in rows) + network_s + measured
-                    + target.forward_s(width, mean_context, len(rows)) + host.at(len(rows)))
-        for index, step in rows:
-            context[index] += step.emitted
-            tokens += step.emitted
-        round_index += 1
-    return tokens / seconds if seconds else 0.0
-
-
-def _longest_of(pmf, draws: int) -> dict[int, float]:
-    """Distribution of the largest of `draws` independent draws from `pmf` ({size: probability});
-    no draws: {0: 1.0}. Example: sizes 1 and 5 at 2/3 and 1/3, two draws: {1: 4/9, 5: 5/9}."""
-    if draws <= 0:
-        return {0: 1.0}
-    below, result = 0.0, {}
-    for size, p in pmf.items():
-        result[int(size)] = (below + p) ** draws - below ** draws
-        below += p
-    return result

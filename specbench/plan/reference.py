@@ -10,6 +10,10 @@ from specbench.types import SpecbenchError
 LOOKUP_DRAFT = "prompt-lookup"  # a reference's draft when prompt lookup drafted: no model, so no draft profile
 SUFFIX_DRAFT = "suffix"  # suffix decoding's (its own context and earlier outputs): no model either
 FREE_DRAFTS = (LOOKUP_DRAFT, SUFFIX_DRAFT)  # drafts that cost a step nothing and draft as much as they find
+# suffix decoding's hybrids with a draft (`decode/hybrid_drafter.py`): priced from their own recorded steps only
+HEAD_HYBRIDS = ("suffix-eagle", "suffix-eagle-tree")
+HYBRIDS = HEAD_HYBRIDS + ("suffix-chain", "suffix-tree-chain", "suffix-tree-chain-confident")
+TREE_OTHERS = ("suffix-eagle-tree",)  # hybrids whose draft proposes a tree (the others a chain)
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,16 @@ class AcceptanceReference:
     # a draft head's feature row on the wire per committed position (layers x hidden, float16): what the
     # client-side placement receives each step for every position it commits; 0 for other drafts
     feature_bytes: int = 0
+    # suffix decoding's hybrid with this draft (`hybrid_method`, e.g. `suffix-tree-chain`), as recorded at each suffix
+    # budget: per step (1 where the draft drafted it, 0 where suffix decoding did; nodes drafted; accepted; depth),
+    # and each step's prompt. Which drafter takes a step depends on the request's own record, so the hybrid is priced
+    # from its own steps, not from the draft's and suffix decoding's references; `hybrid_settings` are the knobs
+    # (`SuffixSettings` fields) it ran with, `hybrid_width` its draft's tree width (1: a chain)
+    hybrid_method: str = ""
+    hybrid_steps: dict = field(default_factory=dict)
+    hybrid_prompts: dict = field(default_factory=dict)
+    hybrid_settings: dict = field(default_factory=dict)
+    hybrid_width: int = 1
     origin: str = field(default="", compare=False)  # "shipped" or "own", as for profiles
 
     def families(self) -> list[str]:
@@ -75,10 +89,12 @@ class AcceptanceReference:
         # whole set's steps would price every family alike, so the family is priced from its full steps alone
         runs, run_prompts = _family_part(self.steps_at_k, self.steps_prompts, mine)
         grown, grown_prompts = _family_part(self.tree_steps, self.tree_steps_prompts, mine)
+        hybrid, hybrid_prompts = _family_part(self.hybrid_steps, self.hybrid_prompts, mine)
         return replace(self, dataset=f"{self.dataset}/{family}", chain_accepts=chain,
                        chain_prompts=tuple(p for p in self.chain_prompts if p in mine),
                        tree_accepts=trees, tree_prompts=tree_prompts, steps_at_k=runs, steps_prompts=run_prompts,
-                       tree_steps=grown, tree_steps_prompts=grown_prompts,
+                       tree_steps=grown, tree_steps_prompts=grown_prompts, hybrid_steps=hybrid,
+                       hybrid_prompts=hybrid_prompts,
                        tree_depth={b: v for b, v in self.tree_depth.items() if b in trees},
                        tree_width={b: v for b, v in self.tree_width.items() if b in trees})
 
@@ -115,6 +131,17 @@ class AcceptanceReference:
     def tree_steps_at(self, budget: int) -> tuple:
         """(nodes drafted, accepted) per step of a free draft's tree run at `budget`, as recorded; else empty."""
         return tuple(tuple(step) for step in (self.tree_steps.get(budget) or self.tree_steps.get(str(budget)) or ()))
+
+    def prices_hybrid(self, method: str) -> bool:
+        """Whether `method` is the hybrid recorded here, drafting on the client or on a worker (`-server`)."""
+        return bool(self.hybrid_method) and method in (self.hybrid_method, f"{self.hybrid_method}-server")
+
+    def hybrid_steps_at(self, budget: int) -> tuple[tuple, tuple]:
+        """((by the draft, nodes, accepted, depth) per step, each step's prompt) of the hybrid's run at `budget`;
+        the prompts empty where a step's prompt was not kept."""
+        steps = self.hybrid_steps.get(budget) or self.hybrid_steps.get(str(budget)) or ()
+        prompts = self.hybrid_prompts.get(budget) or self.hybrid_prompts.get(str(budget)) or ()
+        return tuple(tuple(step) for step in steps), tuple(prompts)
 
     def full_acceptance(self, k: int) -> float:
         """Share of chain steps of length K whose every draft token was accepted."""

@@ -18,6 +18,7 @@ def predicted_settings(target: str, draft: Optional[str], methods: Sequence[str]
     from specbench.plan.explore import cached_pairs, prediction_frame
     from specbench.plan.library import load_library
     from specbench.plan.predict import LOOKUP_DRAFT, SUFFIX_DRAFT, OperatingPoint
+    from specbench.plan.reference import HYBRIDS
 
     profiles, references = load_library()
     out = {}
@@ -26,7 +27,9 @@ def predicted_settings(target: str, draft: Optional[str], methods: Sequence[str]
         sizes = [0] if method.kind == "none" else list(ks)
         drafted_by = None if method.kind == "none" else draft if not method.lookup else (
             SUFFIX_DRAFT if name.startswith("suffix") else LOOKUP_DRAFT)  # suffix decoding: its own reference
-        pair = next(iter(cached_pairs(profiles, references, target, drafted_by, dtype=dtype)), None)
+        pairs = cached_pairs(profiles, references, target, drafted_by, dtype=dtype)
+        hybrid = name.removesuffix("-server") in HYBRIDS  # priced from its own recorded steps, never as a tree
+        pair = next(iter([p for p in pairs if hybrid and p[2].prices_hybrid(name)] or pairs), None)
         for k in sizes:
             label = name if method.kind == "none" else f"{name} k={k}"
             if pair is None:
@@ -34,9 +37,13 @@ def predicted_settings(target: str, draft: Optional[str], methods: Sequence[str]
                                          f"{drafted_by or 'no draft'} (specbench profile / reference)"}
                 continue
             target_profile, draft_profile, reference = pair
+            if hybrid and not reference.prices_hybrid(name):
+                out[label] = {"missing": f"the cached reference of {target} with {drafted_by} holds no steps of "
+                                         f"{name} (specbench reference --hybrid {k})"}
+                continue
             try:
                 row = prediction_frame(target_profile, draft_profile, reference,
-                                       points=[OperatingPoint(kind_method(method.kind), k)]).iloc[0]
+                                       points=[OperatingPoint(name if hybrid else kind_method(method.kind), k)]).iloc[0]
             except SpecbenchError as error:
                 out[label] = {"missing": str(error)}
                 continue
