@@ -7,10 +7,12 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from specbench.decode.metrics import per_position_acceptance, time_split, tokens_per_second
+from specbench.plan.reference import HYBRIDS
 
 SPEED = "tokens_per_s"
 COLORS = {"target-only": "#636efa", "chain": "#ef553b", "tree": "#00cc96"}
-SYMBOLS = {"target-only": "square", "chain": "circle", "tree": "diamond"}
+SYMBOLS = {"target-only": "square", "chain": "circle", "tree": "diamond",
+           **{hybrid: "star" for hybrid in HYBRIDS}}  # suffix decoding's hybrids with a draft
 
 
 _EXPORT = {"on": False}  # set by use_notebook_figures: what a figure's output holds
