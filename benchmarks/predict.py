@@ -52,6 +52,8 @@ def main():
     parser.add_argument("--hybrid", type=int, nargs="*", default=[16], help="suffix decoding's hybrid's budgets")
     parser.add_argument("--suffix", nargs="*", default=["hand_over=0.5", "other_k=3", "catch_up=4"],
                         metavar="KEY=VALUE", help="the hybrid's knobs (the tune's)")
+    parser.add_argument("--head", help="a draft head's folder for the pair's target: its chains (eagle), trees "
+                        "(eagle-tree) and hybrid (suffix-eagle-tree) instead of the draft model's; local points only")
     parser.add_argument("--save", action="store_true", help="write profiles/ and reference/ (the shipped caches)")
     parser.add_argument("--out", default=str(ROOT / "results" / "predict.json"))
     args = parser.parse_args()
@@ -69,9 +71,20 @@ def main():
     grid = dict(tokens=(1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 17, 24, 32, 48, 64, 96), contexts=(128, 512), repeats=5)
     knobs = dict(suffix_options(args.suffix), cache="drafter")
 
+    chain, tree, hybrid = ("eagle", "eagle-tree", "suffix-eagle-tree") if args.head else (
+        "chain", "tree", "suffix-tree-chain")
+
     print("profiling target and draft ...", flush=True)
     target_profile, target_meta = profile_model(target, **grid)
-    draft_profile, draft_meta = profile_model(draft, **grid)
+    if args.head:  # a head's forward over n new positions after a cache of c, over the same grid
+        from specbench.heads.layouts import load_head
+        from specbench.heads.profile import head_label, profile_head
+
+        draft = args.head
+        draft_profile, draft_meta = profile_head(load_head(draft, target), head_label(draft), tokens=grid["tokens"],
+                                                 contexts=grid["contexts"], repeats=grid["repeats"])
+    else:
+        draft_profile, draft_meta = profile_model(draft, **grid)
     print("recording the acceptance reference ...", flush=True)
     reference = record_reference(target, draft, prompts, dataset=args.dataset, max_chain=6, tree_budgets=args.budgets,
                                  max_new_tokens=args.max_new_tokens, tree=TREE, hybrid_budgets=args.hybrid,
@@ -85,26 +98,15 @@ def main():
     baseline = run(target, prompts, method="target-only", max_new_tokens=args.max_new_tokens, progress=False)
     overhead_s = time_split(baseline)["overhead_s"]
     context = int(baseline["prompt_tokens"].mean() + args.max_new_tokens / 2)
-    points = [OperatingPoint("target-only")] + [OperatingPoint("chain", k) for k in (2, 4, 6)]
-    points += [OperatingPoint("tree", b) for b in args.budgets]
-    points += [OperatingPoint("suffix-tree-chain", b) for b in args.hybrid]
+    points = [OperatingPoint("target-only")] + [OperatingPoint(chain, k) for k in (2, 4, 6)]
+    points += [OperatingPoint(tree, b) for b in args.budgets]
+    points += [OperatingPoint(hybrid, b) for b in args.hybrid]
     measured = {points[0].label: baseline}
     for point in points[1:]:
         measured[point.label] = run(target, prompts, method=point.method, draft=draft, k=point.k, tree=TREE,
                                     max_new_tokens=args.max_new_tokens, progress=False, suffix=knobs)
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
-    worker = spawn_worker(endpoint, "--model", target_spec.model, "--dtype", args.dtype)
-    try:
-        remote = RemoteTarget(endpoint, network=NetworkEmulation(rtt_ms=args.rtt), timeout_s=300)
-        remotes = [OperatingPoint("target-only", 0, "remote", args.rtt), OperatingPoint("chain", 4, "remote", args.rtt)]
-        remotes += [OperatingPoint("suffix-tree-chain", b, "remote", args.rtt) for b in args.hybrid]
-        for point in remotes:
-            measured[point.label] = run(remote, prompts, method=point.method, draft=draft, k=point.k, tree=TREE,
-                                        max_new_tokens=args.max_new_tokens, progress=False, tokenizer=target.tokenizer,
-                                        suffix=knobs)
-            points.append(point)
-    finally:
-        worker.terminate()
+    if not args.head:  # a head drafting on the client of a worker needs its own embeddings: not measured here
+        measure_remote(args, target_spec, target, draft, prompts, knobs, points, measured)
 
     rows = []
     for point in points:
@@ -126,6 +128,23 @@ def main():
     write_report(args.out, {"pair": args.pair, "settings": vars(args), "rows": rows,
                             "median_abs_tps_error": median_error,
                             "note": f"remote points: loopback worker with EMULATED RTT {args.rtt} ms"})
+
+
+def measure_remote(args, target_spec, target, draft, prompts, knobs, points, measured) -> None:
+    """Target-only, chain K=4 and the hybrid through a worker on loopback at an emulated `--rtt`."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    worker = spawn_worker(endpoint, "--model", target_spec.model, "--dtype", args.dtype)
+    try:
+        remote = RemoteTarget(endpoint, network=NetworkEmulation(rtt_ms=args.rtt), timeout_s=300)
+        remotes = [OperatingPoint("target-only", 0, "remote", args.rtt), OperatingPoint("chain", 4, "remote", args.rtt)]
+        remotes += [OperatingPoint("suffix-tree-chain", b, "remote", args.rtt) for b in args.hybrid]
+        for point in remotes:
+            measured[point.label] = run(remote, prompts, method=point.method, draft=draft, k=point.k, tree=TREE,
+                                        max_new_tokens=args.max_new_tokens, progress=False, tokenizer=target.tokenizer,
+                                        suffix=knobs)
+            points.append(point)
+    finally:
+        worker.terminate()
 
 
 if __name__ == "__main__":
