@@ -46,3 +46,15 @@ def test_rtt_order_note_tells_noise_from_a_trend():
     noisy = steady.copy()
     noisy.loc[(noisy["kind"] == "none") & (noisy["emulated_rtt_ms"] == 10), "step_s"] = 0.3
     assert rtt_order_note(noisy).startswith("noise: target-only ran faster at a larger RTT")
+
+
+def test_a_hybrids_verdict_says_how_its_steps_split_between_suffix_decoding_and_its_draft():
+    """Suffix decoding took 2 steps (4 and 2 tokens), the draft 3 (2, 1, 2): the sentence says so, so a reader sees
+    which half to tune; a plain chain's sentence is unchanged."""
+    records = _records(0.01, [3, 1, 1, 0, 1])
+    records["draft_source"] = [""] * 5 + ["suffix", "suffix", "other", "other", "other"]
+    [sentence] = speed_verdicts(records)
+    assert ("(suffix decoding drafted 2 of 5 steps (3.00 tokens a step), the draft 3 of 5 steps (1.67 tokens a "
+            "step))") in sentence, sentence
+    [plain] = speed_verdicts(_records(0.01, [3, 1, 1, 0, 1]))
+    assert "suffix decoding" not in plain

@@ -47,6 +47,7 @@ def _verdict(name: str, steps: pd.DataFrame, base: pd.DataFrame) -> str:
     most = round(per_step + 1, 1)  # tokens a step returns at most, on average (lookup drafts vary step to step)
     costs = (f"each drafted token costs {draft_share:.2f} of a target forward, a verify {verify_ratio:.2f} of one, "
              f"and a step returns {returned:.2f} tokens for {per_step:.1f} drafted")
+    costs += _who_drafted(steps)
     if speedup >= 1.0:
         return f"{name} is {speedup:.2f}x target-only: {costs}."
     affordable = (returned * (forward + network) - verify_ratio * forward - network) / per_step if per_step else 0
@@ -62,6 +63,20 @@ def _verdict(name: str, steps: pd.DataFrame, base: pd.DataFrame) -> str:
                f"acceptance, or {needed:.2f} tokens per step (of at most {most:g}) at this draft cost")
     return (f"{name} is {speedup:.2f}x target-only, slower, because {costs}: {fix} (notebook 03's break-even "
             f"table gives it per K and RTT).")
+
+
+def _who_drafted(steps: pd.DataFrame) -> str:
+    """A hybrid's split of its steps between suffix decoding and its draft (`draft_source`), with what each returned:
+    where the draft's steps return little, a higher `hand_over` or `bench_below` gives more steps to suffix decoding,
+    and the other way round."""
+    sources = steps["draft_source"] if "draft_source" in steps else pd.Series(dtype=str)
+    if not sources.isin(["suffix", "other"]).any():
+        return ""
+    parts = [f"{label} {int((sources == source).sum())} of {len(steps)} steps "
+             f"({tokens_per_step(steps[sources == source]):.2f} tokens a step)"
+             for source, label in (("suffix", "suffix decoding drafted"), ("other", "the draft"))
+             if (sources == source).any()]
+    return " (" + ", ".join(parts) + ")"
 
 
 def rtt_order_note(records: pd.DataFrame, rtt: str = "emulated_rtt_ms") -> str:
