@@ -67,8 +67,8 @@ def _verdict(name: str, steps: pd.DataFrame, base: pd.DataFrame) -> str:
 
 def _who_drafted(steps: pd.DataFrame) -> str:
     """A hybrid's split of its steps between suffix decoding and its draft (`draft_source`), with what each returned:
-    where the draft's steps return little, a higher `hand_over` or `bench_below` gives more steps to suffix decoding,
-    and the other way round."""
+    where the draft's steps return little, a lower `hand_over` or a higher `bench_below` gives more steps to suffix
+    decoding, and the other way round."""
     sources = steps["draft_source"] if "draft_source" in steps else pd.Series(dtype=str)
     if not sources.isin(["suffix", "other"]).any():
         return ""
