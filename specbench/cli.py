@@ -6,6 +6,7 @@ import sys
 
 from specbench.models.spec import KERNELS, KERNELS_HELP, QUANTIZATIONS
 from specbench.methods import CROSS_TOKENIZER
+from specbench.plan.reference import HYBRIDS
 from specbench.types import FAST_BACKENDS, STOP_BELOW, VERIFY_RULES, SpecbenchError
 
 FAST_HELP = "static KV caches, compiled fixed-shape steps (CUDA graphs on a GPU); default: on for unquantized CUDA models"
@@ -309,8 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     reference.add_argument("--hybrid", type=int, nargs="*", default=[], metavar="BUDGET",
                            help="also run suffix decoding's hybrid with this draft at each suffix budget, so the "
                                 "planner prices it (a draft model or a head)")
-    reference.add_argument("--hybrid-method", choices=["suffix-chain", "suffix-tree-chain", "suffix-eagle",
-                                                       "suffix-tree-chain-confident", "suffix-eagle-tree"],
+    reference.add_argument("--hybrid-method", choices=list(HYBRIDS),
                            help="default: suffix-tree-chain for a draft model, suffix-eagle-tree for a head")
     reference.add_argument("--suffix", nargs="*", default=[], metavar="KEY=VALUE",
                            help="the hybrid's suffix knobs, e.g. hand_over=0.5 other_k=3 catch_up=4")

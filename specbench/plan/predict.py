@@ -157,6 +157,15 @@ def predict_step(point: OperatingPoint, target: LatencyProfile, draft: Optional[
                      reference.draft_per_target if reference else 1.0, full, hit)
 
 
+def network_seconds(point: OperatingPoint, bandwidth_mbps: float, up: float, down: float) -> float:
+    """A step's time on the wire at `point`: its round trip and bytes, remote; a worker-side method pays one round
+    trip per request, not per step, so its steps are priced as their bytes' transfer alone; 0 locally."""
+    if point.where != "remote":
+        return 0.0
+    on_worker = get_method(point.method).on_worker
+    return Network(0.0 if on_worker else point.rtt_ms, bandwidth_mbps).transfer_s(up, down)
+
+
 def hybrid_step(point: OperatingPoint, target: LatencyProfile, draft: Optional[LatencyProfile],
                 reference: AcceptanceReference, context: int = 256, overhead_s: float = 0.0,
                 bandwidth_mbps: float = 0.0) -> StepCost:
@@ -179,8 +188,6 @@ def hybrid_step(point: OperatingPoint, target: LatencyProfile, draft: Optional[L
         else:
             shapes[(0, nodes, accepted, 0, 0)] += 1
             unread[prompt] = unread.get(prompt, 1) + accepted + 1
-    on_worker = point.where == "remote" and get_method(point.method).on_worker
-    network = Network(0.0 if on_worker else point.rtt_ms, bandwidth_mbps)
     total = [0.0] * 6  # accepted, draft_s, verify_s, network_s, bytes up, bytes down
     for (by_draft, nodes, accepted, depth, behind), count in shapes.items():
         draft_s = 0.0
@@ -190,7 +197,7 @@ def hybrid_step(point: OperatingPoint, target: LatencyProfile, draft: Optional[L
             draft_s = draft.forward_s(behind * ratio, context) + later
         up, down = bytes_per_step(replace(point, k=nodes), accepted=accepted)
         figures = (accepted, draft_s, target.forward_s(1 + nodes, context, point.clients),
-                   network.transfer_s(up, down) if point.where == "remote" else 0.0, up, down)
+                   network_seconds(point, bandwidth_mbps, up, down), up, down)
         total = [sum_ + count * value for sum_, value in zip(total, figures)]
     mean_ = [value / len(steps) for value in total]
     return StepCost(1.0 + mean_[0], mean_[1], mean_[2], mean_[3], overhead_s, mean_[4], mean_[5], point.clients)
@@ -230,10 +237,7 @@ def step_cost(point: OperatingPoint, target: LatencyProfile, draft: Optional[Lat
     elif hit < 1.0 and point.kind == "chain":
         verify_s = hit * verify_s + (1 - hit) * target.forward_s(1, context, point.clients)
     up, down = bytes_per_step(point, accepted=accepted)
-    # a worker-side method pays one round trip per request, not per step: priced as its bytes' transfer alone
-    on_worker = point.where == "remote" and get_method(point.method).on_worker
-    network_s = (Network(0.0 if on_worker else point.rtt_ms, bandwidth_mbps).transfer_s(up, down)
-                 if point.where == "remote" else 0.0)
+    network_s = network_seconds(point, bandwidth_mbps, up, down)
     return StepCost(1.0 + accepted, draft_s, verify_s, network_s, overhead_s, up, down, point.clients)
 
 
