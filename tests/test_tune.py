@@ -647,8 +647,10 @@ def test_damaged_recorded_proposals_are_refused_naming_the_file(tmp_path, bad):
     from specbench.decode.replay_drafter import load_proposals, save_proposals
 
     path = tmp_path / "point.proposals.json"
-    save_proposals(path, {"0:3": ([5, 6], [-1, 0], 0.01)})
-    assert load_proposals(path) == {"0:3": ([5, 6], [-1, 0], 0.01)}
+    save_proposals(path, {"0:3": ([5, 6], [-1, 0], 0.01, "suffix")})
+    assert load_proposals(path) == {"0:3": ([5, 6], [-1, 0], 0.01, "suffix")}  # which of a hybrid's drafters
+    save_proposals(path, {"0:3": ([5, 6], [-1, 0], 0.01)})  # recorded before sources were kept
+    assert load_proposals(path) == {"0:3": ([5, 6], [-1, 0], 0.01, "")}
     path.write_text(bad)
     with pytest.raises(SpecbenchError, match="point.proposals.json are unreadable"):
         load_proposals(path)

@@ -68,12 +68,51 @@ def test_the_partner_is_the_best_measured_draft_model_or_head_at_one_client():
     assert hybrid_point(table(("suffix", "suffix", 4, 18.0, 1)), spec(), every) is None  # no draft measured
 
 
-def test_a_tune_for_several_clients_leaves_the_hybrid_out_and_says_so():
-    left_out = []
-    found = beside_hybrid(table(("m", "chain", 4, 15.0, 1)), table(("m", "chain", 4, 15.0, 1)), spec(clients=(1, 4)),
-                          [Candidate("m", "chain", draft="m"), Candidate("suffix", "suffix")], {}, None, None, [], 0.0,
-                          float("inf"), False, left_out)
-    assert found is None and "several clients" in left_out[0]
+def test_a_tune_for_several_clients_measures_the_hybrid_alone_and_at_the_heaviest_load(tmp_path):
+    """Through a worker with clients (1, 2): the hybrid runs alone (its drafts recorded, with which drafter made
+    each) and at 2 clients, each replaying them, step for step what it drafted alone; the loaded row's prediction
+    replays the lone run's steps against the worker, the lone row has none; both rows join the measured points the
+    choice is made from, the report says how they ran, and a rerun reads them back."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from worker_helpers import ThreadWorker
+
+    from specbench.decode.replay_drafter import load_proposals
+    from specbench.tune import phases
+    from specbench.tune.spec import candidate, split_prompts
+
+    worker = ThreadWorker(batch_wait_ms="50")
+    try:
+        tuned = spec(endpoint=worker.endpoint, clients=(1, 2))
+        result = tune(tuned, tmp_path, progress=False)
+        assert result.hybrid is None  # no interleaved run: the hybrid's rows are measured points
+        rows = result.measured[result.measured["other_k"].notna()]
+        assert rows["method"].tolist() == ["suffix-tree-chain"] * 2 and rows["clients"].tolist() == [1, 2], rows
+        alone, loaded = rows.iloc[0], rows.iloc[1]
+        assert pd.isna(alone["predicted_tokens_per_s"]) and loaded["predicted_tokens_per_s"] > 0
+        assert loaded["label"] == f"{alone['label']}, 2 clients" and loaded["measured_tokens_per_s"] > 0
+        assert "then at 2 clients replaying them" in result.report_path.read_text()
+        # the two runs, read back from the tune's folder: the loaded one replays the lone one step for step
+        settings, draft, store = {"other_k": int(alone["other_k"]), **KNOBS}, candidate(DRAFT), phases.Store(tmp_path)
+        _, held = split_prompts([list(p) for p in PROMPTS[:6]], tuned.calibration_share)
+        key = phases.point_key(tuned, draft, "suffix-tree-chain", BUDGET, held, 1, settings)
+        proposals = load_proposals(tmp_path / "measured" / f"{key}.proposals.json")
+        assert proposals and {found[3] for found in proposals.values()} == {"suffix", "other"}
+        lone = store.measured(key)
+        both = store.measured(phases.point_key(tuned, draft, "suffix-tree-chain", BUDGET, held, 2, settings))
+        assert (both["replay_misses"] == 0).all() and both["batch_size"].max() == 2
+        columns = ["drafted", "accepted", "draft_source"]
+        for index in range(len(held)):
+            ran = both[both["prompt_index"] == index]
+            first = ran[ran["client"] == ran["client"].min()]
+            assert first[columns].values.tolist() == lone.loc[lone["prompt_index"] == index, columns].values.tolist()
+        again = tune(tuned, tmp_path, progress=False)
+        assert again.measured["measured_tokens_per_s"].tolist() == pytest.approx(
+            result.measured["measured_tokens_per_s"].tolist(), rel=1e-9)
+    finally:
+        worker.stop()
 
 
 def test_the_hybrid_runs_beside_the_best_point_and_its_own_draft_alone(monkeypatch):

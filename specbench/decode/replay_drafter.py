@@ -29,7 +29,8 @@ def context_key(context: Sequence[int], k: int, max_depth: Optional[int]) -> str
 
 
 class RecordingDrafter:
-    """Wraps a drafter; keeps each proposal's tokens, parents and seconds by the context it was made for."""
+    """Wraps a drafter; keeps each proposal's tokens, parents, seconds and source (which of a hybrid's drafters made
+    it) by the context it was made for."""
 
     def __init__(self, inner, proposals: Optional[dict] = None):
         self.inner = inner
@@ -41,7 +42,7 @@ class RecordingDrafter:
         started = time.perf_counter()
         tree = self.inner.propose(context, k, sampling, draws, max_depth)
         self.proposals[context_key(context, k, max_depth)] = (list(tree.tokens), list(tree.parents),
-                                                               time.perf_counter() - started)
+                                                               time.perf_counter() - started, tree.source)
         return tree
 
     def __getattr__(self, name):  # name, draft, finish, bind, warm, ...: the wrapped drafter's own
@@ -70,9 +71,9 @@ class ReplayDrafter:
             self.misses += 1
             time.sleep(self.miss_s)
             return DraftTree.chain((context[-1],), None)
-        tokens, parents, seconds = found
+        tokens, parents, seconds, source = found
         time.sleep(seconds)
-        return DraftTree(tuple(tokens), tuple(parents))
+        return DraftTree(tuple(tokens), tuple(parents), source=source)
 
 
 def save_proposals(path: Path, proposals: dict) -> None:
@@ -86,9 +87,10 @@ def load_proposals(path: Path) -> Optional[dict]:
         return None
     try:
         loaded = json.loads(path.read_text())
-        return {key: (list(tokens), list(parents), float(seconds))
-                for key, (tokens, parents, seconds) in loaded.items()}
-    except (ValueError, TypeError, AttributeError) as error:  # AttributeError: JSON that is no object
+        # (proposals recorded before sources were kept: three fields, no source)
+        return {key: (list(found[0]), list(found[1]), float(found[2]), str(found[3]) if len(found) > 3 else "")
+                for key, found in loaded.items()}
+    except (ValueError, TypeError, AttributeError, IndexError) as error:  # AttributeError: JSON that is no object
         raise SpecbenchError(f"recorded proposals {path} are unreadable ({error}): delete the file to record again")
 
 

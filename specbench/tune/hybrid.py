@@ -9,7 +9,9 @@ price; so a tune measures it instead, as `duel.side_by_side` does two close poin
 point and the hybrid, every held-back prompt through each in turn, and the choice is made on that run. The hybrid's
 partner is the best measured one-client point of a draft model or head, its K (chain) or nodes (tree) the hybrid's
 `other_k`; suffix decoding drafts up to `BUDGET` nodes a step, with the hand-over the workload runs chose (`KNOBS`).
-Tried only where suffix decoding is a candidate.
+Tried only where suffix decoding is a candidate. A tune for several clients through a worker measures the hybrid as it
+measures a model draft's loaded point (`hybrid_at_load`): alone, its drafts recorded, then at the heaviest load
+planned for, every client replaying them, that load's speed predicted from the lone run's own steps.
 """
 from __future__ import annotations
 
@@ -18,10 +20,12 @@ from typing import Optional
 
 import pandas as pd
 
+import specbench.tune.phases as phases
 from specbench.methods import get_method
 from specbench.plan.explore import cost_column
 from specbench.plan.predict import choose, knob_values
 from specbench.tune.duel import side_by_side
+from specbench.tune.rows import measured_row
 from specbench.tune.share import as_points, estimate_s
 from specbench.tune.spec import SUFFIX, TuneSpec
 from specbench.types import SpecbenchError
@@ -79,13 +83,10 @@ def beside_hybrid(measured: pd.DataFrame, choice: pd.DataFrame, spec: TuneSpec, 
                   left_out: list) -> Optional[pd.DataFrame]:
     """Target-only, the best one-client point of `choice` (the measured points, or the duel's run), the
     `hybrid_point` of the `measured` points and its partner where that is not the best point, run side by side: that
-    run's rows (target-only first, the hybrid with its `other_k`), or None where there is no hybrid to try, the tune
-    plans several clients, or the budget has no room."""
+    run's rows (target-only first, the hybrid with its `other_k`), or None where there is no hybrid to try or the
+    budget has no room. One client: a tune for several runs `hybrid_at_load`."""
     hybrid = hybrid_point(measured, spec, candidates)
     if hybrid is None:
-        return None
-    if max(spec.clients) > 1:
-        left_out.append(f"{hybrid['label']}: not tried, a tune for several clients chooses at their load")
         return None
     rows = [row for row in as_points(choice) if int(row["clients"]) == 1]
     best = choose(rows, spec.cs, cost=cost_column(spec.objective))
@@ -107,3 +108,38 @@ def beside_hybrid(measured: pd.DataFrame, choice: pd.DataFrame, spec: TuneSpec, 
         return None
     return found.assign(other_k=[hybrid["other_k"] if method == hybrid["method"] else None
                                  for method in found["method"]])
+
+
+def hybrid_at_load(measured: pd.DataFrame, spec: TuneSpec, candidates, drafts: dict, store, runner, held: list,
+                   rtt_ms: float, deadline: float, progress, left_out: list, price) -> Optional[pd.DataFrame]:
+    """Through a worker, for several clients: the `hybrid_point` of the `measured` points run alone (its drafts
+    recorded) and at the heaviest load planned for (each client replaying them, as `phases.measure` does a model
+    draft), as rows of the tune's measured table with their `other_k`; None where there is no hybrid to try or the
+    budget has no room. `price(records, row, clients)`: the loaded row's prediction, from the lone run's own steps
+    played against the worker's rules; the lone row has none (nothing a tune records prices a hybrid's steps)."""
+    hybrid = hybrid_point(measured, spec, candidates)
+    if hybrid is None:
+        return None
+    heaviest = max(spec.clients)
+    loaded = dict(hybrid, clients=heaviest, label=f"{hybrid['label']}, {heaviest} clients")
+    estimate = estimate_s(hybrid, len(held), spec) + estimate_s(loaded, len(held), spec)
+    if time.monotonic() + estimate > deadline:
+        left_out.append(f"{hybrid['label']}: not run alone and at {heaviest} clients, ~{estimate:.0f} s would pass "
+                        f"the budget")
+        return None
+    candidate = next(c for c in candidates if c.name == hybrid["candidate"])
+    settings, column, rows = hybrid_suffix(hybrid["other_k"]), cost_column(spec.objective), []
+    unpriced = {"tokens_per_s": float("nan"), "tokens_per_step": float("nan"), column: float("nan")}
+    try:
+        alone = phases.measure(store, runner, candidate, hybrid["method"], BUDGET, held, drafts[candidate.name], spec,
+                               progress, suffix=settings)
+        at_load = phases.measure(store, runner, candidate, hybrid["method"], BUDGET, held, drafts[candidate.name],
+                                 spec, progress, clients=heaviest, suffix=settings)
+    except SpecbenchError as error:  # a refusal of this extra run keeps the tune's own choice, and says why
+        left_out.append(f"{hybrid['label']}: could not run ({error}); chosen without it")
+        return None
+    for row, records, predicted in ((hybrid, alone, unpriced), (loaded, at_load, price(alone, loaded, heaviest))):
+        frame = pd.DataFrame([dict(predicted, label=row["label"])])
+        rows.append(measured_row(candidate.name, hybrid["method"], BUDGET, records, frame, frame, spec, rtt_ms,
+                                 label=row["label"], clients=int(row["clients"])))
+    return pd.DataFrame(rows).assign(other_k=hybrid["other_k"])

@@ -128,6 +128,18 @@ def repriced(row: dict, lone: StepCost, simulated: Simulated, prices: Prices, po
     return out
 
 
+def replayed_load(records: pd.DataFrame, row: dict, clients: int, rules: WorkerRules, prices: Prices = Prices(),
+                  power: Power = Power()) -> dict:
+    """`row` priced at `clients` clients from a one-client run's own `records` alone: its steps replayed against the
+    worker's rules, each step's drafting, loop and wire time the run's mean (`repriced`). For a point no reference
+    prices (suffix decoding's hybrid: which drafter takes a step depends on the request's own record)."""
+    lone = StepCost(float(records["emitted"].mean()), float(records["draft_s"].mean()),
+                    float(records["verify_s"].mean()), float(records["network_s"].mean()),
+                    float(records["overhead_s"].mean()), float(records["bytes_up"].mean()),
+                    float(records["bytes_down"].mean()))
+    return repriced(dict(row, clients=clients), lone, run_clients(from_records(records), clients, rules), prices, power)
+
+
 def loaded_frame(frame: pd.DataFrame, references: dict, profiles, baseline: pd.DataFrame, rules: WorkerRules,
                  context: int, overhead_s: float = 0.0, alone: Optional[dict] = None,
                  prices: Prices = Prices(), power: Power = Power()) -> pd.DataFrame:

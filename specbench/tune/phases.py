@@ -10,6 +10,7 @@ import hashlib
 import io
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -73,9 +74,13 @@ def _key(value) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def point_key(spec: TuneSpec, candidate: Candidate, method: str, k: int, prompts: list, clients: int = 1) -> str:
+def point_key(spec: TuneSpec, candidate: Candidate, method: str, k: int, prompts: list, clients: int = 1,
+              suffix: Optional[dict] = None) -> str:
+    """`suffix`: suffix decoding's settings changed for the point (a hybrid's, `tune/hybrid.py`)."""
     point = {"target": spec.target, "endpoint": spec.endpoint, "candidate": candidate.name, "method": method,
              "k": k, "prompts": prompts, "tokens": spec.max_new_tokens, "dtype": spec.dtype, "seed": spec.seed}
+    if suffix:
+        point["suffix"] = dict(sorted(suffix.items()))
     if spec.kernels != "default":  # (points measured before kernels were a choice keep their keys)
         point["kernels"] = spec.kernels
     if spec.sampling() is not None:  # (and greedy points from before sampled tunes theirs)
@@ -171,17 +176,18 @@ def run_options(candidate: Candidate, draft, spec: TuneSpec, target) -> dict:
 
 
 def measure(store: Store, target, candidate: Candidate, method: str, k: int, prompts: list, draft, spec: TuneSpec,
-            progress, clients: int = 1) -> pd.DataFrame:
+            progress, clients: int = 1, suffix: Optional[dict] = None) -> pd.DataFrame:
     """Records of `method` at `k` on the held-back prompts, cached per point; `clients` above 1 decode at
     once against the worker `target` talks to (`together`), with a `client` column. Through a worker, a
     model draft is recorded at one client and replayed at more (`decode/replay_drafter.py`: the users'
-    drafts run on their own devices, not on the cores this box's worker needs)."""
-    key = point_key(spec, candidate, method, k, prompts, clients)
+    drafts run on their own devices, not on the cores this box's worker needs). `suffix`: suffix decoding's
+    settings changed for this point (a hybrid's)."""
+    key = point_key(spec, candidate, method, k, prompts, clients, suffix)
     # a model draft on a worker records its proposals for loaded points (greedy only: `spec.check_sampled_load`)
     drafting = (bool(spec.endpoint) and candidate.method not in FREE and method != "target-only"
                 and spec.sampling() is None)
     # the draft's proposals, kept beside its one-client point: written there, replayed at more clients
-    proposals_path = store.folder / "measured" / f"{point_key(spec, candidate, method, k, prompts)}.proposals.json"
+    proposals_path = store.folder / "measured" / f"{point_key(spec, candidate, method, k, prompts, 1, suffix)}.proposals.json"
     found = store.measured(key)
     if found is not None and not (drafting and clients == 1 and not proposals_path.exists()):
         return found
@@ -189,10 +195,12 @@ def measure(store: Store, target, candidate: Candidate, method: str, k: int, pro
 
     label = f"tune: measure {candidate.name} {method} k={k}" + (f", {clients} clients" if clients > 1 else "")
     job = dict(method=method, k=k, **run_options(candidate, draft, spec, target))
+    if suffix:
+        job["suffix"] = replace(job["suffix"], **suffix)
     if clients > 1:
         proposals = None
         if drafting:  # the draft alone first (one client), then replayed by every client
-            measure(store, target, candidate, method, k, prompts, draft, spec, progress)
+            measure(store, target, candidate, method, k, prompts, draft, spec, progress, suffix=suffix)
             proposals = load_proposals(proposals_path)
         records = together(target.endpoint, clients, prompts, job, label if progress else False, proposals)
     else:

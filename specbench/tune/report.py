@@ -151,6 +151,11 @@ def write_report(path: Path, spec: TuneSpec, result) -> Path:
             speeds = ", ".join(f"{row.label} {row.measured_tokens_per_s:.3g}" for row in run.itertuples())
             note += (f" {what}, every held-back prompt through each in turn, and the choice was made on that run "
                      f"(tok/s: {speeds}).")
+    at_load = result.measured[result.measured["other_k"].notna()] if "other_k" in result.measured else []
+    if len(at_load):
+        note += (f" Suffix decoding with the best measured draft (a hybrid: {at_load['label'].iloc[0]}) ran alone, "
+                 f"its drafts recorded, then at {int(at_load['clients'].max())} clients replaying them; that load's "
+                 f"prediction replays the lone run's own steps against the worker, the lone run has none.")
     loaded = result.calibration.get("loaded")
     if loaded:
         note += (f" Points at several clients: {loaded['priced']} (a round waits {loaded['window_ms']:g} ms, and up to "

@@ -21,15 +21,16 @@ import pandas as pd
 from tqdm.auto import tqdm
 
 from specbench.plan.costs import Power, Prices
-from specbench.plan.explore import cost_column, measured_points, operating_points, prediction_frame, recommend
+from specbench.plan.explore import cost_column, operating_points, prediction_frame, recommend
 import specbench.tune.phases as phases
 from specbench.tune.calibrate import Calibrator
 from specbench.tune.duel import settle
-from specbench.tune.hybrid import beside_hybrid
+from specbench.tune.hybrid import beside_hybrid, hybrid_at_load
+from specbench.tune.rows import measured_row
 from specbench.tune.candidates import check_drafts, draft_model, head_label, resolve_candidates
 from specbench.tune.share import (MeasuringShare, estimate_s, measuring_s, neighbour, one_client_run,
                                   sweep_points)
-from specbench.tune.spec import FREE, GOAL_ERROR, TuneSpec, check_sampled_load, split_prompts
+from specbench.tune.spec import FREE, TuneSpec, check_sampled_load, split_prompts
 from specbench.types import SpecbenchError
 
 
@@ -131,7 +132,7 @@ def tune(spec: TuneSpec, folder: Optional[str | Path] = None, progress: bool = T
     predicted = now(calibrator.profiles())
     predicted["raw_tokens_per_s"] = raw["tokens_per_s"].values
     phase("calibration")
-    measured = [_row("target-only", "target-only", 0, baseline, predicted, raw, spec, rtt_ms)]
+    measured = [measured_row("target-only", "target-only", 0, baseline, predicted, raw, spec, rtt_ms)]
     share = MeasuringShare(spec.measure_share, sum(estimate_s(r, len(held), spec)
                                                    for r in sweep_points(predicted, spec).to_dict("records")))
 
@@ -152,7 +153,7 @@ def tune(spec: TuneSpec, folder: Optional[str | Path] = None, progress: bool = T
                                  progress, clients=clients)
         if not stored:
             share.took(estimate, measuring_s(records, clients))
-        measured.append(_row(candidate.name, method, int(row["k"]), records, predicted, raw, spec, rtt_ms,
+        measured.append(measured_row(candidate.name, method, int(row["k"]), records, predicted, raw, spec, rtt_ms,
                              label=row["label"], at_run=at_run, clients=clients))
         if clients == 1:
             calibrator.learn(candidate.name, records)
@@ -191,12 +192,24 @@ def tune(spec: TuneSpec, folder: Optional[str | Path] = None, progress: bool = T
     bar.close()
     table = pd.DataFrame(measured)
     duel = settle(table, spec, candidates, drafts, store, runner, held, rtt_ms, deadline, progress, left_out)
-    hybrid = beside_hybrid(table, table if duel is None else duel, spec, candidates, drafts, store, runner, held,
-                           rtt_ms, deadline, progress, left_out)
-    from specbench.tune.loaded import loaded_terms
+    from specbench.tune.loaded import loaded_terms, replayed_load, worker_rules
     from specbench.tune.report import chosen_config, write_config, write_report
 
-    chosen = chosen_config(next(t for t in (hybrid, duel, table) if t is not None), spec, candidates)
+    hybrid = None
+    if stats is None:
+        hybrid = beside_hybrid(table, table if duel is None else duel, spec, candidates, drafts, store, runner, held,
+                               rtt_ms, deadline, progress, left_out)
+        choice = next(t for t in (hybrid, duel, table) if t is not None)
+    else:  # several clients: the hybrid alone and at the heaviest load join the measured points
+        price = lambda records, row, clients: replayed_load(  # noqa: E731
+            records, row, clients, worker_rules(calibrator.profiles()[0], stats))
+        found = hybrid_at_load(table, spec, candidates, drafts, store, runner, held, rtt_ms, deadline, progress,
+                               left_out, price)
+        table = table if found is None else pd.concat([table, found], ignore_index=True)
+        # a duel settles the best two one-client points; the loaded points and the hybrid's stay in the choice
+        kept = (table["clients"] > 1) | (table["other_k"].notna() if found is not None else False)
+        choice = table if duel is None else pd.concat([duel, table[kept]], ignore_index=True)
+    chosen = chosen_config(choice, spec, candidates)
 
     result = TuneResult(predicted, table, chosen, folder, left_out=left_out, side_by_side=duel, hybrid=hybrid,
                         calibration=dict(calibrator.terms, acceptance_replayed=replayed,
@@ -354,50 +367,3 @@ def _to_measure(predicted: pd.DataFrame, spec: TuneSpec, free: Iterable[str] = (
         if row["label"] not in {r["label"] for r in ordered}:
             ordered.append(row)
     return ordered
-
-
-def _row(candidate: str, method: str, k: int, records: pd.DataFrame, predicted: pd.DataFrame, raw: pd.DataFrame,
-         spec: TuneSpec, rtt_ms: float, label: Optional[str] = None, at_run: Optional[pd.DataFrame] = None,
-         clients: int = 1) -> dict:
-    """A measured point against its predictions: before calibration (`raw`), at the calibration window
-    (`predicted`) and as priced just before it ran (`at_run`: in mode "runs" with what the points measured
-    before it taught, in "per-point" with its widths re-timed); the error after calibration is taken from
-    `at_run` where given, else from the window's."""
-    where = "remote" if spec.endpoint else "local"
-    priced = measured_points(records.assign(method=method, k=k), where=where, rtt_ms=rtt_ms, clients=clients).iloc[0]
-    label = label or predicted.loc[predicted["kind"] == "none", "label"].iloc[0]
-    at = predicted["label"] == label
-    cost = cost_column(spec.objective)
-
-    def value(frame: pd.DataFrame, column: str = "tokens_per_s") -> float:
-        return float(frame.loc[(frame["label"] == label).values, column].iloc[0])
-
-    window, before = value(predicted), value(raw)
-    calibrated = value(at_run) if at_run is not None else window
-    calibrated_cost = value(at_run if at_run is not None else predicted, cost)
-    measured = float(priced["tokens_per_s"])
-    row = {"label": label, "candidate": candidate, "method": method, "k": k, "clients": clients,
-           "measured_tokens_per_s": measured,
-           "predicted_tokens_per_s": before, "window_tokens_per_s": window, "calibrated_tokens_per_s": calibrated,
-           "error_before": before / measured - 1, "error_window": window / measured - 1,
-           "error_after": calibrated / measured - 1,
-           "measured_tokens_per_step": float(priced["tokens_per_step"]),
-           "predicted_tokens_per_step": float(predicted.loc[at, "tokens_per_step"].iloc[0]),
-           cost: float(priced[cost]), "calibrated_cost": calibrated_cost,
-           "cost_error_after": calibrated_cost / float(priced[cost]) - 1 if float(priced[cost]) else float("nan"),
-           "steps": int(priced["steps"]),
-           "measured_forward_ms": 1000 * float(records["target_forward_s"].mean()),
-           "queue_ms": 1000 * float(records["queue_s"].mean())}
-    row["flag"] = _reason(row) if abs(row["error_after"]) > GOAL_ERROR else ""
-    return row
-
-
-def _reason(row: dict) -> str:
-    """Why a point missed, from its records: acceptance, the forward's cost, queueing, or the loop."""
-    shift = row["measured_tokens_per_step"] / row["predicted_tokens_per_step"] - 1
-    if abs(shift) > 0.05:
-        return (f"acceptance shift: {row['predicted_tokens_per_step']:.2f} tokens per step on the calibration "
-                f"prompts, {row['measured_tokens_per_step']:.2f} on the held-back ones")
-    if row["queue_ms"] > 0.05 * 1000 / max(row["measured_tokens_per_s"], 1e-6):
-        return f"queueing: {row['queue_ms']:.0f} ms per step waiting in the worker"
-    return "forward cost: the step's forwards took other times than the calibrated profile says"
