@@ -115,6 +115,26 @@ def test_a_tune_for_several_clients_measures_the_hybrid_alone_and_at_the_heavies
         worker.stop()
 
 
+def test_after_a_duel_the_loaded_points_and_the_hybrids_stay_in_the_choice():
+    """A duel settles the best two one-client points; before, a tune for several clients then chose among the duel's
+    rows alone, and a cheaper loaded point could never be chosen."""
+    from specbench.tune.duel import choice_rows
+    from specbench.tune.report import chosen_config
+
+    measured = table(("m", "chain", 4, 15.0, 1), ("m", "chain", 2, 14.0, 1), ("m", "chain", 4, 12.0, 4)).assign(
+        other_k=None)
+    hybrid = table(("m", "suffix-tree-chain", BUDGET, 16.0, 1)).iloc[1:].assign(other_k=4)
+    measured = pd.concat([measured, hybrid], ignore_index=True)
+    duel = table(("m", "chain", 4, 15.5, 1), ("m", "chain", 2, 14.5, 1))
+    rows = choice_rows(measured, duel)
+    assert rows["label"].tolist() == [*duel["label"], "m: chain K=4 x4", "m: suffix-tree-chain K=16"]
+    assert choice_rows(measured, None) is measured
+    cheap = rows.assign(total_cost_usd_per_mtok=[100 / 10, 100 / 15.5, 100 / 14.5, 1.0, 100 / 16])
+    every = [Candidate("m", "chain", draft="m"), Candidate("suffix", "suffix")]
+    assert chosen_config(cheap, spec(cs=1.0), every)["clients"] == 4  # cost alone: the loaded point
+    assert chosen_config(rows, spec(cs=0.0), every)["suffix"] == {"other_k": 4, **KNOBS}  # speed alone: the hybrid
+
+
 def test_the_hybrid_runs_beside_the_best_point_and_its_own_draft_alone(monkeypatch):
     import specbench.tune.hybrid as hybrid
 

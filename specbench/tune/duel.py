@@ -98,3 +98,15 @@ def settle(table, spec, candidates, drafts, store, runner, held, rtt_ms, deadlin
                         f"pass the budget; chosen from their runs apart")
         return None
     return side_by_side(store, runner, pair, table.iloc[0]["label"], candidates, drafts, held, spec, rtt_ms, progress)
+
+
+def choice_rows(table: pd.DataFrame, duel: Optional[pd.DataFrame]) -> pd.DataFrame:
+    """What a tune chooses from: the measured points, or, after a duel, its run and the points it did not settle (those
+    at several clients and suffix decoding's hybrid, whose rows carry its draft's `other_k`). Why: a duel runs the best
+    two one-client points side by side; the loaded points it never ran were dropped from the choice with them."""
+    if duel is None:
+        return table
+    kept = table["clients"] > 1
+    if "other_k" in table:
+        kept |= table["other_k"].notna()
+    return pd.concat([duel, table[kept]], ignore_index=True)

@@ -24,7 +24,7 @@ from specbench.plan.costs import Power, Prices
 from specbench.plan.explore import cost_column, operating_points, prediction_frame, recommend
 import specbench.tune.phases as phases
 from specbench.tune.calibrate import Calibrator
-from specbench.tune.duel import settle
+from specbench.tune.duel import choice_rows, settle
 from specbench.tune.hybrid import beside_hybrid, hybrid_at_load
 from specbench.tune.rows import measured_row
 from specbench.tune.candidates import check_drafts, draft_model, head_label, resolve_candidates
@@ -206,9 +206,7 @@ def tune(spec: TuneSpec, folder: Optional[str | Path] = None, progress: bool = T
         found = hybrid_at_load(table, spec, candidates, drafts, store, runner, held, rtt_ms, deadline, progress,
                                left_out, price)
         table = table if found is None else pd.concat([table, found], ignore_index=True)
-        # a duel settles the best two one-client points; the loaded points and the hybrid's stay in the choice
-        kept = (table["clients"] > 1) | (table["other_k"].notna() if found is not None else False)
-        choice = table if duel is None else pd.concat([duel, table[kept]], ignore_index=True)
+        choice = choice_rows(table, duel)
     chosen = chosen_config(choice, spec, candidates)
 
     result = TuneResult(predicted, table, chosen, folder, left_out=left_out, side_by_side=duel, hybrid=hybrid,
