@@ -115,20 +115,6 @@ def test_a_tune_for_several_clients_measures_the_hybrid_alone_and_at_the_heavies
         worker.stop()
 
 
-def test_a_tune_for_several_clients_profiles_the_hybrids_verify_widths():
-    """Its suffix steps verify up to 1 + BUDGET tokens; priced from a grid of chain widths, a round of them took the
-    narrow widths' slope and the loaded hybrid was predicted 20% fast on the Qwen pair."""
-    from specbench.tune.hybrid import hybrid_widths
-
-    model, suffix, lookup = Candidate("m", "chain", draft="m"), Candidate("suffix", "suffix"), Candidate(
-        "prompt-lookup", "prompt-lookup")
-    loaded = spec(endpoint="tcp://127.0.0.1:1", clients=(1, 4))
-    assert hybrid_widths(loaded, [model, suffix]) == {BUDGET // 2 + 1, BUDGET + 1}
-    assert hybrid_widths(loaded, [Candidate("eagle:h", "eagle", draft="h"), suffix]) == {BUDGET // 2 + 1, BUDGET + 1}
-    assert hybrid_widths(spec(), [model, suffix]) == set()  # one client: the hybrid is measured, not priced
-    assert hybrid_widths(loaded, [model, lookup]) == set() and hybrid_widths(loaded, [suffix, lookup]) == set()
-
-
 def test_after_a_duel_the_loaded_points_and_the_hybrids_stay_in_the_choice():
     """A duel settles the best two one-client points; before, a tune for several clients then chose among the duel's
     rows alone, and a cheaper loaded point could never be chosen."""

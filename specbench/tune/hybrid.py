@@ -56,17 +56,6 @@ def hybrid_method(method: str, rule: str) -> Optional[str]:
     return hybrid
 
 
-def hybrid_widths(spec: TuneSpec, candidates) -> set[int]:
-    """Verify widths the target's profile needs for the hybrid's loaded point, where a tune for several clients may run
-    one: its suffix steps verify up to 1 + `BUDGET` tokens, far past a chain's, and a round's forward priced beyond the
-    grid takes the slope of its widest two widths (on the Qwen pair through a worker, 2026-12-07, profiled at 1/3/5
-    tokens, the hybrid's 4-client speed was predicted 20% fast). Empty where no hybrid can run at load."""
-    methods = {c.method for c in candidates}
-    if max(spec.clients) == 1 or SUFFIX not in {c.name for c in candidates} or not methods & {"chain", "eagle"}:
-        return set()
-    return {BUDGET // 2 + 1, BUDGET + 1}
-
-
 def hybrid_point(table: pd.DataFrame, spec: TuneSpec, candidates) -> Optional[dict]:
     """The hybrid of suffix decoding and the best measured one-client point (by J at cs) of a draft model or
     head in `table`, as a point row (`other_k` its partner's K); None without both in the tune."""

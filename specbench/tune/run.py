@@ -25,7 +25,7 @@ from specbench.plan.explore import cost_column, operating_points, prediction_fra
 import specbench.tune.phases as phases
 from specbench.tune.calibrate import Calibrator
 from specbench.tune.duel import choice_rows, settle
-from specbench.tune.hybrid import beside_hybrid, hybrid_at_load, hybrid_widths
+from specbench.tune.hybrid import beside_hybrid, hybrid_at_load
 from specbench.tune.rows import measured_row
 from specbench.tune.candidates import check_drafts, draft_model, head_label, resolve_candidates
 from specbench.tune.share import (MeasuringShare, estimate_s, measuring_s, neighbour, one_client_run,
@@ -86,8 +86,7 @@ def tune(spec: TuneSpec, folder: Optional[str | Path] = None, progress: bool = T
         bar.set_postfix_str(name)
         bar.update()
 
-    target_grid = {"tokens": sorted({1, *(k + 1 for k in spec.chain_ks), *(b + 1 for b in spec.tree_budgets),
-                                     *hybrid_widths(spec, candidates)}),
+    target_grid = {"tokens": sorted({1, *(k + 1 for k in spec.chain_ks), *(b + 1 for b in spec.tree_budgets)}),
                    "contexts": [context], "batches": sorted(set(spec.clients)) if spec.endpoint else [1]}
     draft_grid = {"tokens": [1, 2, 4], "contexts": [context], "batches": [1]}
     target_profile = phases.profile(store, runner, target_grid, spec, progress)
