@@ -97,9 +97,35 @@ def test_a_replayed_draft_proposes_what_the_draft_did_as_slowly_as_it_did(tiny_t
     other = [token + 1 for token in PROMPT_SET[0]]  # no recorded context starts with it
     got = generate(target, replay, other, decoding)
     assert replay.misses == sum(r.drafted for r in got.records) > 0  # a miss drafts one token
-    median = sorted(seconds for _, _, seconds in proposals.values())[len(proposals) // 2]
+    median = sorted(found[2] for found in proposals.values())[len(proposals) // 2]
     assert replay.miss_s == median > 0 and all(r.draft_s >= median for r in got.records if r.drafted)  # as slowly
     assert got.output_ids == generate(target, None, other, Decoding(0, 20, kind="none")).output_ids
+    # with the drafter to fall back on, a miss is drafted for real: step for step what the draft does alone
+    replay = ReplayDrafter(proposals, fallback=drafter())
+    got, real = generate(target, replay, other, decoding), generate(target, drafter(), other, decoding)
+    assert replay.misses == len(got.records) > 0 and got.output_ids == real.output_ids
+    assert [(r.drafted, r.accepted) for r in got.records] == [(r.drafted, r.accepted) for r in real.records]
+    assert any(r.accepted > 0 for r in got.records)  # (one-token misses accepted nothing here)
+
+
+def test_a_replay_falls_back_only_on_a_drafter_that_drafts_from_the_context_alone():
+    """A draft head reads the target's session (`bind`): replayed, a miss keeps the one-token draft; a model, suffix
+    decoding and their hybrid draft any context."""
+    from specbench.decode.replay_drafter import drafts_from_context
+
+    class Head:
+        def bind(self, target, session):
+            pass
+
+    class Model:
+        pass
+
+    class Hybrid(Head):
+        def __init__(self, other):
+            self.other = other
+
+    assert drafts_from_context(Model()) and drafts_from_context(Hybrid(Model()))
+    assert not drafts_from_context(Head()) and not drafts_from_context(Hybrid(Head()))
 
 
 def test_a_trace_drafter_accepts_as_its_trace_says_and_the_output_stays_the_targets(tiny_target):

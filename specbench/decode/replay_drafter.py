@@ -6,9 +6,13 @@ measure that contention. Instead the draft runs alone (one client, `RecordingDra
 client at load replays, for the context it is at, the tokens the draft proposed there after sleeping
 the seconds it took (`ReplayDrafter`): the worker sees the same verify requests (greedy: the same
 contexts, step by step) and each client's step takes the draft's time without using a core here. A
-context never met alone (a batched near-tie took a greedy output elsewhere) is a counted miss that
-drafts one token after sleeping the recorded proposals' median time; verification judges it like
-any other, so the output stays the target's. Greedy only: a replay carries no draft distributions.
+context never met alone (a batched near-tie took a greedy output elsewhere) is a counted miss: the
+wrapped drafter drafts it for real where it can draft from the context alone (a model, suffix decoding,
+their hybrid), else one token is drafted after sleeping the recorded proposals' median time; either way
+verification judges it like any other, so the output stays the target's. Why for real: once a request
+parts from its lone run, every later context of it misses, and one-token drafts there measured the
+Qwen pair's loaded points with 17-20% of their steps drafting nothing (bf16, 2026-12-07). Greedy only:
+a replay carries no draft distributions.
 """
 from __future__ import annotations
 
@@ -51,15 +55,22 @@ class RecordingDrafter:
         return getattr(self.__dict__["inner"], name)
 
 
+def drafts_from_context(drafter) -> bool:
+    """Whether `drafter` can draft any context on its own: not a draft head (it reads the target's session, `bind`),
+    nor a hybrid with one."""
+    return not hasattr(drafter, "bind") or (hasattr(drafter, "other") and not hasattr(drafter.other, "bind"))
+
+
 class ReplayDrafter:
-    """Proposes what the recorded draft proposed for this context, as slowly as it did."""
+    """Proposes what the recorded draft proposed for this context, as slowly as it did; a context never met alone
+    goes to `fallback` (the wrapped drafter, where it `drafts_from_context`)."""
 
     name = "replayed-draft"
 
-    def __init__(self, proposals: dict, draft=None):
+    def __init__(self, proposals: dict, draft=None, fallback=None):
         if not proposals:
             raise SpecbenchError("no recorded proposals to replay: record the draft alone first")
-        self.proposals, self.misses, self.draft = proposals, 0, draft
+        self.proposals, self.misses, self.draft, self.fallback = proposals, 0, draft, fallback
         seconds = sorted(found[2] for found in proposals.values())
         self.miss_s = seconds[len(seconds) // 2]  # a miss drafts for the median time, as a real draft would
 
@@ -69,11 +80,18 @@ class ReplayDrafter:
         found = self.proposals.get(context_key(context, k, max_depth))
         if found is None:
             self.misses += 1
+            if self.fallback is not None:
+                return self.fallback.propose(context, k, sampling, draws, max_depth)
             time.sleep(self.miss_s)
             return DraftTree.chain((context[-1],), None)
         tokens, parents, seconds, source = found
         time.sleep(seconds)
         return DraftTree(tuple(tokens), tuple(parents), source=source)
+
+    def finish(self, context) -> None:
+        """The end of a request, to the fallback that keeps outputs (suffix decoding's cache), as the loop gives it."""
+        if hasattr(self.fallback, "finish"):
+            self.fallback.finish(context)
 
 
 def save_proposals(path: Path, proposals: dict) -> None:

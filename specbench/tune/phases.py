@@ -223,14 +223,15 @@ def together(endpoint: str, clients: int, prompts: list, job: dict, progress, pr
     """`clients` clients decoding at once against the worker at `endpoint`, each its own connection and
     drafter, released together; each decodes the same number of prompts (client c takes prompts c,
     c + clients, ..., wrapping round), so batches stay full but for the last steps' tail. With recorded
-    `proposals` each client replays them (a `replay_misses` column counts contexts never met alone).
+    `proposals` each client replays them (a `replay_misses` column counts contexts never met alone, drafted for
+    real where the drafter can: `ReplayDrafter`).
     Why threads, not processes: a client spends its step waiting on the worker (the socket wait releases
     the GIL) or in the draft's torch ops (which release it too); one loaded draft serves them all."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
     from specbench.api import run
-    from specbench.decode.replay_drafter import ReplayDrafter
+    from specbench.decode.replay_drafter import ReplayDrafter, drafts_from_context
     from specbench.tune.loaded import deal
     from specbench.worker.client import RemoteTarget
 
@@ -242,7 +243,8 @@ def together(endpoint: str, clients: int, prompts: list, job: dict, progress, pr
         replays: list = []
 
         def replayed(drafter):
-            replays.append(ReplayDrafter(proposals, draft=getattr(drafter, "draft", None)))
+            replays.append(ReplayDrafter(proposals, draft=getattr(drafter, "draft", None),
+                                         fallback=drafter if drafts_from_context(drafter) else None))
             return replays[-1]
 
         start.wait()
