@@ -76,6 +76,27 @@ def test_a_tune_on_tuned_kernels_profiles_them_and_its_choice_runs_on_them(tmp_p
     assert args.kernels == "tuned"
 
 
+def test_a_choice_measured_through_a_worker_runs_through_it(tmp_path, capsys):
+    """`run --config` of a tune made through a worker ran the target on this machine (a model the tune never ran
+    here); now it goes to the worker the configuration names, and says so; `--worker` names another."""
+    from specbench.cli import build_parser
+    from specbench.tune.command import apply_config
+
+    path = tmp_path / "tune.json"
+    base = {"target": "tiny-random:seed=0", "method": "chain", "k": 2, "draft": DRAFT}
+    path.write_text(json.dumps({**base, "endpoint": "tcp://127.0.0.1:5599"}))
+    args = build_parser().parse_args(["run", "--config", str(path)])
+    apply_config(args)
+    assert args.worker == "tcp://127.0.0.1:5599" and "tcp://127.0.0.1:5599" in capsys.readouterr().out
+    args = build_parser().parse_args(["run", "--config", str(path), "--worker", "tcp://127.0.0.1:6000"])
+    apply_config(args)
+    assert args.worker == "tcp://127.0.0.1:6000"
+    path.write_text(json.dumps({**base, "endpoint": None}))  # measured locally: runs locally
+    args = build_parser().parse_args(["run", "--config", str(path)])
+    apply_config(args)
+    assert args.worker is None
+
+
 def test_with_the_share_unspent_the_tune_measures_every_neighbour_after_its_list(tmp_path, monkeypatch):
     """A tiny model's runs take milliseconds, the tune's own bookkeeping more: no share covers its wall time, so
     the share is taken as never spent here; the neighbours then come after the listed points, each once, until

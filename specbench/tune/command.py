@@ -75,10 +75,15 @@ def _tune(args) -> int:
 
 
 def apply_config(args: argparse.Namespace) -> None:
-    """`specbench run --config tune.json`: the tune's choice replaces target, method, draft and K."""
+    """`specbench run --config tune.json`: the tune's choice replaces target, method, draft and K; a choice measured
+    through a worker runs through that worker unless `--worker` names another (it ran the target on this machine,
+    loading a model the tune never ran here)."""
     from specbench.tune.report import read_config, suffix_words
 
     config = read_config(args.config)
+    if config.get("endpoint") and not getattr(args, "worker", None):
+        args.worker = config["endpoint"]
+        print(f"through the worker the tune measured at, {args.worker} (--worker ENDPOINT for another)")
     args.target, args.method, args.k = config["target"], ["target-only", config["method"]], config["k"]
     args.suffix = args.suffix or suffix_words(config) or None  # a hybrid's budget for its draft; --suffix overrides
     args.draft = config.get("draft") or args.draft
