@@ -77,8 +77,9 @@ def test_a_tune_on_tuned_kernels_profiles_them_and_its_choice_runs_on_them(tmp_p
 
 
 def test_a_choice_measured_through_a_worker_runs_through_it(tmp_path, capsys):
-    """`run --config` of a tune made through a worker ran the target on this machine (a model the tune never ran
-    here); now it goes to the worker the configuration names, and says so; `--worker` names another."""
+    """`run --config` and `serve --config` of a tune made through a worker ran the target on this machine (a model
+    the tune never ran here); now they go to the worker the configuration names (`run` says so); `--worker` names
+    another."""
     from specbench.cli import build_parser
     from specbench.tune.command import apply_config
 
@@ -91,6 +92,11 @@ def test_a_choice_measured_through_a_worker_runs_through_it(tmp_path, capsys):
     args = build_parser().parse_args(["run", "--config", str(path), "--worker", "tcp://127.0.0.1:6000"])
     apply_config(args)
     assert args.worker == "tcp://127.0.0.1:6000"
+    from specbench.serve.command import settings_from
+
+    assert settings_from(build_parser().parse_args(["serve", "--config", str(path)])).worker == "tcp://127.0.0.1:5599"
+    assert settings_from(build_parser().parse_args(["serve", "--config", str(path), "--worker",
+                                                    "tcp://127.0.0.1:6000"])).worker == "tcp://127.0.0.1:6000"
     path.write_text(json.dumps({**base, "endpoint": None}))  # measured locally: runs locally
     args = build_parser().parse_args(["run", "--config", str(path)])
     apply_config(args)

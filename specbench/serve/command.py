@@ -51,7 +51,7 @@ def settings_from(args):
     from specbench.types import SpecbenchError
 
     target, draft, methods, k, suffix, dtype = args.target, args.draft, args.method, args.k, args.suffix, args.dtype
-    extra = {}
+    worker, extra = args.worker, {}
     if args.config:
         from specbench.tune.report import read_config, suffix_words
 
@@ -62,8 +62,9 @@ def settings_from(args):
         methods = methods or list(dict.fromkeys([config["method"], "target-only"]))
         extra = {"self_draft_layers": config.get("self_draft_layers"),
                  "substitute_quantization": config.get("substitute_quantization") or "8bit"}
-    if not target and args.worker:
-        target = worker_model(args.worker)
+        worker = worker or config.get("endpoint")  # measured through a worker: served through it (--worker: another)
+    if not target and worker:
+        target = worker_model(worker)
     if not target:
         raise SpecbenchError("serve needs --target (or --config from `specbench tune`, or --worker: its model)")
     methods = tuple(methods or (["target-only", "chain"] if draft else ["target-only"]))
@@ -74,7 +75,7 @@ def settings_from(args):
     limits = Limits(max_tokens=args.max_tokens, max_prompt_tokens=args.max_prompt_tokens,
                     max_concurrent=args.max_concurrent, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes)
     return ServeSettings(target=target, methods=methods, draft=draft, k=k, max_k=max(args.max_k, k), plan=args.plan,
-                         worker=args.worker, dtype=dtype or "float32", device=args.device, host=args.host,
+                         worker=worker, dtype=dtype or "float32", device=args.device, host=args.host,
                          port=args.port,
                          api_key=args.api_key, router=args.router, stop_below=args.stop_below,
                          limits=limits, **extra)
