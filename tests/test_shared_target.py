@@ -108,24 +108,33 @@ def test_a_replayed_draft_proposes_what_the_draft_did_as_slowly_as_it_did(tiny_t
     assert any(r.accepted > 0 for r in got.records)  # (one-token misses accepted nothing here)
 
 
-def test_a_replay_falls_back_only_on_a_drafter_that_drafts_from_the_context_alone():
-    """A draft head reads the target's session (`bind`): replayed, a miss keeps the one-token draft; a model, suffix
-    decoding and their hybrid draft any context."""
-    from specbench.decode.replay_drafter import drafts_from_context
+def test_a_replayed_head_is_bound_and_drafts_its_misses_from_the_targets_features(tmp_path):
+    """A draft head reads the target's session: the replay passes the loop's bind on, so the target keeps (a worker
+    sends) its features as for the head alone, and a context never recorded is drafted by the head step for step
+    as it drafts alone."""
+    from specbench.api import outputs, run
+    from specbench.decode.replay_drafter import ReplayDrafter
+    from specbench.heads.build import new_head
+    from specbench.heads.layouts import save_head
+    from specbench.models.loading import load_model
+    from specbench.models.spec import ModelSpec
 
-    class Head:
-        def bind(self, target, session):
-            pass
+    target = load_model(ModelSpec("tiny-random:seed=0"))
+    folder = save_head(new_head(target, seed=3), tmp_path / "head")
+    prompts = [list(p) for p in PROMPT_SET[:2]]
+    job = dict(method="eagle", k=3, draft=str(folder), max_new_tokens=16, progress=False, warmup=False)
+    replays = []
 
-    class Model:
-        pass
+    def replayed(drafter):
+        replays.append(ReplayDrafter({"never": ([1], [-1], 0.0, "")}, fallback=drafter))
+        return replays[-1]
 
-    class Hybrid(Head):
-        def __init__(self, other):
-            self.other = other
-
-    assert drafts_from_context(Model()) and drafts_from_context(Hybrid(Model()))
-    assert not drafts_from_context(Head()) and not drafts_from_context(Hybrid(Head()))
+    alone, again = run(target, prompts, **job), run(target, prompts, **job, wrap_drafter=replayed)
+    # every step that drafted was a miss (a step with one token left to emit drafts nothing)
+    assert sum(r.misses for r in replays) == (again["drafted"] > 0).sum() > 0 and outputs(again) == outputs(alone)
+    # the head's own chains of 3 (a one-token miss drafts 1); a random head accepts nothing on a random target
+    assert again[["drafted", "accepted"]].values.tolist() == alone[["drafted", "accepted"]].values.tolist()
+    assert again["drafted"].max() == 3
 
 
 def test_a_trace_drafter_accepts_as_its_trace_says_and_the_output_stays_the_targets(tiny_target):

@@ -511,6 +511,40 @@ def test_a_model_draft_under_load_replays_what_it_drafted_alone(tmp_path, monkey
         worker.stop()
 
 
+def test_a_head_under_load_replays_with_its_features_sent_as_alone(tmp_path):
+    """A client-side head reads the target's features: replayed at two clients, each client is bound as the head
+    was alone, so the worker sends the features every step (the bytes a real client-side head costs), and the
+    steps are the head's own."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from worker_helpers import ThreadWorker
+
+    from specbench.heads.build import new_head
+    from specbench.heads.layouts import save_head
+    from specbench.models.loading import load_model
+    from specbench.models.spec import ModelSpec
+    from specbench.tune import phases
+    from specbench.tune.spec import candidate
+    from specbench.worker.client import RemoteTarget
+
+    folder = save_head(new_head(load_model(ModelSpec("tiny-random:seed=0")), seed=3), tmp_path / "head",
+                       embeddings=True)  # a client-side head brings its own embeddings
+    worker = ThreadWorker(batch_wait_ms="50")
+    try:
+        tuned, store = spec(endpoint=worker.endpoint, clients=(1, 2)), phases.Store(tmp_path / "tune")
+        head, held = candidate(f"eagle:{folder}"), [list(p) for p in PROMPTS[3:6]]
+        remote = RemoteTarget(worker.endpoint)
+        alone = phases.measure(store, remote, head, "eagle", 2, held, None, tuned, False)
+        both = phases.measure(store, remote, head, "eagle", 2, held, None, tuned, False, clients=2)
+        assert (both["replay_misses"] == 0).all() and both["batch_size"].max() == 2
+        assert alone["bytes_down"].mean() > 100  # feature rows come back with every verify
+        assert both["bytes_down"].mean() == pytest.approx(alone["bytes_down"].mean(), rel=0.2)
+    finally:
+        worker.stop()
+
+
 def test_a_drafts_first_point_is_priced_from_its_own_drafting_timed_now(tiny_target, tiny_draft):
     """`replay.drafting_steps` runs the draft's drafter over the target's outputs, the steps SD takes (the
     same accepted counts as SD records), timed; `Calibrator.drafting` prices the draft from them in mode

@@ -6,13 +6,14 @@ measure that contention. Instead the draft runs alone (one client, `RecordingDra
 client at load replays, for the context it is at, the tokens the draft proposed there after sleeping
 the seconds it took (`ReplayDrafter`): the worker sees the same verify requests (greedy: the same
 contexts, step by step) and each client's step takes the draft's time without using a core here. A
-context never met alone (a batched near-tie took a greedy output elsewhere) is a counted miss: the
-wrapped drafter drafts it for real where it can draft from the context alone (a model, suffix decoding,
-their hybrid), else one token is drafted after sleeping the recorded proposals' median time; either way
-verification judges it like any other, so the output stays the target's. Why for real: once a request
-parts from its lone run, every later context of it misses, and one-token drafts there measured the
-Qwen pair's loaded points with 17-20% of their steps drafting nothing (bf16, 2026-12-07). Greedy only:
-a replay carries no draft distributions.
+context never met alone (a batched near-tie took a greedy output elsewhere) is a counted miss that the
+wrapped drafter (`fallback`) drafts for real, bound to the session as the loop binds it (a draft head
+reads the target's features: the worker sends them every step, as to a real client-side head); without
+one, a miss drafts one token after sleeping the recorded proposals' median time. Either way verification
+judges it like any other, so the output stays the target's. Why for real: once a request parts from its
+lone run, every later context of it misses, and one-token drafts there measured the Qwen pair's loaded
+points with 17-20% of their steps drafting nothing (bf16, 2026-12-07). Greedy only: a replay carries no
+draft distributions.
 """
 from __future__ import annotations
 
@@ -55,15 +56,9 @@ class RecordingDrafter:
         return getattr(self.__dict__["inner"], name)
 
 
-def drafts_from_context(drafter) -> bool:
-    """Whether `drafter` can draft any context on its own: not a draft head (it reads the target's session, `bind`),
-    nor a hybrid with one."""
-    return not hasattr(drafter, "bind") or (hasattr(drafter, "other") and not hasattr(drafter.other, "bind"))
-
-
 class ReplayDrafter:
     """Proposes what the recorded draft proposed for this context, as slowly as it did; a context never met alone
-    goes to `fallback` (the wrapped drafter, where it `drafts_from_context`)."""
+    goes to `fallback` (the wrapped drafter)."""
 
     name = "replayed-draft"
 
@@ -87,6 +82,12 @@ class ReplayDrafter:
         tokens, parents, seconds, source = found
         time.sleep(seconds)
         return DraftTree(tuple(tokens), tuple(parents), source=source)
+
+    def bind(self, target, session: str) -> None:
+        """The loop's bind, to a fallback that reads the target's session (a draft head: the target keeps, and a worker
+        sends, its features, as for the head recorded alone)."""
+        if hasattr(self.fallback, "bind"):
+            self.fallback.bind(target, session)
 
     def finish(self, context) -> None:
         """The end of a request, to the fallback that keeps outputs (suffix decoding's cache), as the loop gives it."""

@@ -231,7 +231,7 @@ def together(endpoint: str, clients: int, prompts: list, job: dict, progress, pr
     from concurrent.futures import ThreadPoolExecutor
 
     from specbench.api import run
-    from specbench.decode.replay_drafter import ReplayDrafter, drafts_from_context
+    from specbench.decode.replay_drafter import ReplayDrafter
     from specbench.tune.loaded import deal
     from specbench.worker.client import RemoteTarget
 
@@ -243,8 +243,7 @@ def together(endpoint: str, clients: int, prompts: list, job: dict, progress, pr
         replays: list = []
 
         def replayed(drafter):
-            replays.append(ReplayDrafter(proposals, draft=getattr(drafter, "draft", None),
-                                         fallback=drafter if drafts_from_context(drafter) else None))
+            replays.append(ReplayDrafter(proposals, draft=getattr(drafter, "draft", None), fallback=drafter))
             return replays[-1]
 
         start.wait()
