@@ -545,6 +545,27 @@ def test_a_head_under_load_replays_with_its_features_sent_as_alone(tmp_path):
         worker.stop()
 
 
+def test_a_loaded_row_counts_its_replay_misses_and_names_them_when_it_missed():
+    """Steps a replaying client drafted itself (its request parted from the lone run at a near-tie) are counted per
+    loaded point, and named as the reason where they are over a tenth of its steps and the point missed."""
+    import pandas as pd
+
+    from specbench.tune.rows import measured_row
+
+    records = pd.DataFrame({"emitted": [3] * 10, "draft_s": 0.1, "verify_s": 0.2, "network_s": 0.0, "overhead_s": 0.0,
+                            "bytes_up": 0.0, "bytes_down": 0.0, "kind": "chain", "planned": False, "step_s": 0.3,
+                            "batch_size": 2, "target_forward_s": 0.2, "queue_s": 0.0, "prompt_index": 0,
+                            "client": [0] * 5 + [1] * 5, "replay_misses": [3] * 5 + [0] * 5})
+    predicted = pd.DataFrame([{"label": "d K=2 x2", "tokens_per_s": 20.0, "tokens_per_step": 3.0,
+                               "total_cost_usd_per_mtok": 1.0}])
+    tuned = spec(endpoint="tcp://127.0.0.1:1", clients=(1, 2))
+    row = measured_row("d", "chain", 2, records, predicted, predicted, tuned, 0.0, label="d K=2 x2", clients=2)
+    assert row["replay_misses"] == 3 and row["flag"].startswith("replay: 3 of 10 steps")
+    row = measured_row("d", "chain", 2, records.assign(replay_misses=0), predicted, predicted, tuned, 0.0,
+                       label="d K=2 x2", clients=2)
+    assert row["replay_misses"] == 0 and not row["flag"].startswith("replay")
+
+
 def test_a_drafts_first_point_is_priced_from_its_own_drafting_timed_now(tiny_target, tiny_draft):
     """`replay.drafting_steps` runs the draft's drafter over the target's outputs, the steps SD takes (the
     same accepted counts as SD records), timed; `Calibrator.drafting` prices the draft from them in mode

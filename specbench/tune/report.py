@@ -168,7 +168,8 @@ def write_report(path: Path, spec: TuneSpec, result) -> Path:
                                        "measured": measured[["label", "tokens_per_s", column]], "cs": spec.cs}],
                                cost=spec.objective, note=note)
     errors = result.measured[["label", "measured_tokens_per_s", "predicted_tokens_per_s", "window_tokens_per_s",
-                              "calibrated_tokens_per_s", "error_before", "error_window", "error_after", "flag"]]
+                              "calibrated_tokens_per_s", "error_before", "error_window", "error_after", "flag",
+                              *(["replay_misses"] if "replay_misses" in result.measured else [])]]
     extra = (f"<h2>Predicted vs measured (held-back prompts)</h2><p>Goal: |error| <= {GOAL_ERROR:.0%} after "
              f"calibration. Median |error| before {_median(result.measured['error_before']):.1%}, at the "
              f"calibration window {_median(result.measured['error_window']):.1%}, after "

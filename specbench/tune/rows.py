@@ -42,12 +42,18 @@ def measured_row(candidate: str, method: str, k: int, records: pd.DataFrame, pre
            "steps": int(priced["steps"]),
            "measured_forward_ms": 1000 * float(records["target_forward_s"].mean()),
            "queue_ms": 1000 * float(records["queue_s"].mean())}
+    if "replay_misses" in records and "client" in records:  # steps a replaying client drafted itself (near-ties)
+        row["replay_misses"] = int(records.groupby("client")["replay_misses"].first().sum())
     row["flag"] = _reason(row) if abs(row["error_after"]) > GOAL_ERROR else ""
     return row
 
 
 def _reason(row: dict) -> str:
-    """Why a point missed, from its records: acceptance, the forward's cost, queueing, or the loop."""
+    """Why a point missed, from its records: replayed drafts that parted from their lone run, acceptance, the
+    forward's cost, queueing, or the loop."""
+    if row.get("replay_misses", 0) > 0.1 * row["steps"]:
+        return (f"replay: {row['replay_misses']} of {row['steps']} steps met a context the draft never drafted alone "
+                f"(a batched near-tie parted the request), drafted on this box beside the worker")
     shift = row["measured_tokens_per_step"] / row["predicted_tokens_per_step"] - 1
     if abs(shift) > 0.05:
         return (f"acceptance shift: {row['predicted_tokens_per_step']:.2f} tokens per step on the calibration "
