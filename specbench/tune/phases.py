@@ -187,7 +187,8 @@ def measure(store: Store, target, candidate: Candidate, method: str, k: int, pro
     drafting = (bool(spec.endpoint) and candidate.method not in FREE and method != "target-only"
                 and spec.sampling() is None)
     # the draft's proposals, kept beside its one-client point: written there, replayed at more clients
-    proposals_path = store.folder / "measured" / f"{point_key(spec, candidate, method, k, prompts, 1, suffix)}.proposals.json"
+    alone_key = point_key(spec, candidate, method, k, prompts, 1, suffix)
+    proposals_path = store.folder / "measured" / f"{alone_key}.proposals.json"
     found = store.measured(key)
     if found is not None and not (drafting and clients == 1 and not proposals_path.exists()):
         return found
