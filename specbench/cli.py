@@ -210,7 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
     run_parser.add_argument("--fast", nargs="?", const="auto", choices=("auto", "off") + FAST_BACKENDS, help=FAST_HELP)
     run_parser.add_argument("--out", help="write the per-step records as CSV")
     run_parser.add_argument("--config", help="a `specbench tune` configuration (tune.json): its target, method, draft "
-                                             "and K, beside target-only")
+                                             "and K, beside target-only; through the worker it was measured at, "
+                                             "unless --worker names another")
     run_parser.add_argument("--plan", action="store_true",
                             help="choose K per step (up to --k) from the cached profiles and reference of the pair")
     run_parser.add_argument("--cs", type=float, default=0.0, help="cost weight for --plan: 0 fastest, 1 cheapest")

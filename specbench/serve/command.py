@@ -11,7 +11,8 @@ def add_serve(commands) -> None:
                                               "at / and Prometheus metrics at /metrics")
     serve.add_argument("--target", help="catalog name, Hugging Face id or path (or --config; with --worker: that "
                                         "worker's model unless given)")
-    serve.add_argument("--config", help="a `specbench tune` configuration (tune.json): its target, method, draft, K")
+    serve.add_argument("--config", help="a `specbench tune` configuration (tune.json): its target, method, draft, K "
+                                        "and the worker it was measured at (--worker names another)")
     serve.add_argument("--draft", help="draft model for chain and tree methods")
     serve.add_argument("--method", nargs="+", default=None,
                        help="methods a request may pick; the first is the default (default: target-only, plus "
