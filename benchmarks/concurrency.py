@@ -375,7 +375,7 @@ def main():
              for i, index in enumerate(firsts)}
     proposals = record_drafts(loaded, prompts, args) if args.draft_replay else None
     if proposals:  # how long the clients draft between steps: what a batch waits for
-        draft_s = np.percentile([seconds for _, _, seconds in proposals.values()], [10, 50, 90]) * 1000
+        draft_s = np.percentile([found[2] for found in proposals.values()], [10, 50, 90]) * 1000
         print(f"recorded draft proposals: {len(proposals)}, ms p10 / p50 / p90: "
               + " / ".join(f"{ms:.0f}" for ms in draft_s))
     target_bytes = loaded.weight_bytes
