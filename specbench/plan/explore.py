@@ -205,6 +205,14 @@ def cost_column(objective: str) -> str:
     return get_objective(objective).column
 
 
+def measured_step(records: pd.DataFrame, clients: float = 1) -> StepCost:
+    """A run's mean step from its records, as the cost model prices one: tokens emitted, drafting, verify, wire, loop
+    and bytes; `clients` the rows sharing each verify."""
+    return StepCost(float(records["emitted"].mean()), float(records["draft_s"].mean()),
+                    float(records["verify_s"].mean()), float(records["network_s"].mean()), float(records["overhead_s"].mean()),
+                    float(records["bytes_up"].mean()), float(records["bytes_down"].mean()), clients)
+
+
 def measured_points(records: pd.DataFrame, prices: Prices = Prices(), power: Power = Power(),
                     where: str = "local", rtt_ms: float = 0.0, clients: int = 1) -> pd.DataFrame:
     """Measured runs (records from `specbench.api.run`) priced like predictions, one row per (method, k),
@@ -214,14 +222,12 @@ def measured_points(records: pd.DataFrame, prices: Prices = Prices(), power: Pow
     prices it: a round of 3 rows while 8 clients run costs each of its rows a third, not an eighth)."""
     rows = []
     for (method, k), group in records.groupby(["method", "k"], sort=False):
-        emitted_per_step = group["emitted"].sum() / len(group)
         shared = clients
         if clients > 1 and "batch_size" in group and group["verify_s"].sum() > 0:
             # the rows a round's seconds are split between, as the target's seconds per token see them
             rows_of = group["batch_size"].fillna(1).clip(lower=1)
             shared = float(group["verify_s"].sum() / (group["verify_s"] / rows_of).sum())
-        step = StepCost(emitted_per_step, group["draft_s"].mean(), group["verify_s"].mean(), group["network_s"].mean(),
-                        group["overhead_s"].mean(), group["bytes_up"].mean(), group["bytes_down"].mean(), shared)
+        step = measured_step(group, shared)
         kind = group["kind"].iloc[0]
         label = OperatingPoint(kind_method(kind), int(k), where, rtt_ms, clients=clients).label
         if group["planned"].any():  # K varies per step; no fixed-K prediction to overlay

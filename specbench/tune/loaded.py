@@ -133,10 +133,9 @@ def replayed_load(records: pd.DataFrame, row: dict, clients: int, rules: WorkerR
     """`row` priced at `clients` clients from a one-client run's own `records` alone: its steps replayed against the
     worker's rules, each step's drafting, loop and wire time the run's mean (`repriced`). For a point no reference
     prices (suffix decoding's hybrid: which drafter takes a step depends on the request's own record)."""
-    lone = StepCost(float(records["emitted"].mean()), float(records["draft_s"].mean()),
-                    float(records["verify_s"].mean()), float(records["network_s"].mean()),
-                    float(records["overhead_s"].mean()), float(records["bytes_up"].mean()),
-                    float(records["bytes_down"].mean()))
+    from specbench.plan.explore import measured_step
+
+    lone = measured_step(records)
     return repriced(dict(row, clients=clients), lone, run_clients(from_records(records), clients, rules), prices, power)
 
 
