@@ -25,7 +25,7 @@ import pandas as pd
 
 from specbench.api import run
 from specbench.datasets import load_prompts
-from specbench.decode.metrics import per_position_acceptance, summarize
+from specbench.decode.metrics import per_position_acceptance, summarize, tokens_per_step_by_position
 from specbench.decode.suffix_drafter import SuffixSettings
 from specbench.decode.target import LocalTarget
 from specbench.methods import TreeShape
@@ -116,13 +116,16 @@ def main() -> None:
     parser.add_argument("--kernels", default="default", choices=list(KERNELS), help=KERNELS_HELP)
     parser.add_argument("--dtype", default="float32", help="the target's, in training and comparing (bfloat16 on a CPU "
                                                          "with AVX-512 bf16: wide verifies nearly cost a 1-token one)")
+    parser.add_argument("--position-width", type=int, default=32,
+                        help="tokens per step by where in the reply a step began, in bins this wide")
+    parser.add_argument("--records", help="also write every step record here (parquet)")
     parser.add_argument("--out", default=str(RESULTS / "heads.json"))
     args = parser.parse_args()
 
     head, training = trained(args)
     target_spec = ModelSpec(args.target, dtype=args.dtype, kernels=args.kernels)
     target = LocalTarget(load_model(target_spec)) if args.compare else None
-    rows, positions = [], []
+    rows, positions, along, kept = [], [], [], []
     for dataset in args.datasets if args.compare else ():
         prompts = [row["prompt"] for row in load_prompts(dataset, limit=args.prompt_count, seed=1)]
         for k in args.k:
@@ -143,6 +146,9 @@ def main() -> None:
                 extra["method"] = f"eagle-tree:{nodes}-nodes"
                 records = pd.concat([records, extra], ignore_index=True)
             table = summarize(records)
+            along.append(tokens_per_step_by_position(records, args.position_width).round(3)
+                         .reset_index().assign(dataset=dataset, k=k))
+            kept.append(records.assign(dataset=dataset, k_asked=k))
             forward = records.loc[records["method"] != "target-only", "target_forward_s"].mean()
             for row in table.to_dict("records"):
                 group = records[records["method"] == row["method"]]
@@ -161,6 +167,10 @@ def main() -> None:
                    "tokens_per_s", "speedup_vs_target_only"]
         print(table[columns].round(3).to_string(index=False))
         print(pd.DataFrame(positions).to_string(index=False))
+        print(f"tokens per step by where in the reply the step began ({args.position_width}-token bins):")
+        print(pd.concat(along).to_string(index=False))
+    if args.records and kept:
+        pd.concat(kept, ignore_index=True).to_parquet(args.records)
     measured, priced = [], []
     if args.placements:
         prompts = [row["prompt"] for dataset in args.datasets
@@ -169,9 +179,10 @@ def main() -> None:
         print(pd.DataFrame(measured).round(3).to_string(index=False))
         print(pd.DataFrame(priced).pivot_table(index=["rtt_ms", "mbps"], columns="method",
                                                values="tokens_per_s").round(2).to_string())
+    along = pd.concat(along).to_dict("records") if along else []
     write_report(args.out, {"target": args.target, "head": head, "training": training, "rows": table.to_dict("records"),
-                            "per_position": positions, "placements": measured, "placements_priced": priced,
-                            "settings": vars(args)})
+                            "per_position": positions, "by_reply_position": along, "placements": measured,
+                            "placements_priced": priced, "settings": vars(args)})
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from specbench.api import ModelLike, TreeShape, run
 from specbench.methods import kind_method, lookup_method
 from specbench.models.loading import as_loaded
 from specbench.models.spec import acceptance_label
+from specbench.decode.metrics import reply_position
 from specbench.decode.profile import forward_latency_points, spread
 from specbench.hardware import device_name, measure_power
 from specbench.plan.predict import FREE_DRAFTS, LOOKUP_DRAFT, SUFFIX_DRAFT, AcceptanceReference, LatencyProfile
@@ -166,7 +167,7 @@ def _hybrid(target, draft, prompts, budgets: Sequence[int], method: Optional[str
 def _asked(chain, max_chain: int, max_new_tokens: int):
     """Prompt lookup's steps asked for a full chain: those whose output had room for one (the loop caps
     the last ones at what remains)."""
-    done = chain.groupby("prompt_index")["emitted"].cumsum() - chain["emitted"]  # tokens before each step
+    done = reply_position(chain, keys=("prompt_index",))  # tokens before each step
     return chain[(chain["step_k"] == max_chain) & (max_new_tokens - done - 1 >= max_chain)]
 
 

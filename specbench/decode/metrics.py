@@ -36,6 +36,24 @@ def per_position_acceptance(records: pd.DataFrame) -> pd.Series:
     return pd.Series(rates, name="acceptance", dtype=float).rename_axis("position")
 
 
+def reply_position(records: pd.DataFrame, keys: tuple[str, ...] = ("method", "client", "prompt_index")) -> pd.Series:
+    """Tokens of its reply emitted before each step (the steps of a reply in order): where in a reply a
+    step drafted, since acceptance changes along one (a long reply repeats itself more)."""
+    keys = [key for key in keys if key in records]
+    ordered = records.sort_values("step", kind="stable") if "step" in records else records
+    return (ordered.groupby(keys, sort=False)["emitted"].cumsum() - ordered["emitted"]).reindex(records.index)
+
+
+def tokens_per_step_by_position(records: pd.DataFrame, width: int = 32) -> pd.DataFrame:
+    """Tokens per step of each method's steps that began in each `width` tokens of their reply (columns
+    "0-31", "32-63", ...; rows the methods): a figure from short replies says little of long ones."""
+    start = (reply_position(records) // width * width).astype(int)
+    table = (records.assign(start=start).groupby(["method", "start"], sort=False)["accepted"].mean() + 1.0).unstack()
+    table = table[sorted(table.columns)]
+    table.columns = [f"{s}-{s + width - 1}" for s in table.columns]
+    return table
+
+
 def time_split(records: pd.DataFrame) -> dict[str, float]:
     """Mean seconds per step spent drafting, on the network, verifying, and in orchestration."""
     return {"draft_s": float(records["draft_s"].mean()), "network_s": float(records["network_s"].mean()),

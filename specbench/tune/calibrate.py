@@ -22,6 +22,8 @@ from typing import Optional
 
 import pandas as pd
 
+from specbench.decode.metrics import reply_position
+
 DRAFT_WIDTHS = (1, 2)  # a draft's forwards: one token per drafted position, the catch-up after a full accept
 MODES = ("runs", "speed", "widths", "per-point")  # what the calibration learns from: see `Calibrator`
 MIN_STEPS = 10  # a width's steps in one run before that run's median forward at it counts
@@ -61,7 +63,7 @@ def worker_rounds(records: pd.DataFrame) -> pd.DataFrame:
     if records.empty or "batch_size" not in records or "client" not in records:
         return pd.DataFrame(columns=columns)
     steps = records.assign(width=records["drafted"].fillna(0) + 1)
-    before = steps.sort_values("step").groupby(["client", "prompt_index"])["emitted"].cumsum() - steps["emitted"]
+    before = reply_position(steps, keys=("client", "prompt_index"))
     steps = steps.assign(context=steps["prompt_tokens"] + before)
     numbered = "batch_round" in steps and bool((steps["batch_round"] >= 0).all())
     found = steps.groupby(["batch_round" if numbered else "target_forward_s", "batch_size"]).agg(
