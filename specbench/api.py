@@ -5,6 +5,7 @@ import hashlib
 import numbers
 import time
 import uuid
+import warnings
 from dataclasses import asdict, replace
 from typing import Callable, Iterable, Mapping, Optional, Sequence, Union
 
@@ -257,6 +258,9 @@ def _auto_run(router, drafts_for, *, target, source, prompt_ids, k, max_new_toke
     from specbench.route.features import seen_share
     from specbench.route.router import predicted_speeds
 
+    note = router.length_note(max_new_tokens)
+    if note:
+        warnings.warn(note, stacklevel=4)
     built: dict = {}
     history: list[list[int]] = []  # this call's outputs, for a suffix drafter built after some of them ran
     # what earlier outputs hold, for the router's seen share: the suffix candidates' shared cache, or this call's own

@@ -2,6 +2,7 @@
 says what it chose and why, and bad inputs are refused by name."""
 import json
 import tempfile
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -150,6 +151,26 @@ def test_router_round_trips_and_refuses_a_corrupt_file(tmp_path):
         Router.load(tmp_path / "bad.json")
 
 
+def test_a_router_says_when_its_replies_are_far_longer_or_shorter_than_its_calibrations(tiny_target, tmp_path):
+    """Acceptance changes along a reply (SmolLM2's long MT-bench replies repeat themselves): a router calibrated on
+    12-token replies warns where it routes 30-token ones, and keeps the length it was calibrated at in its file."""
+    prompts = REPETITIVE + PLAIN
+    router = fit_router(_records(prompts, lambda ids: 2), prompts, [Candidate("target-only"),
+                                                                      Candidate("prompt-lookup", 4)])
+    assert router.length_note(500) is None  # a router that does not know its length says nothing
+    router.reply_tokens = 12
+    again = Router.load(router.save(tmp_path / "router.json"))
+    assert again.reply_tokens == 12
+    assert again.length_note(6) is None and again.length_note(24) is None
+    assert "up to 12 tokens" in again.length_note(25) and "--max-new-tokens 5`" in again.length_note(5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run(tiny_target, PROMPTS[:1], method="auto", router=again, max_new_tokens=12, progress=False)
+    assert not [w for w in caught if "calibrated on replies" in str(w.message)]
+    with pytest.warns(UserWarning, match="calibrated on replies of up to 12 tokens and now routes 30-token ones"):
+        run(tiny_target, PROMPTS[:1], method="auto", router=again, max_new_tokens=30, progress=False)
+
+
 def test_bad_router_inputs_are_refused_by_name(tiny_target):
     with pytest.raises(SpecbenchError, match="unknown method"):
         candidates_from(["suffix:16", "telepathy"])
@@ -170,6 +191,7 @@ def test_auto_is_lossless_and_says_what_it_chose(tiny_target, tiny_draft):
     router, records = train_router(tiny_target, PROMPTS, candidates, draft=tiny_draft, max_new_tokens=24,
                                    progress=False)
     assert set(records["method"]) == {"target-only", "prompt-lookup", "suffix", "chain"}
+    assert router.reply_tokens == 24  # the length its choices were checked for
     got = run(tiny_target, PROMPTS, method=["target-only", "auto"], router=router, draft=tiny_draft,
               max_new_tokens=24, progress=False)
     produced = outputs(got)
@@ -240,6 +262,8 @@ def test_a_worker_routes_with_its_own_router(tiny_target, tiny_draft, tmp_path):
         with pytest.raises(WorkerError, match="--router"):
             run(RemoteTarget(plain.endpoint), PROMPTS[:1], method="auto-server", max_new_tokens=8, progress=False)
         got = run(RemoteTarget(routed.endpoint), PROMPTS, method="auto-server", max_new_tokens=16, progress=False)
+        longer = run(RemoteTarget(routed.endpoint), PROMPTS[:1], method="auto-server", max_new_tokens=40,
+                     progress=False)
         suffix = run(RemoteTarget(routed.endpoint), PROMPTS, method="suffix-tree-server", k=16, max_new_tokens=16,
                      progress=False)
     finally:
@@ -251,6 +275,7 @@ def test_a_worker_routes_with_its_own_router(tiny_target, tiny_draft, tmp_path):
                                                                              for i in range(4)]
     assert set(got["chosen"]) <= {"server-only-ar k=4", "suffix-server k=16", "server-only k=3"}
     assert set(json.loads(got["route_predicted"].iloc[0])) == {c.label for c in candidates}
+    assert "route_note" not in got and "up to 16 tokens and now routes 40-token" in longer["route_note"].iloc[0]
 
 
 def test_references_keep_per_prompt_rows_and_narrow_to_a_family(tiny_target, tiny_draft, tmp_path):

@@ -199,8 +199,17 @@ def test_auto_routes_each_request_says_why_and_stays_lossless(local, expected):
         assert spec["method"] == "auto" and spec["chosen"] in labels and set(spec["route_predicted"]) == labels
         assert spec["k"] == {"target-only": 0, "prompt-lookup k=3": 3, "suffix k=16": 16}[spec["chosen"]]
         assert spec["steps"] >= 1 and (spec["chosen"] != "target-only" or spec["drafted_tokens"] == 0)
+        assert "route_note" not in spec  # this router does not know its calibration's length
     with pytest.raises(openai.BadRequestError, match="takes no k"):
         chat_text(client, PROMPTS[0], "auto", 4, stream=False)
+    from dataclasses import replace
+
+    routed, local.engine.router = local.engine.router, replace(local.engine.router, reply_tokens=TOKENS * 4)
+    try:  # calibrated on replies 4x as long as these requests ask for: the usage says why the choice may not hold
+        _, usage = chat_text(client, PROMPTS[0], "auto", None, stream=False)
+    finally:
+        local.engine.router = routed
+    assert f"up to {TOKENS * 4} tokens and now routes {TOKENS}-token ones" in usage.speculative["route_note"]
     offered = httpx.get(f"{local.url}/specbench/settings").json()
     assert "auto" in offered["methods"] and set(offered["router"]) == labels
 

@@ -49,7 +49,9 @@ def train_router(target, prompts: Sequence, candidates: Sequence[Candidate], *, 
     records = calibrate(target, ids, candidates, draft=draft, drafts=drafts, max_new_tokens=max_new_tokens,
                         progress=progress, **run_options)
     seen = calibration_seen(records, ids, candidates, run_options.get("suffix"))
-    return fit_router(records, ids, candidates, families, objective, ridge, margin, by_family, seen), records
+    router = fit_router(records, ids, candidates, families, objective, ridge, margin, by_family, seen)
+    router.reply_tokens = max_new_tokens
+    return router, records
 
 
 def calibrate(target, ids: Sequence[Sequence[int]], candidates: Sequence[Candidate], *, draft=None, drafts=None,

@@ -102,6 +102,7 @@ class Router:
     by_family: bool = False  # a prompt of a known family starts from its family's default
     family_margins: dict = field(default_factory=dict)  # as `margins`, with family defaults
     names: list = field(default_factory=list)  # the features it was fitted on ([]: every one of `feature_names`)
+    reply_tokens: Optional[int] = None  # calibration's max_new_tokens (None: not recorded, a file saved before)
 
     def predict(self, ids: Sequence[int], family: Optional[str] = None, seen: float = 0.0) -> pd.DataFrame:
         """Each candidate's predicted tokens per step, draft tokens per step, step seconds, tokens/s and
@@ -151,6 +152,17 @@ class Router:
 
         return any(get_method(c.method).keeps_outputs for c in self.candidates)
 
+    def length_note(self, max_new_tokens: int) -> Optional[str]:
+        """Why this router's choices may not hold for replies of `max_new_tokens`, when they are over twice or under
+        half as long as its calibration's: what a candidate drafts changes along a reply (SmolLM2's MT-bench replies
+        repeat themselves past 128 tokens, where prompt lookup drafted 2.6x its first 32 tokens' rate); else None."""
+        if not self.reply_tokens or self.reply_tokens / 2 <= max_new_tokens <= self.reply_tokens * 2:
+            return None
+        return (f"this router was calibrated on replies of up to {self.reply_tokens} tokens and now routes "
+                f"{max_new_tokens}-token ones: what each candidate drafts changes along a reply (copying methods gain "
+                f"in long ones), so its choices were checked only for replies like its calibration's; calibrate at "
+                f"this length (`specbench route --max-new-tokens {max_new_tokens}`)")
+
     def default_for(self, family: Optional[str] = None) -> Optional[str]:
         """The candidate a prompt keeps unless another is predicted better by the margin: its family's best
         where `by_family` and the family was calibrated, else the best over all calibration prompts."""
@@ -165,7 +177,7 @@ class Router:
                 "margins": {str(_finite(m)): score for m, score in self.margins.items()},
                 "family_defaults": self.family_defaults, "by_family": self.by_family,
                 "family_margins": {str(_finite(m)): score for m, score in self.family_margins.items()},
-                "features": self.names or feature_names(self.families),
+                "features": self.names or feature_names(self.families), "reply_tokens": self.reply_tokens,
                 "fits": {label: {"tokens": fit.tokens.tolist(), "drafted": fit.drafted.tolist(),
                                  "fixed_s": fit.fixed_s, "per_token_s": fit.per_token_s,
                                  "draft_s": None if fit.draft_s is None else fit.draft_s.tolist()}
@@ -185,7 +197,8 @@ class Router:
                        {float(m): float(score) for m, score in body.get("margins", {}).items()},
                        dict(body.get("family_defaults", {})), bool(body.get("by_family", False)),
                        {float(m): float(score) for m, score in body.get("family_margins", {}).items()},
-                       _known_features(body.get("features"), list(body["families"])))
+                       _known_features(body.get("features"), list(body["families"])),
+                       None if body.get("reply_tokens") is None else int(body["reply_tokens"]))
         except (OSError, ValueError, KeyError, TypeError) as error:
             raise SpecbenchError(f"{path}: not a router file ({type(error).__name__}: {error}); "
                                  f"train one with train_router(...) and save it") from None

@@ -235,7 +235,8 @@ class Answer:
                        "tokens_per_step": round(generated / len(records), 4) if records else None,
                        "target_forwards": len(records) + 1}  # each step's verify plus the prefill
         if route is not None:
-            speculative.update(chosen=route["chosen"], route_predicted=route["route_predicted"])
+            speculative.update(chosen=route["chosen"], route_predicted=route["route_predicted"],
+                               **({"route_note": route["route_note"]} if "route_note" in route else {}))
         if self.job.speculation.suffix:
             speculative["suffix"] = dict(self.job.speculation.suffix)
         return {"prompt_tokens": len(self.job.prompt_ids), "completion_tokens": generated,

@@ -163,17 +163,19 @@ class Engine:
                                  f"serve drafts with its --draft alone: route among candidates without '@DRAFT'")
         return router
 
-    def _route(self, prompt_ids: list[int], client) -> tuple[Speculation, dict]:
+    def _route(self, prompt_ids: list[int], client, max_tokens: int) -> tuple[Speculation, dict]:
         """Method auto: the candidate the router predicts fastest for this prompt (what the server's suffix cache
-        holds of it read as the router's seen share), and what to tell the client."""
+        holds of it read as the router's seen share), and what to tell the client (with why the choice may not
+        hold, where the request's length is far from the router's calibration's)."""
         from specbench.route.features import seen_share
         from specbench.route.router import predicted_speeds
 
         seen = seen_share(prompt_ids, self._memory(client)) if self.router.reads_seen else 0.0
         candidate, table = self.router.choose(prompt_ids, None, seen)
         chosen = Speculation(candidate.method, max(1, candidate.k))
+        note = self.router.length_note(max_tokens)
         return chosen, {"chosen": candidate.label, "method": chosen.method, "k": chosen.k,
-                        "route_predicted": predicted_speeds(table)}
+                        "route_predicted": predicted_speeds(table), **({"route_note": note} if note else {})}
 
     def _memory(self, client):
         """The server's cache of earlier outputs as auto's router reads and feeds it: none unless a candidate
@@ -261,7 +263,7 @@ class Engine:
         steps = None
         try:
             if speculation.method == AUTO:
-                speculation, route = self._route(job.prompt_ids, client)
+                speculation, route = self._route(job.prompt_ids, client, job.max_tokens)
             method = get_method(speculation.method)
             drafter = self._take_drafter(method.name, client, speculation.suffix)
             planner = copy.deepcopy(self._planners[method.name]) if method.name in self._planners else None

@@ -241,6 +241,9 @@ def _routed(ops, prompt: list, family: Optional[str], header: dict,
     own = f"@{candidate.draft}" if candidate.draft else ""
     told = {"chosen": f"{method}{own} k={candidate.k}", "route_predicted": json.dumps(predicted_speeds(table)),
             "route_default": ops.router.default_for(family)}
+    note = ops.router.length_note(protocol.integer(header, "max_new_tokens", 1))
+    if note:
+        told["route_note"] = note
     return method, max(1, candidate.k), told, candidate.draft
 
 
