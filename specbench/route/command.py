@@ -47,7 +47,7 @@ def _route(args) -> int:
     print("calibration tokens/s: " + ", ".join(f"{method} {speed:.2f}" for method, speed in counts.items()))
     leave = "never left" if router.margin == float("inf") else f"left for another predicted {router.margin:.0%} better"
     print(f"router: {path} ({len(candidates)} candidates, families {router.families or 'none'}; default "
-          f"{router.default}, {leave})")
+          f"{router.default}, {leave}; calibrated on replies of up to {router.reply_tokens} tokens)")
     if router.margins:
         print("margin cross-validated, tokens/s by margin: "
               + ", ".join(f"{m:.0%} {score:.2f}" for m, score in router.margins.items()))
