@@ -37,6 +37,18 @@ def check_stop_below(stop_below: float) -> float:
     return stop_below
 
 
+def reply_length_note(measured: Optional[int], asked: int, subject: str, remedy: str) -> Optional[str]:
+    """Why a choice made on replies of up to `measured` tokens (`subject`: "this router was calibrated") may not hold
+    for replies of `asked`, when they are over twice or under half as long: what a method drafts changes along a
+    reply (SmolLM2's MT-bench replies repeat themselves past 128 tokens, where prompt lookup drafted 2.6x its first
+    32 tokens' rate); else None, and None where `measured` is unknown."""
+    if not measured or measured / 2 <= asked <= measured * 2:
+        return None
+    return (f"{subject} on replies of up to {measured} tokens and now serves {asked}-token ones: what each method "
+            f"drafts changes along a reply (copying methods gain in long ones), so its choice was checked only for "
+            f"replies like those; {remedy}")
+
+
 def default_rule(temperature: float) -> str:
     """The rule of a caller that names none: greedy at temperature 0, else rejection (exact, and it
     accepts the most of a draft model's drafts; sample-match is the one for drafts without q)."""

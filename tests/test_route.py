@@ -167,7 +167,7 @@ def test_a_router_says_when_its_replies_are_far_longer_or_shorter_than_its_calib
         warnings.simplefilter("always")
         run(tiny_target, PROMPTS[:1], method="auto", router=again, max_new_tokens=12, progress=False)
     assert not [w for w in caught if "calibrated on replies" in str(w.message)]
-    with pytest.warns(UserWarning, match="calibrated on replies of up to 12 tokens and now routes 30-token ones"):
+    with pytest.warns(UserWarning, match="calibrated on replies of up to 12 tokens and now serves 30-token ones"):
         run(tiny_target, PROMPTS[:1], method="auto", router=again, max_new_tokens=30, progress=False)
 
 
@@ -275,7 +275,7 @@ def test_a_worker_routes_with_its_own_router(tiny_target, tiny_draft, tmp_path):
                                                                              for i in range(4)]
     assert set(got["chosen"]) <= {"server-only-ar k=4", "suffix-server k=16", "server-only k=3"}
     assert set(json.loads(got["route_predicted"].iloc[0])) == {c.label for c in candidates}
-    assert "route_note" not in got and "up to 16 tokens and now routes 40-token" in longer["route_note"].iloc[0]
+    assert "route_note" not in got and "up to 16 tokens and now serves 40-token" in longer["route_note"].iloc[0]
 
 
 def test_references_keep_per_prompt_rows_and_narrow_to_a_family(tiny_target, tiny_draft, tmp_path):

@@ -209,7 +209,7 @@ def test_auto_routes_each_request_says_why_and_stays_lossless(local, expected):
         _, usage = chat_text(client, PROMPTS[0], "auto", None, stream=False)
     finally:
         local.engine.router = routed
-    assert f"up to {TOKENS * 4} tokens and now routes {TOKENS}-token ones" in usage.speculative["route_note"]
+    assert f"up to {TOKENS * 4} tokens and now serves {TOKENS}-token ones" in usage.speculative["route_note"]
     offered = httpx.get(f"{local.url}/specbench/settings").json()
     assert "auto" in offered["methods"] and set(offered["router"]) == labels
 

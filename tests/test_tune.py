@@ -103,6 +103,23 @@ def test_a_choice_measured_through_a_worker_runs_through_it(tmp_path, capsys):
     assert args.worker is None
 
 
+def test_run_config_says_when_its_replies_are_far_longer_than_the_tunes(tmp_path, capsys):
+    """A tune measured on 32-token replies, run at 256: what each method drafts changes along a reply, so `run
+    --config` says the choice was checked only for replies like the tune's; at 48 tokens, or with no length
+    recorded, it says nothing."""
+    from specbench.cli import build_parser
+    from specbench.tune.command import apply_config
+
+    path = tmp_path / "tune.json"
+    base = {"target": "tiny-random:seed=0", "method": "chain", "k": 2, "draft": DRAFT}
+    for recorded, asked, said in ((32, 256, True), (32, 48, False), (None, 256, False)):
+        path.write_text(json.dumps({**base, "max_new_tokens": recorded}))
+        apply_config(build_parser().parse_args(["run", "--config", str(path), "--max-new-tokens", str(asked)]))
+        out = capsys.readouterr().out
+        assert ("The tune's choice was measured on replies of up to 32 tokens and now serves 256-token ones" in out
+                and "--max-new-tokens 256" in out) == said, out
+
+
 def test_with_the_share_unspent_the_tune_measures_every_neighbour_after_its_list(tmp_path, monkeypatch):
     """A tiny model's runs take milliseconds, the tune's own bookkeeping more: no share covers its wall time, so
     the share is taken as never spent here; the neighbours then come after the listed points, each once, until

@@ -38,7 +38,7 @@ import numpy as np
 import pandas as pd
 
 from specbench.route.features import SEEN_N, feature_names, prompt_features
-from specbench.types import SpecbenchError
+from specbench.types import SpecbenchError, reply_length_note
 
 OBJECTIVES = ("speed", "verify_tokens")
 MARGIN = 0.05
@@ -153,15 +153,9 @@ class Router:
         return any(get_method(c.method).keeps_outputs for c in self.candidates)
 
     def length_note(self, max_new_tokens: int) -> Optional[str]:
-        """Why this router's choices may not hold for replies of `max_new_tokens`, when they are over twice or under
-        half as long as its calibration's: what a candidate drafts changes along a reply (SmolLM2's MT-bench replies
-        repeat themselves past 128 tokens, where prompt lookup drafted 2.6x its first 32 tokens' rate); else None."""
-        if not self.reply_tokens or self.reply_tokens / 2 <= max_new_tokens <= self.reply_tokens * 2:
-            return None
-        return (f"this router was calibrated on replies of up to {self.reply_tokens} tokens and now routes "
-                f"{max_new_tokens}-token ones: what each candidate drafts changes along a reply (copying methods gain "
-                f"in long ones), so its choices were checked only for replies like its calibration's; calibrate at "
-                f"this length (`specbench route --max-new-tokens {max_new_tokens}`)")
+        """Why this router's choices may not hold for replies of `max_new_tokens` (`reply_length_note`), or None."""
+        return reply_length_note(self.reply_tokens, max_new_tokens, "this router was calibrated",
+                                 f"calibrate at this length (`specbench route --max-new-tokens {max_new_tokens}`)")
 
     def default_for(self, family: Optional[str] = None) -> Optional[str]:
         """The candidate a prompt keeps unless another is predicted better by the margin: its family's best

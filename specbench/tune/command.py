@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from specbench.models.spec import KERNELS, KERNELS_HELP
+from specbench.types import reply_length_note
 
 
 def add_tune(commands) -> None:
@@ -94,3 +95,7 @@ def apply_config(args: argparse.Namespace) -> None:
     if config.get("temperature"):  # the choice was checked at this temperature, under this rule
         args.temperature, args.rule = config["temperature"], config.get("rule") or args.rule
     args.kernels = config.get("kernels", args.kernels)
+    note = reply_length_note(config.get("max_new_tokens"), args.max_new_tokens, "the tune's choice was measured",
+                             f"tune at this length (`specbench tune --max-new-tokens {args.max_new_tokens}`)")
+    if note:
+        print(note[0].upper() + note[1:])
