@@ -148,7 +148,8 @@ def main() -> None:
             table = summarize(records)
             along.append(tokens_per_step_by_position(records, args.position_width).round(3)
                          .reset_index().assign(dataset=dataset, k=k))
-            kept.append(records.assign(dataset=dataset, k_asked=k))
+            if args.records:
+                kept.append(records.assign(dataset=dataset, k_asked=k))
             forward = records.loc[records["method"] != "target-only", "target_forward_s"].mean()
             for row in table.to_dict("records"):
                 group = records[records["method"] == row["method"]]
@@ -159,7 +160,7 @@ def main() -> None:
                     rates = per_position_acceptance(group)
                     positions.append({"dataset": dataset, "method": row["method"], "k": k,
                                       **{f"p{j}": round(v, 3) for j, v in rates.items()}})
-    table = pd.DataFrame(rows)
+    table, by_position = pd.DataFrame(rows), pd.concat(along) if along else pd.DataFrame()
     if len(table):
         base = table[table["method"] == "target-only"].set_index("dataset")["tokens_per_s"]
         table["speedup_vs_target_only"] = table["tokens_per_s"] / table["dataset"].map(base)
@@ -168,8 +169,8 @@ def main() -> None:
         print(table[columns].round(3).to_string(index=False))
         print(pd.DataFrame(positions).to_string(index=False))
         print(f"tokens per step by where in the reply the step began ({args.position_width}-token bins):")
-        print(pd.concat(along).to_string(index=False))
-    if args.records and kept:
+        print(by_position.to_string(index=False))
+    if kept:
         pd.concat(kept, ignore_index=True).to_parquet(args.records)
     measured, priced = [], []
     if args.placements:
@@ -179,10 +180,9 @@ def main() -> None:
         print(pd.DataFrame(measured).round(3).to_string(index=False))
         print(pd.DataFrame(priced).pivot_table(index=["rtt_ms", "mbps"], columns="method",
                                                values="tokens_per_s").round(2).to_string())
-    along = pd.concat(along).to_dict("records") if along else []
     write_report(args.out, {"target": args.target, "head": head, "training": training, "rows": table.to_dict("records"),
-                            "per_position": positions, "by_reply_position": along, "placements": measured,
-                            "placements_priced": priced, "settings": vars(args)})
+                            "per_position": positions, "by_reply_position": by_position.to_dict("records"),
+                            "placements": measured, "placements_priced": priced, "settings": vars(args)})
 
 
 if __name__ == "__main__":

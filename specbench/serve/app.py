@@ -235,8 +235,7 @@ class Answer:
                        "tokens_per_step": round(generated / len(records), 4) if records else None,
                        "target_forwards": len(records) + 1}  # each step's verify plus the prefill
         if route is not None:
-            speculative.update(chosen=route["chosen"], route_predicted=route["route_predicted"],
-                               **({"route_note": route["route_note"]} if "route_note" in route else {}))
+            speculative.update({key: route[key] for key in ("chosen", "route_predicted", "route_note") if key in route})
         if self.job.speculation.suffix:
             speculative["suffix"] = dict(self.job.speculation.suffix)
         return {"prompt_tokens": len(self.job.prompt_ids), "completion_tokens": generated,

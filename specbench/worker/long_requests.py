@@ -80,13 +80,16 @@ def generate(ops, header: dict, arrays: dict, curve_key: str):
     from specbench.decode.loop import Decoding, generate_steps
 
     method, chosen = get(header, "method", str), {}
+    limits = ops.limits
+    max_new_tokens = protocol.integer(header, "max_new_tokens", 1)
+    check(max_new_tokens, limits.max_new_tokens, "max_new_tokens of a generate", "--max-new-tokens")
     if method == "auto-server":  # the worker's router picks the method and K for this prompt
         family = get(header, "family", str) if "family" in header else None
         if family is not None and len(family) > MAX_FAMILY_CHARS:
             raise ProtocolError(f"field 'family' is a family's name: at most {MAX_FAMILY_CHARS} characters, "
                                 f"got {len(family)}")
         method, k_chosen, chosen, routed_draft = _routed(ops, protocol.array(arrays, "tokens").tolist(), family,
-                                                         header, curve_key)
+                                                         header, curve_key, max_new_tokens)
         header = dict(header, k=k_chosen)
         if routed_draft is not None:  # the chosen candidate's own draft, in the worker's draft dtype
             like = ops.config.draft or ops.config.model or ModelSpec(routed_draft)
@@ -95,9 +98,6 @@ def generate(ops, header: dict, arrays: dict, curve_key: str):
     if method not in METHODS or not METHODS[method].on_worker:
         on_worker = [name for name, m in METHODS.items() if m.on_worker]
         raise ProtocolError(f"generate runs the worker methods {on_worker}, not {method!r}")
-    limits = ops.limits
-    max_new_tokens = protocol.integer(header, "max_new_tokens", 1)
-    check(max_new_tokens, limits.max_new_tokens, "max_new_tokens of a generate", "--max-new-tokens")
     k = protocol.integer(header, "k", 1, None, 4)
     suffix = protocol.suffix_from_wire(header["suffix"]) if "suffix" in header else {}
     check_step(method, k, suffix, limits)
@@ -214,8 +214,8 @@ def worker_router(path: str, limits=None):
     return router
 
 
-def _routed(ops, prompt: list, family: Optional[str], header: dict,
-            curve_key: str) -> tuple[str, int, dict, Optional[str]]:
+def _routed(ops, prompt: list, family: Optional[str], header: dict, curve_key: str,
+            max_new_tokens: int) -> tuple[str, int, dict, Optional[str]]:
     """auto-server: the worker method, K and own draft (None: the worker's) its router predicts best for `prompt`,
     and what to tell the client.
     A router that reads what earlier outputs hold reads this tenant's suffix cache (the one the request's suffix
@@ -241,7 +241,7 @@ def _routed(ops, prompt: list, family: Optional[str], header: dict,
     own = f"@{candidate.draft}" if candidate.draft else ""
     told = {"chosen": f"{method}{own} k={candidate.k}", "route_predicted": json.dumps(predicted_speeds(table)),
             "route_default": ops.router.default_for(family)}
-    note = ops.router.length_note(protocol.integer(header, "max_new_tokens", 1))
+    note = ops.router.length_note(max_new_tokens)
     if note:
         told["route_note"] = note
     return method, max(1, candidate.k), told, candidate.draft
