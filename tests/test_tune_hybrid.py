@@ -193,7 +193,14 @@ def test_tune_runs_the_hybrid_beside_its_best_point_and_chooses_on_that_run(tmp_
     assert len(stored) == 1
     again = tune(spec(), tmp_path, progress=False)  # resumed: read, not rerun
     assert {p: p.stat().st_mtime_ns for p in stored} == stored
-    assert again.hybrid["measured_tokens_per_s"].tolist() == pytest.approx(hybrid["measured_tokens_per_s"].tolist())
+    # a rerun calibrates anew and may measure points the first did not, and so run another best point beside the
+    # hybrid (in a file of its own); where it runs the same points, they are read back, not run again
+    ran = lambda rows: sorted(zip(rows["label"], rows["other_k"].fillna(0)))  # noqa: E731
+    if ran(again.hybrid) == ran(hybrid):
+        assert again.hybrid["measured_tokens_per_s"].tolist() == pytest.approx(
+            hybrid["measured_tokens_per_s"].tolist(), rel=1e-9)
+    else:
+        assert len(list((tmp_path / "measured").glob("duel-*other*.json"))) == 2
     # the hybrid chosen (J favours it here): its budget for the draft is written and read back
     speeds = [99.0 if method == "suffix-tree-chain" else 10.0 for method in hybrid["method"]]
     favoured = hybrid.assign(measured_tokens_per_s=speeds, total_cost_usd_per_mtok=1.0)
