@@ -214,6 +214,24 @@ def test_auto_routes_each_request_says_why_and_stays_lossless(local, expected):
     assert "auto" in offered["methods"] and set(offered["router"]) == labels
 
 
+def test_a_tuned_method_asked_for_replies_far_from_the_tunes_length_is_told_so(local, expected):
+    """`serve --config`: a request running the tune's method over twice (or under half) the reply length the tune
+    measured at carries a `tune_note` in its usage; one near that length, or running another method, none."""
+    settings = local.engine.settings  # frozen; the app reads this object: set the tune's fields for this test only
+    client, notes = local.client(), {}
+    try:
+        for method, measured in (("chain", TOKENS * 4), ("chain", TOKENS), ("target-only", TOKENS * 4)):
+            object.__setattr__(settings, "tuned", ("chain", measured))
+            text, usage = chat_text(client, PROMPTS[0], method, 3 if method == "chain" else None, stream=False)
+            assert text == expected["chat"][0]
+            notes[(method, measured)] = usage.speculative.get("tune_note")
+    finally:
+        object.__setattr__(settings, "tuned", None)
+    assert f"up to {TOKENS * 4} tokens and now serves {TOKENS}-token ones" in notes[("chain", TOKENS * 4)]
+    assert "specbench tune --max-new-tokens 24" in notes[("chain", TOKENS * 4)]
+    assert notes[("chain", TOKENS)] is None and notes[("target-only", TOKENS * 4)] is None
+
+
 def test_an_auto_request_routed_past_suffix_decoding_still_leaves_its_output_in_the_servers_cache(local):
     """As in calibration and in `run`'s auto: a later request quoting it drafts from it. A plain target-only
     request leaves nothing (only suffix drafters and auto keep outputs)."""

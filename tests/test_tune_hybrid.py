@@ -236,9 +236,12 @@ def test_a_configurations_suffix_settings_are_checked_and_served(tmp_path):
         with pytest.raises(SpecbenchError, match=f"suffix .*{named}"):
             read_config(path)
     path = tmp_path / "good.json"
-    path.write_text(json.dumps({**base, "suffix": {"other_k": 3}, "dtype": "bfloat16"}))
+    path.write_text(json.dumps({**base, "suffix": {"other_k": 3}, "dtype": "bfloat16", "max_new_tokens": 40}))
     settings = settings_from(build_parser().parse_args(["serve", "--config", str(path)]))
     assert settings.methods[0] == "suffix-tree-chain" and settings.suffix.other_k == 3
+    assert settings.tuned == ("suffix-tree-chain", 40)  # requests far from 40 tokens are told (test_serve)
+    assert "up to 40 tokens and now serves 200-token" in settings.tune_note("suffix-tree-chain", 200)
+    assert settings.tune_note("suffix-tree-chain", 60) is None and settings.tune_note("target-only", 200) is None
     assert settings.dtype == "bfloat16"  # the dtype the choice was measured at
     settings = settings_from(build_parser().parse_args(["serve", "--config", str(path), "--suffix", "other_k=2",
                                                         "--dtype", "float32"]))

@@ -151,7 +151,7 @@ def create_app(engine: Engine, predictions: Optional[dict] = None) -> FastAPI:
         check_model(body, served)
         make = chat_job if chat else completion_job
         job, stream, include_usage = make(body, settings, engine.tokenizer, engine)
-        answer = Answer(job, chat, served, metrics)
+        answer = Answer(job, chat, served, metrics, settings.tune_note(job.speculation.method, job.max_tokens))
         admit()
         if stream:
             return StreamingResponse(answer.sse(events_of(job), include_usage), media_type="text/event-stream",
@@ -200,8 +200,8 @@ def create_app(engine: Engine, predictions: Optional[dict] = None) -> FastAPI:
 class Answer:
     """One response, built from engine events: the text, the usage with SD figures, the timing split."""
 
-    def __init__(self, job: Job, chat: bool, model: str, metrics: ServeMetrics):
-        self.job, self.chat, self.model, self.metrics = job, chat, model, metrics
+    def __init__(self, job: Job, chat: bool, model: str, metrics: ServeMetrics, tune_note: Optional[str] = None):
+        self.job, self.chat, self.model, self.metrics, self.tune_note = job, chat, model, metrics, tune_note
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.text, self.started = "", time.perf_counter()
@@ -238,6 +238,8 @@ class Answer:
             speculative.update({key: route[key] for key in ("chosen", "route_predicted", "route_note") if key in route})
         if self.job.speculation.suffix:
             speculative["suffix"] = dict(self.job.speculation.suffix)
+        if self.tune_note:
+            speculative["tune_note"] = self.tune_note
         return {"prompt_tokens": len(self.job.prompt_ids), "completion_tokens": generated,
                 "total_tokens": len(self.job.prompt_ids) + generated, "speculative": speculative}
 

@@ -64,6 +64,8 @@ def settings_from(args):
         extra = {"self_draft_layers": config.get("self_draft_layers"),
                  "substitute_quantization": config.get("substitute_quantization") or "8bit"}
         worker = worker or config.get("endpoint")  # measured through a worker: served through it (--worker: another)
+        if config.get("max_new_tokens"):  # requests far from this length are told the choice was not checked there
+            extra["tuned"] = (config["method"], int(config["max_new_tokens"]))
     if not target and worker:
         target = worker_model(worker)
     if not target:
@@ -108,6 +110,8 @@ def _serve(args) -> int:
     app = build_app(settings)
     print(f"serving {settings.target} ({', '.join(settings.methods)}) on http://{settings.host}:{settings.port} "
           f"- chat page at /, OpenAI routes under /v1, metrics at /metrics", flush=True)
+    if settings.tuned:  # requests far from this length get a `tune_note` in their usage
+        print(f"{settings.tuned[0]} was chosen by a tune on replies of up to {settings.tuned[1]} tokens", flush=True)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning")
     return 0
 

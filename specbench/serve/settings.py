@@ -70,6 +70,7 @@ class ServeSettings:
     suffix: Any = None  # SuffixSettings of the suffix methods (`--suffix`): default knobs, the cache's scope
     router: Optional[str] = None  # a router file (`specbench route`): method `auto` picks each request's method and K
     stop_below: float = STOP_BELOW  # chain-confident and its hybrid: a chain ends at a token its draft gave less
+    tuned: Optional[tuple[str, int]] = None  # a --config's method and the reply length (tokens) it was measured at
 
     def __post_init__(self):
         from specbench.methods import get_method
@@ -94,6 +95,16 @@ class ServeSettings:
     @property
     def default_method(self) -> str:
         return self.methods[0]
+
+    def tune_note(self, method: str, max_tokens: int) -> Optional[str]:
+        """Why a request running the tune's method may not run as the tune measured it: replies over twice or
+        under half the tune's length (`types.reply_length_note`); None otherwise, or with no --config."""
+        from specbench.types import reply_length_note
+
+        if self.tuned is None or method != self.tuned[0]:
+            return None
+        return reply_length_note(self.tuned[1], max_tokens, "the tune's choice was measured",
+                                 f"tune at this length (`specbench tune --max-new-tokens {max_tokens}`)")
 
 
 @dataclass(frozen=True)
