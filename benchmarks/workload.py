@@ -270,6 +270,7 @@ def main() -> None:
     router = fit_router(calibration_records, prompts, candidates, [r["set"] for r in calibration],
                         margin=args.margin, seen=calibration_seen(calibration_records, prompts, candidates,
                                                                   settings("calibration ")))
+    router.reply_tokens = args.max_new_tokens  # as `train_router` records it: a later use at another length is told
     router.save(Path(args.out).with_suffix(".router.json"))
     print(f"router: default {router.default}, margin {router.margin}"
           + (f" (cross-validated tok/s by margin: {router.margins})" if router.margins else ""))
