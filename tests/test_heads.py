@@ -585,6 +585,46 @@ def test_sampled_responses_add_the_targets_own_text_after_the_greedy_one_and_the
         train_head(TrainSpec(**{**held.__dict__, "samples": 2}), tmp_path, progress=False)
 
 
+def test_repeated_spans_append_a_piece_of_the_sequence_itself_and_their_data_is_kept_apart(tmp_path):
+    """`repeat_spans`: the chosen share of sequences ends with one of its own spans again (from its reply or its
+    prompt, a closing end-of-sequence token dropped), never past max_length; the rest are left as they were; the
+    same seed gives the same data; data made without repeats is refused by name rather than trained on."""
+    from specbench.heads.data import REPEAT_SPAN, with_repeats
+    from specbench.heads.train import TrainSpec, train_head
+
+    low, high = REPEAT_SPAN
+    sequences = [list(range(100 * i, 100 * i + 30)) + list(range(5000 + 100 * i, 5000 + 100 * i + 70)) + [2]
+                 for i in range(40)]
+    lengths = [30] * 40
+    made = with_repeats(sequences, lengths, 0.5, 384, {2}, seed=0)
+    assert made == with_repeats(sequences, lengths, 0.5, 384, {2}, seed=0)
+    kept = [m for m, s in zip(made, sequences) if m == s]
+    grown = [(m, s) for m, s in zip(made, sequences) if m != s]
+    assert 10 <= len(grown) <= 30 and len(kept) + len(grown) == 40
+    sources = set()
+    for new, old in grown:
+        body, tail = new[:len(old) - 1], new[len(old) - 1:]
+        assert body == old[:-1] and low <= len(tail) <= high
+        start = old.index(tail[0])
+        assert old[start:start + len(tail)] == tail  # a span of the sequence itself
+        sources.add("prompt" if start < 30 else "reply")
+    assert sources == {"prompt", "reply"}
+    assert with_repeats(sequences, lengths, 1.0, 100 + low - 1, {2}, seed=0) == sequences  # no room: left as is
+    assert with_repeats(sequences, lengths, 0.0, 384, {2}, seed=0) == sequences
+    with pytest.raises(SpecbenchError, match="repeat_spans"):
+        TrainSpec(target="x", repeat_spans=1.5).check()
+    prompts = [[(i * 11 + j * 7) % 90 + 3 for j in range(6 + i % 5)] for i in range(5)]
+    spec = TrainSpec(target="tiny-random:seed=0,layers=4", prompts=tuple(prompts), prompt_count=5, held_out=2,
+                     max_new_tokens=40, draft_vocab=96, labels="greedy", ttt_steps=1, epochs=1, batch=2,
+                     checkpoint_every=1_000, eval_every=10_000)
+    plain = train_head(spec, tmp_path, progress=False)
+    repeated = TrainSpec(**{**spec.__dict__, "repeat_spans": 1.0})
+    with pytest.raises(SpecbenchError, match=r"other \['repeat_spans'\]"):
+        train_head(repeated, tmp_path, progress=False)
+    again = train_head(repeated, tmp_path / "repeated", progress=False)
+    assert again.data["tokens"] > plain.data["tokens"] and again.data["sequences"] == plain.data["sequences"]
+
+
 @pytest.mark.real_model
 def test_a_teacher_forced_exchange_knows_where_its_reply_begins():
     """A ShareGPT exchange trained as text: the turn's tokens are counted up to where the template opens the

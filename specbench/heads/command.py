@@ -24,6 +24,9 @@ def add_train_draft(commands) -> None:
     train.add_argument("--temperature", type=float, default=defaults.temperature,
                        help="of the sampled responses (default %(default)s)")
     train.add_argument("--teacher-forced", action="store_true", help="train on the prompts' text, no responses")
+    train.add_argument("--repeat-spans", type=float, default=defaults.repeat_spans, metavar="SHARE",
+                       help="this share of the sequences gets one of its own spans (24-64 tokens of its reply or "
+                            "prompt) appended again, so the head learns the target's copying (default: none)")
     train.add_argument("--labels", choices=("soft", "greedy"), default=defaults.labels,
                        help="the target's top-k distribution per position (soft) or its argmax (greedy)")
     train.add_argument("--feature-loss", type=float, default=defaults.feature_loss, metavar="WEIGHT",
@@ -64,7 +67,7 @@ def _train_draft(args) -> int:
     spec = TrainSpec(target=args.target, prompts=args.prompts, prompt_count=args.prompt_count, held_out=args.held_out,
                      max_new_tokens=args.max_new_tokens, max_length=args.max_length,
                      samples=args.samples, temperature=args.temperature, teacher_forced=args.teacher_forced,
-                     labels=args.labels, loss_on=args.loss_on, feature_loss=args.feature_loss,
+                     repeat_spans=args.repeat_spans, labels=args.labels, loss_on=args.loss_on, feature_loss=args.feature_loss,
                      own_embeddings=args.own_embeddings,
                      draft_vocab=args.draft_vocab, layers=tuple(args.layers) if args.layers else None,
                      ttt_steps=args.ttt_steps, epochs=args.epochs,

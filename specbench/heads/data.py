@@ -7,6 +7,7 @@ All of it is cached in the training folder, so a resume does not pay for it agai
 """
 from __future__ import annotations
 
+import random
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -72,6 +73,29 @@ def sequences(target, spec, prompts: list, progress: bool) -> list[list[int]]:
             out.append((prompt + response)[:spec.max_length])
         bar.update(len(group))
     bar.close()
+    return out
+
+
+REPEAT_SPAN = (24, 64)  # tokens of a repeated span: a sentence or two, as a reply restates or quotes its prompt
+
+
+def with_repeats(sequences: list, prompt_lengths: list, share: float, max_length: int, eos_ids, seed: int) -> list:
+    """`share` of `sequences`, each with one of its own spans (`REPEAT_SPAN` tokens, from its reply or its prompt,
+    half and half) appended again after its end (a closing end-of-sequence token dropped): the target, reading the
+    repeat, copies it, and its labels there teach a head to. Why: SmolLM2's MT-bench replies restate themselves
+    past 128 tokens (prompt lookup drafts 3 tokens a step there), while a head trained on its replies as they are
+    drafts 1.3 there as everywhere: its data held too little copying to learn it from."""
+    rng, low, high, out = random.Random(seed), *REPEAT_SPAN, []
+    for ids, asked in zip(sequences, prompt_lengths):
+        body = list(ids[:-1] if ids and ids[-1] in eos_ids else ids)
+        reply, prompt = body[asked:], body[:asked]
+        source = reply if len(reply) >= low and (rng.random() < 0.5 or len(prompt) < low) else prompt
+        if rng.random() >= share or len(source) < low or len(body) + low > max_length:
+            out.append(ids)
+            continue
+        length = rng.randint(low, min(high, len(source)))
+        start = rng.randint(0, len(source) - length)
+        out.append((body + source[start:start + length])[:max_length])
     return out
 
 
@@ -172,14 +196,18 @@ def prepare(spec, folder: str | Path, layer_ids_of, progress: bool) -> Prepared:
         data = load_cached(data_path, "the target's responses are lost; train into a new folder, or delete this "
                                       "folder's data.pt, features.pt, checkpoint.pt and head/ to make them again")
         fields = ("prompts", "prompt_count", "held_out", "max_new_tokens", "max_length", "teacher_forced", "seed",
-                  "samples", "temperature")
+                  "samples", "temperature", "repeat_spans")
         made = {**asdict(type(spec)(target=spec.target)), **data["spec"]}  # fields a cache predates: their defaults
         changed = [name for name in fields if made.get(name) != asdict(spec).get(name)]
         if changed:
             raise SpecbenchError(f"{folder} holds training data made with other {changed}: resume with the same "
                                  f"settings, or train into a new folder")
     else:
-        data = {"sequences": sequences(target, spec, training, progress), "spec": asdict(spec)}
+        made = sequences(target, spec, training, progress)
+        if spec.repeat_spans:
+            made = with_repeats(made, prompt_lengths(target, spec, training), spec.repeat_spans, spec.max_length,
+                                set(target.eos_token_ids or ()), spec.seed)
+        data = {"sequences": made, "spec": asdict(spec)}
         save_cached(data, data_path)
     seconds["data"] = round(time.monotonic() - started, 1)
     features_path = folder / "features.pt"

@@ -52,6 +52,7 @@ class TrainSpec:
     samples: int = 1  # responses per prompt: the greedy one, then sampled ones at `temperature`
     temperature: float = 1.0
     teacher_forced: bool = False  # train on text as it is (ShareGPT: its exchanges), no responses generated
+    repeat_spans: float = 0.0  # share of sequences given one of their own spans again at their end (`data.with_repeats`)
     loss_on: str = "all"  # all: predict at every position; reply: only after the prompt, where drafting will
     labels: str = "soft"  # soft: the target's top-`soft_top` distribution; greedy: its argmax
     soft_top: int = 16
@@ -84,6 +85,8 @@ class TrainSpec:
                                  f"{self.temperature}")
         if self.ttt_steps < 1 or self.draft_vocab < 2 or self.batch < 1 or self.epochs <= 0 or self.soft_top < 1:
             raise SpecbenchError("ttt_steps, batch, epochs and soft_top must be positive and draft_vocab at least 2")
+        if not 0 <= self.repeat_spans <= 1:
+            raise SpecbenchError(f"repeat_spans is a share of the sequences, 0 to 1, got {self.repeat_spans}")
         if not 0 <= self.feature_loss < float("inf"):
             raise SpecbenchError(f"feature_loss is a weight, 0 or more, got {self.feature_loss}")
         if not 0 < self.learning_rate < float("inf"):
