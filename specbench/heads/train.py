@@ -52,7 +52,7 @@ class TrainSpec:
     samples: int = 1  # responses per prompt: the greedy one, then sampled ones at `temperature`
     temperature: float = 1.0
     teacher_forced: bool = False  # train on text as it is (ShareGPT: its exchanges), no responses generated
-    repeat_spans: float = 0.0  # share of sequences given one of their own spans again at their end (`data.with_repeats`)
+    repeat_spans: float = 0.0  # share of sequences given one of their own spans again at the end (`data.with_repeats`)
     loss_on: str = "all"  # all: predict at every position; reply: only after the prompt, where drafting will
     labels: str = "soft"  # soft: the target's top-`soft_top` distribution; greedy: its argmax
     soft_top: int = 16
