@@ -90,6 +90,12 @@ def placements(args, head: str, prompts: list) -> tuple[list[dict], list[dict]]:
     return measured, priced
 
 
+def _name(folder: str) -> str:
+    """A head's name in the tables: its training folder's (`<out>/head` -> `<out>`'s last part)."""
+    path = Path(folder)
+    return path.parent.name if path.name == "head" else path.name
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="smollm2-135m")
@@ -107,6 +113,9 @@ def main() -> None:
     parser.add_argument("--self-draft-layers", type=int, default=7)
     parser.add_argument("--drafts", nargs="*", default=[],
                         help="draft model folders (e.g. `train-draft --distil`'s <out>/draft) run as chains per K too")
+    parser.add_argument("--other-heads", nargs="*", default=[],
+                        help="more head folders, each drafting chains and trees on the same prompts right after "
+                             "--head's (rows `eagle@NAME`): two trainings compared in one run")
     parser.add_argument("--tree-nodes", type=int, nargs="*", default=[],
                         help="also the head's tree at depth K with this many nodes (EAGLE-2's depth and budget; "
                              "`eagle-tree` itself spends K nodes)")
@@ -140,11 +149,19 @@ def main() -> None:
                             progress=f"heads: {dataset}, K={k}, {folder}")
                 extra["method"] = f"chain:{Path(folder).parent.name if Path(folder).name == 'draft' else folder}"
                 records = pd.concat([records, extra], ignore_index=True)
-            for nodes in args.tree_nodes:  # EAGLE-2's shape: as deep as the chain, wider than it
-                extra = run(target, prompts, method="eagle-tree", draft=head, k=nodes, tree=TreeShape(max_depth=k),
-                            max_new_tokens=args.max_new_tokens, progress=f"heads: {dataset}, depth {k}, {nodes} nodes")
-                extra["method"] = f"eagle-tree:{nodes}-nodes"
+            for folder in args.other_heads:  # right after, on the same prompts: another training of a head
+                name = _name(folder)
+                extra = run(target, prompts, method=["eagle", "eagle-tree"], draft=folder, k=k,
+                            max_new_tokens=args.max_new_tokens, progress=f"heads: {dataset}, K={k}, {name}")
+                extra["method"] = extra["method"] + f"@{name}"
                 records = pd.concat([records, extra], ignore_index=True)
+            for nodes in args.tree_nodes:  # EAGLE-2's shape: as deep as the chain, wider than it
+                for folder in [head, *args.other_heads]:
+                    extra = run(target, prompts, method="eagle-tree", draft=folder, k=nodes,
+                                tree=TreeShape(max_depth=k), max_new_tokens=args.max_new_tokens,
+                                progress=f"heads: {dataset}, depth {k}, {nodes} nodes")
+                    extra["method"] = f"eagle-tree:{nodes}-nodes" + ("" if folder == head else f"@{_name(folder)}")
+                    records = pd.concat([records, extra], ignore_index=True)
             table = summarize(records)
             along.append(tokens_per_step_by_position(records, args.position_width).round(3)
                          .reset_index().assign(dataset=dataset, k=k))
