@@ -98,13 +98,12 @@ class ServeSettings:
 
     def tune_note(self, method: str, max_tokens: int) -> Optional[str]:
         """Why a request running the tune's method may not run as the tune measured it: replies over twice or
-        under half the tune's length (`types.reply_length_note`); None otherwise, or with no --config."""
-        from specbench.types import reply_length_note
+        under half the tune's length (`tune.report.length_note`); None otherwise, or with no --config."""
+        from specbench.tune.report import length_note
 
         if self.tuned is None or method != self.tuned[0]:
             return None
-        return reply_length_note(self.tuned[1], max_tokens, "the tune's choice was measured",
-                                 f"tune at this length (`specbench tune --max-new-tokens {max_tokens}`)")
+        return length_note(self.tuned[1], max_tokens)
 
 
 @dataclass(frozen=True)

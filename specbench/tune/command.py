@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 
 from specbench.models.spec import KERNELS, KERNELS_HELP
-from specbench.types import reply_length_note
 
 
 def add_tune(commands) -> None:
@@ -79,7 +78,7 @@ def apply_config(args: argparse.Namespace) -> None:
     """`specbench run --config tune.json`: the tune's choice replaces target, method, draft and K; a choice measured
     through a worker runs through that worker unless `--worker` names another (it ran the target on this machine,
     loading a model the tune never ran here)."""
-    from specbench.tune.report import read_config, suffix_words
+    from specbench.tune.report import length_note, read_config, suffix_words
 
     config = read_config(args.config)
     if config.get("endpoint") and not getattr(args, "worker", None):
@@ -95,7 +94,6 @@ def apply_config(args: argparse.Namespace) -> None:
     if config.get("temperature"):  # the choice was checked at this temperature, under this rule
         args.temperature, args.rule = config["temperature"], config.get("rule") or args.rule
     args.kernels = config.get("kernels", args.kernels)
-    note = reply_length_note(config.get("max_new_tokens"), args.max_new_tokens, "the tune's choice was measured",
-                             f"tune at this length (`specbench tune --max-new-tokens {args.max_new_tokens}`)")
+    note = length_note(config.get("max_new_tokens"), args.max_new_tokens)
     if note:
         print(note[0].upper() + note[1:])

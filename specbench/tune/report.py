@@ -88,6 +88,16 @@ def suffix_words(config: dict) -> list[str]:
     return [f"{name}={value}" for name, value in (config.get("suffix") or {}).items()]
 
 
+def length_note(measured: Optional[int], asked: int) -> Optional[str]:
+    """Why a tune's choice, measured on replies of up to `measured` tokens (the configuration's `max_new_tokens`),
+    may not hold for `asked`-token ones (`types.reply_length_note`); what `run --config` prints and `serve --config`
+    tells each such request."""
+    from specbench.types import reply_length_note
+
+    return reply_length_note(measured, asked, "the tune's choice was measured",
+                             f"tune at this length (`specbench tune --max-new-tokens {asked}`)")
+
+
 def translations(chosen: dict) -> dict:
     """vLLM's `speculative_config` and SGLang's flags for the same choice where those engines have the
     method; untested here (neither engine runs on these machines), so marked as such."""
