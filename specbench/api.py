@@ -15,9 +15,10 @@ from tqdm.auto import tqdm
 from specbench.decode.divergence import NEAR_TIE_SHARE, divergence
 from specbench.decode.loop import Decoding, generate
 from specbench.decode.step import ProactiveDrafting, speculative_step
+from specbench.decode.suffix_repeats import COLUMN as REPEAT_COLUMN, held_prompt, repeat_note
 from specbench.decode.target import LocalTarget, Target
 from specbench.hardware import peak_memory_bytes, reset_peak_memory
-from specbench.methods import DraftSource, Method, TreeShape, get_method, parse_methods
+from specbench.methods import DraftSource, Method, TreeShape, check_runnable, get_method, parse_methods
 from specbench.models.loaded import LoadedModel
 from specbench.models.loading import as_loaded
 from specbench.models.spec import ModelSpec
@@ -152,7 +153,7 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
     target, target_model = as_target(target, dtype, fast)
     for chosen, choice in zip(methods, choices):
         if chosen is not None:
-            _check(chosen, target, planner)
+            check_runnable(chosen, target, planner)
         if planner is not None and choice.draft and chosen.plannable:
             raise SpecbenchError(f"a step planner prices the draft of its reference; method {choice.label!r} drafts "
                                  f"with its own: run it without planner=")
@@ -190,7 +191,10 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
             rows += one_prompt(index)
             bar.update()
     bar.close()
-    return pd.DataFrame(rows)
+    records = pd.DataFrame(rows)
+    if note := repeat_note(records):
+        warnings.warn(note, stacklevel=2)
+    return records
 
 
 def draft_resolver(draft, drafts, dtype: str) -> Callable:
@@ -240,8 +244,9 @@ def _method_run(chosen, planner, proactive, label, *, target, source, prompt_ids
         if planned is not None:
             planned.reset()
         routed = chosen.name == "auto-server" and families is not None  # the worker's router may use the family
+        held = held_prompt(drafter, prompt_ids[index])
         result = _measured(prompt_ids[index], index, seed, device, dict(one, family=families[index]) if routed else one)
-        rows = _rows(result, prompt_ids[index], 0 if chosen.kind == "none" else k, _memory(drafter, target_bytes))
+        rows = _rows(result, prompt_ids[index], 0 if chosen.kind == "none" else k, _memory(drafter, target_bytes), held)
         return [dict(row, method=label) for row in rows] if chosen.on_worker and label != chosen.name else rows
 
     return run_prompt
@@ -262,7 +267,7 @@ def _auto_run(router, drafts_for, *, target, source, prompt_ids, k, max_new_toke
     if note:
         warnings.warn(note, stacklevel=4)
     built: dict = {}
-    history: list[list[int]] = []  # this call's outputs, for a suffix drafter built after some of them ran
+    history: list[tuple] = []  # this call's (prompt, output)s, for a suffix drafter built after some of them ran
     # what earlier outputs hold, for the router's seen share: the suffix candidates' shared cache, or this call's own
     # (each suffix drafter keeps its own when several methods share the call)
     memory = None
@@ -273,7 +278,7 @@ def _auto_run(router, drafts_for, *, target, source, prompt_ids, k, max_new_toke
     def prepared(candidate):
         if candidate not in built:
             method = get_method(candidate.method)
-            _check(method, target, None)
+            check_runnable(method, target, None)
             own = drafts_for(candidate.draft, method)  # the candidate's own draft, or the run's
             own_source = source if candidate.draft is None else replace(source, draft=own)
             decoding = Decoding(max(1, candidate.k), max_new_tokens, sampling, "auto", method.kind)
@@ -284,8 +289,8 @@ def _auto_run(router, drafts_for, *, target, source, prompt_ids, k, max_new_toke
                 _warm_up(prompt_ids[0], seed, one, own_source)
             # a cache of its own (not the shared one `memory` is) starts with every earlier output of the call
             if hasattr(one["drafter"], "remember") and getattr(one["drafter"], "cache", None) is not memory:
-                for output in history:
-                    one["drafter"].remember(output)
+                for ids, output in history:
+                    one["drafter"].remember(output, ids)
         return built[candidate]
 
     def run_prompt(index: int) -> list[dict]:
@@ -296,21 +301,22 @@ def _auto_run(router, drafts_for, *, target, source, prompt_ids, k, max_new_toke
         candidate, table = router.choose(ids, family, seen_share(ids, memory) if router.reads_seen else 0.0)
         route_s = time.perf_counter() - started
         one = prepared(candidate)
+        held = held_prompt(one["drafter"], ids)
         result = _measured(ids, index, seed, device, one)
-        history.append(list(result.output_ids))
+        history.append((ids, list(result.output_ids)))
         fed = {id(getattr(one["drafter"], "cache", None))}  # a cache that keeps outputs sees every prompt's once
         for other in built.values():
             cache = getattr(other["drafter"], "cache", None)
             if hasattr(other["drafter"], "remember") and id(cache) not in fed:
-                other["drafter"].remember(result.output_ids)
+                other["drafter"].remember(result.output_ids, ids)
                 fed.add(id(cache))
         if memory is not None and id(memory) not in fed and result.output_ids:
-            memory.extend(memory.open(), list(result.output_ids))
+            memory.extend(memory.open(ids), list(result.output_ids))
         why = json.dumps(predicted_speeds(table))
         return [dict(row, method="auto", chosen=candidate.label, route_s=route_s, route_predicted=why,
                      route_default=router.default_for(family))
                 for row in _rows(result, ids, candidate.k if one["method"].kind != "none" else 0,
-                                 _memory(one["drafter"], target_bytes))]
+                                 _memory(one["drafter"], target_bytes), held)]
 
     return run_prompt
 
@@ -334,33 +340,18 @@ def _measured(ids, index, seed, device, one):
     return result
 
 
-def _rows(result, ids, k, memory) -> list[dict]:
+def _rows(result, ids, k, memory, held: Optional[bool] = None) -> list[dict]:
+    """`held`: whether a suffix cache already held an output of this prompt (None: the drafter keeps none)."""
     route = getattr(result, "route", None) or {}  # a worker that routed the prompt says what it chose
+    extra = {**route, **({} if held is None else {REPEAT_COLUMN: held})}
     return [{**asdict(record), "k": k, "prompt_tokens": len(ids), "prefill_s": result.prefill_s, **memory,
-             "device_peak_bytes": result.peak, **route} for record in result.records]
+             "device_peak_bytes": result.peak, **extra} for record in result.records]
 
 
 def _memory(drafter, target_bytes) -> dict:
     return {"target_weight_bytes": target_bytes,  # as loaded; a remote worker reports its own
             "draft_weight_bytes": drafter.draft.weight_bytes if isinstance(getattr(drafter, "draft", None),
                                                                          LoadedModel) else None}
-
-
-def _check(method: Method, target: Target, planner) -> None:
-    if method.on_worker and getattr(target, "generate_on_worker", None) is None:
-        raise SpecbenchError(f"method {method.name!r} runs on a worker: pass target=RemoteTarget(...)")
-    if planner is not None and not (method.plannable or method.kind == "none" or method.on_worker):
-        raise SpecbenchError(f"a step planner chooses chain lengths; method {method.name!r} is not a chain "
-                             f"method (plannable: {[m.name for m in _plannable()]})")
-    if method.plannable and planner is not None and (getattr(planner, "draft", True) is None) != method.lookup:
-        raise SpecbenchError(f"this planner was built for {planner.reference.draft!r} drafting; method "
-                             f"{method.name!r} drafts otherwise (a planner prices its own drafting)")
-
-
-def _plannable() -> list[Method]:
-    from specbench.methods import METHODS
-
-    return [m for m in METHODS.values() if m.plannable]
 
 
 def _generate_one(ids, prompt_index, seed, *, target, method, drafter, decoding, draft, proactive, suffix=None,

@@ -381,3 +381,17 @@ def make_drafter(name: str, source: DraftSource):
     """The drafter method `name` uses with `source`; None for methods without one."""
     method = get_method(name)
     return method.build(source) if method.build else None
+
+
+def check_runnable(method: Method, target, planner) -> None:
+    """Refuse, by name, a method its target or step planner cannot run: a worker's method without a worker, a
+    planner beside a method whose steps it cannot price."""
+    if method.on_worker and getattr(target, "generate_on_worker", None) is None:
+        raise SpecbenchError(f"method {method.name!r} runs on a worker: pass target=RemoteTarget(...)")
+    if planner is not None and not (method.plannable or method.kind == "none" or method.on_worker):
+        plannable = [m.name for m in METHODS.values() if m.plannable]
+        raise SpecbenchError(f"a step planner chooses chain lengths; method {method.name!r} is not a chain "
+                             f"method (plannable: {plannable})")
+    if method.plannable and planner is not None and (getattr(planner, "draft", True) is None) != method.lookup:
+        raise SpecbenchError(f"this planner was built for {planner.reference.draft!r} drafting; method "
+                             f"{method.name!r} drafts otherwise (a planner prices its own drafting)")

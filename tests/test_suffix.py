@@ -128,6 +128,46 @@ def test_cache_stays_within_its_limits_and_forgets_the_oldest_first():
     assert cache.index.nodes == 1 and cache.tokens == 0
 
 
+def test_the_cache_tells_an_output_of_the_same_prompt_until_it_is_evicted():
+    cache = SuffixCache(depth=6, max_requests=2, max_tokens=100)
+    first = cache.open([5, 6, 7])
+    cache.extend(first, [1, 2, 3])
+    assert cache.holds([5, 6, 7]) and not cache.holds([5, 6]) and not cache.holds([5, 6, 7, 8])
+    cache.extend(cache.open(), [4, 4])  # an output of no known prompt (a server's) marks none
+    assert cache.holds([5, 6, 7])
+    cache.extend(cache.open([9]), [1])  # the third evicts the first
+    assert not cache.holds([5, 6, 7]) and cache.holds([9])
+    cache.clear()
+    assert not cache.holds([9])
+
+
+def test_a_second_run_over_the_same_prompts_says_its_cache_held_their_outputs(tiny_target, tiny_draft):
+    """In the shared "process" scope a second call over the same prompts drafts each from its own earlier output;
+    the run must say so (rows and a warning naming the remedy), and a "drafter" cache must not be flagged."""
+    import warnings
+
+    settings = SuffixSettings(name="repeat test", other_k=2, hand_over=0.5)
+    methods = ["target-only", "suffix", "suffix-tree-chain"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = run(tiny_target, PROMPTS[:3], method=methods, draft=tiny_draft, k=8, max_new_tokens=16,
+                    progress=False, suffix=replace(settings, cache="drafter"))
+        once = run(tiny_target, PROMPTS[:3] + PROMPTS[:1], method="suffix-tree-chain", draft=tiny_draft, k=8,
+                   max_new_tokens=16, progress=False, suffix=replace(settings, name="repeat test, once"))
+        run(tiny_target, PROMPTS[:3], method="suffix", k=8, max_new_tokens=16, progress=False, suffix=settings)
+        assert len([w for w in caught if "already held" in str(w.message)]) == 1  # the prompt given twice only
+        again = run(tiny_target, PROMPTS[:3], method="suffix", k=8, max_new_tokens=16, progress=False,
+                    suffix=settings)
+    assert first["cache_held_prompt"].isna().tolist() == (first["method"] == "target-only").tolist()
+    assert not first["cache_held_prompt"].fillna(False).any()
+    held = once.groupby("prompt_index")["cache_held_prompt"].first().tolist()
+    assert held == [False, False, False, True]  # the prompt given twice, the second time
+    assert again.groupby("prompt_index")["cache_held_prompt"].first().tolist() == [True, True, True]
+    notes = [str(w.message) for w in caught if "already held" in str(w.message)]
+    assert len(notes) == 2 and "suffix-tree-chain 1 of 4" in notes[0] and "suffix 3 of 3" in notes[1]
+    assert "cache': 'drafter'" in notes[1]
+
+
 def test_settings_refuse_nonsense_by_name():
     with pytest.raises(SpecbenchError, match="suffix cache must be one of"):
         SuffixSettings(cache="everywhere")

@@ -89,6 +89,17 @@ def test_local_sweep_stores_per_cell_resumes_and_records_failures(tmp_path):
         sweep(cells, tmp_path, progress=False)
 
 
+def test_a_suffix_cell_measures_the_same_whichever_cells_ran_before_it_in_the_process(tmp_path):
+    """Suffix decoding keeps outputs: a cell must not draft its prompts from an earlier cell's outputs of them,
+    or its figure depends on the order the cells ran in (a rerun resuming it alone measured another)."""
+    cells = expand({"k": [6, 8]}, {**TINY, "methods": ["suffix"], "max_new_tokens": 24})
+    after = sweep(cells, tmp_path / "both", progress=False).records  # K=6 first, then K=8 in the same process
+    alone = sweep(cells[1:], tmp_path / "alone", progress=False).records
+    assert "cache_held_prompt" in after and not after["cache_held_prompt"].any()
+    got = after[after["cell"] == cells[1].key]
+    assert comparable(got).equals(comparable(alone))
+
+
 def test_ray_executor_says_how_to_install_it(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray fails as if it were not installed
     with pytest.raises(SpecbenchError, match=r"pip install .*\[ray\]"):

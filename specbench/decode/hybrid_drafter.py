@@ -111,8 +111,8 @@ class HybridDrafter:
         if hasattr(self.other, "finish"):
             self.other.finish(context)
 
-    def remember(self, output: Sequence[int]) -> None:
-        self.suffix.remember(output)
+    def remember(self, output: Sequence[int], prompt: Sequence[int] = ()) -> None:
+        self.suffix.remember(output, prompt)
 
     @property
     def cache(self):
