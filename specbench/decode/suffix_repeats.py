@@ -2,8 +2,9 @@
 
 Why: in the default "process" scope a suffix cache outlives a `run` call, so a second call over the same prompts
 drafts each from its own output of the first (greedy: token for token) and measures a repeat request, not a first
-one: on the Qwen2.5-Coder pair, 12 agentic prompts, the hybrid ran 4.50x target-only in a second call against 1.53x
-in the first. The documentation says to pass `cache="drafter"` when comparing runs; this makes the run say so too.
+one: on the Qwen2.5-Coder pair, 12 agentic prompts, the hybrid ran 4.80x target-only in a second call against 1.51x
+in the first (benchmarks/results/2026-12-07-suffix-cache-repeats.md). The documentation said to pass
+`cache="drafter"` when comparing runs; now the run says so too, where it matters.
 """
 from __future__ import annotations
 
