@@ -471,6 +471,8 @@ def test_worker_methods_compared_in_one_run_each_draft_from_their_own_cache_ther
     assert shared[0]["accepted"].tolist() == alone["suffix-server"][lambda r: r.prompt_index == 0][
         "accepted"].tolist()  # the first time, the prompt is new to the tenant's cache, warm-up included
     assert sum(shared[1]["accepted"]) > sum(shared[0]["accepted"])  # the second time, its output is there
+    assert not shared[0]["cache_held_prompt"].any() and shared[1]["cache_held_prompt"].all()  # and the rows say so
+    assert not both["cache_held_prompt"].any()
     assert stats["suffix_caches"] >= 5 and stats["suffix_cache_tokens"] >= 24 * (4 * len(PROMPTS) + 2)  # its memory
 
 

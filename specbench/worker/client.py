@@ -219,8 +219,8 @@ class RemoteTarget:
             records = [replace(record, method=method) for record in records]
         generation = Generation(prompt_index, list(prompt_ids), arrays["output"].tolist(), float(reply["prefill_s"]),
                                 records)
-        generation.route = {key: reply[key] for key in ("chosen", "route_predicted", "route_default", "route_note")
-                            if key in reply}
+        generation.route = {key: reply[key] for key in ("chosen", "route_predicted", "route_default", "route_note",
+                                                        "cache_held_prompt") if key in reply}
         return generation
 
     def profile(self, tokens=(1, 2, 4, 8, 16), contexts=(128, 512), repeats: int = 5, batches=(1,)) -> dict:

@@ -78,6 +78,7 @@ def generate(ops, header: dict, arrays: dict, curve_key: str):
     prompt goes in `--slice-tokens` at a time and then a step per slice; a resend of the same request
     (its `request` key) joins the job under way or gets its stored reply, so it runs once."""
     from specbench.decode.loop import Decoding, generate_steps
+    from specbench.decode.suffix_repeats import held_prompt
 
     method, chosen = get(header, "method", str), {}
     limits = ops.limits
@@ -129,6 +130,8 @@ def generate(ops, header: dict, arrays: dict, curve_key: str):
         ops.policy.check(draft_spec)
         drafter = _server_drafter(ops, target, METHODS[method], draft_spec, principal, suffix)
     decoding = Decoding(k, max_new_tokens, sampling, method=method, kind=METHODS[method].kind)
+    held = held_prompt(drafter, prompt.tolist())  # the tenant's suffix cache held an output of this very prompt
+    chosen = chosen if held is None else dict(chosen, cache_held_prompt=held)
     steps = generate_steps(target, drafter, prompt.tolist(), decoding, seed=seed,
                            session=f"generate/{ops.stats.requests}", prefill_chunk=ops.config.slice_tokens)
     identity = ops.identity
