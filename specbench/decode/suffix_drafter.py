@@ -180,7 +180,7 @@ class SuffixCache:
     def holds(self, prompt: Sequence[int]) -> bool:
         """Whether an output of this very prompt is in the cache. Why: suffix decoding then drafts the request
         from its own earlier answer (greedy: token for token), so a second run over the same prompts in one
-        process measures that, not a first request (SmolLM2 agentic: 4.5x target-only instead of 1.5x)."""
+        process measures that, not a first request (SmolLM2, HumanEval: 3.83x target-only instead of 1.47x)."""
         with self.lock:
             return self._held[print_of(prompt)] > 0
 
@@ -211,8 +211,11 @@ class SuffixCache:
 
     def _evict(self) -> None:
         oldest, _ = self._order.popitem(last=False)
-        if oldest in self._prompts:
-            self._held[self._prompts.pop(oldest)] -= 1
+        if oldest in self._prompts:  # a prompt no output holds leaves the count (a server sees ever new ones)
+            fingerprint = self._prompts.pop(oldest)
+            self._held[fingerprint] -= 1
+            if not self._held[fingerprint]:
+                del self._held[fingerprint]
         self._tokens -= self.index.tokens(oldest)
         self.index.remove(oldest)
         self.evicted += 1

@@ -131,7 +131,6 @@ def generate(ops, header: dict, arrays: dict, curve_key: str):
         drafter = _server_drafter(ops, target, METHODS[method], draft_spec, principal, suffix)
     decoding = Decoding(k, max_new_tokens, sampling, method=method, kind=METHODS[method].kind)
     held = held_prompt(drafter, prompt.tolist())  # the tenant's suffix cache held an output of this very prompt
-    chosen = chosen if held is None else dict(chosen, cache_held_prompt=held)
     steps = generate_steps(target, drafter, prompt.tolist(), decoding, seed=seed,
                            session=f"generate/{ops.stats.requests}", prefill_chunk=ops.config.slice_tokens)
     identity = ops.identity
@@ -139,7 +138,7 @@ def generate(ops, header: dict, arrays: dict, curve_key: str):
     def run():  # a prompt chunk or a speculative step per slice; closing it closes the target session
         result = yield from steps
         reply = {"records": [asdict(record) for record in result.records], "prefill_s": result.prefill_s,
-                 "model": identity, **chosen}
+                 "model": identity, **chosen, **({} if held is None else {"cache_held_prompt": held})}
         out = {"output": np.asarray(result.output_ids, dtype=np.int32)}
         if key is not None:
             ops.generated.store(key, reply, out)
