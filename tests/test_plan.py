@@ -30,6 +30,33 @@ def test_total_cost_by_hand():
     assert total_cost_per_mtok(STEP, prices, power) == pytest.approx(9.0 + 0.005 + 0.0075)
 
 
+def test_drafting_on_the_targets_device_is_billed_as_its_time_and_drawn_at_its_power():
+    """A local draft (or one on the worker) holds the device the target is priced on: billing the verify alone
+    priced a local chain like a remote one, so the remote point of a pair could never be the cheaper."""
+    prices = Prices(target_usd_per_hour=3.6, draft_usd_per_kwh=0.36, usd_per_gb_up=0.0, usd_per_gb_down=0.0)
+    power = Power(draft_watts=10, target_watts=300)
+    held = dataclasses.replace(STEP, drafts_on_target=True)
+    # (0.036 verify + 0.02 drafting) s per 4 tokens at $0.001/s -> $14 per 1M tokens; the client spends nothing
+    assert api_cost_per_mtok(held, prices) == pytest.approx(14.0)
+    assert total_cost_per_mtok(held, prices, power) == pytest.approx(14.0)
+    assert draft_energy_j_per_mtok(held, power) == pytest.approx(300 * 0.02 / 4 * 1e6)
+    assert objective_value("target_energy", held, prices, power) == pytest.approx(300 * 0.036 / 4 * 1e6)
+    # batched clients share the verify, never each other's drafting
+    shared = dataclasses.replace(held, clients=4)
+    assert api_cost_per_mtok(shared, prices) == pytest.approx(0.001 * (0.036 / 4 + 0.02) / 4 * 1e6)
+
+
+def test_a_pairs_remote_point_can_be_the_cheaper_and_a_worker_side_draft_is_billed_to_the_worker():
+    reference = AcceptanceReference("d", "t", "x", max_chain=4, chain_accepts=(2, 2, 2, 2))
+    prices = Prices(usd_per_gb_down=0.0)
+    local, remote, worker = predict([OperatingPoint("chain", 2), OperatingPoint("chain", 2, "remote", 0.0),
+                                     OperatingPoint("eagle-server", 2, "remote", 0.0)], TARGET, DRAFT, reference, prices)
+    assert local["tokens_per_s"] == pytest.approx(remote["tokens_per_s"])  # no round trip: the same step
+    assert local["api_cost_usd_per_mtok"] > 1.2 * remote["api_cost_usd_per_mtok"]
+    assert worker["api_cost_usd_per_mtok"] == pytest.approx(local["api_cost_usd_per_mtok"])
+    assert worker["total_cost_usd_per_mtok"] < remote["total_cost_usd_per_mtok"] + worker["api_cost_usd_per_mtok"]
+
+
 def test_objectives_and_network():
     assert objective_value("latency", STEP, Prices(), Power()) == pytest.approx(0.11 / 4)
     assert Network(rtt_ms=50, bandwidth_mbps=8).transfer_s(1000, 0) == pytest.approx(0.051)

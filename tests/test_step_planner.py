@@ -33,10 +33,17 @@ def test_hand_computed_choice_speed_versus_cost():
     scores = planner.scores(context=100)
     assert [round(r["tokens_per_s"], 2) for r in scores[:4]] == [10.0, 11.54, 10.94, 9.87]
     assert planner.choose(100) == 1
-    # GPU-hour pricing counts only verify seconds per token, 0.1 / (2 - 2^-K): cheapest at the longest chain.
+    # A remote target's GPU-hours count only its verify seconds per token, 0.1 / (2 - 2^-K), the client drafting:
+    # cheapest at the longest chain.
+    free = Prices(draft_usd_per_kwh=0.0, usd_per_gb_down=0.0)
     cheap = StepPlanner(flat("t", 0.100), flat("d", 0.030), halving_reference(), cs=1.0, prior_steps=1e6,
-                        prices=Prices(draft_usd_per_kwh=0.0, usd_per_gb_down=0.0))
+                        prices=free, where="remote")
     assert cheap.choose(100) == 6
+    # Placed locally, the draft holds the same device: (0.1 + 0.03 K) / (2 - 2^-K) per token, cheapest where fastest.
+    local = StepPlanner(flat("t", 0.100), flat("d", 0.030), halving_reference(), cs=1.0, prior_steps=1e6, prices=free)
+    costs = [r["api_cost_usd_per_mtok"] for r in local.scores(context=100)[:3]]
+    assert [round(c / (2 / 3600 * 1e6), 4) for c in costs] == [0.1, round(0.13 / 1.5, 4), round(0.16 / 1.75, 4)]
+    assert local.choose(100) == 1
 
 
 def test_remote_rtt_pushes_longer_chains():

@@ -94,6 +94,27 @@ def test_measured_points_split_the_targets_time_between_the_rows_of_each_round()
     assert alone["api_cost_usd_per_mtok"] == pytest.approx(prices.target_usd_per_hour / 3600 * 1.0 / 8 * 1e6)
 
 
+def test_measured_points_bill_drafting_to_the_device_that_drafts():
+    """A local run's drafting held the machine the target is priced on; a remote run's client drafted on its own
+    device (its energy priced instead), unless the method drafts on the worker."""
+    from specbench.plan.costs import Power, Prices
+
+    prices, power = Prices(usd_per_gb_down=0.0), Power()
+    data = records()
+    chain = data[data["method"] == "chain"]
+    tokens, drafting, verifying = chain["emitted"].sum(), chain["draft_s"].sum(), chain["verify_s"].sum()
+    per_s = prices.target_usd_per_hour / 3600 * 1e6
+    local = measured_points(data, prices=prices, power=power).iloc[1]
+    remote = measured_points(data, prices=prices, power=power, where="remote", rtt_ms=10.0).iloc[1]
+    assert local["api_cost_usd_per_mtok"] == pytest.approx(per_s * (drafting + verifying) / tokens)
+    assert local["total_cost_usd_per_mtok"] == pytest.approx(local["api_cost_usd_per_mtok"])
+    assert local["draft_energy_j_per_mtok"] == pytest.approx(power.target_watts * drafting / tokens * 1e6)
+    assert remote["api_cost_usd_per_mtok"] == pytest.approx(per_s * verifying / tokens)
+    assert remote["draft_energy_j_per_mtok"] == pytest.approx(power.draft_watts * drafting / tokens * 1e6)
+    on_worker = measured_points(chain.assign(method="eagle-server"), prices=prices, power=power, where="remote").iloc[0]
+    assert on_worker["api_cost_usd_per_mtok"] == pytest.approx(local["api_cost_usd_per_mtok"])
+
+
 def test_report_and_cli_write_html_from_cached_files(tmp_path, capsys):
     path = write_pareto_report(tmp_path / "r.html", [{"title": "synthetic", "predicted": frame(), "cs": 0.5}])
     page = path.read_text()

@@ -62,6 +62,9 @@ class StepCost:
     bytes_up: float
     bytes_down: float
     clients: int = 1
+    # the drafting runs on the target's device (a local placement, or a method drafting on the worker), which
+    # is then held, and draws its power, while it drafts; else the client's own device drafts
+    drafts_on_target: bool = False
 
     @property
     def step_s(self) -> float:
@@ -72,16 +75,26 @@ class StepCost:
         return self.tokens_per_step / self.step_s
 
 
+def target_seconds(step: StepCost) -> float:
+    """Seconds of one step the target's device is held for this client: its share of the batched verify, and
+    the drafting where that runs on the same device. Why the drafting: a local draft occupies the machine the
+    target is priced on (billing the verify alone priced a local chain like a remote one, so a remote point
+    could never be the cheaper, and made a heavy local draft look cheap; benchmarks/results/2026-12-07-local-cost.md)."""
+    return step.verify_s / step.clients + (step.draft_s if step.drafts_on_target else 0.0)
+
+
 def api_cost_per_mtok(step: StepCost, prices: Prices) -> float:
-    """Target-side $ per 1M generated tokens: GPU $/hour x verify seconds per token (amortised over the
-    clients sharing each batched forward), or the API price."""
+    """Target-side $ per 1M generated tokens: GPU $/hour x the seconds the target's device is held per token
+    (`target_seconds`), or the API price."""
     if prices.target_usd_per_mtok > 0:
         return prices.target_usd_per_mtok
-    return prices.target_usd_per_hour / 3600 * step.verify_s / (step.tokens_per_step * step.clients) * 1e6
+    return prices.target_usd_per_hour / 3600 * target_seconds(step) / step.tokens_per_step * 1e6
 
 
 def draft_energy_j_per_mtok(step: StepCost, power: Power) -> float:
-    return power.draft_watts * step.draft_s / step.tokens_per_step * 1e6
+    """Joules spent drafting, at the power of the device that drafts (the client's, or the target's)."""
+    watts = power.target_watts if step.drafts_on_target else power.draft_watts
+    return watts * step.draft_s / step.tokens_per_step * 1e6
 
 
 def target_energy_j_per_mtok(step: StepCost, power: Power) -> float:
@@ -89,8 +102,10 @@ def target_energy_j_per_mtok(step: StepCost, power: Power) -> float:
 
 
 def total_cost_per_mtok(step: StepCost, prices: Prices, power: Power) -> float:
-    """api_cost + draft energy x $/kWh + bytes x $/GB each way (AutoDraft's total cost)."""
-    energy_usd = draft_energy_j_per_mtok(step, power) / 3.6e6 * prices.draft_usd_per_kwh
+    """api_cost + the client's drafting energy x $/kWh + bytes x $/GB each way (AutoDraft's total cost). Drafting on
+    the target's device is in api_cost already (its hourly price pays its power)."""
+    client_j = 0.0 if step.drafts_on_target else draft_energy_j_per_mtok(step, power)
+    energy_usd = client_j / 3.6e6 * prices.draft_usd_per_kwh
     per_token_gb = 1e6 / step.tokens_per_step / 1e9
     wire_usd = (step.bytes_up * prices.usd_per_gb_up + step.bytes_down * prices.usd_per_gb_down) * per_token_gb
     return api_cost_per_mtok(step, prices) + energy_usd + wire_usd

@@ -205,12 +205,12 @@ def cost_column(objective: str) -> str:
     return get_objective(objective).column
 
 
-def measured_step(records: pd.DataFrame, clients: float = 1) -> StepCost:
+def measured_step(records: pd.DataFrame, clients: float = 1, drafts_on_target: bool = False) -> StepCost:
     """A run's mean step from its records, as the cost model prices one: tokens emitted, drafting, verify, wire, loop
-    and bytes; `clients` the rows sharing each verify."""
+    and bytes; `clients` the rows sharing each verify; `drafts_on_target` as `OperatingPoint.drafts_on_target`."""
     return StepCost(float(records["emitted"].mean()), float(records["draft_s"].mean()),
                     float(records["verify_s"].mean()), float(records["network_s"].mean()), float(records["overhead_s"].mean()),
-                    float(records["bytes_up"].mean()), float(records["bytes_down"].mean()), clients)
+                    float(records["bytes_up"].mean()), float(records["bytes_down"].mean()), clients, drafts_on_target)
 
 
 def measured_points(records: pd.DataFrame, prices: Prices = Prices(), power: Power = Power(),
@@ -227,9 +227,9 @@ def measured_points(records: pd.DataFrame, prices: Prices = Prices(), power: Pow
             # the rows a round's seconds are split between, as the target's seconds per token see them
             rows_of = group["batch_size"].fillna(1).clip(lower=1)
             shared = float(group["verify_s"].sum() / (group["verify_s"] / rows_of).sum())
-        step = measured_step(group, shared)
         kind = group["kind"].iloc[0]
         label = OperatingPoint(kind_method(kind), int(k), where, rtt_ms, clients=clients).label
+        step = measured_step(group, shared, OperatingPoint(method, int(k), where, rtt_ms).drafts_on_target)
         if group["planned"].any():  # K varies per step; no fixed-K prediction to overlay
             label = f"{method} K<={int(k)} ({label.rsplit('(', 1)[1]}"
         # measured speed: emitted tokens over wall time of the steps (not 1 / mean step)

@@ -5,7 +5,7 @@ columns, the CLI's choices) and disagreed. An objective is a name, the column it
 (per 1M generated tokens), its unit and the pure function that prices one step (`plan/costs.py`).
 Adding one is one `register(Objective(...))` call; `tests/custom_objective.py` does it end to end.
 
-Example: `OBJECTIVES["draft_energy"].value(step, prices, power)` is the draft device's joules per
+Example: `OBJECTIVES["draft_energy"].value(step, prices, power)` is the joules spent drafting per
 1M tokens for `step`, and predictions carry it as `draft_energy_j_per_mtok`.
 """
 from __future__ import annotations
@@ -44,14 +44,17 @@ def cost_columns(step: StepCost, prices: Prices, power: Power) -> dict[str, floa
 
 for _objective in (
     Objective("api_cost", "api_cost_usd_per_mtok", "$", lambda step, prices, power: api_cost_per_mtok(step, prices),
-              "target-side $: GPU $/hour x verify seconds (shared by batched clients), or an API price"),
+              "target-side $: GPU $/hour x the seconds its device is held (verifies, shared by batched clients, and "
+              "drafting that runs there: a local draft, a worker-side one), or an API price"),
     Objective("total_cost", "total_cost_usd_per_mtok", "$", total_cost_per_mtok,
-              "api_cost + the draft device's energy x $/kWh + bytes on the wire x $/GB (AutoDraft's total cost)"),
+              "api_cost + the client's drafting energy x $/kWh + bytes on the wire x $/GB (AutoDraft's total cost)"),
     Objective("draft_energy", "draft_energy_j_per_mtok", "J",
               lambda step, prices, power: draft_energy_j_per_mtok(step, power),
-              "the draft device's joules: the user's battery", free_scale="target_energy_j_per_mtok"),
+              "joules spent drafting, at the drafting device's watts: the user's battery where the client drafts",
+              free_scale="target_energy_j_per_mtok"),
     Objective("target_energy", "target_energy_j_per_mtok", "J",
-              lambda step, prices, power: target_energy_j_per_mtok(step, power), "the target device's joules"),
+              lambda step, prices, power: target_energy_j_per_mtok(step, power),
+              "joules of the target's verifies (shared by batched clients)"),
     Objective("energy_total", "energy_total_j_per_mtok", "J",
               lambda step, prices, power: draft_energy_j_per_mtok(step, power) + target_energy_j_per_mtok(step, power),
               "draft and target joules together"),

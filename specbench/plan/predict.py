@@ -109,6 +109,11 @@ class OperatingPoint:
         return get_method(self.method).kind
 
     @property
+    def drafts_on_target(self) -> bool:
+        """Whether its drafting runs on the target's device (placed locally, or a method drafting on the worker)."""
+        return self.where == "local" or get_method(self.method).on_worker
+
+    @property
     def label(self) -> str:
         size = "" if self.kind == "none" else f" {'K' if self.kind == 'chain' else 'budget'}={self.k}"
         place = "local" if self.where == "local" else f"remote {self.rtt_ms:g}ms"
@@ -200,7 +205,8 @@ def hybrid_step(point: OperatingPoint, target: LatencyProfile, draft: Optional[L
                    network_seconds(point, bandwidth_mbps, up, down), up, down)
         total = [sum_ + count * value for sum_, value in zip(total, figures)]
     mean_ = [value / len(steps) for value in total]
-    return StepCost(1.0 + mean_[0], mean_[1], mean_[2], mean_[3], overhead_s, mean_[4], mean_[5], point.clients)
+    return StepCost(1.0 + mean_[0], mean_[1], mean_[2], mean_[3], overhead_s, mean_[4], mean_[5], point.clients,
+                    point.drafts_on_target)
 
 
 def step_cost(point: OperatingPoint, target: LatencyProfile, draft: Optional[LatencyProfile], accepted: float,
@@ -238,7 +244,8 @@ def step_cost(point: OperatingPoint, target: LatencyProfile, draft: Optional[Lat
         verify_s = hit * verify_s + (1 - hit) * target.forward_s(1, context, point.clients)
     up, down = bytes_per_step(point, accepted=accepted)
     network_s = network_seconds(point, bandwidth_mbps, up, down)
-    return StepCost(1.0 + accepted, draft_s, verify_s, network_s, overhead_s, up, down, point.clients)
+    return StepCost(1.0 + accepted, draft_s, verify_s, network_s, overhead_s, up, down, point.clients,
+                    point.drafts_on_target)
 
 
 def predict(points: Sequence[OperatingPoint], target: LatencyProfile, draft: Optional[LatencyProfile],

@@ -135,7 +135,8 @@ def replayed_load(records: pd.DataFrame, row: dict, clients: int, rules: WorkerR
     prices (suffix decoding's hybrid: which drafter takes a step depends on the request's own record)."""
     from specbench.plan.explore import measured_step
 
-    lone = measured_step(records)
+    point = OperatingPoint(row["method"], int(row["k"]), row.get("where", "remote"))
+    lone = measured_step(records, drafts_on_target=point.drafts_on_target)
     return repriced(dict(row, clients=clients), lone, run_clients(from_records(records), clients, rules), prices, power)
 
 
