@@ -8,7 +8,7 @@ references (local and remote at each RTT, one client) under both rules, side by 
 per view and objective the recommendation at each cost weight, and whether any remote point is cheaper than the
 local point of the same method and K. No model runs.
 
-    python benchmarks/local_cost.py [--cs 0 0.5 1] [--rtts 10 50 100] [--out benchmarks/results/local_cost.json]
+    python benchmarks/local_cost.py [--cs 0 0.5 1] [--rtts 10 50 100] [--out results/local_cost.json]
     python benchmarks/local_cost.py --tune smollm2-135m --tune-dir /tmp/tune-local   # + a tune, both ways
 
 `--tune TARGET` also runs notebook 06's default tune (every draft that fits, `bench`, 6 prompts, K 1/2/4, 24 tokens,
@@ -22,6 +22,7 @@ import argparse
 import json
 from contextlib import contextmanager, nullcontext
 from functools import partial
+from pathlib import Path
 from unittest import mock
 
 import pandas as pd
@@ -89,9 +90,9 @@ def main(argv=None) -> pd.DataFrame:
     parser.add_argument("--cs", type=float, nargs="+", default=[0.5, 1.0])
     parser.add_argument("--rtts", type=float, nargs="+", default=[10.0, 50.0, 100.0])
     parser.add_argument("--objectives", nargs="+", default=["total_cost", "draft_energy"])
-    parser.add_argument("--out", default="benchmarks/results/local_cost.json")
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results" / "local_cost.json"))
     parser.add_argument("--tune", help="also tune this target both ways (notebook 06's defaults)")
-    parser.add_argument("--tune-dir", default="local-cost-tune", help="the tune's folder (its runs are kept there)")
+    parser.add_argument("--tune-dir", default=str(Path(__file__).resolve().parents[1] / "results" / "local-cost-tune"), help="the tune's folder (its runs are kept there)")
     args = parser.parse_args(argv)
     profiles, references = load_library(own=False)
     groups = target_groups(matching_pairs(profiles, references, free_drafts=True))
