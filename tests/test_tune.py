@@ -739,6 +739,48 @@ def test_a_damaged_measurement_in_the_tune_folder_is_named_and_measured_again(tm
     assert "point.json is unreadable" in capsys.readouterr().err
 
 
+def test_a_measurement_taken_on_another_machine_is_measured_again_not_read(tmp_path, capsys):
+    """A tune folder in a home shared by machines (or a user cache carried to another CPU): its points were read
+    back as if this machine had measured them, and chosen among runs timed here."""
+    import pandas as pd
+
+    from specbench.tune.phases import Store
+
+    records = pd.DataFrame([{"method": "chain", "k": 2, "tokens": 5, "step_s": 0.25}])
+    Store(tmp_path, machine="cpu-2t-AMD-EPYC-avx512bf16").save_measured("point", records)
+    mine = Store(tmp_path, machine="cpu-2t-AMD-EPYC-avx512bf16")
+    pd.testing.assert_frame_equal(mine.measured("point"), records)
+    assert mine.holds("point") and list(mine.read_back) == ["point"]
+    other = Store(tmp_path, machine="cpu-2t-Intel-Xeon")
+    assert not other.holds("point") and other.measured("point") is None
+    assert "taken on cpu-2t-AMD-EPYC-avx512bf16, not this machine (cpu-2t-Intel-Xeon)" in capsys.readouterr().err
+    other.save_measured("point", records.assign(step_s=0.5))  # measured again here: now this machine's
+    assert other.measured("point")["step_s"].tolist() == [0.5] and not mine.holds("point")
+    (tmp_path / "measured" / "before.json").write_text(records.to_json(orient="records"))  # before machines were kept
+    assert other.holds("before") and other.measured("before") is not None
+
+
+def test_a_rerun_says_which_runs_it_read_back_from_earlier_tunes(tmp_path):
+    """A rerun in a tune's folder chooses among the points an earlier tune measured there (a killed tune, another
+    cs) without measuring them again; it now says so, with when they were measured, in a warning and the report."""
+    import warnings
+
+    from specbench.hardware import device_name
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a first tune in a fresh folder reads nothing back, and says nothing
+        first = tune(spec(measure_share=0.0), tmp_path, progress=False)
+    assert first.measuring["read_back"] is None
+    index = json.loads((tmp_path / "measured" / "machines.json").read_text())
+    assert {entry["machine"] for entry in index.values()} == {device_name("cpu")}
+    with pytest.warns(UserWarning, match=r"tune: \d+ measured run\(s\) were read back from earlier tunes in .* "
+                                         r"\(measured 20\d\d-\d\d-\d\d \d\d:\d\d"):
+        again = tune(spec(measure_share=0.0), tmp_path, progress=False)
+    read = int(again.measuring["read_back"].split()[1])
+    assert read == len(first.measured) + (first.side_by_side is not None)
+    assert "were read back from earlier tunes" in (tmp_path / "report.html").read_text()
+
+
 @pytest.mark.parametrize("bad", ["{not json", "null", "[]", '{"a": 1}', '{"a": [[1], [0]]}'])
 def test_damaged_recorded_proposals_are_refused_naming_the_file(tmp_path, bad):
     """The proposals a model draft made alone, replayed under load: a file that is not them is named (before,

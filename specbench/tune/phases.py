@@ -10,6 +10,7 @@ import hashlib
 import io
 import json
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Optional
@@ -23,13 +24,37 @@ from specbench.plan.predict import LatencyProfile
 from specbench.tune.spec import FREE, Candidate, TuneSpec
 
 
-class Store:
-    """The tune's folder: `profiles/`, `reference/` and `measured/*.json`."""
+MACHINES = "machines.json"  # in measured/: the machine that measured each point, and when
 
-    def __init__(self, folder: Path):
-        self.folder = Path(folder)
+
+class Store:
+    """The tune's folder: `profiles/`, `reference/` and `measured/*.json`. `machine` (`machine_of`): measured
+    points are filed with it, and one measured on another machine is measured again, not read: a folder in a
+    home shared by machines (or a user cache moved to another CPU) held speeds that were not this machine's.
+    `read_back`: {point: when it was measured} of the points read from the folder, not measured by this Store."""
+
+    def __init__(self, folder: Path, machine: Optional[str] = None):
+        self.folder, self.machine, self.read_back = Path(folder), machine, {}
         for name in ("profiles", "reference", "measured"):
             (self.folder / name).mkdir(parents=True, exist_ok=True)
+
+    def _machines(self) -> dict:
+        path = self.folder / "measured" / MACHINES
+        try:
+            index = json.loads(path.read_text()) if path.exists() else {}
+        except (OSError, ValueError):
+            index = {}  # damaged: its points read as measured on an unknown machine, as before there was one
+        return index if isinstance(index, dict) else {}
+
+    def _foreign(self, key: str) -> Optional[str]:
+        """The other machine that measured `key`, if one did."""
+        entry = self._machines().get(key)
+        other = entry.get("machine") if isinstance(entry, dict) else None
+        return other if self.machine and other and other != self.machine else None
+
+    def holds(self, key: str) -> bool:
+        """Whether a measurement of `key` is stored that this machine may read."""
+        return (self.folder / "measured" / f"{key}.json").exists() and self._foreign(key) is None
 
     def profile(self, model: str, dtype: str, grid: dict, device: str) -> Optional[LatencyProfile]:
         found = [p for p in load_profiles(self.folder / "profiles", model=model, dtype=dtype, device=device,
@@ -52,10 +77,17 @@ class Store:
         path = self.folder / "measured" / f"{key}.json"
         if not path.exists():
             return None
+        if (other := self._foreign(key)) is not None:
+            print(f"specbench: tune's measurement {path} was taken on {other}, not this machine ({self.machine}); "
+                  f"measuring that point again", file=sys.stderr)
+            return None
         try:
             text = path.read_text()
             rows = json.loads(text)
             if isinstance(rows, list) and rows and all(isinstance(row, dict) for row in rows):
+                entry = self._machines().get(key)
+                at = entry.get("at") if isinstance(entry, dict) else None
+                self.read_back.setdefault(key, float(at) if at is not None else path.stat().st_mtime)
                 return pd.read_json(io.StringIO(text), orient="records")  # as written: dtypes read back alike
             why = "not a list of records"
         except (OSError, ValueError) as error:
@@ -68,6 +100,11 @@ class Store:
         path = self.folder / "measured" / f"{key}.json"
         with replacing(path) as temporary:  # whole or absent: a kill mid-write leaves no half record
             records.to_json(temporary, orient="records")
+        self.read_back.pop(key, None)
+        if self.machine:
+            index = dict(self._machines(), **{key: {"machine": self.machine, "at": time.time()}})
+            with replacing(self.folder / "measured" / MACHINES) as temporary:
+                Path(temporary).write_text(json.dumps(index, indent=0, sort_keys=True))
 
 
 def _key(value) -> str:
@@ -96,7 +133,7 @@ def stored_points(store: Store, predicted: pd.DataFrame, spec: TuneSpec, prompts
     for row in predicted.to_dict("records"):
         candidate, method = method_of(row)
         key = point_key(spec, candidate, method, int(row["k"]), prompts, int(row["clients"]))
-        if (store.folder / "measured" / f"{key}.json").exists():
+        if store.holds(key):
             found.append(row)
     return found
 
@@ -121,6 +158,17 @@ def profile(store: Store, model, grid: dict, spec: TuneSpec, progress, label: Op
         measured, extra = profile_model(model, **grid, repeats=spec.repeats, progress=progress)
     store.save_profile(measured, extra, grid)
     return store.profile(measured.model, spec.dtype, grid, measured.device) or measured
+
+
+def machine_of(runner) -> str:
+    """What a tune's measurements were taken on: this machine (the loop, the drafts) and, when another, the
+    target's device (a GPU here, or the worker's), named as profiles are (`hardware.device_name`)."""
+    here = device_name("cpu")
+    if hasattr(runner, "verify_begin"):
+        there = runner.info.get("device_name") or runner.info.get("device") or "worker"
+        return f"{here} -> worker {there}"
+    there = device_name(str(runner.model.get_input_embeddings().weight.device))
+    return here if there == here else f"{here} + {there}"
 
 
 def _head_profile(store: Store, head, grid: dict, spec: TuneSpec, progress, label: str) -> LatencyProfile:

@@ -202,7 +202,8 @@ def _measuring(measuring: dict) -> str:
     return "<p>" + html.escape(f"Measuring took {measuring['spent_s']:g} s{spent} of an exhaustive sweep's estimated "
                                f"{measuring['sweep_estimate_s']:g} s (share allowed {measuring['share']:.0%}); "
                                f"neighbours of the best measured points measured within it: {around}; stopped: "
-                               f"{measuring['stopped']}.") + "</p>"
+                               f"{measuring['stopped']}.") + "</p>" + (
+        f"<p><b>{html.escape(measuring['read_back'])}</b></p>" if measuring.get("read_back") else "")
 
 
 def _median(values: pd.Series) -> float:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional
@@ -60,7 +61,7 @@ def tune(spec: TuneSpec, folder: Optional[str | Path] = None, progress: bool = T
     from specbench.datasets import load_prompts
 
     spec.check()
-    started, seconds, left_out = time.monotonic(), {}, []
+    started, began, seconds, left_out = time.monotonic(), time.time(), {}, []
     deadline = started + spec.budget_minutes * 60
     folder = Path(folder or user_folder("outputs") / "tune" / spec.target.replace("/", "_"))
     rows = (load_prompts(spec.prompts, limit=spec.prompt_count, seed=spec.seed) if isinstance(spec.prompts, str)
@@ -76,7 +77,7 @@ def tune(spec: TuneSpec, folder: Optional[str | Path] = None, progress: bool = T
     tokenizer = target.tokenizer
     prompts = [row["prompt"] for row in rows]
     calibration, held = split_prompts(prompts, spec.calibration_share)
-    store = phases.Store(folder)
+    store = phases.Store(folder, machine=phases.machine_of(runner))
     context = _context(tokenizer, calibration, spec.max_new_tokens)
     bar = tqdm(total=5, desc=f"tune {spec.target}: {len(candidates)} candidates, {len(prompts)} prompts",
                unit="phase", disable=not progress)
@@ -214,9 +215,27 @@ def tune(spec: TuneSpec, folder: Optional[str | Path] = None, progress: bool = T
                                          **loaded_terms(stats, calibrator)),
                         seconds={name: round(value, 1) for name, value in seconds.items()}, measuring=measuring,
                         calibrator=calibrator, predict_now=now)
+    result.measuring["read_back"] = read_back_note(store, began)
+    if result.measuring["read_back"]:
+        warnings.warn(result.measuring["read_back"], stacklevel=2)
     result.config_path = write_config(folder / "tune.json", spec, chosen)
     result.report_path = write_report(folder / "report.html", spec, result)
     return result
+
+
+def read_back_note(store: "phases.Store", began: float) -> Optional[str]:
+    """What the choice read from earlier tunes in its folder rather than measured now, and when those ran; None
+    when everything was measured by this tune. Why said: a rerun reads every point already measured there (a
+    killed tune, another cs), and compares their speeds with runs taken now, minutes or days apart; a VM's
+    speed moves 15-20% in minutes (`tune/duel.py`)."""
+    earlier = sorted(at for at in store.read_back.values() if at < began)
+    if not earlier:
+        return None
+    stamp = lambda at: time.strftime("%Y-%m-%d %H:%M", time.gmtime(at))  # noqa: E731
+    span = stamp(earlier[0]) + ("" if stamp(earlier[-1]) == stamp(earlier[0]) else f" to {stamp(earlier[-1])}")
+    return (f"tune: {len(earlier)} measured run(s) were read back from earlier tunes in {store.folder} (measured "
+            f"{span} UTC), not measured now; to measure every point in one sitting, give the tune "
+            f"a new folder (--out-dir, or tune(spec, folder))")
 
 
 def _targets(spec: TuneSpec):
