@@ -767,10 +767,11 @@ def test_a_rerun_says_which_runs_it_read_back_from_earlier_tunes(tmp_path):
 
     from specbench.hardware import device_name
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # a first tune in a fresh folder reads nothing back, and says nothing
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         first = tune(spec(measure_share=0.0), tmp_path, progress=False)
-    assert first.measuring["read_back"] is None
+    # a first tune in a fresh folder reads nothing back, and says nothing of it (a busy box may warn of its profiles)
+    assert first.measuring["read_back"] is None and not [w for w in caught if "read back" in str(w.message)]
     index = json.loads((tmp_path / "measured" / "machines.json").read_text())
     assert {entry["machine"] for entry in index.values()} == {device_name("cpu")}
     with pytest.warns(UserWarning, match=r"tune: \d+ measured run\(s\) were read back from earlier tunes in .* "
