@@ -22,6 +22,13 @@ def device_name(device: str = "cpu") -> str:
     return f"cpu-{torch.get_num_threads()}t-{platform.machine()}"
 
 
+def machine_label(target_device: str = "cpu") -> str:
+    """What a measurement was taken on, as a tune files it: this machine (the loop, the drafts) and, when another,
+    the device a target here runs on (`cpu-2t-AMD-EPYC-avx512bf16 + NVIDIA-H100-80GB-HBM3`)."""
+    here, there = device_name("cpu"), device_name(target_device)
+    return here if there == here else f"{here} + {there}"
+
+
 def cpu_name(cpuinfo: str, threads: int) -> str:
     """`cpu-<threads>t-<model name>`, then `-avx512`, `-avx512bf16` or `-amx` (AMX tiles: bf16 matmuls of many
     rows 3x fp32's, where AVX-512 bf16 gives about 2x) where the first CPU has them (no suffix without AVX-512,

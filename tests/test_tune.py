@@ -47,6 +47,9 @@ def test_tune_end_to_end_chooses_a_measured_point_and_writes_what_run_reads(tmp_
     assert result.chosen["measured_tokens_per_s"] == pytest.approx(best["measured_tokens_per_s"], rel=1e-3)
     config = read_config(result.config_path)
     assert config["translations"]["note"].startswith("untested")
+    from specbench.hardware import machine_label
+
+    assert config["machine"] == machine_label()  # what run --config and serve --config compare theirs with
     assert "Predicted vs measured" in result.report_path.read_text()
     # tiny random prompts repeat no 4-token run, but prompt lookup's partial matches are priced at their widths
     assert (result.predicted["candidate"] == "prompt-lookup").any() and not result.left_out
@@ -101,6 +104,31 @@ def test_a_choice_measured_through_a_worker_runs_through_it(tmp_path, capsys):
     args = build_parser().parse_args(["run", "--config", str(path)])
     apply_config(args)
     assert args.worker is None
+
+
+def test_run_and_serve_config_say_when_the_tune_measured_on_another_machine(tmp_path, capsys):
+    """A tune's choice carried to another machine (a laptop's tune served on a GPU box, a CPU without AVX-512):
+    a draft's cost against the target's moves with the machine, so the choice was not checked there. `run
+    --config` and `serve --config` say so; on the same machine, or from a file that does not say, nothing."""
+    from specbench.cli import build_parser
+    from specbench.hardware import machine_label
+    from specbench.serve.command import settings_from
+    from specbench.tune.command import apply_config
+    from specbench.tune.report import machine_note
+
+    here = machine_label()
+    path = tmp_path / "tune.json"
+    base = {"target": "tiny-random:seed=0", "method": "chain", "k": 2, "draft": DRAFT}
+    for machine, said in ((None, False), (here, False), ("cpu-2t-Other-CPU", True),
+                          (f"{here} -> worker NVIDIA-H100-80GB-HBM3", False),  # this side is this machine
+                          ("cpu-2t-Other-CPU -> worker NVIDIA-H100-80GB-HBM3", True)):
+        path.write_text(json.dumps({**base, **({"machine": machine} if machine else {})}))
+        apply_config(build_parser().parse_args(["run", "--config", str(path)]))
+        settings_from(build_parser().parse_args(["serve", "--config", str(path), "--worker", "tcp://127.0.0.1:6000"]))
+        out = capsys.readouterr().out
+        assert out.count(f"was measured on {machine}, and this machine is {here}") == (2 if said else 0), (machine, out)
+    assert machine_note("cpu-2t-Other-CPU", here).endswith("tune on this machine to check it (`specbench tune`)")
+    assert machine_note(here, f"{here} + NVIDIA-H100-80GB-HBM3") is not None  # a CPU tune served on a GPU here
 
 
 def test_run_config_says_when_its_replies_are_far_longer_than_the_tunes(tmp_path, capsys):

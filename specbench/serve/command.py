@@ -66,6 +66,12 @@ def settings_from(args):
         worker = worker or config.get("endpoint")  # measured through a worker: served through it (--worker: another)
         if config.get("max_new_tokens"):  # requests far from this length are told the choice was not checked there
             extra["tuned"] = (config["method"], int(config["max_new_tokens"]))
+        from specbench.hardware import machine_label
+        from specbench.tune.report import machine_note
+
+        note = machine_note(config.get("machine"), machine_label(getattr(args, "device", "cpu") if not worker else "cpu"))
+        if note:  # said once, at start: every request runs on this machine
+            print(note[0].upper() + note[1:], flush=True)
     if not target and worker:
         target = worker_model(worker)
     if not target:

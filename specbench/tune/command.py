@@ -78,7 +78,8 @@ def apply_config(args: argparse.Namespace) -> None:
     """`specbench run --config tune.json`: the tune's choice replaces target, method, draft and K; a choice measured
     through a worker runs through that worker unless `--worker` names another (it ran the target on this machine,
     loading a model the tune never ran here)."""
-    from specbench.tune.report import length_note, read_config, suffix_words
+    from specbench.hardware import machine_label
+    from specbench.tune.report import length_note, machine_note, read_config, suffix_words
 
     config = read_config(args.config)
     if config.get("endpoint") and not getattr(args, "worker", None):
@@ -94,6 +95,7 @@ def apply_config(args: argparse.Namespace) -> None:
     if config.get("temperature"):  # the choice was checked at this temperature, under this rule
         args.temperature, args.rule = config["temperature"], config.get("rule") or args.rule
     args.kernels = config.get("kernels", args.kernels)
-    note = length_note(config.get("max_new_tokens"), args.max_new_tokens)
-    if note:
-        print(note[0].upper() + note[1:])
+    for note in (length_note(config.get("max_new_tokens"), args.max_new_tokens),
+                 machine_note(config.get("machine"), machine_label())):
+        if note:
+            print(note[0].upper() + note[1:])

@@ -17,7 +17,7 @@ from typing import Optional
 
 import pandas as pd
 
-from specbench.hardware import device_name
+from specbench.hardware import device_name, machine_label
 from specbench.files import replacing
 from specbench.plan.library import load_profiles, load_references, save_profile, save_reference
 from specbench.plan.predict import LatencyProfile
@@ -163,12 +163,10 @@ def profile(store: Store, model, grid: dict, spec: TuneSpec, progress, label: Op
 def machine_of(runner) -> str:
     """What a tune's measurements were taken on: this machine (the loop, the drafts) and, when another, the
     target's device (a GPU here, or the worker's), named as profiles are (`hardware.device_name`)."""
-    here = device_name("cpu")
     if hasattr(runner, "verify_begin"):
         there = runner.info.get("device_name") or runner.info.get("device") or "worker"
-        return f"{here} -> worker {there}"
-    there = device_name(str(runner.model.get_input_embeddings().weight.device))
-    return here if there == here else f"{here} + {there}"
+        return f"{device_name('cpu')} -> worker {there}"
+    return machine_label(str(runner.model.get_input_embeddings().weight.device))
 
 
 def _head_profile(store: Store, head, grid: dict, spec: TuneSpec, progress, label: str) -> LatencyProfile:

@@ -98,6 +98,17 @@ def length_note(measured: Optional[int], asked: int) -> Optional[str]:
                              f"tune at this length (`specbench tune --max-new-tokens {asked}`)")
 
 
+def machine_note(measured_on: Optional[str], here: str) -> Optional[str]:
+    """Why a tune's choice may not hold here: measured on another machine (`phases.machine_of`), where a draft's cost
+    against the target's differs, and the best method and K with it; None on the same machine, or where the file
+    does not say (a tune before machines were kept). Through a worker, this side is compared: the worker is its own."""
+    if not measured_on or measured_on.split(" -> ")[0] == here:
+        return None
+    return (f"the tune's choice was measured on {measured_on}, and this machine is {here}: a draft's cost against "
+            f"the target's moves with the machine, and the best method and K with it, so the choice was not checked "
+            f"here; tune on this machine to check it (`specbench tune`)")
+
+
 def translations(chosen: dict) -> dict:
     """vLLM's `speculative_config` and SGLang's flags for the same choice where those engines have the
     method; untested here (neither engine runs on these machines), so marked as such."""

@@ -209,6 +209,7 @@ def tune(spec: TuneSpec, folder: Optional[str | Path] = None, progress: bool = T
         table = table if found is None else pd.concat([table, found], ignore_index=True)
         choice = choice_rows(table, duel)
     chosen = chosen_config(choice, spec, candidates)
+    chosen["machine"] = store.machine  # what `run --config` and `serve --config` compare theirs with
 
     result = TuneResult(predicted, table, chosen, folder, left_out=left_out, side_by_side=duel, hybrid=hybrid,
                         calibration=dict(calibrator.terms, acceptance_replayed=replayed,
