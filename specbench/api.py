@@ -263,9 +263,11 @@ def _auto_run(router, drafts_for, *, target, source, prompt_ids, k, max_new_toke
     from specbench.route.features import seen_share
     from specbench.route.router import predicted_speeds
 
-    note = router.length_note(max_new_tokens)
-    if note:
-        warnings.warn(note, stacklevel=4)
+    from specbench.hardware import machine_of
+
+    for note in (router.length_note(max_new_tokens), router.machine_note(machine_of(target))):
+        if note:
+            warnings.warn(note, stacklevel=4)
     built: dict = {}
     history: list[tuple] = []  # this call's (prompt, output)s, for a suffix drafter built after some of them ran
     # what earlier outputs hold, for the router's seen share: the suffix candidates' shared cache, or this call's own

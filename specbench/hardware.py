@@ -29,6 +29,16 @@ def machine_label(target_device: str = "cpu") -> str:
     return here if there == here else f"{here} + {there}"
 
 
+def machine_of(runner) -> str:
+    """`machine_label` of what runs a target: a model here (its device), or a worker (`RemoteTarget`: this machine,
+    which runs the loop and the drafts, and the worker's device)."""
+    info = getattr(runner, "info", None)
+    if getattr(runner, "endpoint", None) and isinstance(info, dict):
+        there = info.get("device_name") or info.get("device") or "worker"
+        return f"{device_name('cpu')} -> worker {there}"
+    return machine_label(str(runner.model.get_input_embeddings().weight.device))
+
+
 def cpu_name(cpuinfo: str, threads: int) -> str:
     """`cpu-<threads>t-<model name>`, then `-avx512`, `-avx512bf16` or `-amx` (AMX tiles: bf16 matmuls of many
     rows 3x fp32's, where AVX-512 bf16 gives about 2x) where the first CPU has them (no suffix without AVX-512,

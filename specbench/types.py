@@ -49,6 +49,17 @@ def reply_length_note(measured: Optional[int], asked: int, subject: str, remedy:
             f"replies like those; {remedy}")
 
 
+def machine_note(measured_on: Optional[str], here: str, subject: str, remedy: str) -> Optional[str]:
+    """Why a choice measured on one machine (`hardware.machine_of`; `subject`: "the tune's choice was measured") may
+    not hold on `here`: a draft's cost against the target's moves with the machine, and the best method and K with
+    it. None on the same machine, or where `measured_on` is unknown (a file from before machines were kept); through
+    a worker, this side is compared (the part before " -> "): the worker is its own."""
+    if not measured_on or measured_on.split(" -> ")[0] == here.split(" -> ")[0]:
+        return None
+    return (f"{subject} on {measured_on}, and this machine is {here}: a draft's cost against the target's moves "
+            f"with the machine, and the best method and K with it, so the choice was not checked here; {remedy}")
+
+
 def default_rule(temperature: float) -> str:
     """The rule of a caller that names none: greedy at temperature 0, else rejection (exact, and it
     accepts the most of a draft model's drafts; sample-match is the one for drafts without q)."""

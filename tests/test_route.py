@@ -171,6 +171,30 @@ def test_a_router_says_when_its_replies_are_far_longer_or_shorter_than_its_calib
         run(tiny_target, PROMPTS[:1], method="auto", router=again, max_new_tokens=30, progress=False)
 
 
+def test_a_router_calibrated_on_another_machine_says_so_where_it_routes(tiny_target, tmp_path):
+    """A router's step costs are the calibration machine's: carried to another (a laptop's router on a GPU box), its
+    choices were not checked there. It keeps the machine in its file, and a run that routes elsewhere warns."""
+    from specbench.hardware import machine_label
+
+    prompts = REPETITIVE + PLAIN
+    router = fit_router(_records(prompts, lambda ids: 2), prompts, [Candidate("target-only"),
+                                                                      Candidate("prompt-lookup", 4)])
+    router.machine = "cpu-2t-Other-CPU"
+    again = Router.load(router.save(tmp_path / "router.json"))
+    assert again.machine == "cpu-2t-Other-CPU" and again.machine_note("cpu-2t-Other-CPU") is None
+    with pytest.warns(UserWarning, match=rf"calibrated on cpu-2t-Other-CPU, and this machine is {machine_label()}"):
+        run(tiny_target, PROMPTS[:1], method="auto", router=again, max_new_tokens=12, progress=False)
+    again.machine = machine_label()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run(tiny_target, PROMPTS[:1], method="auto", router=again, max_new_tokens=12, progress=False)
+    assert not [w for w in caught if "this machine is" in str(w.message)]
+    before = json.loads((tmp_path / "router.json").read_text())
+    before.pop("machine")  # a file saved before machines were kept says nothing
+    (tmp_path / "old.json").write_text(json.dumps(before))
+    assert Router.load(tmp_path / "old.json").machine_note("anything") is None
+
+
 def test_bad_router_inputs_are_refused_by_name(tiny_target):
     with pytest.raises(SpecbenchError, match="unknown method"):
         candidates_from(["suffix:16", "telepathy"])
@@ -192,6 +216,9 @@ def test_auto_is_lossless_and_says_what_it_chose(tiny_target, tiny_draft):
                                    progress=False)
     assert set(records["method"]) == {"target-only", "prompt-lookup", "suffix", "chain"}
     assert router.reply_tokens == 24  # the length its choices were checked for
+    from specbench.hardware import machine_label
+
+    assert router.machine == machine_label()  # and the machine
     got = run(tiny_target, PROMPTS, method=["target-only", "auto"], router=router, draft=tiny_draft,
               max_new_tokens=24, progress=False)
     produced = outputs(got)

@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from specbench.api import as_target, draft_resolver, encode_prompts, outputs, run
 from specbench.decode.suffix_drafter import SuffixSettings
+from specbench.hardware import machine_of
 from specbench.methods import get_method, parse_methods
 from specbench.models.loading import as_loaded
 from specbench.route.features import seen_shares
@@ -51,6 +52,7 @@ def train_router(target, prompts: Sequence, candidates: Sequence[Candidate], *, 
     seen = calibration_seen(records, ids, candidates, run_options.get("suffix"))
     router = fit_router(records, ids, candidates, families, objective, ridge, margin, by_family, seen)
     router.reply_tokens = max_new_tokens
+    router.machine = machine_of(target)
     return router, records
 
 

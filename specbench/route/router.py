@@ -38,7 +38,7 @@ import numpy as np
 import pandas as pd
 
 from specbench.route.features import SEEN_N, feature_names, prompt_features
-from specbench.types import SpecbenchError, reply_length_note
+from specbench.types import SpecbenchError, machine_note, reply_length_note
 
 OBJECTIVES = ("speed", "verify_tokens")
 MARGIN = 0.05
@@ -103,6 +103,7 @@ class Router:
     family_margins: dict = field(default_factory=dict)  # as `margins`, with family defaults
     names: list = field(default_factory=list)  # the features it was fitted on ([]: every one of `feature_names`)
     reply_tokens: Optional[int] = None  # calibration's max_new_tokens (None: not recorded, a file saved before)
+    machine: Optional[str] = None  # what calibration ran on (`hardware.machine_of`; None: a file saved before)
 
     def predict(self, ids: Sequence[int], family: Optional[str] = None, seen: float = 0.0) -> pd.DataFrame:
         """Each candidate's predicted tokens per step, draft tokens per step, step seconds, tokens/s and
@@ -157,6 +158,11 @@ class Router:
         return reply_length_note(self.reply_tokens, max_new_tokens, "this router was calibrated",
                                  f"calibrate at this length (`specbench route --max-new-tokens {max_new_tokens}`)")
 
+    def machine_note(self, here: str) -> Optional[str]:
+        """Why this router's choices may not hold on the machine `here` (`types.machine_note`), or None."""
+        return machine_note(self.machine, here, "this router was calibrated",
+                            "calibrate on this machine (`specbench route`)")
+
     def default_for(self, family: Optional[str] = None) -> Optional[str]:
         """The candidate a prompt keeps unless another is predicted better by the margin: its family's best
         where `by_family` and the family was calibrated, else the best over all calibration prompts."""
@@ -171,7 +177,7 @@ class Router:
                 "margins": {str(_finite(m)): score for m, score in self.margins.items()},
                 "family_defaults": self.family_defaults, "by_family": self.by_family,
                 "family_margins": {str(_finite(m)): score for m, score in self.family_margins.items()},
-                "features": self.names or feature_names(self.families), "reply_tokens": self.reply_tokens,
+                "features": self.names or feature_names(self.families), "reply_tokens": self.reply_tokens, "machine": self.machine,
                 "fits": {label: {"tokens": fit.tokens.tolist(), "drafted": fit.drafted.tolist(),
                                  "fixed_s": fit.fixed_s, "per_token_s": fit.per_token_s,
                                  "draft_s": None if fit.draft_s is None else fit.draft_s.tolist()}
@@ -192,7 +198,8 @@ class Router:
                        dict(body.get("family_defaults", {})), bool(body.get("by_family", False)),
                        {float(m): float(score) for m, score in body.get("family_margins", {}).items()},
                        _known_features(body.get("features"), list(body["families"])),
-                       None if body.get("reply_tokens") is None else int(body["reply_tokens"]))
+                       None if body.get("reply_tokens") is None else int(body["reply_tokens"]),
+                       body.get("machine") if isinstance(body.get("machine"), str) else None)
         except (OSError, ValueError, KeyError, TypeError) as error:
             raise SpecbenchError(f"{path}: not a router file ({type(error).__name__}: {error}); "
                                  f"train one with train_router(...) and save it") from None

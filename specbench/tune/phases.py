@@ -17,7 +17,7 @@ from typing import Optional
 
 import pandas as pd
 
-from specbench.hardware import device_name, machine_label
+from specbench.hardware import device_name
 from specbench.files import replacing
 from specbench.plan.library import load_profiles, load_references, save_profile, save_reference
 from specbench.plan.predict import LatencyProfile
@@ -28,7 +28,7 @@ MACHINES = "machines.json"  # in measured/: the machine that measured each point
 
 
 class Store:
-    """The tune's folder: `profiles/`, `reference/` and `measured/*.json`. `machine` (`machine_of`): measured
+    """The tune's folder: `profiles/`, `reference/` and `measured/*.json`. `machine` (`hardware.machine_of`): measured
     points are filed with it, and one measured on another machine is measured again, not read: a folder in a
     home shared by machines (or a user cache moved to another CPU) held speeds that were not this machine's.
     `read_back`: {point: when it was measured} of the points read from the folder, not measured by this Store."""
@@ -158,15 +158,6 @@ def profile(store: Store, model, grid: dict, spec: TuneSpec, progress, label: Op
         measured, extra = profile_model(model, **grid, repeats=spec.repeats, progress=progress)
     store.save_profile(measured, extra, grid)
     return store.profile(measured.model, spec.dtype, grid, measured.device) or measured
-
-
-def machine_of(runner) -> str:
-    """What a tune's measurements were taken on: this machine (the loop, the drafts) and, when another, the
-    target's device (a GPU here, or the worker's), named as profiles are (`hardware.device_name`)."""
-    if hasattr(runner, "verify_begin"):
-        there = runner.info.get("device_name") or runner.info.get("device") or "worker"
-        return f"{device_name('cpu')} -> worker {there}"
-    return machine_label(str(runner.model.get_input_embeddings().weight.device))
 
 
 def _head_profile(store: Store, head, grid: dict, spec: TuneSpec, progress, label: str) -> LatencyProfile:

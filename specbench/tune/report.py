@@ -99,14 +99,11 @@ def length_note(measured: Optional[int], asked: int) -> Optional[str]:
 
 
 def machine_note(measured_on: Optional[str], here: str) -> Optional[str]:
-    """Why a tune's choice may not hold here: measured on another machine (`phases.machine_of`), where a draft's cost
-    against the target's differs, and the best method and K with it; None on the same machine, or where the file
-    does not say (a tune before machines were kept). Through a worker, this side is compared: the worker is its own."""
-    if not measured_on or measured_on.split(" -> ")[0] == here:
-        return None
-    return (f"the tune's choice was measured on {measured_on}, and this machine is {here}: a draft's cost against "
-            f"the target's moves with the machine, and the best method and K with it, so the choice was not checked "
-            f"here; tune on this machine to check it (`specbench tune`)")
+    """Why a tune's choice measured on `measured_on` may not hold on `here` (`types.machine_note`); what `run
+    --config` and `serve --config` print."""
+    from specbench.types import machine_note as note
+
+    return note(measured_on, here, "the tune's choice was measured", "tune on this machine to check it (`specbench tune`)")
 
 
 def translations(chosen: dict) -> dict:

@@ -21,6 +21,7 @@ from typing import Iterable, Optional
 import pandas as pd
 from tqdm.auto import tqdm
 
+from specbench.hardware import machine_of
 from specbench.plan.costs import Power, Prices
 from specbench.plan.explore import cost_column, operating_points, prediction_frame, recommend
 import specbench.tune.phases as phases
@@ -77,7 +78,7 @@ def tune(spec: TuneSpec, folder: Optional[str | Path] = None, progress: bool = T
     tokenizer = target.tokenizer
     prompts = [row["prompt"] for row in rows]
     calibration, held = split_prompts(prompts, spec.calibration_share)
-    store = phases.Store(folder, machine=phases.machine_of(runner))
+    store = phases.Store(folder, machine=machine_of(runner))
     context = _context(tokenizer, calibration, spec.max_new_tokens)
     bar = tqdm(total=5, desc=f"tune {spec.target}: {len(candidates)} candidates, {len(prompts)} prompts",
                unit="phase", disable=not progress)
