@@ -89,6 +89,29 @@ def test_local_sweep_stores_per_cell_resumes_and_records_failures(tmp_path):
         sweep(cells, tmp_path, progress=False)
 
 
+def test_a_summary_names_each_cells_machine_and_warns_when_they_differ(tmp_path):
+    """A sweep resumed on another box (the same host name, "vm", on VMs of different CPUs) or spread over Ray nodes:
+    its summary compared cells' tokens/s across machines unsaid. Each row now names its cell's machine, and
+    cells on several machines are said."""
+    import warnings
+
+    from specbench.hardware import machine_label
+    from specbench.sweep import summarize_sweep
+
+    cells = tiny_grid(max_new_tokens=(8,))[:2]
+    report = sweep(cells, tmp_path, progress=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        table = summarize_sweep(report.records, cells)
+    assert set(table["machine"]) == {machine_label()} and not [w for w in caught if "machines" in str(w.message)]
+    moved = report.records.assign(machine=report.records["machine"].where(report.records["cell"] == cells[0].key,
+                                                                          "cpu-2t-Other-CPU"))
+    with pytest.warns(UserWarning, match=r"ran on 2 machines \(.*cpu-2t-Other-CPU: 1 cells.*\): tokens_per_s compares"):
+        table = summarize_sweep(moved, cells)
+    assert table.set_index("cell")["machine"].groupby(level=0).first()[cells[1].key] == "cpu-2t-Other-CPU"
+    summarize_sweep(report.records.drop(columns="machine"), cells)  # records from before machines were kept
+
+
 def test_a_suffix_cell_measures_the_same_whichever_cells_ran_before_it_in_the_process(tmp_path):
     """Suffix decoding keeps outputs: a cell must not draft its prompts from an earlier cell's outputs of them,
     or its figure depends on the order the cells ran in (a rerun resuming it alone measured another)."""

@@ -15,6 +15,8 @@ from typing import Optional
 
 import pandas as pd
 
+from specbench.hardware import machine_label
+
 from specbench.sweep.grid import SweepCell
 
 _MODELS: "OrderedDict[tuple, object]" = OrderedDict()  # (model, quantization, dtype, device) -> LoadedModel
@@ -61,6 +63,7 @@ def run_cell(cell: SweepCell, threads: int = 0, progress: bool = False) -> CellR
             frame[name] = getattr(cell, name)
     frame.insert(0, "cell", cell.key)
     frame["cell_kind"], frame["host"], frame["threads"] = cell.kind, platform.node(), torch.get_num_threads()
+    frame["machine"] = machine_label(cell.device)  # a host name alone: VMs of one name had different CPUs
     return CellResult(key=cell.key, frame=frame, artifact=artifact, seconds=finished - started, started_at=started,
                       finished_at=finished, host=platform.node(), pid=os.getpid(),
                       models_loaded=_loads_done - loads_before)
