@@ -41,8 +41,9 @@ def test_measured_concurrency_round_trip_keeps_runs_apart(tmp_path):
                                                     "dtype": "float32", "load": "steady"}, folder=tmp_path)
     got = load_concurrency(tmp_path, target="t", draft="d")
     assert len(got) == 4 and sorted(got["speedup"]) == [0.9, 0.9, 1.4, 1.4]
-    assert set(got["series"]) == {"chain K=4 (float32, steady 40 s, 96 tokens)",
-                                  "chain K=4 (float32, 1 prompt(s) per client, 24 tokens)"}
+    assert set(got["series"]) == {"chain K=4 (cpu, float32, steady 40 s, 96 tokens)",
+                                  "chain K=4 (cpu, float32, 1 prompt(s) per client, 24 tokens)"}
+    assert load_concurrency(tmp_path, target="t", draft="d", device="NVIDIA-H100-80GB-HBM3").empty  # notebook 03's view
     assert len(load_concurrency(tmp_path)) == 6 and load_concurrency(tmp_path, target="other").empty
     path = next(tmp_path.glob("concurrency-*.json"))
     path.write_text("{")

@@ -169,9 +169,10 @@ def save_concurrency(measured: pd.DataFrame, metadata: dict, folder: Path = OWN_
 
 def load_concurrency(folder: Path = REFERENCES, **match) -> pd.DataFrame:
     """Every measured row whose record matches (e.g. target=..., draft=...), with the record's pair,
-    device, dtype, load and date; its series names the setting too, so runs under different loads stay apart."""
+    device, dtype, load and date; its series names the machine and setting too, so runs on different machines or
+    under different loads stay apart."""
     keys = ("target", "draft", "device", "dtype", "load", "date")
-    rows = [{**row, "series": f"{row['series']} ({m['dtype']}, {m['load']})", **{k: m[k] for k in keys}}
+    rows = [{**row, "series": f"{row['series']} ({m['device']}, {m['dtype']}, {m['load']})", **{k: m[k] for k in keys}}
             for _, m, p in find_records(folder, "concurrency", **match) for row in p["rows"]]
     import pandas as pd
 
