@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 from unittest import mock
@@ -32,14 +32,9 @@ from specbench.plan.library import load_library
 from specbench.plan.objectives import OBJECTIVES
 from specbench.plan.predict import OperatingPoint
 
-DOLLARS = [name for name, o in OBJECTIVES.items() if o.unit == "$"]
-
-
-@contextmanager
 def verify_only():
     """The earlier rule: the target billed for its verifies alone, drafting always on the client."""
-    with mock.patch.object(OperatingPoint, "drafts_on_target", property(lambda self: False)):
-        yield
+    return mock.patch.object(OperatingPoint, "drafts_on_target", property(lambda self: False))
 
 
 def priced(combos, rtts) -> pd.DataFrame:
@@ -48,10 +43,9 @@ def priced(combos, rtts) -> pd.DataFrame:
 
 
 def view_rows(title: str, combos, rtts, cs_values, objectives) -> list[dict]:
-    frames = {"verify only": None, "held device": None}
     with verify_only():
-        frames["verify only"] = priced(combos, rtts)
-    frames["held device"] = priced(combos, rtts)
+        before = priced(combos, rtts)
+    frames = {"verify only": before, "held device": priced(combos, rtts)}
     rows = []
     for objective in objectives:
         column = OBJECTIVES[objective].column

@@ -17,7 +17,7 @@ from specbench.decode.loop import Decoding, generate
 from specbench.decode.step import ProactiveDrafting, speculative_step
 from specbench.decode.suffix_repeats import COLUMN as REPEAT_COLUMN, held_prompt, repeat_note
 from specbench.decode.target import LocalTarget, Target
-from specbench.hardware import peak_memory_bytes, reset_peak_memory
+from specbench.hardware import machine_of, peak_memory_bytes, reset_peak_memory
 from specbench.methods import DraftSource, Method, TreeShape, check_runnable, get_method, parse_methods
 from specbench.models.loaded import LoadedModel
 from specbench.models.loading import as_loaded
@@ -262,8 +262,6 @@ def _auto_run(router, drafts_for, *, target, source, prompt_ids, k, max_new_toke
     from specbench.methods import suffix_cache
     from specbench.route.features import seen_share
     from specbench.route.router import predicted_speeds
-
-    from specbench.hardware import machine_of
 
     for note in (router.length_note(max_new_tokens), router.machine_note(machine_of(target))):
         if note:

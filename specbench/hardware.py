@@ -22,21 +22,35 @@ def device_name(device: str = "cpu") -> str:
     return f"cpu-{torch.get_num_threads()}t-{platform.machine()}"
 
 
-def machine_label(target_device: str = "cpu") -> str:
+def machine_label(device: str = "cpu") -> str:
     """What a measurement was taken on, as a tune files it: this machine (the loop, the drafts) and, when another,
     the device a target here runs on (`cpu-2t-AMD-EPYC-avx512bf16 + NVIDIA-H100-80GB-HBM3`)."""
-    here, there = device_name("cpu"), device_name(target_device)
+    return _with_this_machine(device_name(device))
+
+
+def _with_this_machine(there: str) -> str:
+    here = device_name("cpu")
     return here if there == here else f"{here} + {there}"
 
 
+def on_worker(runner) -> bool:
+    """Whether `runner` is a target in a worker (`RemoteTarget`), not a model here."""
+    return bool(getattr(runner, "endpoint", None)) and isinstance(getattr(runner, "info", None), dict)
+
+
+def target_device(runner) -> str:
+    """The name of the device a target runs on: a worker's, as it reports it, or its model's here."""
+    if on_worker(runner):
+        return runner.info.get("device_name") or runner.info.get("device") or "worker"
+    return device_name(str(runner.model.get_input_embeddings().weight.device))
+
+
 def machine_of(runner) -> str:
-    """`machine_label` of what runs a target: a model here (its device), or a worker (`RemoteTarget`: this machine,
-    which runs the loop and the drafts, and the worker's device)."""
-    info = getattr(runner, "info", None)
-    if getattr(runner, "endpoint", None) and isinstance(info, dict):
-        there = info.get("device_name") or info.get("device") or "worker"
-        return f"{device_name('cpu')} -> worker {there}"
-    return machine_label(str(runner.model.get_input_embeddings().weight.device))
+    """What a measurement through `runner` was taken on: `machine_label` of a model here, or for a worker this
+    machine (the loop, the drafts) and the worker's device."""
+    if on_worker(runner):
+        return f"{device_name('cpu')} -> worker {target_device(runner)}"
+    return _with_this_machine(target_device(runner))
 
 
 def cpu_name(cpuinfo: str, threads: int) -> str:

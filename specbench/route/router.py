@@ -177,7 +177,8 @@ class Router:
                 "margins": {str(_finite(m)): score for m, score in self.margins.items()},
                 "family_defaults": self.family_defaults, "by_family": self.by_family,
                 "family_margins": {str(_finite(m)): score for m, score in self.family_margins.items()},
-                "features": self.names or feature_names(self.families), "reply_tokens": self.reply_tokens, "machine": self.machine,
+                "features": self.names or feature_names(self.families), "reply_tokens": self.reply_tokens,
+                "machine": self.machine,
                 "fits": {label: {"tokens": fit.tokens.tolist(), "drafted": fit.drafted.tolist(),
                                  "fixed_s": fit.fixed_s, "per_token_s": fit.per_token_s,
                                  "draft_s": None if fit.draft_s is None else fit.draft_s.tolist()}

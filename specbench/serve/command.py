@@ -66,12 +66,6 @@ def settings_from(args):
         worker = worker or config.get("endpoint")  # measured through a worker: served through it (--worker: another)
         if config.get("max_new_tokens"):  # requests far from this length are told the choice was not checked there
             extra["tuned"] = (config["method"], int(config["max_new_tokens"]))
-        from specbench.hardware import machine_label
-        from specbench.tune.report import machine_note
-
-        note = machine_note(config.get("machine"), machine_label(getattr(args, "device", "cpu") if not worker else "cpu"))
-        if note:  # said once, at start: every request runs on this machine
-            print(note[0].upper() + note[1:], flush=True)
     if not target and worker:
         target = worker_model(worker)
     if not target:
@@ -83,11 +77,18 @@ def settings_from(args):
         extra["suffix"] = SuffixSettings(**suffix_options(suffix))
     limits = Limits(max_tokens=args.max_tokens, max_prompt_tokens=args.max_prompt_tokens,
                     max_concurrent=args.max_concurrent, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes)
-    return ServeSettings(target=target, methods=methods, draft=draft, k=k, max_k=max(args.max_k, k), plan=args.plan,
-                         worker=worker, dtype=dtype or "float32", device=args.device, host=args.host,
-                         port=args.port,
-                         api_key=args.api_key, router=args.router, stop_below=args.stop_below,
-                         limits=limits, **extra)
+    settings = ServeSettings(target=target, methods=methods, draft=draft, k=k, max_k=max(args.max_k, k),
+                             plan=args.plan, worker=worker, dtype=dtype or "float32", device=args.device,
+                             host=args.host, port=args.port,
+                             api_key=args.api_key, router=args.router, stop_below=args.stop_below,
+                             limits=limits, **extra)
+    if args.config:
+        from specbench.tune.report import machine_note
+
+        note = machine_note(config.get("machine"), settings.machine)
+        if note:  # said once, at start: every request runs on this machine
+            print(note[0].upper() + note[1:], flush=True)
+    return settings
 
 
 def worker_model(endpoint: str) -> str:

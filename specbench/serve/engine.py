@@ -161,9 +161,7 @@ class Engine:
         if own:
             raise SpecbenchError(f"router {self.settings.router}: candidates {own} draft with a model of their own; "
                                  f"serve drafts with its --draft alone: route among candidates without '@DRAFT'")
-        from specbench.hardware import machine_label
-
-        note = router.machine_note(machine_label("cpu" if self.settings.worker else self.settings.device))
+        note = router.machine_note(self.settings.machine)
         if note:  # said once, at start: every request routes on this machine
             print(f"specbench serve: {note}", flush=True)
         return router

@@ -96,6 +96,14 @@ class ServeSettings:
     def default_method(self) -> str:
         return self.methods[0]
 
+    @property
+    def machine(self) -> str:
+        """What this server's choices run on (`hardware.machine_label`): this machine, and the device the target
+        runs on here (with --worker, the worker's is its own)."""
+        from specbench.hardware import machine_label
+
+        return machine_label("cpu" if self.worker else self.device)
+
     def tune_note(self, method: str, max_tokens: int) -> Optional[str]:
         """Why a request running the tune's method may not run as the tune measured it: replies over twice or
         under half the tune's length (`tune.report.length_note`); None otherwise, or with no --config."""

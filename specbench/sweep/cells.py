@@ -16,7 +16,6 @@ from typing import Optional
 import pandas as pd
 
 from specbench.hardware import machine_label
-
 from specbench.sweep.grid import SweepCell
 
 _MODELS: "OrderedDict[tuple, object]" = OrderedDict()  # (model, quantization, dtype, device) -> LoadedModel

@@ -17,7 +17,7 @@ from typing import Optional
 
 import pandas as pd
 
-from specbench.hardware import device_name
+from specbench.hardware import device_name, on_worker, target_device
 from specbench.files import replacing
 from specbench.plan.library import load_profiles, load_references, save_profile, save_reference
 from specbench.plan.predict import LatencyProfile
@@ -39,6 +39,7 @@ class Store:
             (self.folder / name).mkdir(parents=True, exist_ok=True)
 
     def _machines(self) -> dict:
+        """{point: {"machine", "at"}}, as the file holds it now (another tune here may have written it)."""
         path = self.folder / "measured" / MACHINES
         try:
             index = json.loads(path.read_text()) if path.exists() else {}
@@ -46,15 +47,18 @@ class Store:
             index = {}  # damaged: its points read as measured on an unknown machine, as before there was one
         return index if isinstance(index, dict) else {}
 
-    def _foreign(self, key: str) -> Optional[str]:
-        """The other machine that measured `key`, if one did."""
+    def _entry(self, key: str) -> dict:
         entry = self._machines().get(key)
-        other = entry.get("machine") if isinstance(entry, dict) else None
+        return entry if isinstance(entry, dict) else {}
+
+    def _foreign(self, entry: dict) -> Optional[str]:
+        """The other machine that measured the point of `entry` (`_entry`), if one did."""
+        other = entry.get("machine")
         return other if self.machine and other and other != self.machine else None
 
     def holds(self, key: str) -> bool:
         """Whether a measurement of `key` is stored that this machine may read."""
-        return (self.folder / "measured" / f"{key}.json").exists() and self._foreign(key) is None
+        return (self.folder / "measured" / f"{key}.json").exists() and self._foreign(self._entry(key)) is None
 
     def profile(self, model: str, dtype: str, grid: dict, device: str) -> Optional[LatencyProfile]:
         found = [p for p in load_profiles(self.folder / "profiles", model=model, dtype=dtype, device=device,
@@ -77,7 +81,8 @@ class Store:
         path = self.folder / "measured" / f"{key}.json"
         if not path.exists():
             return None
-        if (other := self._foreign(key)) is not None:
+        entry = self._entry(key)
+        if (other := self._foreign(entry)) is not None:
             print(f"specbench: tune's measurement {path} was taken on {other}, not this machine ({self.machine}); "
                   f"measuring that point again", file=sys.stderr)
             return None
@@ -85,8 +90,7 @@ class Store:
             text = path.read_text()
             rows = json.loads(text)
             if isinstance(rows, list) and rows and all(isinstance(row, dict) for row in rows):
-                entry = self._machines().get(key)
-                at = entry.get("at") if isinstance(entry, dict) else None
+                at = entry.get("at")
                 self.read_back.setdefault(key, float(at) if at is not None else path.stat().st_mtime)
                 return pd.read_json(io.StringIO(text), orient="records")  # as written: dtypes read back alike
             why = "not a list of records"
@@ -145,9 +149,8 @@ def profile(store: Store, model, grid: dict, spec: TuneSpec, progress, label: Op
 
     if label is not None:
         return _head_profile(store, model, grid, spec, progress, label)
-    remote = hasattr(model, "verify_begin")
-    device = model.info.get("device_name") or model.info.get("device") if remote else device_name(
-        str(model.model.get_input_embeddings().weight.device))
+    remote = on_worker(model)
+    device = target_device(model)
     label = model.info["model"] if remote else model.spec.label
     found = store.profile(label, spec.dtype, grid, device)
     if found is not None:
