@@ -123,9 +123,11 @@ def _worker(args) -> int:
     limits = WorkerLimits(**{name: getattr(args, name) for name in LIMIT_FLAGS if name != "max_kv_bytes"},
                           max_kv_bytes=int(args.max_kv_gib * 2**30) if args.max_kv_gib else None)
     if args.router:  # a router file it cannot read or route with within its limits is refused before it serves
-        from specbench.worker.long_requests import worker_router
+        from specbench.worker.long_requests import router_machine_note, worker_router
 
-        worker_router(args.router, limits)
+        note = router_machine_note(worker_router(args.router, limits).machine, args.device)
+        if note:  # said once, at start: every auto-server request routes on this machine
+            log(note)
     config = WorkerConfig(bind=args.bind, model=spec(args.model),
                           draft=ModelSpec(args.draft, dtype=args.dtype, device=args.device) if args.draft else None,
                           device=args.device, lazy=args.lazy, allow_load=tuple(args.allow_load),

@@ -53,6 +53,15 @@ def machine_of(runner) -> str:
     return _with_this_machine(target_device(runner))
 
 
+def target_of(label: str) -> str:
+    """The device the target ran on, in a `machine_label` or `machine_of` label: a worker's, a device beside this
+    machine, or (neither named) this machine itself."""
+    for mark in (" -> worker ", " + "):
+        if mark in label:
+            return label.split(mark, 1)[1]
+    return label
+
+
 def cpu_name(cpuinfo: str, threads: int) -> str:
     """`cpu-<threads>t-<model name>`, then `-avx512`, `-avx512bf16` or `-amx` (AMX tiles: bf16 matmuls of many
     rows 3x fp32's, where AVX-512 bf16 gives about 2x) where the first CPU has them (no suffix without AVX-512,

@@ -283,8 +283,11 @@ def test_a_worker_routes_with_its_own_router(tiny_target, tiny_draft, tmp_path):
     candidates = candidates_from(["target-only", "suffix:16", "chain:3"])
     router, _ = train_router(tiny_target, PROMPTS, candidates, draft=tiny_draft, max_new_tokens=16, progress=False)
     path = router.save(tmp_path / "router.json")
+    router.machine = "cpu-2t-Laptop-CPU -> worker NVIDIA-H100-80GB-HBM3"  # calibrated through a GPU worker
+    elsewhere = router.save(tmp_path / "elsewhere.json")
     plain = ThreadWorker()
     routed = ThreadWorker(router=str(path))
+    foreign = ThreadWorker(router=str(elsewhere))
     try:
         with pytest.raises(WorkerError, match="--router"):
             run(RemoteTarget(plain.endpoint), PROMPTS[:1], method="auto-server", max_new_tokens=8, progress=False)
@@ -293,9 +296,12 @@ def test_a_worker_routes_with_its_own_router(tiny_target, tiny_draft, tmp_path):
                      progress=False)
         suffix = run(RemoteTarget(routed.endpoint), PROMPTS, method="suffix-tree-server", k=16, max_new_tokens=16,
                      progress=False)
+        moved = run(RemoteTarget(foreign.endpoint), PROMPTS[:1], method="auto-server", max_new_tokens=40,
+                    progress=False)
     finally:
         plain.stop()
         routed.stop()
+        foreign.stop()
     local = outputs(run(tiny_target, PROMPTS, method="target-only", max_new_tokens=16, progress=False))
     assert [outputs(got)[("auto-server", i)] for i in range(4)] == [local[("target-only", i)] for i in range(4)]
     assert [outputs(suffix)[("suffix-tree-server", i)] for i in range(4)] == [local[("target-only", i)]
@@ -303,6 +309,21 @@ def test_a_worker_routes_with_its_own_router(tiny_target, tiny_draft, tmp_path):
     assert set(got["chosen"]) <= {"server-only-ar k=4", "suffix-server k=16", "server-only k=3"}
     assert set(json.loads(got["route_predicted"].iloc[0])) == {c.label for c in candidates}
     assert "route_note" not in got and "up to 16 tokens and now serves 40-token" in longer["route_note"].iloc[0]
+    # the worker drafts and verifies every auto-server choice, so a router whose target ran elsewhere says so
+    note = moved["route_note"].iloc[0]
+    assert "up to 16 tokens" in note and "this router's target ran on NVIDIA-H100-80GB-HBM3" in note
+
+
+def test_a_workers_router_compares_the_device_its_target_ran_on():
+    from specbench.hardware import device_name, machine_label
+    from specbench.worker.long_requests import router_machine_note
+
+    here = device_name("cpu")
+    assert router_machine_note(machine_label("cpu"), "cpu") is None  # calibrated here, on the CPU
+    assert router_machine_note(f"cpu-2t-Laptop-CPU -> worker {here}", "cpu") is None  # through this worker
+    assert router_machine_note(None, "cpu") is None  # a file from before machines were kept
+    note = router_machine_note(f"{here} + NVIDIA-H200", "cpu")  # calibrated here with the target on a GPU
+    assert note.startswith("this router's target ran on NVIDIA-H200, and this machine is " + here)
 
 
 def test_references_keep_per_prompt_rows_and_narrow_to_a_family(tiny_target, tiny_draft, tmp_path):

@@ -4,6 +4,7 @@ a slice. `ops` is the worker's `Ops`: its limits, model, draft, job queue and st
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 from collections import OrderedDict
@@ -216,6 +217,19 @@ def worker_router(path: str, limits=None):
     return router
 
 
+@functools.lru_cache(maxsize=8)
+def router_machine_note(calibrated_on: Optional[str], device: str) -> Optional[str]:
+    """Why a worker's router (calibrated on `calibrated_on`, `Router.machine`) may not choose well on this worker
+    (its target on `device`): every auto-server candidate drafts and verifies here, so the target's device is
+    compared, whichever machine the calibration's loop ran on. None where they match or the file knows none."""
+    from specbench.hardware import device_name, target_of
+    from specbench.types import machine_note
+
+    return machine_note(target_of(calibrated_on) if calibrated_on else None, device_name(device),
+                        "this router's target ran", "calibrate on this worker's machine (`specbench route`, there "
+                        "or through this worker)")
+
+
 def _routed(ops, prompt: list, family: Optional[str], header: dict, curve_key: str,
             max_new_tokens: int) -> tuple[str, int, dict, Optional[str]]:
     """auto-server: the worker method, K and own draft (None: the worker's) its router predicts best for `prompt`,
@@ -243,9 +257,9 @@ def _routed(ops, prompt: list, family: Optional[str], header: dict, curve_key: s
     own = f"@{candidate.draft}" if candidate.draft else ""
     told = {"chosen": f"{method}{own} k={candidate.k}", "route_predicted": json.dumps(predicted_speeds(table)),
             "route_default": ops.router.default_for(family)}
-    note = ops.router.length_note(max_new_tokens)
-    if note:
-        told["route_note"] = note
+    notes = [ops.router.length_note(max_new_tokens), router_machine_note(ops.router.machine, ops.config.device)]
+    if any(notes):
+        told["route_note"] = "; ".join(note for note in notes if note)
     return method, max(1, candidate.k), told, candidate.draft
 
 
