@@ -346,6 +346,25 @@ def test_a_server_prices_suffix_decoding_from_its_own_reference_not_prompt_looku
     assert "missing" in predicted_settings("t", None, ["suffix"], [4])["suffix k=4"]
 
 
+def test_a_servers_predictions_read_its_targets_device_first_and_say_when_another_device_was_profiled(monkeypatch):
+    """A server on a GPU once priced its settings from this CPU's profile and showed it unremarked; now the
+    served target's device is read first, and a prediction from another device says so (`here`)."""
+    from dataclasses import replace
+
+    from specbench.plan import library
+    from specbench.serve.prediction import predicted_settings
+
+    gpu = replace(SHARED, device="NVIDIA-H100-80GB-HBM3",
+                  rows=tuple((w, c, s / 10, b) for w, c, s, b in SHARED.rows))
+    monkeypatch.setattr(library, "load_library", lambda: ([SHARED, gpu], []))
+    on_gpu = predicted_settings("t", None, ["target-only"], [1], device=gpu.device)["target-only"]
+    assert on_gpu["device"] == gpu.device and on_gpu["here"] is True
+    assert on_gpu["tokens_per_s"] == pytest.approx(1 / gpu.forward_s(1, 256), rel=0.01)
+    elsewhere = predicted_settings("t", None, ["target-only"], [1], device="NVIDIA-H200")["target-only"]
+    assert elsewhere["here"] is False  # no profile on the served device: another's, said as such
+    assert predicted_settings("t", None, ["target-only"], [1])["target-only"]["here"] is None  # device unknown
+
+
 def test_replay_together_adds_the_workers_own_work_per_round_and_can_keep_the_measured_verifies():
     """`HostCost`: a worker's own work per round (fixed + per row) is added to every round at its rows;
     with `alone_verifies`, records of a run through the same worker keep their measured server time and

@@ -212,6 +212,11 @@ def test_auto_routes_each_request_says_why_and_stays_lossless(local, expected):
     assert f"up to {TOKENS * 4} tokens and now serves {TOKENS}-token ones" in usage.speculative["route_note"]
     offered = httpx.get(f"{local.url}/specbench/settings").json()
     assert "auto" in offered["methods"] and set(offered["router"]) == labels
+    from specbench.hardware import device_name
+
+    assert offered["target_device"] == device_name("cpu")  # what the predictions are read for, first
+    priced = [p for p in offered["predicted"].values() if "missing" not in p]
+    assert all(p["here"] == (p["device"] == device_name("cpu")) for p in priced)
 
 
 def test_a_tuned_method_asked_for_replies_far_from_the_tunes_length_is_told_so(local, expected):

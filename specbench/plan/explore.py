@@ -295,11 +295,11 @@ def _model_pairs(profiles, references, target, mix_origins) -> list[tuple]:
 
 def cached_pairs(profiles: Sequence[LatencyProfile], references: Sequence[AcceptanceReference], target: str,
                  draft: Optional[str], dataset: Optional[str] = None, device: Optional[str] = None,
-                 dtype: Optional[str] = None) -> list[tuple]:
+                 dtype: Optional[str] = None, prefer: Optional[str] = None) -> list[tuple]:
     """(target profile, draft profile or None, reference or None) for `draft` (a model label, prompt lookup,
     suffix, or None for target-only) drafting for the model labelled `target`, among these profiles and references:
-    this machine's first, then the widest batch grid (it prices a worker's load). What a step planner and a
-    server's predictions are built from."""
+    the target's device first (`prefer`; this CPU unless named), then the widest batch grid (it prices a worker's
+    load). What a step planner and a server's predictions are built from."""
     from specbench.hardware import device_name
     from specbench.plan.predict import FREE_DRAFTS
 
@@ -312,7 +312,7 @@ def cached_pairs(profiles: Sequence[LatencyProfile], references: Sequence[Accept
         pairs = [(p, None, r) for r in references for p in profiles if p.model == target]
     else:
         pairs = [p for p in matching_pairs(profiles, references) if (p[0].model, p[1].model) == (target, draft)]
-    here = device_name("cpu")
+    here = prefer or device_name("cpu")
     return sorted(pairs, key=lambda pair: (pair[0].device != here, -len(pair[0].batches)))
 
 

@@ -16,4 +16,5 @@ def build_app(settings: ServeSettings, log=print):
     engine = Engine(settings, log=log)
     ks = range(1, settings.max_k + 1)
     priced = [name for name in settings.methods if name != AUTO]  # auto's choice is priced per request
-    return create_app(engine, predicted_settings(settings.target, settings.draft, priced, ks, settings.dtype))
+    return create_app(engine, predicted_settings(settings.target, settings.draft, priced, ks, settings.dtype,
+                                                 engine.target_device))

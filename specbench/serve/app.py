@@ -180,6 +180,7 @@ def create_app(engine: Engine, predictions: Optional[dict] = None) -> FastAPI:
         return {"model": served, "methods": list(settings.methods), "k": settings.k, "max_k": settings.max_k,
                 "router": [c.label for c in engine.router.candidates] if engine.router else None,
                 "draft": settings.draft, "plan": settings.plan, "predicted": predictions or {},
+                "target_device": engine.target_device,
                 "live_sessions": engine.live}
 
     @app.get("/metrics")

@@ -19,6 +19,7 @@ from typing import Iterator, Optional
 
 from specbench.decode.loop import Decoding, generate_steps
 from specbench.decode.suffix_drafter import SuffixSettings
+from specbench.hardware import target_device
 from specbench.methods import DraftSource, get_method
 from specbench.models.loading import load_tokenizer
 from specbench.models.spec import label_model
@@ -77,6 +78,7 @@ class Engine:
         for _ in range(settings.limits.max_concurrent - 1):
             self._clients.put(RemoteTarget(endpoint, tokenizer=self.tokenizer))
         self.vocab_size, self.eos_token_ids = probe.vocab_size, probe.eos_token_ids
+        self.target_device = target_device(probe)  # the worker's, as it reports it: what predictions are read for
         self._clients.put(probe)
         self._draft = self._load_draft()
         self._suffix = settings.suffix or SuffixSettings()

@@ -2,7 +2,8 @@
 
 The chat page shows it beside what a reply measured, so a user sees whether this machine runs the
 setting as the cache says. Only settings a cached profile and reference cover on one device get a
-row (this machine's first); the rest are named as not covered rather than guessed.
+row (the served target's device first, and whether it is that device said); the rest are named as not
+covered rather than guessed.
 """
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ from specbench.types import SpecbenchError
 
 
 def predicted_settings(target: str, draft: Optional[str], methods: Sequence[str], ks: Sequence[int],
-                       dtype: str = "float32") -> dict:
-    """{"<method> k=<k>": {tokens_per_s, usd_per_mtok, device}} or {...: {"missing": why}} per setting."""
+                       dtype: str = "float32", device: Optional[str] = None) -> dict:
+    """{"<method> k=<k>": {tokens_per_s, usd_per_mtok, device, here}} or {...: {"missing": why}} per setting.
+    `device`: the name of the device the served target runs on (`hardware.target_device`); `here` says whether
+    the prediction was profiled on it (None where `device` is unknown)."""
     from specbench.plan.explore import cached_pairs, prediction_frame
     from specbench.plan.library import load_library
     from specbench.plan.predict import LOOKUP_DRAFT, SUFFIX_DRAFT, OperatingPoint
@@ -27,7 +30,7 @@ def predicted_settings(target: str, draft: Optional[str], methods: Sequence[str]
         sizes = [0] if method.kind == "none" else list(ks)
         drafted_by = None if method.kind == "none" else draft if not method.lookup else (
             SUFFIX_DRAFT if name.startswith("suffix") else LOOKUP_DRAFT)  # suffix decoding: its own reference
-        pairs = cached_pairs(profiles, references, target, drafted_by, dtype=dtype)
+        pairs = cached_pairs(profiles, references, target, drafted_by, dtype=dtype, prefer=device)
         hybrid = name.removesuffix("-server") in HYBRIDS  # priced from its own recorded steps, never as a tree
         pair = next(iter([p for p in pairs if hybrid and p[2].prices_hybrid(name)] or pairs), None)
         for k in sizes:
@@ -49,5 +52,6 @@ def predicted_settings(target: str, draft: Optional[str], methods: Sequence[str]
                 continue
             out[label] = {"tokens_per_s": round(float(row["tokens_per_s"]), 2),
                           "usd_per_mtok": round(float(row["total_cost_usd_per_mtok"]), 4),
-                          "device": target_profile.device}
+                          "device": target_profile.device,
+                          "here": None if device is None else target_profile.device == device}
     return out
