@@ -296,6 +296,21 @@ def test_a_planned_server_picks_k_per_step_and_stays_lossless(remote, expected):
         Engine(ServeSettings(target=MODEL, methods=("target-only",), plan=True, worker=remote.worker_endpoint))
 
 
+def test_a_planned_server_on_a_device_its_cache_has_no_profile_of_says_so_at_start(remote, monkeypatch):
+    """--plan prefers a profile of the device the target runs on (before, this CPU's, even serving on a GPU); where
+    the cache holds only another device's, the start says that K may not suit this one."""
+    import specbench.serve.engine as engine_module
+
+    said = []
+    monkeypatch.setattr(engine_module, "target_device", lambda runner: "NVIDIA-H200")
+    engine = engine_module.Engine(ServeSettings(target=MODEL, methods=("prompt-lookup",), k=6, plan=True,
+                                                worker=remote.worker_endpoint), log=said.append)
+    engine.close()
+    assert engine.target_device == "NVIDIA-H200"
+    assert [line for line in said if "--plan steers prompt-lookup from a profile of cpu-" in line
+            and "and the target runs on NVIDIA-H200: its K may not suit this device" in line], said
+
+
 def test_serve_with_a_worker_needs_no_target_name_and_refuses_a_wrong_one(remote):
     """`specbench serve --worker ENDPOINT` serves the worker's model under its name, with the worker's tokenizer
     (the remote fixture's text equals target-only's: that tokenizer is the one in use); a --target naming another

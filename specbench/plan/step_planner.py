@@ -159,10 +159,10 @@ class StepPlanner:
 
 def planner_from_caches(target: str, draft: str, dataset: Optional[str] = None, device: Optional[str] = None,
                         draft_budget_mib: Optional[float] = None, dtype: Optional[str] = None,
-                        **options) -> StepPlanner:
+                        prefer: Optional[str] = None, **options) -> StepPlanner:
     """A StepPlanner from the shipped/recorded `profiles/` and `reference/` for this pair;
     `draft_budget_mib` bounds the draft's memory (weights + its cache), see `StepPlanner`. Without a
-    `device`, this machine's profiles are preferred where they exist. `draft`
+    `device`, the `prefer` device's profiles (this CPU's unless named) are preferred where they exist. `draft`
     "prompt-lookup" plans prompt lookup: only the target's profile is needed, and under a shared
     worker's load it is what shortens the lookups (every drafted token widens the batched verify).
     `dataset` "<name>/<family>": the reference narrowed to one family's prompts."""
@@ -172,7 +172,7 @@ def planner_from_caches(target: str, draft: str, dataset: Optional[str] = None, 
     # a dataset "<name>/<family>" names one family of a reference that recorded its prompts' families
     pairs = cached_pairs(load_profiles(), load_references(by_family=bool(dataset), target=acceptance_label(target),
                                                           draft=acceptance_label(draft)),
-                         target, draft, dataset=dataset, device=device, dtype=dtype)
+                         target, draft, dataset=dataset, device=device, dtype=dtype, prefer=prefer)
     if not pairs:
         raise SpecbenchError(f"no cached profiles + reference for draft {draft!r} -> target {target!r}"
                              f"{f' on {dataset!r}' if dataset else ''}{f' on device {device!r}' if device else ''}"
