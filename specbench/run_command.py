@@ -2,6 +2,8 @@
 `cli.py`)."""
 from __future__ import annotations
 
+import sys
+
 from specbench.types import SamplingParams, SpecbenchError
 
 DEFAULT_TARGET = "smollm2-135m"
@@ -29,20 +31,19 @@ def run_command(args) -> int:
     draft = (ModelSpec(args.draft, dtype=args.dtype, quantization=args.draft_quant, kernels=args.kernels)
              if args.draft else None)
     sampling = SamplingParams(temperature=args.temperature, rule=args.rule or sampled_rule(args.temperature, names))
-    planner = None
     if args.plan:
-        from specbench.plan.step_planner import planner_from_caches
-
         from specbench.methods import get_method
-        from specbench.plan.predict import LOOKUP_DRAFT
 
         if draft is None and not any(get_method(m).lookup for m in names):  # no draft: a lookup's planner
             raise SpecbenchError("--plan chooses K per step for a draft/target pair or prompt lookup: pass --draft")
-        planner = planner_from_caches(target.label, draft.label if draft else LOOKUP_DRAFT, cs=args.cs,
-                                      max_k=args.k, draft_budget_mib=args.draft_budget_mib, dtype=args.dtype)
-    # loaded once here (the run and the check share it), or the worker's
-    loaded = load_model(target) if not args.worker else None
-    records = run(loaded or _remote(args, target), prompts, method=args.method, draft=draft, k=args.k,
+    from specbench.hardware import device_name, target_device
+
+    remote = _remote(args, target) if args.worker else None
+    # before the model loads: a pair the cache cannot plan is refused first
+    planner = (_planner(args, target, draft, target_device(remote) if remote else device_name(target.device))
+               if args.plan else None)
+    loaded = load_model(target) if remote is None else None  # loaded once here (the run and the check share it)
+    records = run(loaded or remote, prompts, method=args.method, draft=draft, k=args.k,
                   max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed, dtype=args.dtype,
                   planner=planner,
                   substitute_quantization=args.substitute_quant, cross_tokenizer=args.cross_tokenizer,
@@ -104,6 +105,20 @@ def _prompts(args) -> tuple[list, list | None]:
     from specbench.demo import DEMO_PROMPTS
 
     return list(args.prompt or DEMO_PROMPTS), None
+
+
+def _planner(args, target, draft, device: str):
+    """--plan's step planner, from a profile of `device` (the target's) where the cache holds one, and said where
+    it holds only another device's: its K were priced there."""
+    from specbench.plan.predict import LOOKUP_DRAFT
+    from specbench.plan.step_planner import planner_from_caches
+
+    planner = planner_from_caches(target.label, draft.label if draft else LOOKUP_DRAFT, cs=args.cs, max_k=args.k,
+                                  draft_budget_mib=args.draft_budget_mib, dtype=args.dtype, prefer=device)
+    if planner.target.device != device:
+        print(f"specbench: --plan steers K from a profile of {planner.target.device}, and the target runs on {device}: "
+              f"its K may not suit this device; record one here (`specbench profile`)", file=sys.stderr)
+    return planner
 
 
 def _check_worker_options(args) -> None:

@@ -94,6 +94,23 @@ def test_cli_plan_needs_a_pair(capsys):
     assert "pass --draft" in capsys.readouterr().err
 
 
+def test_cli_plan_reads_the_targets_devices_profile_and_says_when_it_has_only_anothers(capsys):
+    """`specbench run --plan` once planned from this CPU's profile wherever the target ran (a GPU, a worker)."""
+    from types import SimpleNamespace
+
+    from specbench.models.spec import ModelSpec
+    from specbench.plan.library import load_profiles
+    from specbench.run_command import _planner
+
+    args = SimpleNamespace(cs=0.0, k=6, draft_budget_mib=None, dtype="float32")
+    for device in {p.device for p in load_profiles(model="smollm2-135m", dtype="float32")}:  # each shipped one
+        assert _planner(args, ModelSpec("smollm2-135m"), None, device).target.device == device
+    assert "--plan steers" not in capsys.readouterr().err
+    elsewhere = _planner(args, ModelSpec("smollm2-135m"), None, "NVIDIA-H200")
+    assert elsewhere.target.device.startswith("cpu-")
+    assert f"from a profile of {elsewhere.target.device}, and the target runs on NVIDIA-H200" in capsys.readouterr().err
+
+
 def test_planned_runs_stay_lossless_and_vary_k(tiny_target, tiny_draft):
     planner = StepPlanner(flat("t", 0.100), flat("d", 0.030), halving_reference(), max_k=6, prior_steps=2,
                           forget=0.7)
