@@ -395,3 +395,7 @@ def check_runnable(method: Method, target, planner) -> None:
     if method.plannable and planner is not None and (getattr(planner, "draft", True) is None) != method.lookup:
         raise SpecbenchError(f"this planner was built for {planner.reference.draft!r} drafting; method "
                              f"{method.name!r} drafts otherwise (a planner prices its own drafting)")
+    remote = getattr(target, "generate_on_worker", None) is not None
+    if method.plannable and planner is not None and getattr(planner, "where", "remote") == "local" and remote:
+        raise SpecbenchError("this planner prices a target here (where='local'), and the target is a worker: build "
+                             "it with where='remote', so it follows the network time and the worker's batch")

@@ -114,7 +114,8 @@ def _planner(args, target, draft, device: str):
     from specbench.plan.step_planner import planner_from_caches
 
     planner = planner_from_caches(target.label, draft.label if draft else LOOKUP_DRAFT, cs=args.cs, max_k=args.k,
-                                  draft_budget_mib=args.draft_budget_mib, dtype=args.dtype, prefer=device)
+                                  draft_budget_mib=args.draft_budget_mib, dtype=args.dtype, prefer=device,
+                                  where="remote" if args.worker else "local")
     if planner.target.device != device:
         print(f"specbench: --plan steers K from a profile of {planner.target.device}, and the target runs on {device}: "
               f"its K may not suit this device; record one here (`specbench profile`)", file=sys.stderr)

@@ -102,13 +102,16 @@ def test_cli_plan_reads_the_targets_devices_profile_and_says_when_it_has_only_an
     from specbench.plan.library import load_profiles
     from specbench.run_command import _planner
 
-    args = SimpleNamespace(cs=0.0, k=6, draft_budget_mib=None, dtype="float32")
+    args = SimpleNamespace(cs=0.0, k=6, draft_budget_mib=None, dtype="float32", worker=None)
     for device in {p.device for p in load_profiles(model="smollm2-135m", dtype="float32")}:  # each shipped one
         assert _planner(args, ModelSpec("smollm2-135m"), None, device).target.device == device
     assert "--plan steers" not in capsys.readouterr().err
     elsewhere = _planner(args, ModelSpec("smollm2-135m"), None, "NVIDIA-H200")
     assert elsewhere.target.device.startswith("cpu-")
     assert f"from a profile of {elsewhere.target.device}, and the target runs on NVIDIA-H200" in capsys.readouterr().err
+    assert elsewhere.where == "local"
+    args.worker = "tcp://127.0.0.1:5555"  # through a worker: the planner follows the network time and its batch
+    assert _planner(args, ModelSpec("smollm2-135m"), None, "NVIDIA-H200").where == "remote"
 
 
 def test_planned_runs_stay_lossless_and_vary_k(tiny_target, tiny_draft):
@@ -231,3 +234,20 @@ def test_prompt_lookup_reference_and_the_shipped_one(tiny_target):
     assert all(0 <= a <= 4 for a in reference.chain_accepts)
     planner = planner_from_caches("smollm2-135m", "prompt-lookup", dataset="mt-bench", where="remote")
     assert planner.draft is None and 0 <= planner.choose(200) <= planner.max_k
+
+
+def test_a_planner_for_a_target_here_is_refused_beside_a_worker():
+    """A planner built with where='local' prices no network time and no worker load: beside a RemoteTarget it
+    once chose K as if the target were in this process (`specbench run --worker --plan` built one so)."""
+    from types import SimpleNamespace
+
+    from specbench.methods import check_runnable, get_method
+
+    worker = SimpleNamespace(generate_on_worker=lambda *a, **k: None)  # what marks a RemoteTarget here
+    here = StepPlanner(flat("t", 0.100), flat("d", 0.030), halving_reference())
+    with pytest.raises(SpecbenchError, match="where='remote'"):
+        check_runnable(get_method("chain"), worker, here)
+    check_runnable(get_method("chain"), worker, StepPlanner(flat("t", 0.100), flat("d", 0.030), halving_reference(),
+                                                            where="remote"))
+    check_runnable(get_method("chain"), object(), here)  # a target in this process
+    check_runnable(get_method("target-only"), worker, here)  # a baseline beside it runs as it is

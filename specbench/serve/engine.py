@@ -214,7 +214,8 @@ class Engine:
                     raise SpecbenchError(f"--plan prices a chain drafted by --draft or by prompt lookup; method "
                                          f"{name!r} drafts otherwise: serve it without --plan")
                 planners[name] = planner = planner_from_caches(self.settings.target, drafted_by,
-                                                               dtype=self.settings.dtype, prefer=self.target_device)
+                                                               dtype=self.settings.dtype, prefer=self.target_device,
+                                                               where="remote" if self.settings.worker else "local")
                 if planner.target.device != self.target_device:  # said once, at start: it steers every request
                     self.log(f"--plan steers {name} from a profile of {planner.target.device}, and the target runs on "
                              f"{self.target_device}: its K may not suit this device; record one here "
