@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import platform
+import re
 import time
 from pathlib import Path
 from typing import Optional
@@ -51,6 +52,15 @@ def machine_of(runner) -> str:
     if on_worker(runner):
         return f"{device_name('cpu')} -> worker {target_device(runner)}"
     return _with_this_machine(target_device(runner))
+
+
+def nearness(device: str, here: str) -> int:
+    """How near a profile's `device` is to `here`: 0 the same, 1 the same CPU with another thread count (the same
+    cores and vector units, run wider or narrower), 2 another device."""
+    if device == here:
+        return 0
+    threads = re.compile(r"^cpu-\d+t-")
+    return 1 if threads.match(device) and threads.sub("", device) == threads.sub("", here) else 2
 
 
 def target_of(label: str) -> str:

@@ -363,6 +363,12 @@ def test_a_servers_predictions_read_its_targets_device_first_and_say_when_anothe
     elsewhere = predicted_settings("t", None, ["target-only"], [1], device="NVIDIA-H200")["target-only"]
     assert elsewhere["here"] is False  # no profile on the served device: another's, said as such
     assert predicted_settings("t", None, ["target-only"], [1])["target-only"]["here"] is None  # device unknown
+    # no profile of the device itself: the same CPU at another thread count before another CPU with a wider grid
+    wide = replace(SHARED, device="cpu-2t-Other-CPU", rows=SHARED.rows + ((1, 256, 0.4, 8),))
+    narrow = replace(SHARED, device="cpu-2t-Zen-avx512", rows=SHARED.rows[:2])
+    monkeypatch.setattr(library, "load_library", lambda: ([wide, narrow], []))
+    one_thread = predicted_settings("t", None, ["target-only"], [1], device="cpu-1t-Zen-avx512")["target-only"]
+    assert one_thread["device"] == narrow.device and one_thread["here"] is False
 
 
 def test_replay_together_adds_the_workers_own_work_per_round_and_can_keep_the_measured_verifies():

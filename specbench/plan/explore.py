@@ -298,9 +298,10 @@ def cached_pairs(profiles: Sequence[LatencyProfile], references: Sequence[Accept
                  dtype: Optional[str] = None, prefer: Optional[str] = None) -> list[tuple]:
     """(target profile, draft profile or None, reference or None) for `draft` (a model label, prompt lookup,
     suffix, or None for target-only) drafting for the model labelled `target`, among these profiles and references:
-    the target's device first (`prefer`; this CPU unless named), then the widest batch grid (it prices a worker's
+    the target's device first (`prefer`; this CPU unless named; then the same CPU at another thread count), then
+    the widest batch grid (it prices a worker's
     load). What a step planner and a server's predictions are built from."""
-    from specbench.hardware import device_name
+    from specbench.hardware import device_name, nearness
     from specbench.plan.predict import FREE_DRAFTS
 
     profiles = [p for p in profiles if device in (None, p.device) and dtype in (None, p.dtype)]
@@ -313,7 +314,7 @@ def cached_pairs(profiles: Sequence[LatencyProfile], references: Sequence[Accept
     else:
         pairs = [p for p in matching_pairs(profiles, references) if (p[0].model, p[1].model) == (target, draft)]
     here = prefer or device_name("cpu")
-    return sorted(pairs, key=lambda pair: (pair[0].device != here, -len(pair[0].batches)))
+    return sorted(pairs, key=lambda pair: (nearness(pair[0].device, here), -len(pair[0].batches)))
 
 
 def break_even_frame(target: LatencyProfile, draft: LatencyProfile, reference: Optional[AcceptanceReference] = None,
