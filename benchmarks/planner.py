@@ -5,12 +5,19 @@ step from live acceptance and RTT. Fixed chains K=1..6 and target-only run on th
 outputs must all equal target-only (greedy). Prints a table and writes results/planner.json.
 
     python benchmarks/planner.py [--pair smollm2|qwen] [--rtt 50] [--prompts 4] [--max-new-tokens 32]
+                                 [--with-local-planner]
+
+--with-local-planner also runs, remote, the planner `specbench run --worker --plan` built before it planned as
+remote (where='local': no network time priced, none learned); `run` refuses that planner beside a worker now,
+so the check is lifted for that one configuration.
 """
 from __future__ import annotations
 
 import argparse
 import json
+from contextlib import nullcontext
 from pathlib import Path
+from unittest import mock
 
 import pandas as pd
 
@@ -48,9 +55,10 @@ def measure(target, draft, texts, configs, args, tokenizer, where):
     return rows
 
 
-def configs_for(planner, ks=(1, 2, 3, 4, 6)):
+def configs_for(planner, ks=(1, 2, 3, 4, 6), local_planner=None):
     return ([("target-only", "target-only", 1, None)] + [(f"chain K={k}", "chain", k, None) for k in ks]
-            + [("chain + step planner", "chain", planner.max_k, planner)])
+            + [("chain + step planner", "chain", planner.max_k, planner)]
+            + ([("chain + local planner", "chain", local_planner.max_k, local_planner)] if local_planner else []))
 
 
 def main():
@@ -62,24 +70,30 @@ def main():
     parser.add_argument("--cs", type=float, default=0.0)
     parser.add_argument("--dataset", default="bench", help="which cached reference to plan from")
     parser.add_argument("--out", default=str(ROOT / "results" / "planner.json"))
+    parser.add_argument("--with-local-planner", action="store_true",
+                        help="remote, also the planner built as for a target here (where='local')")
     args = parser.parse_args()
     target_name, draft_name = PAIRS[args.pair]
     target_spec = ModelSpec(target_name, dtype="float32")  # the shipped profiles are fp32
     target = load_model(target_spec)
     draft = truncated_view(target, 26) if args.pair == "smollm2" else load_model(ModelSpec(draft_name, dtype="float32"))
     texts = bench_prompts(args.prompts)
-    local_planner = planner_from_caches(target_name, draft_name, dataset=args.dataset, cs=args.cs)
+    cached = dict(dataset=args.dataset, cs=args.cs, dtype="float32")  # the runs' dtype (else a GPU's bf16 profile)
+    local_planner = planner_from_caches(target_name, draft_name, **cached)
     print(f"== local ({args.pair}, fp32; planner from {local_planner.target.device}) ==", flush=True)
     rows = measure(target, draft, texts, configs_for(local_planner), args, target.tokenizer, "local")
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     worker = spawn_worker(endpoint, "--model", target_name, "--dtype", "float32")
     try:
         remote = RemoteTarget(endpoint, network=NetworkEmulation(rtt_ms=args.rtt, jitter_ms=args.rtt / 10))
-        remote_planner = planner_from_caches(target_name, draft_name, dataset=args.dataset, cs=args.cs,
+        remote_planner = planner_from_caches(target_name, draft_name, **cached,
                                              where="remote", rtt_ms=args.rtt)
         print(f"== remote, emulated RTT {args.rtt:g} ms ==", flush=True)
-        rows += measure(remote, draft, texts, configs_for(remote_planner, ks=(1, 2, 4, 6)), args, target.tokenizer,
-                        f"rtt{args.rtt:g}")
+        as_before = (planner_from_caches(target_name, draft_name, **cached)
+                     if args.with_local_planner else None)
+        with mock.patch("specbench.api.check_runnable", lambda *a: None) if as_before else nullcontext():
+            rows += measure(remote, draft, texts, configs_for(remote_planner, ks=(1, 2, 4, 6), local_planner=as_before),
+                            args, target.tokenizer, f"rtt{args.rtt:g}")
     finally:
         worker.terminate()
     table = pd.DataFrame(rows)
@@ -90,7 +104,9 @@ def main():
         fixed = group[group.config.str.startswith("chain K=")]
         planned = group[group.config == "chain + step planner"].tokens_per_s.iloc[0]
         baseline = group[group.config == "target-only"].tokens_per_s.iloc[0]
+        before = group[group.config == "chain + local planner"].tokens_per_s
         summary[where] = {"planner_over_best_fixed_k": planned / fixed.tokens_per_s.max(),
+                          **({"planner_over_local_planner": planned / before.iloc[0]} if len(before) else {}),
                           "planner_over_worst_fixed_k": planned / fixed.tokens_per_s.min(),
                           "planner_over_target_only": planned / baseline,
                           "best_fixed": fixed.loc[fixed.tokens_per_s.idxmax()].config}

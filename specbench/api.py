@@ -22,6 +22,7 @@ from specbench.methods import DraftSource, Method, TreeShape, check_runnable, ge
 from specbench.models.loaded import LoadedModel
 from specbench.models.loading import as_loaded
 from specbench.models.spec import ModelSpec
+from specbench.plan.step_planner import planner_note
 from specbench.types import STOP_BELOW, SamplingParams, SpecbenchError, check_stop_below
 
 ModelLike = Union[str, ModelSpec, LoadedModel]
@@ -151,6 +152,8 @@ def run(target: Union[ModelLike, Target], prompts: Sequence[Union[str, Sequence[
     if fast is None and any(chosen is not None and chosen.reads_features for chosen in methods):
         fast = False  # the default (fast on CUDA) yields to a draft head, which reads the target's hidden states
     target, target_model = as_target(target, dtype, fast)
+    if planner is not None and (note := planner_note(planner, target)):
+        warnings.warn(note, stacklevel=2)
     for chosen, choice in zip(methods, choices):
         if chosen is not None:
             check_runnable(chosen, target, planner)

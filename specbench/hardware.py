@@ -56,11 +56,14 @@ def machine_of(runner) -> str:
 
 def nearness(device: str, here: str) -> int:
     """How near a profile's `device` is to `here`: 0 the same, 1 the same CPU with another thread count (the same
-    cores and vector units, run wider or narrower), 2 another device."""
+    cores and vector units, run wider or narrower), 2 another device of the same kind (CPU or GPU), 3 the other kind
+    (a GPU's forward costs say little of a CPU's)."""
     if device == here:
         return 0
     threads = re.compile(r"^cpu-\d+t-")
-    return 1 if threads.match(device) and threads.sub("", device) == threads.sub("", here) else 2
+    if threads.match(device) and threads.sub("", device) == threads.sub("", here):
+        return 1
+    return 2 if device.startswith("cpu-") == here.startswith("cpu-") else 3
 
 
 def target_of(label: str) -> str:

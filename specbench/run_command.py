@@ -116,9 +116,9 @@ def _planner(args, target, draft, device: str):
     planner = planner_from_caches(target.label, draft.label if draft else LOOKUP_DRAFT, cs=args.cs, max_k=args.k,
                                   draft_budget_mib=args.draft_budget_mib, dtype=args.dtype, prefer=device,
                                   where="remote" if args.worker else "local")
-    if planner.target.device != device:
-        print(f"specbench: --plan steers K from a profile of {planner.target.device}, and the target runs on {device}: "
-              f"its K may not suit this device; record one here (`specbench profile`)", file=sys.stderr)
+    note = planner.profile_note(device, args.dtype)
+    if note:
+        print(f"specbench: {note}", file=sys.stderr)
     return planner
 
 

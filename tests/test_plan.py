@@ -369,6 +369,10 @@ def test_a_servers_predictions_read_its_targets_device_first_and_say_when_anothe
     monkeypatch.setattr(library, "load_library", lambda: ([wide, narrow], []))
     one_thread = predicted_settings("t", None, ["target-only"], [1], device="cpu-1t-Zen-avx512")["target-only"]
     assert one_thread["device"] == narrow.device and one_thread["here"] is False
+    gpu_wide = replace(gpu, rows=wide.rows)  # a GPU's profile with the widest grid: still after any CPU's
+    monkeypatch.setattr(library, "load_library", lambda: ([gpu_wide, narrow], []))
+    assert predicted_settings("t", None, ["target-only"], [1], device="cpu-2t-Other")["target-only"]["device"] == \
+        narrow.device
 
 
 def test_replay_together_adds_the_workers_own_work_per_round_and_can_keep_the_measured_verifies():

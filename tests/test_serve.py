@@ -307,8 +307,8 @@ def test_a_planned_server_on_a_device_its_cache_has_no_profile_of_says_so_at_sta
                                                 worker=remote.worker_endpoint), log=said.append)
     engine.close()
     assert engine.target_device == "NVIDIA-H200"
-    assert [line for line in said if "--plan steers prompt-lookup from a profile of cpu-" in line
-            and "and the target runs on NVIDIA-H200: its K may not suit this device" in line], said
+    assert [line for line in said if line.startswith("--plan, prompt-lookup: the step planner prices K from a profile")
+            and "measured on cpu-" in line and "and the target runs on NVIDIA-H200: its K may not suit" in line], said
 
 
 def test_serve_with_a_worker_needs_no_target_name_and_refuses_a_wrong_one(remote):

@@ -105,10 +105,11 @@ def test_cli_plan_reads_the_targets_devices_profile_and_says_when_it_has_only_an
     args = SimpleNamespace(cs=0.0, k=6, draft_budget_mib=None, dtype="float32", worker=None)
     for device in {p.device for p in load_profiles(model="smollm2-135m", dtype="float32")}:  # each shipped one
         assert _planner(args, ModelSpec("smollm2-135m"), None, device).target.device == device
-    assert "--plan steers" not in capsys.readouterr().err
+    assert "step planner" not in capsys.readouterr().err
     elsewhere = _planner(args, ModelSpec("smollm2-135m"), None, "NVIDIA-H200")
     assert elsewhere.target.device.startswith("cpu-")
-    assert f"from a profile of {elsewhere.target.device}, and the target runs on NVIDIA-H200" in capsys.readouterr().err
+    assert (f"profile of smollm2-135m measured on {elsewhere.target.device}, and the target runs on NVIDIA-H200"
+            in capsys.readouterr().err)
     assert elsewhere.where == "local"
     args.worker = "tcp://127.0.0.1:5555"  # through a worker: the planner follows the network time and its batch
     assert _planner(args, ModelSpec("smollm2-135m"), None, "NVIDIA-H200").where == "remote"
@@ -251,3 +252,21 @@ def test_a_planner_for_a_target_here_is_refused_beside_a_worker():
                                                             where="remote"))
     check_runnable(get_method("chain"), object(), here)  # a target in this process
     check_runnable(get_method("target-only"), worker, here)  # a baseline beside it runs as it is
+
+
+def test_a_planner_priced_on_another_device_or_dtype_says_so_where_it_runs(tiny_target, tiny_draft):
+    """A planner's K are priced from its target profile: run beside a target on another device, or in another
+    dtype (planner_from_caches without a dtype may read a bf16 profile for a float32 run), it warns."""
+    from dataclasses import replace
+
+    from specbench.hardware import device_name
+
+    planner = StepPlanner(flat("t", 0.100), flat("d", 0.030), halving_reference(), max_k=4)
+    with pytest.warns(UserWarning, match=r"profile of t measured on test, and the target runs on cpu-"):
+        run(tiny_target, PROMPTS[:1], method="chain", draft=tiny_draft, k=4, max_new_tokens=8, progress=False,
+            planner=planner)
+    here = replace(flat("t", 0.100), device=device_name("cpu"), dtype="float32")
+    assert StepPlanner(here, flat("d", 0.030), halving_reference()).profile_note(device_name("cpu"), "float32") is None
+    other = StepPlanner(replace(here, dtype="bfloat16"), flat("d", 0.030), halving_reference())
+    assert "measured in bfloat16, and the target runs in float32" in other.profile_note(device_name("cpu"), "float32")
+    assert other.profile_note(device_name("cpu")) is None  # the target's dtype unknown: nothing said of it

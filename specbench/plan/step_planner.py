@@ -130,6 +130,17 @@ class StepPlanner:
             return True
         return self.draft.memory_bytes(context + k) <= self.draft_budget_bytes
 
+    def profile_note(self, device: str, dtype: Optional[str] = None) -> Optional[str]:
+        """Why the K this planner chooses may not suit a target on `device` in `dtype` (None: unknown): its
+        target's profile was measured on another device or in another dtype. None where they match."""
+        differs = ([f"on {self.target.device}, and the target runs on {device}"] if self.target.device != device
+                   else []) + ([f"in {self.target.dtype}, and the target runs in {dtype}"]
+                               if dtype and self.target.dtype != dtype else [])
+        if not differs:
+            return None
+        return (f"the step planner prices K from a profile of {self.target.model} measured {'; '.join(differs)}: its "
+                f"K may not suit this target; record a profile here (`specbench profile`)")
+
     def choose(self, context: int) -> int:
         """K for the next step (0 = verify no draft: a plain target step)."""
         best = min((row for row in self.scores(context) if row["fits"]), key=lambda row: (row["J"], row["k"]))["k"]
@@ -183,3 +194,19 @@ def planner_from_caches(target: str, draft: str, dataset: Optional[str] = None, 
     if draft_budget_mib is not None:
         options["draft_budget_bytes"] = int(draft_budget_mib * 2**20)
     return StepPlanner(target_profile, draft_profile, reference, **options)
+
+
+def planner_note(planner, target) -> Optional[str]:
+    """`StepPlanner.profile_note` for the target a run steps: a LocalTarget's model here, or a worker's as it
+    reports itself; None for a planner of another kind or a target that says neither."""
+    from specbench.hardware import on_worker, target_device
+
+    if not hasattr(planner, "profile_note"):
+        return None
+    if on_worker(target):
+        dtype = target.info.get("dtype")
+    elif getattr(target, "loaded", None) is not None:
+        dtype = target.loaded.spec.dtype
+    else:
+        return None
+    return planner.profile_note(target_device(target), dtype)

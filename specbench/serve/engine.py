@@ -216,10 +216,9 @@ class Engine:
                 planners[name] = planner = planner_from_caches(self.settings.target, drafted_by,
                                                                dtype=self.settings.dtype, prefer=self.target_device,
                                                                where="remote" if self.settings.worker else "local")
-                if planner.target.device != self.target_device:  # said once, at start: it steers every request
-                    self.log(f"--plan steers {name} from a profile of {planner.target.device}, and the target runs on "
-                             f"{self.target_device}: its K may not suit this device; record one here "
-                             f"(`specbench profile`)")
+                note = planner.profile_note(self.target_device, self.settings.dtype)
+                if note:  # said once, at start: it steers every request
+                    self.log(f"--plan, {name}: {note}")
         if not planners:
             raise SpecbenchError(f"--plan steers chain methods; none of {self.settings.methods} is one")
         return planners
