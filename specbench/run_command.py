@@ -2,8 +2,6 @@
 `cli.py`)."""
 from __future__ import annotations
 
-import sys
-
 from specbench.types import SamplingParams, SpecbenchError
 
 DEFAULT_TARGET = "smollm2-135m"
@@ -108,18 +106,14 @@ def _prompts(args) -> tuple[list, list | None]:
 
 
 def _planner(args, target, draft, device: str):
-    """--plan's step planner, from a profile of `device` (the target's) where the cache holds one, and said where
-    it holds only another device's: its K were priced there."""
+    """--plan's step planner, from a profile of `device` (the target's) where the cache holds one (`run` warns
+    where it holds only another device's: its K were priced there)."""
     from specbench.plan.predict import LOOKUP_DRAFT
     from specbench.plan.step_planner import planner_from_caches
 
-    planner = planner_from_caches(target.label, draft.label if draft else LOOKUP_DRAFT, cs=args.cs, max_k=args.k,
-                                  draft_budget_mib=args.draft_budget_mib, dtype=args.dtype, prefer=device,
-                                  where="remote" if args.worker else "local")
-    note = planner.profile_note(device, args.dtype)
-    if note:
-        print(f"specbench: {note}", file=sys.stderr)
-    return planner
+    return planner_from_caches(target.label, draft.label if draft else LOOKUP_DRAFT, cs=args.cs, max_k=args.k,
+                               draft_budget_mib=args.draft_budget_mib, dtype=args.dtype, prefer=device,
+                               where="remote" if args.worker else "local")
 
 
 def _check_worker_options(args) -> None:

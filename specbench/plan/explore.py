@@ -298,9 +298,8 @@ def cached_pairs(profiles: Sequence[LatencyProfile], references: Sequence[Accept
                  dtype: Optional[str] = None, prefer: Optional[str] = None) -> list[tuple]:
     """(target profile, draft profile or None, reference or None) for `draft` (a model label, prompt lookup,
     suffix, or None for target-only) drafting for the model labelled `target`, among these profiles and references:
-    the target's device first (`prefer`; this CPU unless named; then the same CPU at another thread count), then
-    the widest batch grid (it prices a worker's
-    load). What a step planner and a server's predictions are built from."""
+    the nearest to the target's device first (`hardware.nearness` to `prefer`, this CPU unless named), then the
+    widest batch grid (it prices a worker's load). What a step planner and a server's predictions are built from."""
     from specbench.hardware import device_name, nearness
     from specbench.plan.predict import FREE_DRAFTS
 
