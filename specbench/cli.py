@@ -381,9 +381,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command != "keys":
-        from specbench.models.notices import quiet_library_notices
+    from specbench.models.notices import plain_warnings, quiet_library_notices
 
+    plain_warnings()
+    if args.command != "keys":
         quiet_library_notices()
     try:
         return args.handler(args)

@@ -28,3 +28,20 @@ def quiet_transformers():
         hf_logging.set_verbosity(verbosity)
         if bars:
             hf_logging.enable_progress_bar()
+
+
+def plain_warnings() -> None:
+    """For command-line runs: specbench's own warnings print as one line, `specbench: warning: ...`, as its errors
+    do; the source line Python adds names specbench's code, which tells a command-line user nothing. Other
+    libraries' warnings keep Python's form."""
+    import warnings
+    from pathlib import Path
+
+    package, default = str(Path(__file__).resolve().parents[1]), warnings.formatwarning
+
+    def formatted(message, category, filename, lineno, line=None):
+        if issubclass(category, UserWarning) and str(Path(filename).resolve()).startswith(package):
+            return f"specbench: warning: {message}\n"
+        return default(message, category, filename, lineno, line)
+
+    warnings.formatwarning = formatted
