@@ -767,6 +767,21 @@ def test_a_damaged_measurement_in_the_tune_folder_is_named_and_measured_again(tm
     assert "point.json is unreadable" in capsys.readouterr().err
 
 
+def test_a_stored_measurement_reads_back_as_it_was_timed(tmp_path):
+    """pandas writes 10 decimals unless told: a millisecond step read back 1e-8 off, and a rerun's hybrid speeds,
+    read from the stored side-by-side run, differed from the first tune's in memory by 1.6e-9 (a CI failure)."""
+    import pandas as pd
+
+    from specbench.tune.phases import Store
+
+    records = pd.DataFrame([{"method": "chain", "k": 2, "tokens": 5, "step_s": 0.00123456789012345},
+                            {"method": "chain", "k": 2, "tokens": 3, "step_s": 1 / 3 * 1e-3}])
+    store = Store(tmp_path, machine="here")
+    store.save_measured("point", records)
+    back = store.measured("point")["step_s"].tolist()
+    assert back == pytest.approx(records["step_s"].tolist(), rel=1e-13)
+
+
 def test_a_measurement_taken_on_another_machine_is_measured_again_not_read(tmp_path, capsys):
     """A tune folder in a home shared by machines (or a user cache carried to another CPU): its points were read
     back as if this machine had measured them, and chosen among runs timed here."""

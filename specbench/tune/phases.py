@@ -103,7 +103,7 @@ class Store:
     def save_measured(self, key: str, records: pd.DataFrame) -> None:
         path = self.folder / "measured" / f"{key}.json"
         with replacing(path) as temporary:  # whole or absent: a kill mid-write leaves no half record
-            records.to_json(temporary, orient="records")
+            records.to_json(temporary, orient="records", double_precision=15)  # (pandas keeps 10 decimals)
         self.read_back.pop(key, None)
         if self.machine:
             index = dict(self._machines(), **{key: {"machine": self.machine, "at": time.time()}})
