@@ -385,8 +385,9 @@ def make_drafter(name: str, source: DraftSource):
 
 def check_runnable(method: Method, target, planner) -> None:
     """Refuse, by name, a method its target or step planner cannot run: a worker's method without a worker, a
-    planner beside a method whose steps it cannot price."""
-    if method.on_worker and getattr(target, "generate_on_worker", None) is None:
+    planner beside a method whose steps it cannot price, a planner built for a target here beside a worker."""
+    remote = getattr(target, "generate_on_worker", None) is not None
+    if method.on_worker and not remote:
         raise SpecbenchError(f"method {method.name!r} runs on a worker: pass target=RemoteTarget(...)")
     if planner is not None and not (method.plannable or method.kind == "none" or method.on_worker):
         plannable = [m.name for m in METHODS.values() if m.plannable]
@@ -395,7 +396,6 @@ def check_runnable(method: Method, target, planner) -> None:
     if method.plannable and planner is not None and (getattr(planner, "draft", True) is None) != method.lookup:
         raise SpecbenchError(f"this planner was built for {planner.reference.draft!r} drafting; method "
                              f"{method.name!r} drafts otherwise (a planner prices its own drafting)")
-    remote = getattr(target, "generate_on_worker", None) is not None
     if method.plannable and planner is not None and getattr(planner, "where", "remote") == "local" and remote:
         raise SpecbenchError("this planner prices a target here (where='local'), and the target is a worker: build "
                              "it with where='remote', so it follows the network time and the worker's batch")

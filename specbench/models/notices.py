@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
+from pathlib import Path
 
 
 def quiet_library_notices() -> None:
@@ -33,15 +35,18 @@ def quiet_transformers():
 def plain_warnings() -> None:
     """For command-line runs: specbench's own warnings print as one line, `specbench: warning: ...`, as its errors
     do; the source line Python adds names specbench's code, which tells a command-line user nothing. Other
-    libraries' warnings keep Python's form."""
-    import warnings
-    from pathlib import Path
+    libraries' warnings keep the form they had. Called again (`main` runs many times in the tests' process), it
+    leaves the one it set."""
+    global _other_form
+    if warnings.formatwarning is not _one_line:
+        _other_form, warnings.formatwarning = warnings.formatwarning, _one_line
 
-    package, default = str(Path(__file__).resolve().parents[1]), warnings.formatwarning
 
-    def formatted(message, category, filename, lineno, line=None):
-        if issubclass(category, UserWarning) and str(Path(filename).resolve()).startswith(package):
-            return f"specbench: warning: {message}\n"
-        return default(message, category, filename, lineno, line)
+_PACKAGE = str(Path(__file__).resolve().parents[1])
+_other_form = warnings.formatwarning  # what `plain_warnings` replaced: the form of every other warning
 
-    warnings.formatwarning = formatted
+
+def _one_line(message, category, filename, lineno, line=None):
+    if issubclass(category, UserWarning) and str(Path(filename).resolve()).startswith(_PACKAGE):
+        return f"specbench: warning: {message}\n"
+    return _other_form(message, category, filename, lineno, line)
